@@ -1,0 +1,53 @@
+"""The Policy protocol and its registry: pick one worker among candidates for a request."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+from infera.discovery.record import WorkerRecord
+
+
+@dataclass(slots=True)
+class RoutedRequest:
+    """Everything routing needs about one request, parsed once at the door."""
+
+    route: str  # "/v1/chat/completions" | "/v1/completions"
+    body: bytes  # forwarded verbatim
+    parsed: Any  # infera.api.requests.* struct
+    model: str
+    stream: bool
+    request_id: str
+    direct_worker: str | None = None  # router-mode direct: x-worker-instance-id
+    state: dict[str, Any] = field(default_factory=dict)  # per-policy scratch (e.g. block hashes)
+
+
+class Policy(Protocol):
+    name: str
+
+    def pick(self, candidates: Sequence[WorkerRecord], request: RoutedRequest) -> WorkerRecord:
+        """``candidates`` is non-empty, sorted by worker_id, and already excludes tried workers."""
+        ...
+
+    def on_started(self, worker: WorkerRecord, request: RoutedRequest) -> None: ...
+
+    def on_finished(self, worker: WorkerRecord, request: RoutedRequest) -> None: ...
+
+    def forget(self, worker_id: str) -> None:
+        """The worker left the fleet: drop any state kept for it."""
+        ...
+
+
+PolicyFactory = Callable[..., Policy]
+
+
+def policy_registry() -> dict[str, PolicyFactory]:
+    from infera.router.round_robin import RoundRobinPolicy
+
+    return {"round-robin": RoundRobinPolicy}
+
+
+def make_policy(name: str, **kwargs: Any) -> Policy:
+    registry = policy_registry()
+    if name not in registry:
+        raise ValueError(f"unknown router policy {name!r} (choose from {', '.join(sorted(registry))})")
+    return registry[name](**kwargs)

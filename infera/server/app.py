@@ -1,0 +1,156 @@
+"""The server's aiohttp application: endpoints wired to the router, fleet and metrics.
+
+No routing logic lives here: handlers parse, call ``router.dispatch`` and write the reply.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+import msgspec
+from aiohttp import web
+
+from infera.api.errors import ApiError, error_bytes
+from infera.api.requests import parse_request
+from infera.discovery.fleet import Fleet
+from infera.discovery.record import record_to_dict
+from infera.router.dispatch import MixedRouter
+from infera.router.policy import RoutedRequest
+from infera.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "X-Infera-Request-Id"
+DIRECT_WORKER_HEADER = "x-worker-instance-id"
+_json = msgspec.json.Encoder()
+REQUEST_ID_KEY = web.RequestKey("request_id", str) if hasattr(web, "RequestKey") else "request_id"
+
+
+@dataclass
+class ServerState:
+    fleet: Fleet
+    router: MixedRouter
+    metrics: ServerMetrics
+    max_request_bytes: int
+
+
+STATE_KEY = web.AppKey("state", ServerState)
+
+
+def _request_id(request: web.Request) -> str:
+    return request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+
+
+def _error_response(exc: ApiError, request_id: str) -> web.Response:
+    headers = {REQUEST_ID_HEADER: request_id, **exc.headers}
+    return web.Response(status=exc.status, body=exc.body(), content_type="application/json", headers=headers)
+
+
+@web.middleware
+async def _errors_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+    """Every error leaves in the OpenAI error shape with the request id (404/405/413 included)."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return _error_response(exc, request.get(REQUEST_ID_KEY) or _request_id(request))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
+        message = exc.reason if exc.status != 404 else f"no route {request.method} {request.path}"
+        if exc.status == 413:
+            message = f"request body larger than the {request.app[STATE_KEY].max_request_bytes}-byte limit"
+        return _error_response(ApiError(exc.status, message, code), request.get(REQUEST_ID_KEY) or _request_id(request))
+
+
+def _make_inference_handler(route: str):
+    async def handler(request: web.Request) -> web.StreamResponse:
+        state: ServerState = request.app[STATE_KEY]
+        started = time.perf_counter()
+        request_id = _request_id(request)
+        request[REQUEST_ID_KEY] = request_id
+        if request.content_length is not None and request.content_length > state.max_request_bytes:
+            raise web.HTTPRequestEntityTooLarge(max_size=state.max_request_bytes, actual_size=request.content_length)
+        body = await request.read()  # aiohttp enforces client_max_size for chunked bodies too
+        parsed = parse_request(route, body)
+        stream = bool(parsed.stream)
+        routed = RoutedRequest(route=route, body=body, parsed=parsed, model=parsed.model, stream=stream,
+                               request_id=request_id, direct_worker=request.headers.get(DIRECT_WORKER_HEADER))
+        metrics = state.metrics
+        try:
+            reply = await state.router.dispatch(routed)
+        except ApiError as exc:
+            metrics.count_request(route, exc.status, "none")
+            raise
+        except asyncio.CancelledError:
+            metrics.count_disconnect(route)
+            raise
+        headers = {REQUEST_ID_HEADER: request_id}
+        if reply.stream is None:
+            metrics.count_request(route, reply.status, reply.worker_id)
+            metrics.observe_e2e(route, stream, time.perf_counter() - started)
+            return web.Response(status=reply.status, body=reply.body, headers=headers,
+                                content_type=reply.content_type.split(";")[0])
+        metrics.observe_ttft(route, (reply.first_byte_at or time.perf_counter()) - started)
+        headers["Content-Type"] = "text/event-stream"
+        headers["Cache-Control"] = "no-cache"
+        resp = web.StreamResponse(status=200, headers=headers)
+        chunks = reply.stream
+        try:
+            await resp.prepare(request)
+            async for chunk in chunks:
+                await resp.write(chunk)
+            await resp.write_eof()
+        except (ConnectionResetError, asyncio.CancelledError):
+            metrics.count_disconnect(route)
+            raise
+        finally:
+            await chunks.aclose()  # type: ignore[attr-defined]  # closes upstream on early exit
+            metrics.count_request(route, 200, reply.worker_id)
+            metrics.observe_e2e(route, stream, time.perf_counter() - started)
+        return resp
+
+    return handler
+
+
+async def _models(request: web.Request) -> web.Response:
+    state: ServerState = request.app[STATE_KEY]
+    now = int(time.time())
+    data = [{"id": m, "object": "model", "created": now, "owned_by": "infera"} for m in state.fleet.models()]
+    return web.Response(body=_json.encode({"object": "list", "data": data}), content_type="application/json")
+
+
+async def _workers(request: web.Request) -> web.Response:
+    state: ServerState = request.app[STATE_KEY]
+    return web.Response(body=_json.encode({"workers": [record_to_dict(r) for r in state.fleet.all()]}),
+                        content_type="application/json")
+
+
+async def _health(request: web.Request) -> web.Response:
+    state: ServerState = request.app[STATE_KEY]
+    body = {"status": "ok", "active_workers": len(state.fleet.active()), "workers": len(state.fleet)}
+    return web.Response(body=_json.encode(body), content_type="application/json")
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    state: ServerState = request.app[STATE_KEY]
+    return web.Response(body=state.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+def build_app(state: ServerState) -> web.Application:
+    app = web.Application(middlewares=[_errors_middleware], client_max_size=state.max_request_bytes)
+    app[STATE_KEY] = state
+    app.router.add_post("/v1/chat/completions", _make_inference_handler("/v1/chat/completions"))
+    app.router.add_post("/v1/completions", _make_inference_handler("/v1/completions"))
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/workers", _workers)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    return app
+
+
+__all__ = ["ServerState", "build_app", "REQUEST_ID_HEADER", "error_bytes"]

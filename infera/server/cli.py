@@ -1,0 +1,47 @@
+"""``python -m infera.server`` flags (flag > env > default)."""
+from __future__ import annotations
+
+import argparse
+from typing import Mapping, Sequence
+
+from infera.config import add_flag, choice_of, etcd_prefix, etcd_url, non_negative_int, port_number, positive_int
+
+DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
+
+
+def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m infera.server",
+                                description="Infera front door: OpenAI endpoints routed over a worker fleet.")
+    f = lambda *a, **k: add_flag(p, *a, environ=environ, **k)  # noqa: E731
+    f("--host", env="INFERA_HOST", default="0.0.0.0", help="bind address")
+    f("--port", env="INFERA_PORT", default=8000, type=port_number, help="bind port (0: any free port)")
+    f("--discovery-backend", env="INFERA_DISCOVERY_BACKEND", default="etcd", type=choice_of("etcd"),
+      help="where worker records live")
+    f("--etcd-endpoint", env="INFERA_ETCD_ENDPOINT", default=None, type=etcd_url,
+      help="host:port, host (→ :2379) or http(s)://host:port")
+    f("--etcd-prefix", env="INFERA_ETCD_PREFIX", default="/infera/workers/", type=etcd_prefix,
+      help="key prefix of worker records")
+    f("--request-transport", env="INFERA_REQUEST_TRANSPORT", default="http", type=choice_of("http"),
+      help="how requests reach workers")
+    f("--kv-event-transport", env="INFERA_KV_EVENT_TRANSPORT", default="zmq", type=choice_of("zmq"),
+      help="how KV events reach the router (used by KV-aware policies)")
+    f("--router-mode", env="INFERA_ROUTER_MODE", default="auto", type=choice_of("auto", "direct"),
+      help="auto: the router picks; direct: honour the x-worker-instance-id header")
+    f("--router-policy", env="INFERA_ROUTER_POLICY", default="round-robin", type=choice_of("round-robin"),
+      help="how a worker is picked")
+    f("--request-max-retries", env="INFERA_REQUEST_MAX_RETRIES", default=1, type=non_negative_int,
+      help="other workers tried when one fails before the first byte")
+    f("--max-request-bytes", env="INFERA_MAX_REQUEST_BYTES", default=DEFAULT_MAX_REQUEST_BYTES,
+      type=positive_int, help="largest accepted request body (413 above)")
+    f("--log-level", env="INFERA_LOG_LEVEL", default="info", type=choice_of("debug", "info", "warning", "error"))
+    f("--access-log", env="INFERA_ACCESS_LOG", default=False, action="store_true",
+      help="log every request (off by default: it costs on the hot path)")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> argparse.Namespace:
+    parser = build_parser(environ)
+    args = parser.parse_args(argv)
+    if args.discovery_backend == "etcd" and not args.etcd_endpoint:
+        parser.error("--etcd-endpoint (or INFERA_ETCD_ENDPOINT) is required with --discovery-backend etcd")
+    return args

@@ -1,0 +1,98 @@
+"""Server lifecycle: build fleet + discovery + router + app, serve, shut down cleanly."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from typing import Sequence
+
+from aiohttp import web
+
+from infera.discovery import make_discovery
+from infera.discovery.base import Discovery
+from infera.discovery.fleet import Fleet
+from infera.router.dispatch import MixedRouter
+from infera.router.policy import make_policy
+from infera.server.app import ServerState, build_app
+from infera.server.cli import parse_args
+from infera.server.metrics import ServerMetrics
+from infera.transport.http import HttpTransport
+
+log = logging.getLogger("infera.server")
+
+
+class InferaServer:
+    """One server replica. Tests build it in-process; ``main`` runs it from the CLI."""
+
+    def __init__(self, args: argparse.Namespace, discovery: Discovery | None = None) -> None:
+        self.args = args
+        self.fleet = Fleet()
+        self.discovery = discovery or make_discovery(args.discovery_backend, etcd_endpoint=args.etcd_endpoint,
+                                                     etcd_prefix=args.etcd_prefix)
+        self.metrics = ServerMetrics(self.fleet)
+        self.transport = HttpTransport()
+        self.policy = make_policy(args.router_policy)
+        self.router = MixedRouter(self.fleet, self.policy, self.transport, self.metrics,
+                                  max_retries=args.request_max_retries, direct=args.router_mode == "direct")
+        self.fleet.subscribe(self._on_fleet_change)
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    def _on_fleet_change(self, worker_id: str, record) -> None:
+        if record is None or not record.is_active:
+            self.policy.forget(worker_id)
+            self.metrics.forget_worker(worker_id)
+
+    async def start(self) -> None:
+        await self.transport.start()
+        await self.discovery.start(self.fleet)  # returns at once; converges in the background
+        app = build_app(ServerState(self.fleet, self.router, self.metrics, self.args.max_request_bytes))
+        # handler_cancellation: a client that disconnects cancels its handler, which closes the
+        # upstream connection, which makes the engine abort the request and free its slot.
+        self._runner = web.AppRunner(app, handler_cancellation=True,
+                                     access_log=logging.getLogger("infera.access") if self.args.access_log else None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.args.host, self.args.port, backlog=2048, reuse_address=True)
+        await site.start()
+        server = site._server  # bound socket: the real port when --port 0 was asked for
+        self.port = server.sockets[0].getsockname()[1] if server and server.sockets else self.args.port
+        log.info("infera server listening on %s:%s (discovery=%s, policy=%s, mode=%s)", self.args.host, self.port,
+                 self.args.discovery_backend, self.args.router_policy, self.args.router_mode)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        await self.discovery.stop()
+        await self.transport.close()
+
+
+async def serve(args: argparse.Namespace) -> None:
+    server = InferaServer(args)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        log.info("shutting down")
+        await server.stop()
+
+
+def install_event_loop() -> None:
+    try:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:  # uvloop is optional off Linux/macOS
+        pass
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_event_loop()
+    asyncio.run(serve(args))

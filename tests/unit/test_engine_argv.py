@@ -1,0 +1,50 @@
+import pytest
+
+from infera.engine.base.argv import flag_value, flag_values, has_flag
+from infera.engine.base.prom import info_labels, sum_samples
+
+
+@pytest.mark.parametrize(
+    "argv, names, expected",
+    [
+        (["--model", "m", "--port", "1"], ("--port",), ["1"]),
+        (["--port=2"], ("--port",), ["2"]),
+        (["--served-model-name", "a", "b", "--port", "1"], ("--served-model-name",), ["a", "b"]),
+        (["--enforce-eager", "--port", "1"], ("--enforce-eager",), []),
+        (["--port", "1", "--port", "3"], ("--port",), ["3"]),  # last wins, like argparse
+        (["--temperature", "-1.5"], ("--temperature",), ["-1.5"]),  # negative numbers are values
+        (["-tp", "2"], ("-tp", "--tensor-parallel-size"), ["2"]),
+        (["--model", "m"], ("--port",), None),
+        (["--portal", "x"], ("--port",), None),  # a longer flag is not a match
+    ],
+)
+def test_flag_values(argv, names, expected):
+    assert flag_values(argv, *names) == expected
+
+
+def test_flag_value_default_and_has_flag():
+    assert flag_value(["--x"], "--y", default="d") == "d"
+    assert flag_value(["--x"], "--x", default="d") == "d"  # bare switch has no value
+    assert has_flag(["--x"], "--x") and not has_flag([], "--x")
+
+
+METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 2.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
+vllm:num_requests_waiting_by_reason{reason="capacity"} 9.0
+vllm:cache_config_info{block_size="32",enable_prefix_caching="True",num_gpu_blocks="1024"} 1.0
+"""
+
+
+def test_sum_samples_sums_every_label_set_and_only_named_metrics():
+    assert sum_samples(METRICS, ("vllm:num_requests_running", "vllm:num_requests_waiting")) == 7
+    assert sum_samples(METRICS, ("sglang:num_running_reqs",)) is None
+    assert sum_samples("vllm:num_requests_running 0\n", ("vllm:num_requests_running",)) == 0
+
+
+def test_info_labels():
+    labels = info_labels(METRICS, "vllm:cache_config_info")
+    assert labels["block_size"] == "32" and labels["num_gpu_blocks"] == "1024"
+    assert info_labels(METRICS, "nope") is None
