@@ -1,0 +1,310 @@
+"""The worker launcher lifecycle shared by every engine.
+
+start engine (own process group) → wait until ready (deadline) → register under a lease →
+keep alive → on SIGTERM/SIGINT: deregister first (stop receiving), drain in-flight (bounded),
+stop the engine (SIGTERM, then SIGKILL after a grace), exit 0. If the engine dies on its own:
+deregister and exit with its code. The engine also gets PDEATHSIG so even a SIGKILLed launcher
+leaves no orphan.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol, Sequence
+
+import aiohttp
+
+from infera.config import add_flag, choice_of, etcd_prefix, etcd_url, non_negative_float, positive_float
+from infera.discovery import make_registration
+from infera.discovery.base import Registration
+from infera.discovery.record import WorkerRecord
+
+log = logging.getLogger("infera.launcher")
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class EngineProcessSpec:
+    """How to start one engine process and where it will listen."""
+
+    cmd: list[str]
+    port: int
+    host: str = "127.0.0.1"  # where the launcher itself reaches the engine
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class EngineAdapter(Protocol):
+    """What differs per engine (vLLM, SGLang, ATOM, sim); the lifecycle is shared."""
+
+    engine: str
+
+    def add_flags(self, parser: argparse.ArgumentParser) -> None:
+        """Engine-specific Infera flags (consumed, not passed to the engine)."""
+
+    def prepare(self, engine_argv: list[str], args: argparse.Namespace) -> EngineProcessSpec:
+        """The engine command (user argv verbatim + defaults where the user gave none)."""
+
+    async def ready(self, session: aiohttp.ClientSession, base_url: str) -> bool:
+        """One readiness probe."""
+
+    async def describe(self, session: aiohttp.ClientSession, base_url: str, engine_argv: list[str],
+                       args: argparse.Namespace) -> dict:
+        """Record fields learned from the running engine (model_name, kv_block_size, …)."""
+
+    def inflight(self, metrics_text: str) -> int | None:
+        """Requests running + waiting, from the engine's /metrics; None if unreadable."""
+
+
+def build_launcher_parser(adapter: EngineAdapter, prog: str, environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    # allow_abbrev=False: a prefix of one of our flags must reach the engine untouched.
+    p = argparse.ArgumentParser(prog=prog, add_help=True, allow_abbrev=False,
+                                description=f"Infera {adapter.engine} worker. Flags not listed here go to the engine verbatim.")
+    f = lambda *a, **k: add_flag(p, *a, environ=environ, **k)  # noqa: E731
+    f("--discovery-backend", env="INFERA_DISCOVERY_BACKEND", default="etcd", type=choice_of("etcd"))
+    f("--etcd-endpoint", env="INFERA_ETCD_ENDPOINT", default=None, type=etcd_url,
+      help="host:port, host (→ :2379) or http(s)://host:port")
+    f("--etcd-prefix", env="INFERA_ETCD_PREFIX", default="/infera/workers/", type=etcd_prefix)
+    f("--lease-ttl", env="INFERA_LEASE_TTL", default=10.0, type=positive_float,
+      help="registration lease TTL in seconds (keepalive every TTL/3)")
+    f("--advertise-host", env="INFERA_ADVERTISE_HOST", default=None,
+      help="host the router uses to reach this worker (default: the engine's --host, or 127.0.0.1 "
+           "when that is a wildcard; set it on multi-host fleets)")
+    f("--request-transport", env="INFERA_REQUEST_TRANSPORT", default="http", type=choice_of("http"))
+    f("--ready-timeout", env="INFERA_ENGINE_READY_TIMEOUT", default=1800.0, type=positive_float,
+      help="seconds to wait for the engine to become ready")
+    f("--drain-timeout", env="INFERA_DRAIN_TIMEOUT", default=30.0, type=non_negative_float,
+      help="seconds in-flight requests get to finish after deregistration (0 = don't wait)")
+    f("--drain-settle", env="INFERA_DRAIN_SETTLE", default=1.0, type=non_negative_float,
+      help="the engine must stay idle this long before the drain is done (covers requests "
+           "routed just before the router saw the deregistration)")
+    f("--engine-stop-timeout", env="INFERA_ENGINE_STOP_TIMEOUT", default=30.0, type=non_negative_float,
+      help="grace between SIGTERM and SIGKILL of the engine's process group")
+    f("--log-level", env="INFERA_LOG_LEVEL", default="info", type=choice_of("debug", "info", "warning", "error"))
+    adapter.add_flags(p)
+    return p
+
+
+def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def default_advertise_host(engine_host: str | None) -> str:
+    if engine_host and engine_host not in ("0.0.0.0", "::", "[::]", ""):
+        return engine_host
+    return "127.0.0.1"
+
+
+class Launcher:
+    def __init__(self, adapter: EngineAdapter, args: argparse.Namespace, engine_argv: list[str],
+                 registration: Registration | None = None) -> None:
+        self.adapter = adapter
+        self.args = args
+        self.engine_argv = engine_argv
+        self.registration = registration
+        self.proc: asyncio.subprocess.Process | None = None
+        self.spec: EngineProcessSpec | None = None
+        self.record: WorkerRecord | None = None
+        self._stop = asyncio.Event()
+        self._signals = 0
+
+    # -- engine process ------------------------------------------------------------------------------
+    async def start_engine(self) -> None:
+        self.spec = self.adapter.prepare(list(self.engine_argv), self.args)
+        env = {**os.environ, **self.spec.env}
+        log.info("starting %s engine: %s", self.adapter.engine, " ".join(self.spec.cmd))
+        kwargs = {"preexec_fn": _set_pdeathsig} if sys.platform.startswith("linux") else {}
+        self.proc = await asyncio.create_subprocess_exec(*self.spec.cmd, env=env, start_new_session=True, **kwargs)
+
+    @property
+    def engine_url(self) -> str:
+        assert self.spec is not None
+        return f"http://{self.spec.host}:{self.spec.port}"
+
+    async def wait_ready(self, session: aiohttp.ClientSession) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + self.args.ready_timeout
+        next_progress = time.monotonic() + 30
+        while True:
+            if self.proc.returncode is not None:
+                raise EngineExited(self.proc.returncode, "engine exited before becoming ready")
+            try:
+                if await self.adapter.ready(session, self.engine_url):
+                    return
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                pass
+            now = time.monotonic()
+            if now > deadline:
+                raise TimeoutError(f"engine not ready after {self.args.ready_timeout:.0f}s")
+            if now > next_progress:
+                log.info("waiting for the engine to become ready (%.0fs left)", deadline - now)
+                next_progress = now + 30
+            try:  # wakes early if the engine dies
+                await asyncio.wait_for(asyncio.shield(self.proc.wait()), timeout=0.25)
+            except asyncio.TimeoutError:
+                pass
+
+    async def stop_engine(self) -> int | None:
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            return proc.returncode if proc else None
+        self._killpg(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), timeout=self.args.engine_stop_timeout)
+        except asyncio.TimeoutError:
+            log.warning("engine did not stop within %.0fs; killing its process group", self.args.engine_stop_timeout)
+            self._killpg(signal.SIGKILL)
+            await proc.wait()
+        # Children the engine spawned in its group (tokenizer workers, …) go too.
+        self._killpg(signal.SIGKILL)
+        return proc.returncode
+
+    def _killpg(self, sig: int) -> None:
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    # -- drain ---------------------------------------------------------------------------------------
+    async def drain(self, session: aiohttp.ClientSession) -> None:
+        timeout = self.args.drain_timeout
+        if timeout <= 0:
+            return
+        deadline = time.monotonic() + timeout
+        idle_since: float | None = None
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.returncode is not None:
+                return
+            try:
+                async with session.get(self.engine_url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                    text = await resp.text() if resp.status == 200 else ""
+                n = self.adapter.inflight(text) if text else None
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                n = None
+            if n is None:
+                log.warning("cannot read in-flight requests from the engine's /metrics; not waiting for a drain")
+                return
+            now = time.monotonic()
+            if n == 0:
+                idle_since = idle_since if idle_since is not None else now
+                if now - idle_since >= self.args.drain_settle:
+                    log.info("drained")
+                    return
+            else:
+                idle_since = None
+            await asyncio.sleep(0.1)
+        log.warning("drain timed out after %.0fs; stopping the engine with requests in flight", timeout)
+
+    # -- whole lifecycle -------------------------------------------------------------------------------
+    def _on_signal(self, sig: int) -> None:
+        self._signals += 1
+        if self._signals == 1:
+            log.info("received %s: deregistering, draining, then stopping the engine", signal.Signals(sig).name)
+            self._stop.set()
+        else:
+            log.warning("second signal: stopping the engine now")
+            self.args.drain_timeout = 0
+            if self.proc is not None and self.proc.returncode is None:
+                self._killpg(signal.SIGTERM)
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        if self.registration is None:
+            self.registration = make_registration(self.args.discovery_backend, etcd_endpoint=self.args.etcd_endpoint,
+                                                  etcd_prefix=self.args.etcd_prefix, lease_ttl=self.args.lease_ttl)
+        registered = False
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+            try:
+                await self.start_engine()
+                ready = asyncio.ensure_future(self.wait_ready(session))
+                stop_wait = asyncio.ensure_future(self._stop.wait())
+                await asyncio.wait({ready, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+                if not ready.done():  # signalled during startup: nothing registered, just stop
+                    ready.cancel()
+                    await self.stop_engine()
+                    return 0
+                stop_wait.cancel()
+                ready.result()
+                fields = await self.adapter.describe(session, self.engine_url, self.engine_argv, self.args)
+                self.record = self._make_record(fields)
+                await self.registration.register(self.record)
+                registered = True
+                log.info("registered %s as %s (model=%s)", self.adapter.engine, self.record.worker_id,
+                         self.record.model_name)
+                assert self.proc is not None
+                engine_exit = asyncio.ensure_future(self.proc.wait())
+                stop_wait = asyncio.ensure_future(self._stop.wait())
+                await asyncio.wait({engine_exit, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+                if engine_exit.done():
+                    stop_wait.cancel()
+                    code = self.proc.returncode
+                    log.error("engine exited on its own with code %s; deregistering", code)
+                    await self.registration.deregister()
+                    registered = False
+                    return _exit_code(code)
+                engine_exit.cancel()
+                # Graceful: stop receiving first, then let in-flight requests finish.
+                await self.registration.deregister()
+                registered = False
+                await self.drain(session)
+                await self.stop_engine()
+                return 0
+            except EngineExited as exc:
+                log.error("%s (code %s)", exc.message, exc.code)
+                return _exit_code(exc.code) or 1
+            except Exception as exc:
+                log.error("launcher failed: %s", exc)
+                return 1
+            finally:
+                if registered:
+                    await self.registration.deregister()
+                await self.stop_engine()
+                await self.registration.close()
+
+    def _make_record(self, fields: dict) -> WorkerRecord:
+        assert self.spec is not None
+        host = self.args.advertise_host or default_advertise_host(fields.pop("bind_host", None))
+        worker_id = f"{host}:{self.spec.port}"
+        return WorkerRecord(worker_id=worker_id, url=f"http://{host}:{self.spec.port}", engine=self.adapter.engine,
+                            request_transport=self.args.request_transport, **fields)
+
+
+class EngineExited(Exception):
+    def __init__(self, code: int | None, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _exit_code(code: int | None) -> int:
+    if code is None:
+        return 1
+    return 128 - code if code < 0 else code  # killed by signal N → 128+N, like a shell
+
+
+def launch(adapter: EngineAdapter, prog: str, argv: Sequence[str] | None = None) -> None:
+    """Entry point body of ``python -m infera.engine.<engine>``."""
+    parser = build_launcher_parser(adapter, prog)
+    args, engine_argv = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    if args.discovery_backend == "etcd" and not args.etcd_endpoint:
+        parser.error("--etcd-endpoint (or INFERA_ETCD_ENDPOINT) is required with --discovery-backend etcd")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from infera.server.main import install_event_loop
+
+    install_event_loop()
+    code = asyncio.run(Launcher(adapter, args, engine_argv).run())
+    sys.exit(code)

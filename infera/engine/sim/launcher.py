@@ -1,0 +1,59 @@
+"""The simulated engine's adapter: launched and registered exactly like a real engine."""
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+
+import aiohttp
+
+from infera.engine.base.argv import flag_value, flag_values
+from infera.engine.base.launcher import EngineProcessSpec
+from infera.engine.base.prom import VLLM_INFLIGHT, info_labels, sum_samples
+
+SIM_DEFAULT_BLOCK_SIZE = 16
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class SimAdapter:
+    engine = "sim"
+
+    def add_flags(self, parser: argparse.ArgumentParser) -> None:
+        pass
+
+    def prepare(self, engine_argv: list[str], args: argparse.Namespace) -> EngineProcessSpec:
+        if not flag_value(engine_argv, "--model"):
+            raise SystemExit("infera.engine.sim: --model is required (a name, or a folder with tokenizer.json)")
+        port_s = flag_value(engine_argv, "--port")
+        if port_s is None:  # no port given: take a free one rather than colliding on :8000
+            port = free_port()
+            engine_argv = [*engine_argv, "--port", str(port)]
+        else:
+            port = int(port_s)
+        bind = flag_value(engine_argv, "--host", default="0.0.0.0")
+        reach = "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind
+        return EngineProcessSpec(cmd=[sys.executable, "-m", "infera.engine.sim.server", *engine_argv], port=port, host=reach)
+
+    async def ready(self, session: aiohttp.ClientSession, base_url: str) -> bool:
+        async with session.get(base_url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            return resp.status == 200
+
+    async def describe(self, session: aiohttp.ClientSession, base_url: str, engine_argv: list[str],
+                       args: argparse.Namespace) -> dict:
+        async with session.get(base_url + "/v1/models") as resp:
+            models = (await resp.json())["data"]
+        async with session.get(base_url + "/metrics") as resp:
+            cache_info = info_labels(await resp.text(), "vllm:cache_config_info") or {}
+        block_size = cache_info.get("block_size") or flag_value(engine_argv, "--block-size") or SIM_DEFAULT_BLOCK_SIZE
+        served = flag_values(engine_argv, "--served-model-name")
+        model_name = served[0] if served else models[0]["id"]
+        return {"model_name": model_name, "kv_block_size": int(block_size),
+                "bind_host": flag_value(engine_argv, "--host", default="0.0.0.0")}
+
+    def inflight(self, metrics_text: str) -> int | None:
+        return sum_samples(metrics_text, VLLM_INFLIGHT)

@@ -1,0 +1,202 @@
+"""``python -m infera.up``: the whole fleet on one machine — etcd, the server and N workers.
+
+Starts an embedded etcd (unless --etcd-endpoint is given), ``python -m infera.server`` and
+``--workers`` workers of ``--engine``; waits until all are registered; prints the fleet and a
+curl to paste; serves until Ctrl-C, then stops everything (workers drain first) and removes its
+temporary data. ``--smoke`` sends one streamed chat request through the router and exits.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Sequence
+
+import aiohttp
+
+from infera.config import add_flag, choice_of, etcd_url, positive_float, positive_int
+from infera.engine.base.launcher import _set_pdeathsig
+from infera.engine.sim.launcher import free_port
+
+log = logging.getLogger("infera.up")
+
+ENGINE_MODULES = {"sim": "infera.engine.sim"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m infera.up", allow_abbrev=False,
+                                description=__doc__.split("\n\n")[0],
+                                epilog="Arguments after -- go to every worker's engine verbatim.")
+    f = lambda *a, **k: add_flag(p, *a, **k)  # noqa: E731
+    f("--engine", default="sim", type=choice_of(*ENGINE_MODULES), help="worker engine")
+    f("--workers", default=2, type=positive_int, help="number of workers")
+    f("--model", default="infera-sim", help="model name, or a model folder")
+    f("--host", default="127.0.0.1", help="server bind address")
+    f("--port", env="INFERA_PORT", default=8000, type=int, help="server port (0: any free port)")
+    f("--etcd-endpoint", env="INFERA_ETCD_ENDPOINT", default=None, type=etcd_url,
+      help="use this etcd instead of starting an embedded one")
+    f("--router-policy", default="round-robin", type=choice_of("round-robin"))
+    f("--speedup", default=1.0, type=positive_float, help="sim engine speed-up over its timing model")
+    f("--ready-timeout", default=600.0, type=positive_float, help="seconds to wait for the whole fleet")
+    f("--smoke", action="store_true", default=False, help="send one chat request, print the reply, exit 0")
+    f("--log-level", env="INFERA_LOG_LEVEL", default="warning", type=choice_of("debug", "info", "warning", "error"),
+      help="log level of the server and workers")
+    return p
+
+
+class Fleet:
+    def __init__(self, args: argparse.Namespace, engine_extra: list[str]) -> None:
+        if args.port == 0:
+            args.port = free_port()
+        self.args = args
+        self.engine_extra = engine_extra
+        self.etcd = None
+        self.etcd_endpoint: str | None = args.etcd_endpoint
+        self.server: asyncio.subprocess.Process | None = None
+        self.workers: list[asyncio.subprocess.Process] = []
+        self.base_url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+
+    async def _spawn(self, *cmd: str) -> asyncio.subprocess.Process:
+        # Own session: Ctrl-C reaches only us, and we stop the children in order (workers first).
+        return await asyncio.create_subprocess_exec(*cmd, start_new_session=True, preexec_fn=_set_pdeathsig)
+
+    async def start(self) -> None:
+        if self.etcd_endpoint is None:
+            from infera.discovery.embedded_etcd import EmbeddedEtcd
+
+            self.etcd = EmbeddedEtcd()
+            await self.etcd.start()
+            self.etcd_endpoint = self.etcd.url
+            print(f"etcd      {self.etcd.url} (embedded, data in a temp dir)", flush=True)
+        py = sys.executable
+        common = ["--etcd-endpoint", self.etcd_endpoint, "--log-level", self.args.log_level]
+        self.server = await self._spawn(py, "-m", "infera.server", "--host", self.args.host, "--port",
+                                        str(self.args.port), "--router-policy", self.args.router_policy, *common)
+        module = ENGINE_MODULES[self.args.engine]
+        for _ in range(self.args.workers):
+            engine_argv = ["--model", self.args.model, "--port", str(free_port()), "--host", "127.0.0.1"]
+            if self.args.engine == "sim":
+                engine_argv += ["--speedup", str(self.args.speedup)]
+            self.workers.append(await self._spawn(py, "-m", module, *common, *engine_argv, *self.engine_extra))
+
+    async def wait_registered(self, session: aiohttp.ClientSession) -> list[dict]:
+        deadline = time.monotonic() + self.args.ready_timeout
+        while time.monotonic() < deadline:
+            for proc in [self.server, *self.workers]:
+                if proc is not None and proc.returncode is not None:
+                    raise RuntimeError(f"a fleet process exited early (code {proc.returncode}); see its log above")
+            try:
+                async with session.get(self.base_url + "/v1/workers") as resp:
+                    workers = (await resp.json())["workers"]
+                if len([w for w in workers if w["status"] == "active"]) >= self.args.workers:
+                    return workers
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError, KeyError):
+                pass
+            await asyncio.sleep(0.2)
+        raise TimeoutError(f"the fleet did not register {self.args.workers} workers in {self.args.ready_timeout:.0f}s")
+
+    async def stop(self) -> None:
+        async def stop_proc(proc: asyncio.subprocess.Process | None, grace: float) -> None:
+            if proc is None or proc.returncode is not None:
+                return
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                return
+            try:
+                await asyncio.wait_for(proc.wait(), grace)
+            except asyncio.TimeoutError:
+                os.killpg(proc.pid, signal.SIGKILL)
+                await proc.wait()
+
+        await asyncio.gather(*(stop_proc(w, 60) for w in self.workers))  # workers drain first
+        await stop_proc(self.server, 15)
+        if self.etcd is not None:
+            await self.etcd.stop()
+
+
+def _curl(base_url: str, model: str) -> str:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "stream": True,
+                       "max_tokens": 32})
+    return f"curl -N {base_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
+
+
+async def smoke(session: aiohttp.ClientSession, base_url: str, model: str) -> str:
+    body = {"model": model, "messages": [{"role": "user", "content": "Say hello to Infera."}], "stream": True,
+            "max_tokens": 24}
+    text: list[str] = []
+    async with session.post(base_url + "/v1/chat/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"smoke request failed: {resp.status} {await resp.text()}")
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"smoke stream failed: {chunk['error']}")
+            for choice in chunk.get("choices", []):
+                piece = choice.get("delta", {}).get("content") or ""
+                text.append(piece)
+                print(piece, end="", flush=True)
+    print(flush=True)
+    return "".join(text)
+
+
+async def run(args: argparse.Namespace, engine_extra: list[str]) -> int:
+    fleet = Fleet(args, engine_extra)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await fleet.start()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            waiter = asyncio.ensure_future(fleet.wait_registered(session))
+            stopper = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if not waiter.done():
+                waiter.cancel()
+                return 130
+            stopper.cancel()
+            workers = waiter.result()
+            print(f"server    {fleet.base_url}  (OpenAI API; /v1/workers, /health, /metrics)")
+            for w in workers:
+                print(f"worker    {w['worker_id']:<22} engine={w['engine']} model={w['model_name']} "
+                      f"block_size={w['kv_block_size']} status={w['status']}")
+            print("\nTry it:\n  " + _curl(fleet.base_url, workers[0]["model_name"]) + "\n", flush=True)
+            if args.smoke:
+                reply = await smoke(session, fleet.base_url, workers[0]["model_name"])
+                if not reply.strip():
+                    raise RuntimeError("smoke request returned no text")
+                print("smoke: ok")
+                return 0
+            print("Serving. Press Ctrl-C to stop.", flush=True)
+            await stop.wait()
+            return 0
+    except Exception as exc:
+        print(f"infera.up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        print("stopping the fleet…", flush=True)
+        await fleet.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sys.exit(asyncio.run(run(args, extra)))
+
+
+if __name__ == "__main__":
+    main()
