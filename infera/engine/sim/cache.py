@@ -1,0 +1,287 @@
+"""Paged KV cache with vLLM-style automatic prefix caching, for the simulated engine.
+
+The cache only does bookkeeping (no tensors): which physical block holds which tokens, who
+references it, and which full blocks are reusable by hash. Semantics follow vLLM v1's
+``KVCacheManager``/``BlockPool``:
+
+* Only FULL blocks are cacheable. A block's identity is a chained hash over its tokens and the
+  hash of the block before it, so a hit on block ``i`` implies the whole prefix up to ``i`` matches.
+* A block stays cached after its last reference goes away; it sits in an LRU list and loses its
+  hash only when a fresh block is needed and no never-cached block is left (eviction).
+* At least one prompt token is always recomputed (a full-prompt hit still has to produce logits),
+  so a block-aligned prompt can hit at most ``len(tokens) - 1`` tokens, rounded down to a block.
+
+KV-event hooks (``on_stored``/``on_removed``/``on_cleared``) fire when full blocks first enter the
+cache, when cached blocks are evicted, and when the whole cache is reset.
+"""
+from __future__ import annotations
+
+import sys
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import xxhash
+
+# The hash of the (non-existent) block before the first one.
+ROOT_PARENT_HASH = 0
+
+OnStored = Callable[[list[int], "int | None", list[int]], None]
+OnRemoved = Callable[[list[int]], None]
+OnCleared = Callable[[], None]
+
+_xxh3_64 = xxhash.xxh3_64_intdigest
+
+
+def tokens_le_bytes(tokens: Sequence[int]) -> bytes:
+    """Token ids as consecutive 4-byte little-endian unsigned ints (one C-level conversion)."""
+    arr = array("I", tokens)
+    if arr.itemsize != 4:  # exotic platform: fall back to an explicit layout
+        import struct
+
+        return struct.pack(f"<{len(tokens)}I", *tokens)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def hash_chunk(parent_hash: int, tokens: Sequence[int]) -> int:
+    """Hash of one block: ``xxh3_64(parent as 8 LE bytes + each token as 4 LE bytes)``."""
+    return _xxh3_64(parent_hash.to_bytes(8, "little") + tokens_le_bytes(tokens))
+
+
+def block_hashes(tokens: Sequence[int], block_size: int, parent_hash: int = ROOT_PARENT_HASH) -> list[int]:
+    """Chained hashes of every FULL block of ``tokens`` (a trailing partial block has none)."""
+    num_full = len(tokens) // block_size
+    if num_full == 0:
+        return []
+    raw = tokens_le_bytes(tokens[: num_full * block_size])
+    stride = 4 * block_size
+    hashes: list[int] = []
+    parent = parent_hash
+    for i in range(num_full):
+        parent = _xxh3_64(parent.to_bytes(8, "little") + raw[i * stride : (i + 1) * stride])
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass
+class _SeqBlocks:
+    """Blocks and tokens one sequence holds, in order."""
+
+    block_ids: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    # Hash of the last full block (parent for the next block to fill); ROOT when none.
+    last_full_hash: int = ROOT_PARENT_HASH
+    num_full_blocks: int = 0
+
+
+class KVCache:
+    """Block allocator + prefix cache. Not thread-safe; owned by one event loop."""
+
+    def __init__(
+        self,
+        block_size: int,
+        num_blocks: int,
+        *,
+        on_stored: OnStored | None = None,
+        on_removed: OnRemoved | None = None,
+        on_cleared: OnCleared | None = None,
+    ) -> None:
+        if block_size <= 0 or num_blocks <= 0:
+            raise ValueError("block_size and num_blocks must be > 0")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.on_stored = on_stored
+        self.on_removed = on_removed
+        self.on_cleared = on_cleared
+
+        self._ref_counts = [0] * num_blocks
+        self._block_hash: list[int | None] = [None] * num_blocks
+        self._hash_to_block: dict[int, int] = {}
+        # Unreferenced blocks without a hash: handed out first, so cached content survives longest.
+        self._never_cached: deque[int] = deque(range(num_blocks))
+        # Unreferenced blocks that still hold a cached hash, oldest (next to evict) first.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._seqs: dict[object, _SeqBlocks] = {}
+        self._num_referenced = 0
+
+        # Prefix-cache statistics, in tokens (what vLLM's counters report).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # ----------------------------------------------------------------- queries
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by live sequences (cached-but-free blocks count as free)."""
+        return self._num_referenced / self.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (never-cached + evictable)."""
+        return len(self._never_cached) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._hash_to_block)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def has_seq(self, seq_id: object) -> bool:
+        return seq_id in self._seqs
+
+    def seq_block_ids(self, seq_id: object) -> list[int]:
+        return list(self._seqs[seq_id].block_ids)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def is_cached(self, block_hash: int) -> bool:
+        return block_hash in self._hash_to_block
+
+    def _max_hit_blocks(self, num_tokens: int) -> int:
+        # At least one token must be computed to produce the next token's logits.
+        return max(num_tokens - 1, 0) // self.block_size
+
+    def _matching_blocks(self, hashes: list[int], limit: int) -> list[int]:
+        blocks: list[int] = []
+        for h in hashes[:limit]:
+            block_id = self._hash_to_block.get(h)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks
+
+    def match_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens ``allocate`` would serve from the cache right now. No side effects."""
+        limit = self._max_hit_blocks(len(tokens))
+        if limit == 0:
+            return 0
+        hashes = block_hashes(tokens[: limit * self.block_size], self.block_size)
+        return len(self._matching_blocks(hashes, limit)) * self.block_size
+
+    # ------------------------------------------------------------- allocation
+
+    def allocate(self, seq_id: object, tokens: Sequence[int]) -> int | None:
+        """Give ``seq_id`` blocks for ``tokens``; return how many tokens were prefix-cache hits.
+
+        Returns None (and changes nothing) when there are not enough free blocks.
+        Full blocks are registered in the cache immediately, as vLLM does at schedule time.
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already holds blocks")
+        tokens = list(tokens)
+        bs = self.block_size
+        hashes = block_hashes(tokens, bs)
+        hit_blocks = self._matching_blocks(hashes, self._max_hit_blocks(len(tokens)))
+        num_new = self.blocks_needed(len(tokens)) - len(hit_blocks)
+        # Hit blocks currently sitting unreferenced are counted as free; don't count them twice.
+        hits_in_evictable = sum(1 for b in hit_blocks if self._ref_counts[b] == 0)
+        if num_new > self.num_free_blocks - hits_in_evictable:
+            return None
+
+        for block_id in hit_blocks:
+            self._ref(block_id)
+        block_ids = list(hit_blocks)
+        for _ in range(num_new):
+            block_id = self._take_fresh_block()
+            self._ref(block_id)
+            block_ids.append(block_id)
+
+        seq = _SeqBlocks(block_ids=block_ids, tokens=tokens)
+        self._seqs[seq_id] = seq
+        # Register the newly filled full blocks (hits are already cached).
+        for i in range(len(hit_blocks), len(hashes)):
+            parent = hashes[i - 1] if i > 0 else None
+            self._register_full_block(block_ids[i], hashes[i], parent, tokens[i * bs : (i + 1) * bs])
+        seq.num_full_blocks = len(hashes)
+        seq.last_full_hash = hashes[-1] if hashes else ROOT_PARENT_HASH
+
+        cached_tokens = len(hit_blocks) * bs
+        self.prefix_cache_queries += len(tokens)
+        self.prefix_cache_hits += cached_tokens
+        return cached_tokens
+
+    def append_token(self, seq_id: object, token: int) -> bool:
+        """Append one generated token. Returns False (nothing changed) if a new block is needed and none is free."""
+        seq = self._seqs[seq_id]
+        bs = self.block_size
+        if len(seq.tokens) == len(seq.block_ids) * bs:  # last block full (or none yet)
+            if self.num_free_blocks == 0:
+                return False
+            block_id = self._take_fresh_block()
+            self._ref(block_id)
+            seq.block_ids.append(block_id)
+        seq.tokens.append(token)
+        if len(seq.tokens) % bs == 0:
+            # The block just filled up: it becomes cacheable, generated tokens included.
+            i = seq.num_full_blocks
+            block_tokens = seq.tokens[i * bs :]
+            parent = seq.last_full_hash if i > 0 else None
+            h = hash_chunk(seq.last_full_hash, block_tokens)
+            self._register_full_block(seq.block_ids[i], h, parent, block_tokens)
+            seq.num_full_blocks = i + 1
+            seq.last_full_hash = h
+        return True
+
+    def free(self, seq_id: object) -> None:
+        """Drop a sequence's references. Its cached blocks stay reusable until evicted."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return
+        # Tail blocks first, so they are evicted before the (more shareable) head of the prefix.
+        for block_id in reversed(seq.block_ids):
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                self._num_referenced -= 1
+                if self._block_hash[block_id] is None:
+                    self._never_cached.append(block_id)
+                else:
+                    self._evictable[block_id] = None
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash. Only allowed when no block is referenced (like vLLM)."""
+        if self._num_referenced:
+            return False
+        for block_id in list(self._evictable):
+            self._block_hash[block_id] = None
+            self._never_cached.append(block_id)
+        self._evictable.clear()
+        self._hash_to_block.clear()
+        if self.on_cleared:
+            self.on_cleared()
+        return True
+
+    # ---------------------------------------------------------------- helpers
+
+    def _ref(self, block_id: int) -> None:
+        if self._ref_counts[block_id] == 0:
+            self._num_referenced += 1
+            self._evictable.pop(block_id, None)
+        self._ref_counts[block_id] += 1
+
+    def _take_fresh_block(self) -> int:
+        """An unreferenced block with no content we still care about; evicts the LRU cached one if needed."""
+        if self._never_cached:
+            return self._never_cached.popleft()
+        block_id, _ = self._evictable.popitem(last=False)
+        old_hash = self._block_hash[block_id]
+        self._block_hash[block_id] = None
+        if old_hash is not None and self._hash_to_block.get(old_hash) == block_id:
+            del self._hash_to_block[old_hash]
+            if self.on_removed:
+                self.on_removed([old_hash])
+        return block_id
+
+    def _register_full_block(self, block_id: int, block_hash: int, parent_hash: int | None, tokens: list[int]) -> None:
+        if block_hash in self._hash_to_block:
+            # Same content already cached in another block (e.g. two identical prompts admitted
+            # in one step): keep the existing entry; this copy stays private and is never reused.
+            return
+        self._hash_to_block[block_hash] = block_id
+        self._block_hash[block_id] = block_hash
+        if self.on_stored:
+            self.on_stored([block_hash], parent_hash, list(tokens))

@@ -1,0 +1,345 @@
+"""Continuous-batching scheduler and step-timing model for the simulated engine.
+
+One asyncio task runs engine "steps" like vLLM's engine core loop:
+
+1. admit waiting sequences (FIFO) while there is a free slot (``max_num_seqs``), prefill budget
+   (``max_num_batched_tokens``, counting only prompt tokens NOT served by the prefix cache) and
+   KV-cache room. Whole prompts are prefilled in one step; a prompt larger than the budget is
+   admitted when it is the step's only prefill, so nothing starves.
+2. sleep for the modelled step time (prefill cost + decode cost, divided by ``speedup``).
+3. every scheduled sequence emits one token (the prefill step yields the first token). A sequence
+   that needs a new KV block when none is free preempts the most recently admitted other running
+   sequence, which goes back to the front of the queue and recomputes later.
+
+Output is deterministic: token ``i`` of a request is a hash of (seed, prompt token ids, i), and the
+natural stop length is a hash of (seed, prompt) in [8, 256].
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Sequence as SequenceT
+
+import xxhash
+
+from .cache import KVCache, tokens_le_bytes
+
+log = logging.getLogger(__name__)
+
+MIN_NATURAL_LENGTH = 8
+MAX_NATURAL_LENGTH = 256
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)
+
+# Used when no output vocabulary is given: any id in the built-in tokenizer's non-reserved range.
+DEFAULT_OUTPUT_VOCAB: SequenceT[int] = range(100, 50_100)
+
+
+# ------------------------------------------------------------------ timing model
+
+
+def prefill_time_ms(num_tokens: int) -> float:
+    """Cost of prefilling ``num_tokens`` uncached tokens in one step (0 when none)."""
+    if num_tokens <= 0:
+        return 0.0
+    return 4.21e-7 * num_tokens * num_tokens + 0.0152 * num_tokens + 16.5
+
+
+def decode_time_ms(kv_usage: float) -> float:
+    """Cost of one decode step for the running batch, as a function of KV usage (0..1)."""
+    return max(1.0, -25.74 * kv_usage * kv_usage + 54.01 * kv_usage + 5.74)
+
+
+def step_time_ms(prefill_tokens: int, has_decode: bool, kv_usage: float, speedup: float = 1.0) -> float:
+    """Simulated wall time of one engine step, in milliseconds."""
+    total = prefill_time_ms(prefill_tokens) + (decode_time_ms(kv_usage) if has_decode else 0.0)
+    return total / speedup
+
+
+# ------------------------------------------------------------- deterministic output
+
+
+def prompt_digest(seed: int, prompt_token_ids: SequenceT[int]) -> int:
+    """Identity of (seed, prompt) that all of a request's output derives from."""
+    return xxhash.xxh3_64_intdigest(tokens_le_bytes(prompt_token_ids), seed=seed & 0xFFFFFFFFFFFFFFFF)
+
+
+def natural_stop_length(digest: int) -> int:
+    """How many tokens the "model" generates before EOS, in [8, 256]."""
+    span = MAX_NATURAL_LENGTH - MIN_NATURAL_LENGTH + 1
+    return MIN_NATURAL_LENGTH + xxhash.xxh3_64_intdigest(b"natural-length", seed=digest) % span
+
+
+def output_token_id(digest: int, position: int, vocab: SequenceT[int]) -> int:
+    """The token generated at ``position`` (0-based) of the output."""
+    return vocab[xxhash.xxh3_64_intdigest(position.to_bytes(8, "little"), seed=digest) % len(vocab)]
+
+
+# ---------------------------------------------------------------------- sequences
+
+WAITING = "waiting"
+RUNNING = "running"
+FINISHED = "finished"
+
+#: What a sequence's stream yields: (token id or None, finish reason or None). The last event
+#: carries the finish reason; its token is None when the sequence ended without a new token.
+TokenEvent = tuple["int | None", "str | None"]
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request inside the engine."""
+
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    # None when ignore_eos: only max_tokens ends it.
+    natural_length: int | None
+    digest: int
+    output_token_ids: list[int] = field(default_factory=list)
+    state: str = WAITING
+    finish_reason: str | None = None
+    # Prompt tokens served by the prefix cache at first admission (-1 until admitted).
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    _events: asyncio.Queue = field(default_factory=asyncio.Queue, repr=False)
+
+    @property
+    def finished(self) -> bool:
+        return self.state == FINISHED
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    async def stream(self) -> AsyncIterator[TokenEvent]:
+        """Yield every produced token as it is produced; the last event has the finish reason."""
+        while True:
+            token_id, finish_reason = await self._events.get()
+            yield token_id, finish_reason
+            if finish_reason is not None:
+                return
+
+
+@dataclass
+class SchedulerStats:
+    """Monotonic counters exported as Prometheus counters."""
+
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    request_success: Counter = field(default_factory=Counter)  # finish reason -> count
+
+
+class Scheduler:
+    """Continuous batching over a ``KVCache``. Create, ``start()`` inside a running loop, ``submit()``."""
+
+    def __init__(
+        self,
+        cache: KVCache,
+        *,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        speedup: float = 1.0,
+        seed: int = 0,
+        output_vocab: SequenceT[int] | None = None,
+    ) -> None:
+        if max_num_seqs <= 0 or max_num_batched_tokens <= 0 or speedup <= 0:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and speedup must be > 0")
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.speedup = speedup
+        self.seed = seed
+        self.output_vocab: SequenceT[int] = output_vocab if output_vocab else DEFAULT_OUTPUT_VOCAB
+        self.stats = SchedulerStats()
+        self.num_steps = 0
+
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []  # admission order; the last one is preempted first
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.cache.usage
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="sim-scheduler")
+
+    async def stop(self) -> None:
+        """Stop stepping and end every outstanding sequence with finish reason "abort"."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        for seq in list(self._running) + list(self._waiting):
+            self.abort(seq)
+
+    def submit(self, prompt_token_ids: SequenceT[int], max_tokens: int, *, ignore_eos: bool = False,
+               request_id: str = "") -> Sequence:
+        """Queue a request. Raises ValueError if it could never fit in the KV cache."""
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        needed = self.cache.blocks_needed(len(prompt_token_ids) + max_tokens)
+        if needed > self.cache.num_blocks:
+            raise ValueError(
+                f"request needs {needed} KV blocks but the cache only has {self.cache.num_blocks}")
+        prompt = list(prompt_token_ids)
+        digest = prompt_digest(self.seed, prompt)
+        seq = Sequence(
+            seq_id=next(self._ids),
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            max_tokens=max_tokens,
+            natural_length=None if ignore_eos else natural_stop_length(digest),
+            digest=digest,
+        )
+        self._waiting.append(seq)
+        self._wakeup.set()
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Client went away: drop the sequence now and free its blocks. Idempotent."""
+        self.finish(seq, FINISH_ABORT)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence early (e.g. a stop string matched upstream). No-op if already finished."""
+        if seq.state == FINISHED:
+            return
+        if seq.state == WAITING:
+            try:
+                self._waiting.remove(seq)
+            except ValueError:
+                pass
+        else:
+            self._running.remove(seq)
+            self.cache.free(seq.seq_id)
+        self._mark_finished(seq, reason, token_id=None)
+
+    # -------------------------------------------------------------------- loop
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        # Modelled end of the previous step while busy, None after idling. Steps are timed against
+        # it so Python overhead and timer rounding (uvloop: 1 ms) don't accumulate into drift.
+        last_step_end: float | None = None
+        while True:
+            try:
+                prefill, decode, prefill_tokens = self._schedule()
+                if not prefill and not decode:
+                    # Idle (or nothing admissible): sleep until a submit/abort changes things.
+                    last_step_end = None
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                delay = step_time_ms(prefill_tokens, bool(decode), self.cache.usage, self.speedup) / 1000.0
+                now = loop.time()
+                # Absorb at most one step of lag: when CPU-bound, run back to back without bursts.
+                start = now if last_step_end is None else max(last_step_end, now - delay)
+                last_step_end = start + delay
+                await asyncio.sleep(max(last_step_end - now, 0.0))
+                self._complete_step(decode + prefill)
+                self.num_steps += 1
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug must not leave every client hanging forever
+                log.exception("sim scheduler step failed; aborting outstanding sequences")
+                for seq in list(self._running) + list(self._waiting):
+                    self.abort(seq)
+
+    def _schedule(self) -> tuple[list[Sequence], list[Sequence], int]:
+        """Admit what fits. Returns (newly admitted, already running, uncached prefill tokens)."""
+        decode = list(self._running)
+        prefill: list[Sequence] = []
+        prefill_tokens = 0
+        while self._waiting and len(self._running) < self.max_num_seqs:
+            seq = self._waiting[0]
+            tokens = seq.all_token_ids()  # includes tokens generated before a preemption
+            uncached = len(tokens) - self.cache.match_prefix(tokens)
+            if prefill and prefill_tokens + uncached > self.max_num_batched_tokens:
+                break
+            cached = self.cache.allocate(seq.seq_id, tokens)
+            if cached is None:
+                break  # FIFO: don't let later requests jump a head that doesn't fit
+            self._waiting.popleft()
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = cached
+                self.stats.prompt_tokens += seq.prompt_len
+            seq.state = RUNNING
+            self._running.append(seq)
+            prefill.append(seq)
+            prefill_tokens += len(tokens) - cached
+        return prefill, decode, prefill_tokens
+
+    def _complete_step(self, scheduled: list[Sequence]) -> None:
+        """Each scheduled sequence still running emits one token."""
+        for seq in scheduled:
+            if seq.state != RUNNING:  # aborted or preempted while the step ran
+                continue
+            position = len(seq.output_token_ids)
+            token_id = output_token_id(seq.digest, position, self.output_vocab)
+            seq.output_token_ids.append(token_id)
+            self.stats.generation_tokens += 1
+            n = len(seq.output_token_ids)
+            # EOS is checked before length, as in vLLM's stop checker.
+            if seq.natural_length is not None and n >= seq.natural_length:
+                reason = FINISH_STOP
+            elif n >= seq.max_tokens:
+                reason = FINISH_LENGTH
+            else:
+                reason = None
+            if reason is not None:
+                self._running.remove(seq)
+                self.cache.free(seq.seq_id)
+                self._mark_finished(seq, reason, token_id)
+                continue
+            seq._events.put_nowait((token_id, None))
+            while not self.cache.append_token(seq.seq_id, token_id):
+                victim = next((s for s in reversed(self._running) if s is not seq), None)
+                self._preempt(victim or seq)
+                if victim is None:
+                    break
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._running.remove(seq)
+        self.cache.free(seq.seq_id)
+        seq.state = WAITING
+        seq.num_preemptions += 1
+        self._waiting.appendleft(seq)
+        self.stats.num_preemptions += 1
+
+    def _mark_finished(self, seq: Sequence, reason: str, token_id: int | None) -> None:
+        seq.state = FINISHED
+        seq.finish_reason = reason
+        self.stats.request_success[reason] += 1
+        seq._events.put_nowait((token_id, reason))
+        # A freed slot/blocks may let waiting sequences in.
+        self._wakeup.set()

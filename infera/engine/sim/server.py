@@ -1,0 +1,708 @@
+"""Simulated vLLM engine: vLLM's OpenAI-compatible HTTP API over a timing-model "GPU".
+
+Run ``python -m infera.engine.sim.server --model NAME [--port 8000 --speedup 10 ...]``.
+
+In-process use (tests, launchers)::
+
+    args = parse_args(["--model", "m", "--port", "0", "--speedup", "100"])
+    async with SimServer(args) as server:      # or: await server.start() / await server.stop()
+        ...  # server.url == "http://127.0.0.1:<port>"
+
+``build_app(args)`` returns the bare ``aiohttp`` application if you want to host it yourself;
+run it with ``web.AppRunner(app, handler_cancellation=True)`` so a client disconnect cancels the
+handler (which aborts the sequence and frees its KV blocks).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+import uuid
+from typing import Any, Callable, Iterable, TypeVar
+
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .cache import KVCache
+from .scheduler import FINISH_REASONS, FINISH_STOP, Scheduler, Sequence
+from .tokenizer import ChatTemplateError, SimTokenizer, load_tokenizer
+
+log = logging.getLogger("infera.engine.sim.server")
+
+SIM_VERSION = "0.0.0+infera.sim"
+# Requests bigger than this (bytes) are tokenized in a worker thread to keep the loop responsive.
+OFFLOAD_TOKENIZE_BYTES = 16 * 1024
+SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+
+_json_encode = msgspec.json.Encoder().encode
+
+
+# ============================================================================ CLI
+
+
+def _int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    def conv(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {value!r}") from None
+        if n < lo or (hi is not None and n > hi):
+            bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise argparse.ArgumentTypeError(f"must be {bound}: {value!r}")
+        return n
+
+    conv.__name__ = "int"
+    return conv
+
+
+def _positive_float(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {value!r}") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0: {value!r}")
+    return x
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m infera.engine.sim.server",
+        description="Simulated vLLM engine: vLLM's OpenAI-compatible API with a modelled GPU.",
+    )
+    p.add_argument("--model", required=True,
+                   help="model name, or a directory with tokenizer.json [+ tokenizer_config.json]")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="names the API accepts; the first is reported (default: --model)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=_int_in(0, 65535), default=8000, help="0 picks a free port")
+    p.add_argument("--block-size", type=_int_in(1), default=16, help="tokens per KV block")
+    p.add_argument("--num-gpu-blocks", type=_int_in(1), default=4096, help="KV blocks in the cache")
+    p.add_argument("--max-num-seqs", type=_int_in(1), default=256, help="max running sequences")
+    p.add_argument("--max-num-batched-tokens", type=_int_in(1), default=8192,
+                   help="uncached prompt tokens prefilled per step")
+    p.add_argument("--max-model-len", type=_int_in(1), default=8192, help="prompt + output token limit")
+    p.add_argument("--speedup", type=_positive_float, default=1.0, help="simulated time is divided by this")
+    p.add_argument("--seed", type=int, default=0, help="seed of the deterministic output")
+    return p
+
+
+def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
+    """Parse and validate flags; exits 2 with a message on unknown/invalid flags (like vLLM)."""
+    parser = build_arg_parser()
+    args = parser.parse_args(None if argv is None else list(argv))
+    capacity = args.num_gpu_blocks * args.block_size
+    if args.max_model_len > capacity:
+        parser.error(
+            f"--max-model-len ({args.max_model_len}) is larger than the maximum number of tokens that "
+            f"can be stored in KV cache ({capacity} = --num-gpu-blocks x --block-size)")
+    return args
+
+
+# ========================================================================= engine
+
+
+class SimEngine:
+    """Tokenizer + KV cache + scheduler + metrics for one served model."""
+
+    def __init__(self, args: argparse.Namespace, tokenizer: SimTokenizer | None = None) -> None:
+        self.args = args
+        self.model_path: str = args.model
+        self.served_model_names: list[str] = list(args.served_model_name or [args.model])
+        self.max_model_len: int = args.max_model_len
+        self.created = int(time.time())
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(args.model)
+        self.cache = KVCache(args.block_size, args.num_gpu_blocks)
+        self.scheduler = Scheduler(
+            self.cache,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            speedup=args.speedup,
+            seed=args.seed,
+            output_vocab=self.tokenizer.output_token_ids,
+        )
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineMetrics(self))
+
+    @property
+    def model_name(self) -> str:
+        """The name reported in responses (vLLM: the first served name)."""
+        return self.served_model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        # vLLM: an omitted model means the default one; otherwise it must be a served name.
+        if model is not None and model not in self.served_model_names:
+            raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", param="model")
+
+    async def run_tokenizer(self, size_hint: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """Tokenize inline when small; in a thread when big, so one huge prompt can't stall streams."""
+        if size_hint < OFFLOAD_TOKENIZE_BYTES:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+class _EngineMetrics:
+    """Prometheus collector reading live engine state at scrape time (vLLM metric names)."""
+
+    def __init__(self, engine: SimEngine) -> None:
+        self._engine = engine
+
+    def describe(self) -> list:
+        return []  # don't let registration trigger a collect
+
+    def collect(self):
+        e = self._engine
+        labels = ["model_name"]
+        values = [e.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(values, value)
+            return c
+
+        stats = e.scheduler.stats
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                    e.scheduler.num_running)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                    e.scheduler.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", e.cache.usage)
+        yield counter("vllm:prefix_cache_queries",
+                      "Prefix cache queries, in terms of number of queried tokens.", e.cache.prefix_cache_queries)
+        yield counter("vllm:prefix_cache_hits",
+                      "Prefix cache hits, in terms of number of cached tokens.", e.cache.prefix_cache_hits)
+        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                      stats.num_preemptions)
+        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens)
+        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", stats.generation_tokens)
+        success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
+                                      labels=["model_name", "finished_reason"])
+        for reason in FINISH_REASONS:
+            success.add_metric([e.model_name, reason], stats.request_success.get(reason, 0))
+        yield success
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                 labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"])
+        info.add_metric([str(e.cache.block_size), str(e.cache.num_blocks), "True"], 1)
+        yield info
+
+
+# ================================================================ requests/errors
+
+
+class ApiError(Exception):
+    """An error response in vLLM's shape: ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status: int, message: str, err_type: str = "BadRequestError", param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type
+        self.param = param
+
+    def response(self) -> web.Response:
+        body = {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.status}}
+        return web.Response(status=self.status, body=_json_encode(body), content_type="application/json")
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _SamplingRequest(msgspec.Struct, kw_only=True):
+    """Fields shared by chat and completions. Unknown fields are accepted and ignored."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool | None = False
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    n: int | None = 1
+    user: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest, kw_only=True):
+    messages: list[Any]
+    max_completion_tokens: int | None = None
+
+
+class CompletionRequest(_SamplingRequest, kw_only=True):
+    prompt: Any
+    max_tokens: int | None = 16  # OpenAI/vLLM default for completions
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: Any = None
+    messages: list[Any] | None = None
+    add_special_tokens: bool | None = None
+
+
+_Req = TypeVar("_Req")
+
+
+async def _decode_body(request: web.Request, typ: type[_Req]) -> _Req:
+    body = await request.read()
+    try:
+        return msgspec.json.decode(body, type=typ)
+    except msgspec.ValidationError as e:
+        raise ApiError(400, f"Invalid request: {e}") from None
+    except msgspec.DecodeError as e:
+        raise ApiError(400, f"JSON decode error: {e}") from None
+
+
+def _check_sampling(req: _SamplingRequest) -> None:
+    if req.n is not None and req.n != 1:
+        raise ApiError(400, f"n={req.n} is not supported by the simulated engine; only n=1 is.")
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(400, "Stream options can only be defined when `stream=True`.")
+
+
+def _stop_strings(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [s for s in ([stop] if isinstance(stop, str) else stop) if s]
+
+
+def _resolve_max_tokens(engine: SimEngine, prompt_len: int, max_tokens: int | None, param: str) -> int:
+    """vLLM's input validation: context length, then the max_tokens range."""
+    limit = engine.max_model_len
+    if prompt_len >= limit:
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, your request "
+                            f"has {prompt_len} input tokens. Please reduce the length of the input messages.")
+    if max_tokens is None:
+        return limit - prompt_len
+    if max_tokens < 1:
+        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}.")
+    if prompt_len + max_tokens > limit:
+        raise ApiError(400, f"'{param}' is too large: {max_tokens}. This model's maximum context length is "
+                            f"{limit} tokens and your request has {prompt_len} input tokens "
+                            f"({max_tokens} > {limit} - {prompt_len}).")
+    return max_tokens
+
+
+def _completion_prompt_ids(prompt: Any) -> tuple[str | None, list[int] | None]:
+    """Completions ``prompt``: text or token ids; batched prompts are rejected."""
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, list):
+        if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            return _completion_prompt_ids(prompt[0])
+        if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if any(t < 0 for t in prompt):
+                raise ApiError(400, "Token ids must be non-negative.")
+            return None, list(prompt)
+        if len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+            raise ApiError(400, "Batched prompts (a list of several prompts) are not supported by the "
+                                "simulated engine; send one prompt per request.")
+    raise ApiError(400, "prompt must be a string, a list with one string, or a list of token ids.")
+
+
+def _request_id(request: web.Request) -> str:
+    return request.headers.get("X-Request-Id") or uuid.uuid4().hex
+
+
+def _usage(seq: Sequence) -> dict[str, Any]:
+    completion = len(seq.output_token_ids)
+    return {
+        "prompt_tokens": seq.prompt_len,
+        "total_tokens": seq.prompt_len + completion,
+        "completion_tokens": completion,
+        "prompt_tokens_details": {"cached_tokens": max(seq.num_cached_tokens, 0)},
+    }
+
+
+class StopStringMatcher:
+    """Builds output text token by token, cutting at the first stop string (which is not returned).
+
+    When streaming with stop strings, the last ``max(len(stop)) - 1`` characters are held back
+    until they can no longer start a stop string -- vLLM's detokenizer does the same.
+    """
+
+    def __init__(self, stop: list[str], hold_back: bool) -> None:
+        self.stop = stop
+        self._max_stop_len = max((len(s) for s in stop), default=0)
+        self._hold = max(self._max_stop_len - 1, 0) if hold_back else 0
+        self.text = ""
+        self._released = 0
+        self.matched: str | None = None
+
+    def add(self, piece: str) -> str:
+        """Append a token's text; return the newly releasable text. Sets ``matched`` on a stop hit."""
+        start = max(len(self.text) - self._max_stop_len + 1, 0)
+        self.text += piece
+        if self.stop:
+            hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+            if hits:
+                idx, self.matched = min(hits)
+                self.text = self.text[:idx]
+                return self.flush()
+        end = len(self.text) - self._hold
+        if end <= self._released:
+            return ""
+        delta = self.text[self._released:end]
+        self._released = end
+        return delta
+
+    def flush(self) -> str:
+        delta = self.text[self._released:]
+        self._released = len(self.text)
+        return delta
+
+
+# ======================================================================= handlers
+
+ENGINE_KEY = web.AppKey("sim_engine", SimEngine)
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+async def _version(request: web.Request) -> web.Response:
+    return web.json_response({"version": SIM_VERSION})
+
+
+async def _models(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    data = [
+        {
+            "id": name,
+            "object": "model",
+            "created": engine.created,
+            "owned_by": "vllm",
+            "root": engine.model_path,
+            "parent": None,
+            "max_model_len": engine.max_model_len,
+            "permission": [{
+                "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": engine.created,
+                "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                "organization": "*", "group": None, "is_blocking": False,
+            }],
+        }
+        for name in engine.served_model_names
+    ]
+    return web.Response(body=_json_encode({"object": "list", "data": data}), content_type="application/json")
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    return web.Response(body=generate_latest(engine.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _reset_prefix_cache(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    if not engine.cache.reset_prefix_cache():
+        return ApiError(500, "Failed to reset prefix cache: blocks are in use.", "InternalServerError").response()
+    return web.Response(status=200)
+
+
+async def _tokenize(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    req = await _decode_body(request, TokenizeRequest)
+    engine.check_model(req.model)
+    tok = engine.tokenizer
+    try:
+        if req.messages is not None:
+            tokens = await engine.run_tokenizer(request.content_length or 0, tok.encode_chat, req.messages)
+        elif isinstance(req.prompt, str):
+            add_special = True if req.add_special_tokens is None else req.add_special_tokens
+            tokens = await engine.run_tokenizer(len(req.prompt), tok.encode, req.prompt, add_special)
+        else:
+            raise ApiError(400, "Either `prompt` (a string) or `messages` is required.")
+    except ChatTemplateError as e:
+        raise ApiError(400, str(e)) from None
+    return web.Response(
+        body=_json_encode({"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens,
+                           "token_strs": None}),
+        content_type="application/json")
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE_KEY]
+    req = await _decode_body(request, ChatCompletionRequest)
+    engine.check_model(req.model)
+    _check_sampling(req)
+    try:
+        prompt_ids = await engine.run_tokenizer(request.content_length or 0, engine.tokenizer.encode_chat,
+                                                req.messages)
+    except ChatTemplateError as e:
+        raise ApiError(400, str(e)) from None
+    # vLLM: max_completion_tokens wins over the deprecated max_tokens.
+    requested, param = ((req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens is not None
+                        else (req.max_tokens, "max_tokens"))
+    max_tokens = _resolve_max_tokens(engine, len(prompt_ids), requested, param)
+    return await _generate(request, engine, req, prompt_ids, max_tokens, chat=True,
+                           request_id=f"chatcmpl-{_request_id(request)}")
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE_KEY]
+    req = await _decode_body(request, CompletionRequest)
+    engine.check_model(req.model)
+    _check_sampling(req)
+    text, prompt_ids = _completion_prompt_ids(req.prompt)
+    if prompt_ids is None:
+        prompt_ids = await engine.run_tokenizer(len(text), engine.tokenizer.encode, text, True)
+    if not prompt_ids:
+        raise ApiError(400, "The decoder prompt cannot be empty")
+    max_tokens = _resolve_max_tokens(engine, len(prompt_ids), req.max_tokens, "max_tokens")
+    return await _generate(request, engine, req, prompt_ids, max_tokens, chat=False,
+                           request_id=f"cmpl-{_request_id(request)}")
+
+
+async def _generate(request: web.Request, engine: SimEngine, req: _SamplingRequest, prompt_ids: list[int],
+                    max_tokens: int, *, chat: bool, request_id: str) -> web.StreamResponse:
+    try:
+        seq = engine.scheduler.submit(prompt_ids, max_tokens, ignore_eos=bool(req.ignore_eos), request_id=request_id)
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+    try:
+        if req.stream:
+            return await _stream_response(request, engine, req, seq, chat=chat, request_id=request_id)
+        return await _full_response(engine, req, seq, chat=chat, request_id=request_id)
+    finally:
+        # Normal end: no-op. Client gone (handler cancelled / write failed): free the slot now.
+        engine.scheduler.abort(seq)
+
+
+async def _full_response(engine: SimEngine, req: _SamplingRequest, seq: Sequence, *, chat: bool,
+                         request_id: str) -> web.Response:
+    text = StopStringMatcher(_stop_strings(req.stop), hold_back=False)
+    finish_reason: str | None = None
+    async for token_id, finish_reason in seq.stream():
+        if token_id is not None:
+            text.add(engine.tokenizer.output_text(token_id))
+            if text.matched is not None:
+                engine.scheduler.finish(seq, FINISH_STOP)
+                finish_reason = FINISH_STOP
+                break
+    created = int(time.time())
+    if chat:
+        body = {
+            "id": request_id, "object": "chat.completion", "created": created, "model": engine.model_name,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": text.text, "refusal": None, "tool_calls": [],
+                            "reasoning_content": None},
+                "logprobs": None, "finish_reason": finish_reason, "stop_reason": text.matched,
+            }],
+            "usage": _usage(seq), "prompt_logprobs": None, "kv_transfer_params": None,
+        }
+    else:
+        body = {
+            "id": request_id, "object": "text_completion", "created": created, "model": engine.model_name,
+            "choices": [{
+                "index": 0, "text": text.text, "logprobs": None, "finish_reason": finish_reason,
+                "stop_reason": text.matched, "prompt_logprobs": None,
+            }],
+            "usage": _usage(seq), "kv_transfer_params": None,
+        }
+    return web.Response(body=_json_encode(body), content_type="application/json")
+
+
+async def _stream_response(request: web.Request, engine: SimEngine, req: _SamplingRequest, seq: Sequence, *,
+                           chat: bool, request_id: str) -> web.StreamResponse:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    continuous_usage = include_usage and bool(req.stream_options.continuous_usage_stats)
+    created = int(time.time())
+    model = engine.model_name
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    text = StopStringMatcher(_stop_strings(req.stop), hold_back=True)
+
+    def frame(choices: list[dict], usage: dict | None = None) -> bytes:
+        chunk: dict[str, Any] = {"id": request_id, "object": obj, "created": created, "model": model,
+                                 "choices": choices}
+        if usage is not None:
+            chunk["usage"] = usage
+        return b"data: " + _json_encode(chunk) + b"\n\n"
+
+    def choice(delta: str, finish_reason: str | None, stop_reason: str | None) -> dict:
+        if chat:
+            c: dict[str, Any] = {"index": 0, "delta": {"content": delta}, "logprobs": None,
+                                 "finish_reason": finish_reason}
+            if finish_reason is not None:
+                c["stop_reason"] = stop_reason
+            return c
+        return {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
+
+    resp: web.StreamResponse | None = None
+    try:
+        async for token_id, finish_reason in seq.stream():
+            delta = ""
+            if token_id is not None:
+                delta = text.add(engine.tokenizer.output_text(token_id))
+                if text.matched is not None:
+                    engine.scheduler.finish(seq, FINISH_STOP)
+                    finish_reason = FINISH_STOP
+            if finish_reason is not None:
+                delta += text.flush()
+            if resp is None:
+                # Like vLLM, headers and the role chunk go out with the first token.
+                resp = web.StreamResponse(headers=SSE_HEADERS)
+                await resp.prepare(request)
+                if chat:
+                    await resp.write(frame([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}],
+                                           _usage(seq) if continuous_usage else None))
+            if delta or finish_reason is not None:
+                await resp.write(frame([choice(delta, finish_reason, text.matched)],
+                                       _usage(seq) if continuous_usage else None))
+            if finish_reason is not None:
+                break
+        if include_usage:
+            await resp.write(frame([], _usage(seq)))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except ConnectionResetError:
+        log.debug("client of %s disconnected mid-stream", request_id)
+    return resp
+
+
+@web.middleware
+async def _errors_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return e.response()
+    except web.HTTPException as e:
+        if e.status in (404, 405):
+            # Unknown route / wrong method: FastAPI's (hence vLLM's) body is {"detail": reason}.
+            return web.Response(status=e.status, body=_json_encode({"detail": e.reason}),
+                                content_type="application/json", headers={k: v for k, v in e.headers.items()
+                                                                          if k == "Allow"})
+        raise
+
+
+def build_app(args: argparse.Namespace, engine: SimEngine | None = None) -> web.Application:
+    """The aiohttp app; the scheduler starts on app startup and stops (aborting leftovers) on shutdown."""
+    engine = engine if engine is not None else SimEngine(args)
+    # vLLM accepts large prompts; aiohttp's 1 MiB default would reject long contexts.
+    app = web.Application(middlewares=[_errors_middleware], client_max_size=64 * 1024 * 1024)
+    app[ENGINE_KEY] = engine
+
+    async def start_engine(_app: web.Application) -> None:
+        engine.scheduler.start()
+
+    async def stop_engine(_app: web.Application) -> None:
+        # Ends in-flight generations (finish_reason "abort") so handlers return promptly.
+        await engine.scheduler.stop()
+
+    app.on_startup.append(start_engine)
+    app.on_shutdown.append(stop_engine)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/ping", _health)
+    app.router.add_post("/ping", _health)
+    app.router.add_get("/version", _version)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/tokenize", _tokenize)
+    app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
+    return app
+
+
+# ======================================================================== hosting
+
+
+class SimServer:
+    """Host the app on ``args.host:args.port`` (port 0 picks a free one); ``url`` once started."""
+
+    def __init__(self, args: argparse.Namespace, engine: SimEngine | None = None) -> None:
+        self.args = args
+        self.app = build_app(args, engine)
+        self.engine = self.app[ENGINE_KEY]
+        self.host: str = args.host
+        self.port: int = args.port
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    async def start(self) -> None:
+        # handler_cancellation: a client disconnect cancels its handler -> sequence aborted.
+        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, self.host, self.port)
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        self.port = runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
+    async def __aenter__(self) -> "SimServer":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Run until SIGTERM/SIGINT, then shut down gracefully."""
+    server = SimServer(args)
+    await server.start()
+    log.info("sim engine for %s serving %s on %s:%d (speedup %g)", args.model, server.engine.model_name,
+             args.host, server.port, args.speedup)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await server.stop()
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    log.info("started server process [%d]", os.getpid())
+    try:
+        import uvloop
+    except ImportError:
+        uvloop = None
+    try:
+        if uvloop is not None:
+            uvloop.run(serve(args))
+        else:
+            asyncio.run(serve(args))
+    except OSError as e:  # e.g. port in use
+        log.error("cannot serve: %s", e)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
