@@ -11,18 +11,14 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence
 
-import aiohttp
-
 from infera.api.errors import ApiError, sse_error_event
 from infera.discovery.fleet import Fleet
 from infera.discovery.record import WorkerRecord
 from infera.router.policy import Policy, RoutedRequest
 from infera.server.metrics import ServerMetrics
-from infera.transport.http import HttpTransport
+from infera.transport.http import HttpTransport, UpstreamError, UpstreamResponse
 
 log = logging.getLogger(__name__)
-
-_TRANSPORT_ERRORS = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
 
 
 @dataclass(slots=True)
@@ -109,7 +105,7 @@ class MixedRouter:
         raise ApiError(result.status, result.message, result.reason)
 
     async def _attempt(self, worker: WorkerRecord, req: RoutedRequest) -> "Reply | _Failure":
-        session = self.transport.session
+        transport = self.transport
         policy = self.policy
         inflight = self.metrics.inflight_gauge(worker.worker_id)
         policy.on_started(worker, req)
@@ -123,12 +119,11 @@ class MixedRouter:
                 inflight.dec()
                 policy.on_finished(worker, req)
 
-        headers = {"Content-Type": "application/json", "X-Request-Id": req.request_id}
-        resp: aiohttp.ClientResponse | None = None
+        resp: UpstreamResponse | None = None
         try:
-            resp = await session.post(worker.url + req.route, data=req.body, headers=headers)
+            host, port = transport.address(worker.url)
+            resp = await transport.post(host, port, req.route, req.body, (("X-Request-Id", req.request_id),))
             status = resp.status
-            ctype = resp.headers.get("Content-Type", "application/json")
             if status >= 500:
                 body = await resp.read()
                 resp.release()
@@ -139,47 +134,40 @@ class MixedRouter:
                 body = await resp.read()
                 resp.release()
                 release()
-                return Reply(status, ctype, worker.worker_id, body=body)
-            first = await resp.content.readany()
+                return Reply(status, resp.content_type, worker.worker_id, body=body)
+            first = await resp.next_chunk()
             if not first:
-                resp.close()
+                resp.release()
                 release()
                 return _Failure(502, f"worker {worker.worker_id} closed the stream before the first byte", "empty_stream")
-        except _TRANSPORT_ERRORS as exc:
+        except UpstreamError as exc:
             if resp is not None:
-                resp.close()
+                resp.release()
             release()
-            return _Failure(502, f"worker {worker.worker_id} unreachable: {exc.__class__.__name__}: {exc}".rstrip(": "),
-                            "unreachable")
-        except BaseException:  # cancelled (client gone): close upstream so the engine aborts
+            return _Failure(502, f"worker {worker.worker_id} unreachable: {exc}", "unreachable")
+        except BaseException:  # cancelled (client gone): closing upstream makes the engine abort
             if resp is not None:
-                resp.close()
+                resp.release()
             release()
             raise
-        return Reply(200, ctype, worker.worker_id, stream=self._relay(first, resp, worker, release),
+        return Reply(200, resp.content_type, worker.worker_id, stream=self._relay(first, resp, worker, release),
                      first_byte_at=self._clock())
 
-    async def _relay(self, first: bytes, resp: aiohttp.ClientResponse, worker: WorkerRecord,
+    async def _relay(self, first: bytes, resp: UpstreamResponse, worker: WorkerRecord,
                      release: Callable[[], None]) -> AsyncIterator[bytes]:
-        complete = False
         try:
             yield first
-            content = resp.content
             while True:
-                chunk = await content.readany()
+                chunk = await resp.next_chunk()
                 if not chunk:
-                    complete = True
                     break
                 yield chunk
-        except _TRANSPORT_ERRORS as exc:
+        except UpstreamError as exc:
             log.warning("worker %s failed mid-stream: %s", worker.worker_id, exc)
             self.metrics.count_midstream_failure(worker.worker_id)
             yield sse_error_event(f"worker {worker.worker_id} failed mid-stream", 502, "worker_failed_midstream")
         finally:
-            # Not fully read (client gone, or error): close the connection so the engine sees the
-            # abort and frees the slot; fully read: return it to the keep-alive pool.
-            if complete:
-                resp.release()
-            else:
-                resp.close()
+            # Fully read: the connection goes back to the pool. Otherwise (client gone, error)
+            # it is closed, so the engine sees the abort and frees the slot.
+            resp.release()
             release()

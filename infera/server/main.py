@@ -35,6 +35,7 @@ class InferaServer:
         self.policy = make_policy(args.router_policy)
         self.router = MixedRouter(self.fleet, self.policy, self.transport, self.metrics,
                                   max_retries=args.request_max_retries, direct=args.router_mode == "direct")
+        self._worker_urls: dict[str, str] = {}
         self.fleet.subscribe(self._on_fleet_change)
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
@@ -43,6 +44,12 @@ class InferaServer:
         if record is None or not record.is_active:
             self.policy.forget(worker_id)
             self.metrics.forget_worker(worker_id)
+        if record is None:
+            url = self._worker_urls.pop(worker_id, None)
+            if url is not None:
+                self.transport.forget(url)
+        else:
+            self._worker_urls[worker_id] = record.url
 
     async def start(self) -> None:
         await self.transport.start()

@@ -1,97 +1,157 @@
-"""Server metrics on a private CollectorRegistry (no process-global state).
+"""Server metrics: plain counters on the hot path, exported through a scrape-time collector.
 
-Hot-path children are cached per label tuple: ``labels()`` takes a lock and builds a key, and
-every request would otherwise pay for it.
+The server is one event loop, so updates need no locks: a request bumps dict entries and a
+histogram slot (bisect), and the Prometheus families are built only when /metrics is scraped.
+(prometheus_client's own metric objects take a lock and build label keys on every update — a
+measurable share of the router's CPU under load.)
 """
 from __future__ import annotations
 
-from typing import Callable
+from bisect import bisect_left
+from typing import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from infera.discovery.fleet import Fleet
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
-class _FleetCollector:
-    """``infera_workers{status,disagg_mode}`` recomputed at scrape time from the fleet."""
+class Histogram:
+    __slots__ = ("bounds", "counts", "total")
 
-    def __init__(self, fleet: Fleet) -> None:
-        self._fleet = fleet
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # last slot: +Inf
+        self.total = 0.0
 
-    def collect(self):
-        fam = GaugeMetricFamily("infera_workers", "Workers known to this server", labels=["status", "disagg_mode"])
-        counts: dict[tuple[str, str], int] = {("active", "mixed"): 0, ("draining", "mixed"): 0}
-        for r in self._fleet.all():
-            counts[(r.status, r.disagg_mode)] = counts.get((r.status, r.disagg_mode), 0) + 1
-        for (status, mode), n in sorted(counts.items()):
-            fam.add_metric([status, mode], n)
-        yield fam
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # bucket le=b holds values <= b
+        self.total += value
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, running = [], 0
+        for bound, n in zip((*map(_fmt, self.bounds), "+Inf"), self.counts):
+            running += n
+            out.append((bound, running))
+        return out
+
+
+def _fmt(x: float) -> str:
+    return repr(float(x))
+
+
+class Gauge:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def inc(self) -> None:
+        self.value += 1
+
+    def dec(self) -> None:
+        self.value -= 1
 
 
 class ServerMetrics:
     def __init__(self, fleet: Fleet) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.requests = Counter("infera_requests", "Requests by route, status and worker",
-                                ["route", "status", "worker"], registry=r)
-        self.e2e = Histogram("infera_request_duration_seconds", "End-to-end request latency",
-                             ["route", "stream"], buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("infera_time_to_first_token_seconds", "Time to the first streamed byte",
-                              ["route"], buckets=LATENCY_BUCKETS, registry=r)
-        self.inflight = Gauge("infera_worker_inflight_requests", "Requests in flight per worker",
-                              ["worker"], registry=r)
-        self.retries = Counter("infera_request_retries", "Attempts that failed before the first byte "
-                               "and were retried elsewhere", ["route", "reason"], registry=r)
-        self.midstream_failures = Counter("infera_midstream_failures", "Streams that broke after "
-                                          "the first byte", ["worker"], registry=r)
-        self.client_disconnects = Counter("infera_client_disconnects", "Requests abandoned by the "
-                                          "client before completion", ["route"], registry=r)
-        r.register(_FleetCollector(fleet))
-        self._children: dict[tuple, object] = {}
+        self._fleet = fleet
+        self.requests: dict[tuple[str, str, str], int] = {}
+        self.e2e: dict[tuple[str, str], Histogram] = {}
+        self.ttft: dict[str, Histogram] = {}
+        self.inflight: dict[str, Gauge] = {}
+        self.retries: dict[tuple[str, str], int] = {}
+        self.midstream_failures: dict[str, int] = {}
+        self.client_disconnects: dict[str, int] = {}
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
 
-    def _child(self, metric, *labels: str):
-        key = (id(metric), labels)
-        child = self._children.get(key)
-        if child is None:
-            child = metric.labels(*labels)
-            self._children[key] = child
-        return child
-
+    # -- hot path ----------------------------------------------------------------------------------
     def count_request(self, route: str, status: int, worker: str) -> None:
-        self._child(self.requests, route, str(status), worker).inc()
+        key = (route, str(status), worker)
+        self.requests[key] = self.requests.get(key, 0) + 1
 
     def observe_e2e(self, route: str, stream: bool, seconds: float) -> None:
-        self._child(self.e2e, route, "true" if stream else "false").observe(seconds)
+        key = (route, "true" if stream else "false")
+        h = self.e2e.get(key)
+        if h is None:
+            h = self.e2e[key] = Histogram()
+        h.observe(seconds)
 
     def observe_ttft(self, route: str, seconds: float) -> None:
-        self._child(self.ttft, route).observe(seconds)
+        h = self.ttft.get(route)
+        if h is None:
+            h = self.ttft[route] = Histogram()
+        h.observe(seconds)
 
-    def inflight_gauge(self, worker: str):
-        return self._child(self.inflight, worker)
+    def inflight_gauge(self, worker: str) -> Gauge:
+        g = self.inflight.get(worker)
+        if g is None:
+            g = self.inflight[worker] = Gauge()
+        return g
 
     def count_retry(self, route: str, reason: str) -> None:
-        self._child(self.retries, route, reason).inc()
+        self.retries[(route, reason)] = self.retries.get((route, reason), 0) + 1
 
     def count_midstream_failure(self, worker: str) -> None:
-        self._child(self.midstream_failures, worker).inc()
+        self.midstream_failures[worker] = self.midstream_failures.get(worker, 0) + 1
 
     def count_disconnect(self, route: str) -> None:
-        self._child(self.client_disconnects, route).inc()
+        self.client_disconnects[route] = self.client_disconnects.get(route, 0) + 1
 
     def forget_worker(self, worker_id: str) -> None:
-        """Drop per-worker series when a worker leaves, so /metrics tracks the live fleet."""
-        for metric in (self.inflight, self.midstream_failures):
-            try:
-                metric.remove(worker_id)
-            except KeyError:
-                pass
-        self._children = {k: v for k, v in self._children.items() if worker_id not in k[1]}
+        """Drop per-worker gauges when a worker leaves, so /metrics tracks the live fleet.
+
+        (An in-flight request still holding the gauge object keeps working; it is just no
+        longer exported.)
+        """
+        self.inflight.pop(worker_id, None)
+
+    # -- scrape ------------------------------------------------------------------------------------
+    def collect(self) -> Iterator[Metric]:
+        fam = CounterMetricFamily("infera_requests", "Requests by route, status and worker",
+                                  labels=["route", "status", "worker"])
+        for labels, n in sorted(self.requests.items()):
+            fam.add_metric(list(labels), n)
+        yield fam
+        hist = HistogramMetricFamily("infera_request_duration_seconds", "End-to-end request latency",
+                                     labels=["route", "stream"])
+        for labels, h in sorted(self.e2e.items()):
+            hist.add_metric(list(labels), h.cumulative(), h.total)
+        yield hist
+        hist = HistogramMetricFamily("infera_time_to_first_token_seconds", "Time to the first streamed byte",
+                                     labels=["route"])
+        for route, h in sorted(self.ttft.items()):
+            hist.add_metric([route], h.cumulative(), h.total)
+        yield hist
+        g = GaugeMetricFamily("infera_worker_inflight_requests", "Requests in flight per worker", labels=["worker"])
+        for worker, gauge in sorted(self.inflight.items()):
+            g.add_metric([worker], gauge.value)
+        yield g
+        fam = CounterMetricFamily("infera_request_retries", "Attempts that failed before the first byte and "
+                                  "were retried elsewhere", labels=["route", "reason"])
+        for labels, n in sorted(self.retries.items()):
+            fam.add_metric(list(labels), n)
+        yield fam
+        fam = CounterMetricFamily("infera_midstream_failures", "Streams that broke after the first byte",
+                                  labels=["worker"])
+        for worker, n in sorted(self.midstream_failures.items()):
+            fam.add_metric([worker], n)
+        yield fam
+        fam = CounterMetricFamily("infera_client_disconnects", "Requests abandoned by the client before "
+                                  "completion", labels=["route"])
+        for route, n in sorted(self.client_disconnects.items()):
+            fam.add_metric([route], n)
+        yield fam
+        workers = GaugeMetricFamily("infera_workers", "Workers known to this server", labels=["status", "disagg_mode"])
+        counts: dict[tuple[str, str], int] = {("active", "mixed"): 0, ("draining", "mixed"): 0}
+        for r in self._fleet.all():
+            counts[(r.status, r.disagg_mode)] = counts.get((r.status, r.disagg_mode), 0) + 1
+        for (status, mode), n in sorted(counts.items()):
+            workers.add_metric([status, mode], n)
+        yield workers
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-MetricsFactory = Callable[[Fleet], ServerMetrics]
