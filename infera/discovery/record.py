@@ -24,6 +24,7 @@ class WorkerRecord(msgspec.Struct, kw_only=True, omit_defaults=False):
     disagg_mode: DisaggMode = "mixed"
     disagg_meta: dict[str, Any] = msgspec.field(default_factory=dict)
     kv_events_endpoint: Optional[str] = None
+    kv_events_replay_endpoint: Optional[str] = None  # vLLM's replay socket (DEALER), when enabled
     kv_block_size: Optional[int] = None
     dp_rank: Optional[int] = None
     dp_size: Optional[int] = None

@@ -87,9 +87,24 @@ def build_launcher_parser(adapter: EngineAdapter, prog: str, environ: Mapping[st
            "routed just before the router saw the deregistration)")
     f("--engine-stop-timeout", env="INFERA_ENGINE_STOP_TIMEOUT", default=30.0, type=non_negative_float,
       help="grace between SIGTERM and SIGKILL of the engine's process group")
+    f("--engine-entrypoint", env="INFERA_ENGINE_ENTRYPOINT", default=None,
+      help="command that replaces the engine's own entry point (e.g. 'python -m my.stand_in'); the "
+           "engine argv is appended to it. For stand-ins and custom builds")
     f("--log-level", env="INFERA_LOG_LEVEL", default="info", type=choice_of("debug", "info", "warning", "error"))
     adapter.add_flags(p)
     return p
+
+
+def engine_command(args: argparse.Namespace, default_module: str, engine_argv: Sequence[str]) -> list[str]:
+    """``python -m <default_module> <argv>``, or ``--engine-entrypoint`` + argv when given."""
+    import shlex
+
+    if args.engine_entrypoint:
+        prefix = shlex.split(args.engine_entrypoint)
+        if prefix and prefix[0] in ("python", "python3"):
+            prefix[0] = sys.executable  # the launcher's own interpreter, not whatever is on PATH
+        return [*prefix, *engine_argv]
+    return [sys.executable, "-m", default_module, *engine_argv]
 
 
 def _set_pdeathsig() -> None:  # runs in the child between fork and exec

@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import argparse
 import socket
-import sys
 
 import aiohttp
 
 from infera.engine.base.argv import flag_value, flag_values
-from infera.engine.base.launcher import EngineProcessSpec
+from infera.engine.base.launcher import EngineProcessSpec, engine_command
 from infera.engine.base.prom import VLLM_INFLIGHT, info_labels, sum_samples
 
 SIM_DEFAULT_BLOCK_SIZE = 16
@@ -37,7 +36,7 @@ class SimAdapter:
             port = int(port_s)
         bind = flag_value(engine_argv, "--host", default="0.0.0.0")
         reach = "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind
-        return EngineProcessSpec(cmd=[sys.executable, "-m", "infera.engine.sim.server", *engine_argv], port=port, host=reach)
+        return EngineProcessSpec(cmd=engine_command(args, "infera.engine.sim.server", engine_argv), port=port, host=reach)
 
     async def ready(self, session: aiohttp.ClientSession, base_url: str) -> bool:
         async with session.get(base_url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
