@@ -21,7 +21,7 @@ def add_flag(
     environ = os.environ if environ is None else environ
     if env and env in environ:
         default = environ[env]
-        if kwargs.get("action") in ("store_true", "store_false"):
+        if kwargs.get("action") in ("store_true", "store_false", argparse.BooleanOptionalAction):
             default = parse_bool(default)  # argparse does not convert defaults of switches
     choices = getattr(kwargs.get("type"), "choices", None)
     if choices and "metavar" not in kwargs:

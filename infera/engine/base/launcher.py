@@ -39,6 +39,7 @@ class EngineProcessSpec:
     port: int
     host: str = "127.0.0.1"  # where the launcher itself reaches the engine
     env: dict[str, str] = field(default_factory=dict)
+    argv: list[str] = field(default_factory=list)  # the engine argv as finally passed (user + added)
 
 
 class EngineAdapter(Protocol):
@@ -254,7 +255,9 @@ class Launcher:
                     return 0
                 stop_wait.cancel()
                 ready.result()
-                fields = await self.adapter.describe(session, self.engine_url, self.engine_argv, self.args)
+                assert self.spec is not None
+                fields = await self.adapter.describe(session, self.engine_url, self.spec.argv or self.engine_argv,
+                                                     self.args)
                 self.record = self._make_record(fields)
                 await self.registration.register(self.record)
                 registered = True

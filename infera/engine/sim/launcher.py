@@ -36,7 +36,8 @@ class SimAdapter:
             port = int(port_s)
         bind = flag_value(engine_argv, "--host", default="0.0.0.0")
         reach = "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind
-        return EngineProcessSpec(cmd=engine_command(args, "infera.engine.sim.server", engine_argv), port=port, host=reach)
+        return EngineProcessSpec(cmd=engine_command(args, "infera.engine.sim.server", engine_argv), port=port, host=reach,
+                                 argv=engine_argv)
 
     async def ready(self, session: aiohttp.ClientSession, base_url: str) -> bool:
         async with session.get(base_url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
