@@ -195,6 +195,8 @@ class Launcher:
 
     # -- drain ---------------------------------------------------------------------------------------
     async def drain(self, session: aiohttp.ClientSession) -> None:
+        if not getattr(self.adapter, "drains", True):
+            return  # the engine has no in-flight metric (ATOM): deregistered, so just stop it
         timeout = self.args.drain_timeout
         if timeout <= 0:
             return
@@ -295,7 +297,8 @@ class Launcher:
 
     def _make_record(self, fields: dict) -> WorkerRecord:
         assert self.spec is not None
-        host = self.args.advertise_host or default_advertise_host(fields.pop("bind_host", None))
+        bind_host = fields.pop("bind_host", None)
+        host = self.args.advertise_host or default_advertise_host(bind_host)
         worker_id = f"{host}:{self.spec.port}"
         return WorkerRecord(worker_id=worker_id, url=f"http://{host}:{self.spec.port}", engine=self.adapter.engine,
                             request_transport=self.args.request_transport, **fields)

@@ -111,8 +111,13 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
 class SimEngine:
     """Tokenizer + KV cache + scheduler + metrics for one served model."""
 
-    def __init__(self, args: argparse.Namespace, tokenizer: SimTokenizer | None = None) -> None:
+    def __init__(self, args: argparse.Namespace, tokenizer: SimTokenizer | None = None, *,
+                 metrics_flavor: str | None = "vllm") -> None:
+        if metrics_flavor is not None and metrics_flavor not in METRICS_FLAVORS:
+            raise ValueError(f"unknown metrics flavor {metrics_flavor!r} (choose from {', '.join(METRICS_FLAVORS)})")
         self.args = args
+        # Whose metric names /metrics speaks ("vllm", "sglang"); None: no /metrics at all.
+        self.metrics_flavor = metrics_flavor
         self.model_path: str = args.model
         self.served_model_names: list[str] = list(args.served_model_name or [args.model])
         self.max_model_len: int = args.max_model_len
@@ -128,7 +133,8 @@ class SimEngine:
             output_vocab=self.tokenizer.output_token_ids,
         )
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineMetrics(self))
+        if metrics_flavor is not None:
+            self.registry.register(METRICS_FLAVORS[metrics_flavor](self))
 
     @property
     def model_name(self) -> str:
@@ -194,6 +200,48 @@ class _EngineMetrics:
                                  labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"])
         info.add_metric([str(e.cache.block_size), str(e.cache.num_blocks), "True"], 1)
         yield info
+
+
+class _SglangMetrics:
+    """The same live state under SGLang's metric names (``--enable-metrics``), PD queues at 0."""
+
+    def __init__(self, engine: SimEngine) -> None:
+        self._engine = engine
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        e = self._engine
+        labels = ["model_name"]
+        values = [e.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(values, value)
+            return c
+
+        stats = e.scheduler.stats
+        queries = e.cache.prefix_cache_queries
+        yield gauge("sglang:num_running_reqs", "The number of running requests.", e.scheduler.num_running)
+        yield gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", e.scheduler.num_waiting)
+        yield gauge("sglang:token_usage", "The token usage.", e.cache.usage)
+        yield gauge("sglang:cache_hit_rate", "The prefix cache hit rate.",
+                    e.cache.prefix_cache_hits / queries if queries else 0.0)
+        for name in ("sglang:num_prefill_bootstrap_queue_reqs", "sglang:num_prefill_inflight_queue_reqs",
+                     "sglang:num_decode_prealloc_queue_reqs", "sglang:num_decode_transfer_queue_reqs"):
+            yield gauge(name, "Requests in a PD queue (the simulator never disaggregates).", 0)
+        yield counter("sglang:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens)
+        yield counter("sglang:generation_tokens", "Number of generation tokens processed.", stats.generation_tokens)
+        yield counter("sglang:num_requests", "Number of requests processed.", sum(stats.request_success.values()))
+
+
+METRICS_FLAVORS: dict[str, Callable[[SimEngine], Any]] = {"vllm": _EngineMetrics, "sglang": _SglangMetrics}
 
 
 # ================================================================ requests/errors
@@ -611,7 +659,8 @@ def build_app(args: argparse.Namespace, engine: SimEngine | None = None) -> web.
     app.router.add_post("/ping", _health)
     app.router.add_get("/version", _version)
     app.router.add_get("/v1/models", _models)
-    app.router.add_get("/metrics", _metrics)
+    if engine.metrics_flavor is not None:
+        app.router.add_get("/metrics", _metrics)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/tokenize", _tokenize)

@@ -1,0 +1,1 @@
+"""ATOM workers: ``python -m infera.engine.atom <infera flags> <atom openai_server flags>``."""

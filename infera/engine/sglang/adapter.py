@@ -1,0 +1,222 @@
+"""SGLang: argv translation, readiness and the worker record for ``python -m infera.engine.sglang``.
+
+Every flag the user gives goes to ``python -m sglang.launch_server`` verbatim and in order; Infera
+only appends what is missing:
+
+* ``--enable-metrics`` (the drain reads ``/metrics``; SGLang serves none without it), and
+* with KV events on (the default) and no user ``--kv-events-config``:
+  ``--kv-events-config '{"publisher":"zmq","endpoint":"tcp://*:<free port>","topic":"kv-events"}'``.
+  With ``--dp-size N`` (N > 1) a block of N consecutive free ports is reserved, because SGLang's
+  publisher of attention-DP rank r binds the configured port + r.
+
+The record: ``model_name`` = ``--served-model-name`` or ``--model-path``; ``kv_block_size`` =
+``--page-size`` (SGLang's default 1); ``dp_size`` when > 1; the PD role from
+``--disaggregation-mode`` with the ``sglang-bootstrap`` protocol; the KV-events endpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import socket
+from typing import Any, Sequence
+
+import aiohttp
+
+from infera.config import add_flag, parse_bool
+from infera.engine.base.argv import flag_value, has_flag
+from infera.engine.base.launcher import EngineProcessSpec, default_advertise_host, engine_command
+from infera.engine.base.prom import sum_samples
+
+log = logging.getLogger("infera.launcher.sglang")
+
+PROG = "infera.engine.sglang"
+SGLANG_MODULE = "sglang.launch_server"
+
+# SGLang's own defaults (sglang.srt.server_args.ServerArgs) for the flags the record is built from.
+SGLANG_DEFAULT_HOST = "127.0.0.1"
+SGLANG_DEFAULT_PORT = 30000
+SGLANG_DEFAULT_PAGE_SIZE = 1
+SGLANG_DEFAULT_BOOTSTRAP_PORT = 8998
+# SGLang's KVEventsConfig defaults: no publisher unless one is named; this endpoint when none is.
+SGLANG_DEFAULT_KV_EVENTS_ENDPOINT = "tcp://*:5557"
+
+MODEL_FLAGS = ("--model-path", "--model")
+TP_FLAGS = ("--tp-size", "--tensor-parallel-size", "--tp")
+DP_FLAGS = ("--dp-size", "--data-parallel-size", "--dp")
+DISAGG_MODES = {"null": "mixed", "prefill": "prefill", "decode": "decode"}
+PROTOCOL = "sglang-bootstrap"
+
+SGLANG_INFLIGHT = ("sglang:num_running_reqs", "sglang:num_queue_reqs")
+# PD queues: requests a disaggregated worker holds outside running/queued (bootstrap handshakes,
+# KV transfers in flight) — a drain that ignored them would cut transfers short.
+SGLANG_PD_QUEUES = (
+    "sglang:num_prefill_bootstrap_queue_reqs",
+    "sglang:num_prefill_inflight_queue_reqs",
+    "sglang:num_decode_prealloc_queue_reqs",
+    "sglang:num_decode_transfer_queue_reqs",
+)
+
+_WILDCARDS = ("", "*", "0.0.0.0", "::", "[::]")
+
+
+def add_kv_events_flag(parser: argparse.ArgumentParser, default: bool, helptext: str) -> None:
+    try:
+        add_flag(parser, "--enable-kv-events", env="INFERA_ENABLE_KV_EVENTS", default=default,
+                 action=argparse.BooleanOptionalAction, help=helptext)
+    except argparse.ArgumentTypeError as exc:  # a bad env value, converted while the flag is built
+        parser.error(f"INFERA_ENABLE_KV_EVENTS: {exc}")
+
+
+def kv_events_enabled(args: argparse.Namespace, prog: str) -> bool:
+    """``--enable-kv-events`` as a bool (an env default may arrive as a string)."""
+    try:
+        return parse_bool(args.enable_kv_events)
+    except argparse.ArgumentTypeError:
+        raise SystemExit(f"{prog}: INFERA_ENABLE_KV_EVENTS is not a boolean: {args.enable_kv_events!r}") from None
+
+
+def int_flag(argv: Sequence[str], names: Sequence[str], default: int, prog: str) -> int:
+    raw = flag_value(argv, *names)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise SystemExit(f"{prog}: {names[0]} must be an integer, got {raw!r}") from None
+
+
+def free_port_block(n: int = 1, attempts: int = 64) -> int:
+    """First of ``n`` consecutive TCP ports that are free on every interface (best effort)."""
+    for _ in range(attempts):
+        with socket.socket() as s:
+            s.bind(("", 0))
+            base = s.getsockname()[1]
+        if base + n - 1 > 65535:
+            continue
+        if all(_bindable(base + i) for i in range(1, n)):
+            return base
+    raise SystemExit(f"{PROG}: could not find {n} consecutive free ports for KV events")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+            return True
+        except OSError:
+            return False
+
+
+def parse_kv_events_endpoint(raw: str) -> tuple[str | None, int] | None:
+    """(bind host or None for a wildcard, port) of a user's ``--kv-events-config``; None if it
+    publishes nothing a router could subscribe to (no zmq publisher, or not a TCP endpoint)."""
+    try:
+        cfg = json.loads(raw)
+    except ValueError as exc:
+        raise SystemExit(f"{PROG}: --kv-events-config is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise SystemExit(f"{PROG}: --kv-events-config must be a JSON object")
+    if cfg.get("publisher", "null") != "zmq":
+        log.warning("--kv-events-config has no zmq publisher: no KV-events endpoint is advertised")
+        return None
+    endpoint = cfg.get("endpoint") or SGLANG_DEFAULT_KV_EVENTS_ENDPOINT
+    if not endpoint.startswith("tcp://") or ":" not in endpoint[len("tcp://"):]:
+        log.warning("KV-events endpoint %r is not tcp://host:port: not advertised", endpoint)
+        return None
+    host, port = endpoint[len("tcp://"):].rsplit(":", 1)
+    try:
+        port_n = int(port)
+    except ValueError:
+        raise SystemExit(f"{PROG}: bad port in --kv-events-config endpoint {endpoint!r}") from None
+    return (None if host in _WILDCARDS else host.strip("[]")), port_n
+
+
+class SglangAdapter:
+    engine = "sglang"
+
+    def __init__(self) -> None:
+        self.kv_events: tuple[str | None, int] | None = None  # (bind host, port) of the publisher
+
+    def add_flags(self, parser: argparse.ArgumentParser) -> None:
+        add_kv_events_flag(parser, True, "publish KV events: inject a zmq --kv-events-config on a free port "
+                                         "unless one is given")
+
+    def prepare(self, engine_argv: list[str], args: argparse.Namespace) -> EngineProcessSpec:
+        argv = list(engine_argv)
+        if not flag_value(argv, *MODEL_FLAGS):
+            raise SystemExit(f"{PROG}: --model-path (or --model) is required (a model folder or a hub id)")
+        mode = flag_value(argv, "--disaggregation-mode", default="null")
+        if mode not in DISAGG_MODES:
+            raise SystemExit(f"{PROG}: --disaggregation-mode must be one of null, prefill, decode; got {mode!r}")
+        port = int_flag(argv, ["--port"], SGLANG_DEFAULT_PORT, PROG)
+        dp_size = int_flag(argv, DP_FLAGS, 1, PROG)
+        for names, default in ((TP_FLAGS, 1), (["--page-size"], SGLANG_DEFAULT_PAGE_SIZE),
+                               (["--disaggregation-bootstrap-port"], SGLANG_DEFAULT_BOOTSTRAP_PORT)):
+            int_flag(argv, names, default, PROG)  # fail fast here, not after the engine is up
+        if not has_flag(argv, "--enable-metrics"):
+            argv.append("--enable-metrics")
+        self.kv_events = None
+        if kv_events_enabled(args, PROG):
+            user_cfg = flag_value(argv, "--kv-events-config")
+            if user_cfg is None:
+                kv_port = free_port_block(max(dp_size, 1))
+                argv += ["--kv-events-config", json.dumps(
+                    {"publisher": "zmq", "endpoint": f"tcp://*:{kv_port}", "topic": "kv-events"},
+                    separators=(",", ":"))]
+                self.kv_events = (None, kv_port)
+            else:
+                self.kv_events = parse_kv_events_endpoint(user_cfg)
+        bind = flag_value(argv, "--host", default=SGLANG_DEFAULT_HOST)
+        reach = "127.0.0.1" if bind in _WILDCARDS else bind
+        return EngineProcessSpec(cmd=engine_command(args, SGLANG_MODULE, argv), port=port, host=reach, argv=argv)
+
+    async def ready(self, session: aiohttp.ClientSession, base_url: str) -> bool:
+        async with session.get(base_url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            if resp.status != 200:
+                return False
+        async with session.get(base_url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            return resp.status == 200
+
+    async def describe(self, session: aiohttp.ClientSession | None, base_url: str, engine_argv: list[str],
+                       args: argparse.Namespace) -> dict[str, Any]:
+        argv = engine_argv  # as finally passed (spec.argv): what the engine really runs with
+        bind = flag_value(argv, "--host", default=SGLANG_DEFAULT_HOST)
+        advertise = args.advertise_host or default_advertise_host(bind)  # as the base launcher decides
+        fields: dict[str, Any] = {
+            "model_name": flag_value(argv, "--served-model-name") or flag_value(argv, *MODEL_FLAGS),
+            "kv_block_size": int_flag(argv, ["--page-size"], SGLANG_DEFAULT_PAGE_SIZE, PROG),
+        }
+        if not args.advertise_host:
+            # Only without --advertise-host: the base launcher pops bind_host only when it needs it.
+            fields["bind_host"] = bind
+        dp_size = int_flag(argv, DP_FLAGS, 1, PROG)
+        if dp_size > 1:
+            # One HTTP endpoint fronts all N ranks either way. With --enable-dp-attention the ranks
+            # are attention-DP groups inside one model instance; without it SGLang's data-parallel
+            # controller runs N full replicas and spreads requests over them. Both honour a
+            # requested rank, so the record is rank-multiplexed: dp_size=N, dp_rank=None.
+            fields["dp_size"] = dp_size
+            fields["dp_rank"] = None
+        mode = DISAGG_MODES[flag_value(argv, "--disaggregation-mode", default="null")]
+        fields["disagg_mode"] = mode
+        if mode == "mixed":
+            fields["disagg_meta"] = {}
+        else:
+            params: dict[str, Any] = {}
+            if mode == "prefill":
+                boot = int_flag(argv, ["--disaggregation-bootstrap-port"], SGLANG_DEFAULT_BOOTSTRAP_PORT, PROG)
+                params["bootstrap_addr"] = f"{advertise}:{boot}"
+            if has_flag(argv, *TP_FLAGS):
+                params["tp_size"] = int_flag(argv, TP_FLAGS, 1, PROG)
+            fields["disagg_meta"] = {"protocol": PROTOCOL, "params": params}
+        if self.kv_events is not None:
+            host, port = self.kv_events
+            fields["kv_events_endpoint"] = f"tcp://{host or advertise}:{port}"
+        return fields
+
+    def inflight(self, metrics_text: str) -> int | None:
+        core = sum_samples(metrics_text, SGLANG_INFLIGHT)
+        if core is None:
+            return None
+        return core + (sum_samples(metrics_text, SGLANG_PD_QUEUES) or 0)
