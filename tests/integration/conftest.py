@@ -3,13 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
-import time
-import urllib.request
 import uuid
 
 import aiohttp
@@ -17,58 +12,7 @@ import pytest
 
 from infera.server.cli import parse_args
 from infera.server.main import InferaServer
-from tests.conftest import free_port, wait_for
-
-
-class EtcdProcess:
-    """A real etcd for the test session (sync, so it outlives every test's event loop)."""
-
-    def __init__(self) -> None:
-        from infera.discovery.embedded_etcd import find_etcd_binary
-
-        self.binary = find_etcd_binary()
-        self.data_dir = tempfile.mkdtemp(prefix="infera-test-etcd-")
-        self.client_port = free_port()
-        self.peer_port = free_port()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
-
-    def start(self, wipe: bool = False) -> None:
-        if wipe:
-            shutil.rmtree(self.data_dir, ignore_errors=True)
-            os.makedirs(self.data_dir)
-        c, p = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
-        log = open(os.path.join(os.path.dirname(self.data_dir), os.path.basename(self.data_dir) + ".log"), "ab")
-        self.proc = subprocess.Popen(
-            [self.binary, "--name", "t", "--data-dir", self.data_dir, "--listen-client-urls", c,
-             "--advertise-client-urls", c, "--listen-peer-urls", p, "--initial-advertise-peer-urls", p,
-             "--initial-cluster", f"t={p}"], stdout=log, stderr=log)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(c + "/health", timeout=1) as r:
-                    if b"true" in r.read():
-                        return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError("etcd did not become healthy")
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def cleanup(self) -> None:
-        self.stop()
-        shutil.rmtree(self.data_dir, ignore_errors=True)
+from tests.conftest import EtcdProcess, free_port, wait_for
 
 
 @pytest.fixture(scope="session")
@@ -144,10 +88,6 @@ async def spawn_worker(etcd, prefix):
             except ProcessLookupError:
                 pass
             await w.proc.wait()
-        try:  # the engine child is in the launcher's group; make sure nothing outlives the test
-            os.killpg(w.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 async def fleet_ids(server: InferaServer) -> set[str]:

@@ -172,19 +172,37 @@ class Launcher:
                 pass
 
     async def stop_engine(self) -> int | None:
+        """Stop the engine's whole process group: SIGTERM, then SIGKILL after the grace.
+
+        Also when the engine's main process is already dead: its children (vLLM's EngineCore,
+        SGLang's schedulers…) stay in the group and must not outlive us.
+        """
         proc = self.proc
-        if proc is None or proc.returncode is not None:
-            return proc.returncode if proc else None
-        self._killpg(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.wait(), timeout=self.args.engine_stop_timeout)
-        except asyncio.TimeoutError:
-            log.warning("engine did not stop within %.0fs; killing its process group", self.args.engine_stop_timeout)
+        if proc is None:
+            return None
+        if proc.returncode is None:
+            self._killpg(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), timeout=self.args.engine_stop_timeout)
+            except asyncio.TimeoutError:
+                log.warning("engine did not stop within %.0fs; killing its process group", self.args.engine_stop_timeout)
+                self._killpg(signal.SIGKILL)
+                await proc.wait()
+        if self._group_alive():
+            self._killpg(signal.SIGTERM)
+            deadline = time.monotonic() + min(self.args.engine_stop_timeout, 10.0)
+            while self._group_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
             self._killpg(signal.SIGKILL)
-            await proc.wait()
-        # Children the engine spawned in its group (tokenizer workers, …) go too.
-        self._killpg(signal.SIGKILL)
         return proc.returncode
+
+    def _group_alive(self) -> bool:
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
 
     def _killpg(self, sig: int) -> None:
         assert self.proc is not None

