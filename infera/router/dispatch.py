@@ -5,8 +5,8 @@ arrived (that is the commit point: before it we may retry elsewhere, after it ne
 """
 from __future__ import annotations
 
-import asyncio
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence
@@ -19,6 +19,18 @@ from infera.server.metrics import ServerMetrics
 from infera.transport.http import HttpTransport, UpstreamError, UpstreamResponse
 
 log = logging.getLogger(__name__)
+
+DP_RANK_HEADER = "X-Data-Parallel-Rank"
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+
+# (worker, request, engine-reported cached prompt tokens or None) after a 200 reply completes.
+UsageObserver = Callable[[WorkerRecord, RoutedRequest, "int | None"], None]
+
+
+def reported_cached_tokens(data: bytes) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` from a reply body or a stream's tail."""
+    found = _CACHED_TOKENS.findall(data)
+    return int(found[-1]) if found else None
 
 
 @dataclass(slots=True)
@@ -45,9 +57,12 @@ class MixedRouter:
     """Routes to mixed (non-disaggregated) workers of the requested model."""
 
     def __init__(self, fleet: Fleet, policy: Policy, transport: HttpTransport, metrics: ServerMetrics,
-                 *, max_retries: int = 1, direct: bool = False, clock: Callable[[], float] = time.perf_counter) -> None:
+                 *, max_retries: int = 1, direct: bool = False, clock: Callable[[], float] = time.perf_counter,
+                 usage_observer: UsageObserver | None = None) -> None:
         self.fleet = fleet
         self.policy = policy
+        self._prepare = getattr(policy, "prepare", None)  # async per-request setup (tokenize once)
+        self.usage_observer = usage_observer
         self.transport = transport
         self.metrics = metrics
         self.max_retries = max_retries
@@ -82,6 +97,8 @@ class MixedRouter:
             return self._finish(result, req)
 
         candidates = self.candidates(req.model)
+        if self._prepare is not None:
+            await self._prepare(req)
         tried: set[str] = set()
         result: Reply | _Failure | None = None
         for attempt in range(1 + self.max_retries):
@@ -122,7 +139,10 @@ class MixedRouter:
         resp: UpstreamResponse | None = None
         try:
             host, port = transport.address(worker.url)
-            resp = await transport.post(host, port, req.route, req.body, (("X-Request-Id", req.request_id),))
+            rank = req.state.get("dp_rank")
+            headers = (("X-Request-Id", req.request_id),) if rank is None else (
+                ("X-Request-Id", req.request_id), (DP_RANK_HEADER, str(rank)))
+            resp = await transport.post(host, port, req.route, req.body, headers)
             status = resp.status
             if status >= 500:
                 body = await resp.read()
@@ -134,6 +154,8 @@ class MixedRouter:
                 body = await resp.read()
                 resp.release()
                 release()
+                if status == 200 and self.usage_observer is not None:
+                    self.usage_observer(worker, req, reported_cached_tokens(body))
                 return Reply(status, resp.content_type, worker.worker_id, body=body)
             first = await resp.next_chunk()
             if not first:
@@ -150,18 +172,24 @@ class MixedRouter:
                 resp.release()
             release()
             raise
-        return Reply(200, resp.content_type, worker.worker_id, stream=self._relay(first, resp, worker, release),
+        return Reply(200, resp.content_type, worker.worker_id, stream=self._relay(first, resp, worker, req, release),
                      first_byte_at=self._clock())
 
-    async def _relay(self, first: bytes, resp: UpstreamResponse, worker: WorkerRecord,
+    async def _relay(self, first: bytes, resp: UpstreamResponse, worker: WorkerRecord, req: RoutedRequest,
                      release: Callable[[], None]) -> AsyncIterator[bytes]:
+        observer = self.usage_observer
+        tail = first[-2048:] if observer is not None else b""
         try:
             yield first
             while True:
                 chunk = await resp.next_chunk()
                 if not chunk:
                     break
+                if observer is not None:  # the usage chunk comes last: keep a short tail
+                    tail = (tail + chunk)[-2048:]
                 yield chunk
+            if observer is not None:
+                observer(worker, req, reported_cached_tokens(tail))
         except UpstreamError as exc:
             log.warning("worker %s failed mid-stream: %s", worker.worker_id, exc)
             self.metrics.count_midstream_failure(worker.worker_id)

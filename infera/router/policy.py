@@ -41,9 +41,10 @@ PolicyFactory = Callable[..., Policy]
 
 
 def policy_registry() -> dict[str, PolicyFactory]:
+    from infera.router.kv_aware import KvAwarePolicy
     from infera.router.round_robin import RoundRobinPolicy
 
-    return {"round-robin": RoundRobinPolicy}
+    return {"round-robin": RoundRobinPolicy, "kv-aware": KvAwarePolicy}
 
 
 def make_policy(name: str, **kwargs: Any) -> Policy:

@@ -10,7 +10,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import msgspec
 from aiohttp import web
@@ -38,6 +38,7 @@ class ServerState:
     metrics: ServerMetrics
     max_request_bytes: int
     request_ids: "RequestIds" = field(default_factory=lambda: RequestIds())
+    kv: Any = None  # KvEventsBridge under the kv-aware policy
 
 
 STATE_KEY = web.AppKey("state", ServerState)
@@ -157,6 +158,23 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=state.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
+async def _cache_view(request: web.Request) -> web.Response:
+    state: ServerState = request.app[STATE_KEY]
+    if state.kv is None:
+        raise ApiError(503, "KV-aware routing is disabled (--router-policy round-robin)", "kv_aware_disabled")
+    worker_id = request.match_info["worker_id"]
+    rank_s = request.query.get("dp_rank")
+    try:
+        rank = int(rank_s) if rank_s not in (None, "") else None
+    except ValueError:
+        raise ApiError(400, f"dp_rank must be an integer, not {rank_s!r}", "invalid_request", param="dp_rank") from None
+    view = state.kv.cache_view(worker_id, rank)
+    if view is None:
+        raise ApiError(404, f"no KV cache view for worker {worker_id!r}" + (f" rank {rank}" if rank is not None else ""),
+                       "worker_not_found")
+    return web.Response(body=_json.encode(view), content_type="application/json")
+
+
 def build_app(state: ServerState) -> web.Application:
     app = web.Application(middlewares=[_errors_middleware], client_max_size=state.max_request_bytes)
     app[STATE_KEY] = state
@@ -166,6 +184,7 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/v1/workers", _workers)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/v1/admin/cache-view/{worker_id}", _cache_view)
     return app
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 from typing import Mapping, Sequence
 
-from infera.config import add_flag, choice_of, etcd_prefix, etcd_url, non_negative_int, port_number, positive_int
+from infera.config import (add_flag, choice_of, etcd_prefix, etcd_url, non_negative_float, non_negative_int,
+                           port_number, positive_int)
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 
@@ -27,8 +28,17 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
       help="how KV events reach the router (used by KV-aware policies)")
     f("--router-mode", env="INFERA_ROUTER_MODE", default="auto", type=choice_of("auto", "direct"),
       help="auto: the router picks; direct: honour the x-worker-instance-id header")
-    f("--router-policy", env="INFERA_ROUTER_POLICY", default="round-robin", type=choice_of("round-robin"),
-      help="how a worker is picked")
+    f("--router-policy", env="INFERA_ROUTER_POLICY", default="kv-aware", type=choice_of("kv-aware", "round-robin"),
+      help="kv-aware: the worker already holding the longest prefix of the prompt, balanced against load")
+    f("--router-tokenizer-path", env="INFERA_ROUTER_TOKENIZER_PATH", default=None,
+      help="kv-aware: the model's tokenizer (a folder with tokenizer.json + chat template, or the file); "
+           "default: the simulator's built-in tokenizer")
+    f("--kv-overlap-weight", env="INFERA_KV_OVERLAP_WEIGHT", default=1.0, type=non_negative_float,
+      help="kv-aware: cost of one missed block relative to one in-flight block")
+    f("--kv-prefill-overlap-weight", env="INFERA_KV_PREFILL_OVERLAP_WEIGHT", default=None, type=non_negative_float,
+      help="kv-aware: the weight for prefill picks of PD pairs (default: --kv-overlap-weight)")
+    f("--kv-decode-overlap-weight", env="INFERA_KV_DECODE_OVERLAP_WEIGHT", default=None, type=non_negative_float,
+      help="kv-aware: the weight for decode picks of PD pairs (default: --kv-overlap-weight)")
     f("--request-max-retries", env="INFERA_REQUEST_MAX_RETRIES", default=1, type=non_negative_int,
       help="other workers tried when one fails before the first byte")
     f("--max-request-bytes", env="INFERA_MAX_REQUEST_BYTES", default=DEFAULT_MAX_REQUEST_BYTES,

@@ -15,7 +15,10 @@ from infera.discovery.fleet import Fleet
 from infera.router.dispatch import MixedRouter
 from infera.router.policy import make_policy
 from infera.server.app import ServerState, build_app
+from infera.kv.index import KvIndex
+from infera.kv.prompt import PromptTokenizer
 from infera.server.cli import parse_args
+from infera.server.kv import KvEventsBridge
 from infera.server.metrics import ServerMetrics
 from infera.transport.http import HttpTransport
 
@@ -32,9 +35,22 @@ class InferaServer:
                                                      etcd_prefix=args.etcd_prefix)
         self.metrics = ServerMetrics(self.fleet)
         self.transport = HttpTransport()
-        self.policy = make_policy(args.router_policy)
+        self.kv: KvEventsBridge | None = None
+        usage_observer = None
+        if args.router_policy == "kv-aware":
+            index = KvIndex()
+            self.kv = KvEventsBridge(self.fleet, index)
+            self.metrics.registry.register(self.kv)
+            self.policy = make_policy("kv-aware", index=index, prompts=PromptTokenizer.from_path(args.router_tokenizer_path),
+                                      overlap_weight=args.kv_overlap_weight,
+                                      prefill_overlap_weight=args.kv_prefill_overlap_weight,
+                                      decode_overlap_weight=args.kv_decode_overlap_weight, observer=self.kv)
+            usage_observer = self.kv.observe_usage
+        else:
+            self.policy = make_policy(args.router_policy)
         self.router = MixedRouter(self.fleet, self.policy, self.transport, self.metrics,
-                                  max_retries=args.request_max_retries, direct=args.router_mode == "direct")
+                                  max_retries=args.request_max_retries, direct=args.router_mode == "direct",
+                                  usage_observer=usage_observer)
         self._worker_urls: dict[str, str] = {}
         self.fleet.subscribe(self._on_fleet_change)
         self._runner: web.AppRunner | None = None
@@ -53,8 +69,10 @@ class InferaServer:
 
     async def start(self) -> None:
         await self.transport.start()
+        if self.kv is not None:
+            await self.kv.start()
         await self.discovery.start(self.fleet)  # returns at once; converges in the background
-        app = build_app(ServerState(self.fleet, self.router, self.metrics, self.args.max_request_bytes))
+        app = build_app(ServerState(self.fleet, self.router, self.metrics, self.args.max_request_bytes, kv=self.kv))
         # handler_cancellation: a client that disconnects cancels its handler, which closes the
         # upstream connection, which makes the engine abort the request and free its slot.
         self._runner = web.AppRunner(app, handler_cancellation=True,
@@ -72,6 +90,8 @@ class InferaServer:
             await self._runner.cleanup()
             self._runner = None
         await self.discovery.stop()
+        if self.kv is not None:
+            await self.kv.stop()
         await self.transport.close()
 
 

@@ -114,17 +114,20 @@ class VllmFleet:
         self.tmp = tmp
         self.model = build_tiny_model(tmp / "tiny-llama")
         self.etcd = EtcdProcess()
-        self.server: subprocess.Popen | None = None
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
+        self.servers: list[subprocess.Popen] = []
+        self.port, self.kv_port = free_port(), free_port()
+        self.base = f"http://127.0.0.1:{self.port}"  # round-robin replica
+        self.kv_base = f"http://127.0.0.1:{self.kv_port}"  # kv-aware replica over the same fleet
         self.workers: list[VllmWorker] = []
 
     def start(self, n: int = 2) -> None:
         self.etcd.start()
-        log = open(self.tmp / "server.log", "wb")
-        self.server = subprocess.Popen([sys.executable, "-m", "infera.server", "--host", "127.0.0.1", "--port",
-                                        str(self.port), "--etcd-endpoint", self.etcd.endpoint],
-                                       stdout=log, stderr=subprocess.STDOUT)
+        for port, policy in ((self.port, ["--router-policy", "round-robin"]),
+                             (self.kv_port, ["--router-policy", "kv-aware", "--router-tokenizer-path", str(self.model)])):
+            log = open(self.tmp / f"server-{port}.log", "wb")
+            self.servers.append(subprocess.Popen([sys.executable, "-m", "infera.server", "--host", "127.0.0.1",
+                                                  "--port", str(port), "--etcd-endpoint", self.etcd.endpoint, *policy],
+                                                 stdout=log, stderr=subprocess.STDOUT))
         for i in range(n):
             port = free_port()
             env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
@@ -140,7 +143,8 @@ class VllmFleet:
                 stdout=open(path, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
             self.workers.append(VllmWorker(proc, port, path))
         try:
-            wait_until(lambda: len(self.records()) == n or self._dead(), 300, f"{n} vLLM workers registered")
+            wait_until(lambda: (len(self.records()) == n and len(self.records(self.kv_base)) == n) or self._dead(), 300,
+                       f"{n} vLLM workers registered")
         except BaseException:
             self.dump_logs()
             raise
@@ -151,9 +155,9 @@ class VllmFleet:
     def _dead(self) -> bool:
         return any(w.proc.poll() is not None for w in self.workers)
 
-    def records(self) -> list[dict]:
+    def records(self, base: str | None = None) -> list[dict]:
         try:
-            return http_json(self.base + "/v1/workers", timeout=5)["workers"]
+            return http_json((base or self.base) + "/v1/workers", timeout=5)["workers"]
         except OSError:
             return []
 
@@ -170,9 +174,9 @@ class VllmFleet:
                 w.proc.wait(60)
             except subprocess.TimeoutExpired:
                 os.killpg(w.proc.pid, signal.SIGKILL)
-        if self.server is not None:
-            self.server.terminate()
-            self.server.wait(15)
+        for server in self.servers:
+            server.terminate()
+            server.wait(15)
         self.etcd.cleanup()
 
 

@@ -35,7 +35,7 @@ async def test_worker_registers_within_2s_of_readiness(make_server, spawn_worker
 
 
 async def test_even_split_then_sigkill_leaves_within_ttl(make_server, spawn_worker):
-    server = await make_server()
+    server = await make_server("--router-policy", "round-robin")
     a, b = await spawn_worker(), await spawn_worker()
     await wait_workers(server, {a.worker_id, b.worker_id})
     base = f"http://127.0.0.1:{server.port}"

@@ -8,6 +8,9 @@ In-process use (tests, launchers)::
     async with SimServer(args) as server:      # or: await server.start() / await server.stop()
         ...  # server.url == "http://127.0.0.1:<port>"
 
+``--kv-events-config`` (vLLM's JSON schema) publishes the cache's real KV events over ZMQ in vLLM's
+wire format, with vLLM's replay socket (see ``kv_events.py``).
+
 ``build_app(args)`` returns the bare ``aiohttp`` application if you want to host it yourself;
 run it with ``web.AppRunner(app, handler_cancellation=True)`` so a client disconnect cancels the
 handler (which aborts the sequence and frees its KV blocks).
@@ -30,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .cache import KVCache
+from .kv_events import KvEventPublisher, parse_kv_events_config
 from .scheduler import FINISH_REASONS, FINISH_STOP, Scheduler, Sequence
 from .tokenizer import ChatTemplateError, SimTokenizer, load_tokenizer
 
@@ -90,6 +94,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=_int_in(1), default=8192, help="prompt + output token limit")
     p.add_argument("--speedup", type=_positive_float, default=1.0, help="simulated time is divided by this")
     p.add_argument("--seed", type=int, default=0, help="seed of the deterministic output")
+    p.add_argument("--kv-events-config", type=parse_kv_events_config, default=None,
+                   help="vLLM's KV-events config (JSON): enable_kv_cache_events, publisher (zmq), endpoint, "
+                        "replay_endpoint, buffer_steps, topic")
     return p
 
 
@@ -112,7 +119,7 @@ class SimEngine:
     """Tokenizer + KV cache + scheduler + metrics for one served model."""
 
     def __init__(self, args: argparse.Namespace, tokenizer: SimTokenizer | None = None, *,
-                 metrics_flavor: str | None = "vllm") -> None:
+                 metrics_flavor: str | None = "vllm", kv_events_format: str = "vllm") -> None:
         if metrics_flavor is not None and metrics_flavor not in METRICS_FLAVORS:
             raise ValueError(f"unknown metrics flavor {metrics_flavor!r} (choose from {', '.join(METRICS_FLAVORS)})")
         self.args = args
@@ -132,6 +139,13 @@ class SimEngine:
             seed=args.seed,
             output_vocab=self.tokenizer.output_token_ids,
         )
+        # KV events ("vllm" tagged maps or "sglang" tagged arrays), one batch per scheduler step.
+        self.kv_events: KvEventPublisher | None = None
+        kv_cfg = getattr(args, "kv_events_config", None)
+        if kv_cfg is not None and kv_cfg.enabled:
+            self.kv_events = KvEventPublisher(kv_cfg, block_size=args.block_size, seed=args.seed,
+                                              fmt=kv_events_format)
+            self.kv_events.attach(self.cache, self.scheduler)
         self.registry = CollectorRegistry()
         if metrics_flavor is not None:
             self.registry.register(METRICS_FLAVORS[metrics_flavor](self))
@@ -457,6 +471,8 @@ async def _reset_prefix_cache(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     if not engine.cache.reset_prefix_cache():
         return ApiError(500, "Failed to reset prefix cache: blocks are in use.", "InternalServerError").response()
+    if engine.kv_events is not None:
+        engine.kv_events.flush()  # AllBlocksCleared now (vLLM sends it with the next step's batch)
     return web.Response(status=200)
 
 
@@ -646,11 +662,15 @@ def build_app(args: argparse.Namespace, engine: SimEngine | None = None) -> web.
     app[ENGINE_KEY] = engine
 
     async def start_engine(_app: web.Application) -> None:
+        if engine.kv_events is not None:
+            await engine.kv_events.start()  # bound before the first request can store a block
         engine.scheduler.start()
 
     async def stop_engine(_app: web.Application) -> None:
         # Ends in-flight generations (finish_reason "abort") so handlers return promptly.
         await engine.scheduler.stop()
+        if engine.kv_events is not None:
+            await engine.kv_events.stop()
 
     app.on_startup.append(start_engine)
     app.on_shutdown.append(stop_engine)

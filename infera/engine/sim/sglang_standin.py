@@ -11,8 +11,10 @@ Use it through the launcher's documented override::
         --model-path my-model --port 30001 --page-size 16
 
 PD flags are accepted and validated, not acted on: a "prefill" or "decode" stand-in serves complete
-requests like a mixed one (no bootstrap server, no KV transfer); ``--kv-events-config`` is validated,
-and nothing is published.
+requests like a mixed one (no bootstrap server, no KV transfer). ``--kv-events-config`` with a
+``"zmq"`` publisher publishes the simulated cache's real KV events in SGLang's format (events as
+tagged arrays, batch ``[ts, events, dp_rank]``) on ``endpoint``. The stand-in runs one engine, so
+with ``--dp-size N`` only rank 0 publishes (on the endpoint's port itself).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import sys
 from typing import Iterable
 
 from . import server as sim
+from .kv_events import KvEventsConfig
 
 log = logging.getLogger("infera.engine.sim.sglang_standin")
 
@@ -92,8 +95,19 @@ def sim_args(model: str, served: str | None, host: str, port: int, block_size: i
     return sim.parse_args(argv)
 
 
-async def _serve(args: argparse.Namespace, metrics_flavor: str | None, ready_line: str) -> None:
-    engine = sim.SimEngine(args, metrics_flavor=metrics_flavor)
+def sglang_kv_events_config(obj: dict | None) -> KvEventsConfig | None:
+    """SGLang's ``--kv-events-config`` (a zmq publisher alone enables events); ValueError if invalid."""
+    if obj is None:
+        return None
+    try:
+        return KvEventsConfig.from_dict(obj, sglang=True)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
+
+
+async def _serve(args: argparse.Namespace, metrics_flavor: str | None, ready_line: str,
+                 kv_events_format: str = "vllm") -> None:
+    engine = sim.SimEngine(args, metrics_flavor=metrics_flavor, kv_events_format=kv_events_format)
     server = sim.SimServer(args, engine)
     await server.start()
     log.info("serving %s on %s:%d", engine.model_name, args.host, server.port)
@@ -111,7 +125,8 @@ async def _serve(args: argparse.Namespace, metrics_flavor: str | None, ready_lin
         await server.stop()
 
 
-def run_standin(args: argparse.Namespace, metrics_flavor: str | None, ready_line: str) -> int:
+def run_standin(args: argparse.Namespace, metrics_flavor: str | None, ready_line: str,
+                kv_events_format: str = "vllm") -> int:
     """Serve the simulated engine until SIGTERM/SIGINT; 1 if it cannot bind."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     log.info("started server process [%d]", os.getpid())
@@ -121,9 +136,9 @@ def run_standin(args: argparse.Namespace, metrics_flavor: str | None, ready_line
         uvloop = None
     try:
         if uvloop is not None:
-            uvloop.run(_serve(args, metrics_flavor, ready_line))
+            uvloop.run(_serve(args, metrics_flavor, ready_line, kv_events_format))
         else:
-            asyncio.run(_serve(args, metrics_flavor, ready_line))
+            asyncio.run(_serve(args, metrics_flavor, ready_line, kv_events_format))
     except OSError as exc:  # e.g. port in use
         log.error("cannot serve: %s", exc)
         return 1
@@ -131,9 +146,14 @@ def run_standin(args: argparse.Namespace, metrics_flavor: str | None, ready_line
 
 
 def main(argv: Iterable[str] | None = None) -> int:
-    a = build_arg_parser().parse_args(None if argv is None else list(argv))
+    parser = build_arg_parser()
+    a = parser.parse_args(None if argv is None else list(argv))
     args = sim_args(a.model_path, a.served_model_name, a.host, a.port, a.page_size, a.speedup, a.seed)
-    return run_standin(args, "sglang" if a.enable_metrics else None, SGLANG_READY_LINE)
+    try:
+        args.kv_events_config = sglang_kv_events_config(a.kv_events_config)
+    except ValueError as exc:
+        parser.error(f"argument --kv-events-config: {exc}")
+    return run_standin(args, "sglang" if a.enable_metrics else None, SGLANG_READY_LINE, "sglang")
 
 
 if __name__ == "__main__":

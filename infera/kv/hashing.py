@@ -1,0 +1,44 @@
+"""Block hashes in the router's own hash space: chained XXH3-64 over full blocks.
+
+``hash_chunk(parent, tokens) = XXH3_64(parent as u64 LE ‖ each token as u32 LE)``, seed 0, with
+``ROUTER_SEED`` (0) as the parent of the first block. Only full blocks are hashed; a trailing
+partial block is dropped. Engine-reported token ids are re-hashed with the same chain, so the
+router never depends on an engine's own hash function or seed.
+"""
+from __future__ import annotations
+
+from array import array
+from typing import Sequence
+
+import xxhash
+
+ROUTER_SEED = 0
+_xxh3 = xxhash.xxh3_64_intdigest
+_U64 = (1 << 64) - 1
+
+
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    buf = array("I", tokens)  # native order; swapped below on big-endian hosts
+    if buf.itemsize != 4:
+        buf = array("L", tokens)
+    if array("I", [1]).tobytes()[0] != 1:
+        buf.byteswap()
+    return buf.tobytes()
+
+
+def hash_chunk(parent: int, tokens: Sequence[int]) -> int:
+    return _xxh3(parent.to_bytes(8, "little") + _token_bytes(tokens))
+
+
+def block_hashes(tokens: Sequence[int], block_size: int, parent: int = ROUTER_SEED) -> list[int]:
+    """Chained hashes of every full block of ``tokens`` (one bytes conversion for the whole list)."""
+    n = len(tokens) // block_size
+    if n == 0 or block_size <= 0:
+        return []
+    data = _token_bytes(tokens[: n * block_size])
+    step = 4 * block_size
+    out = []
+    for i in range(n):
+        parent = _xxh3(parent.to_bytes(8, "little") + data[i * step:(i + 1) * step])
+        out.append(parent)
+    return out

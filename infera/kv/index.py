@@ -1,0 +1,352 @@
+"""The router's view of every target's KV cache, kept from engine KV events (spec §3.4–3.6).
+
+A *target* is a route key — ``"<worker_id>"`` or ``"<worker_id>#dp<rank>"`` — with the KV block
+size its engine registered. Storage is laid out for prefix matching in O(prefix length):
+
+* ``router_hash -> int`` bitmask of the targets holding that block (one dict for all targets);
+  every target owns one bit, and the bits of removed targets are reused (lowest first);
+* per target, ``engine_hash -> router_hash`` (engine hashes are opaque keys: int or bytes), so
+  ``BlockRemoved`` and the ``parent_block_hash`` of later ``BlockStored`` events can be resolved.
+
+``BlockStored`` token ids are re-hashed in the router's own space (``infera.kv.hashing``: chained
+XXH3-64, parent of the first block ``ROUTER_SEED``) so routing never depends on an engine's hash
+function or seed. Events are per target; batches for an unknown key are ignored (the worker may
+have gone while a batch was in flight).
+
+Semantics follow the spec exactly: the view is a *set* of router hashes per target, so a
+``BlockRemoved`` drops the router hash even if a second engine block (another LoRA, say) with the
+same tokens maps to it; blocks of a misaligned ``BlockStored`` (``len(token_ids)//block_size !=
+len(block_hashes)``) enter the view but are not mapped, so only a clear or reset removes them.
+
+Not thread-safe: one writer (the event loop) applies batches and answers ``match``.
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+import struct
+import sys
+import time
+from array import array
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import xxhash
+
+from infera.kv.events import BlockHash, Cleared, EventBatch, Removed, Stored
+from infera.kv.hashing import ROUTER_SEED
+
+__all__ = ["KvIndex", "TargetStats", "FULL_ATTENTION_KINDS"]
+
+log = logging.getLogger(__name__)
+
+#: ``kv_cache_spec_kind`` values whose blocks hold the whole prefix (hybrid models also publish
+#: sliding-window / mamba groups, which must not count as prefix hits). Absent kind → accepted.
+FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+
+_xxh3 = xxhash.xxh3_64_intdigest
+_pack_u64 = struct.Struct("<Q").pack
+_U32 = "I" if array("I").itemsize == 4 else "L"
+_SWAP = sys.byteorder != "little"
+
+
+@dataclass(slots=True)
+class TargetStats:
+    """Per-target counters (live object; read only)."""
+    stored_events: int = 0    #: BlockStored events applied
+    stored_blocks: int = 0    #: blocks re-hashed from applied BlockStored events
+    removed_events: int = 0   #: BlockRemoved events applied
+    removed_blocks: int = 0   #: engine hashes of BlockRemoved that resolved to a router hash
+    dropped_events: int = 0   #: BlockStored dropped: unknown parent, or token ids not u32
+    skipped_events: int = 0   #: BlockStored skipped by the kv_cache_spec_kind filter
+    misaligned_events: int = 0  #: BlockStored with len(tokens)//bs != len(block_hashes) (not mapped)
+    cleared: int = 0          #: AllBlocksCleared applied
+    resets: int = 0           #: reset() calls
+    batches: int = 0          #: batches applied
+    last_apply: float = 0.0   #: time.monotonic() of the last apply (0.0: never)
+
+
+class _Target:
+    __slots__ = ("key", "block_size", "bit", "mask", "emap", "count", "unmapped", "stats", "warned_bs")
+
+    def __init__(self, key: str, block_size: int, bit: int) -> None:
+        self.key = key
+        self.block_size = block_size
+        self.bit = bit
+        self.mask = 1 << bit
+        self.emap: dict[BlockHash, int] = {}
+        self.count = 0           # router hashes whose holder mask has our bit
+        self.unmapped = False    # view may hold router hashes that no emap value names
+        self.stats = TargetStats()
+        self.warned_bs = False
+
+
+class KvIndex:
+    """Every target's cached router block hashes, with single-pass longest-prefix matching."""
+
+    __slots__ = ("_holders", "_targets", "_free_bits", "_next_bit")
+
+    def __init__(self) -> None:
+        self._holders: dict[int, int] = {}   # router hash -> bitmask of targets holding it
+        self._targets: dict[str, _Target] = {}
+        self._free_bits: list[int] = []      # heap of released bits
+        self._next_bit = 0
+
+    # --- targets ---------------------------------------------------------------------------
+
+    def add_target(self, key: str, block_size: int) -> None:
+        """Register ``key``. Re-adding with the same block size is a no-op; with another block
+        size the old view is dropped (its hashes were computed for the old size)."""
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size!r}")
+        t = self._targets.get(key)
+        if t is not None:
+            if t.block_size != block_size:
+                self._drop_view(t)
+                t.block_size = block_size
+                t.warned_bs = False
+            return
+        bit = heapq.heappop(self._free_bits) if self._free_bits else self._next_bit
+        if bit == self._next_bit:
+            self._next_bit += 1
+        self._targets[key] = _Target(key, block_size, bit)
+
+    def remove_target(self, key: str) -> bool:
+        """Forget ``key``: its view, its engine→router map and its bit (reused later)."""
+        t = self._targets.pop(key, None)
+        if t is None:
+            return False
+        self._drop_view(t)
+        heapq.heappush(self._free_bits, t.bit)
+        return True
+
+    def reset(self, key: str) -> None:
+        """Empty ``key``'s view and map (sequence gap without replay, engine restart)."""
+        t = self._targets.get(key)
+        if t is not None:
+            self._drop_view(t)
+            t.stats.resets += 1
+
+    def has_target(self, key: str) -> bool:
+        return key in self._targets
+
+    def block_size(self, key: str) -> Optional[int]:
+        t = self._targets.get(key)
+        return None if t is None else t.block_size
+
+    def keys(self) -> list[str]:
+        return list(self._targets)
+
+    def block_count(self, key: str) -> int:
+        """Number of distinct router block hashes in ``key``'s view (0 if unknown)."""
+        t = self._targets.get(key)
+        return 0 if t is None else t.count
+
+    def mapped_count(self, key: str) -> int:
+        """Number of engine hashes ``key`` can resolve (parents, removals)."""
+        t = self._targets.get(key)
+        return 0 if t is None else len(t.emap)
+
+    def stats(self, key: str) -> Optional[TargetStats]:
+        t = self._targets.get(key)
+        return None if t is None else t.stats
+
+    def __len__(self) -> int:
+        """Distinct router block hashes held by any target."""
+        return len(self._holders)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._targets
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._targets))
+
+    def holds(self, key: str, router_hash: int) -> bool:
+        t = self._targets.get(key)
+        return t is not None and bool(self._holders.get(router_hash, 0) & t.mask)
+
+    def _drop_view(self, t: _Target) -> None:
+        holders = self._holders
+        m = t.mask
+        if t.count and not t.unmapped:
+            # every viewed hash was added together with a map entry: clear through the map
+            for h in t.emap.values():
+                old = holders.get(h, 0)
+                if old & m:
+                    if old == m:
+                        del holders[h]
+                    else:
+                        holders[h] = old ^ m
+                    t.count -= 1
+        if t.count:
+            # misaligned events (or a remapped engine hash) left hashes no map entry names: scan
+            for h, old in list(holders.items()):
+                if old & m:
+                    if old == m:
+                        del holders[h]
+                    else:
+                        holders[h] = old ^ m
+        t.count = 0
+        t.emap.clear()
+        t.unmapped = False
+
+    # --- events ----------------------------------------------------------------------------
+
+    def apply(self, key: str, batch: EventBatch) -> int:
+        """Apply one decoded batch to ``key``'s view. Returns the number of block events applied
+        (blocks re-hashed from BlockStored + engine hashes of BlockRemoved that resolved); 0 if
+        ``key`` is not registered."""
+        t = self._targets.get(key)
+        if t is None:
+            return 0
+        holders = self._holders
+        hget = holders.get
+        emap = t.emap
+        eget = emap.get
+        epop = emap.pop
+        m = t.mask
+        bs = t.block_size
+        step = 4 * bs
+        st = t.stats
+        xxh = _xxh3
+        pack = _pack_u64
+        applied = 0
+        removed = 0
+        count = t.count
+        stored_events = removed_events = 0
+        for ev in batch.events:
+            tp = type(ev)
+            if tp is Removed:  # first: vLLM sends one BlockRemoved per evicted block
+                removed_events += 1
+                for eh in ev.block_hashes:
+                    h = epop(eh, None)
+                    if h is None:
+                        continue
+                    removed += 1
+                    old = hget(h, 0)
+                    if old & m:
+                        if old == m:
+                            del holders[h]
+                        else:
+                            holders[h] = old ^ m
+                        count -= 1
+            elif tp is Stored:
+                kind = ev.spec_kind
+                if kind is not None and kind not in FULL_ATTENTION_KINDS:
+                    st.skipped_events += 1
+                    continue
+                parent = ev.parent
+                if parent is None:
+                    h = ROUTER_SEED
+                else:
+                    h = eget(parent)
+                    if h is None:
+                        st.dropped_events += 1
+                        continue
+                tokens = ev.token_ids
+                if ev.block_size != bs and not t.warned_bs:
+                    t.warned_bs = True
+                    log.warning("kv index: %s reports block_size %d but registered %d; hashing with %d",
+                                t.key, ev.block_size, bs, bs)
+                n = len(tokens) // bs
+                try:
+                    arr = array(_U32, tokens)  # every token of the event converted once
+                except (OverflowError, TypeError):
+                    st.dropped_events += 1
+                    continue
+                if _SWAP:
+                    arr.byteswap()
+                data = arr.tobytes()
+                ehs = ev.block_hashes
+                stored_events += 1
+                applied += n
+                off = 0
+                if n == len(ehs):
+                    for eh in ehs:
+                        h = xxh(pack(h) + data[off:off + step])
+                        off += step
+                        emap[eh] = h
+                        old = hget(h, 0)
+                        if not old & m:
+                            holders[h] = old | m
+                            count += 1
+                else:
+                    st.misaligned_events += 1
+                    if n:
+                        t.unmapped = True
+                    for _ in range(n):
+                        h = xxh(pack(h) + data[off:off + step])
+                        off += step
+                        old = hget(h, 0)
+                        if not old & m:
+                            holders[h] = old | m
+                            count += 1
+            elif tp is Cleared:
+                t.count = count
+                self._drop_view(t)
+                count = 0
+                st.cleared += 1
+        t.count = count
+        st.stored_events += stored_events
+        st.stored_blocks += applied
+        st.removed_events += removed_events
+        st.removed_blocks += removed
+        st.batches += 1
+        st.last_apply = time.monotonic()
+        return applied + removed
+
+    # --- matching --------------------------------------------------------------------------
+
+    def match(self, hashes: Sequence[int], keys: Sequence[str]) -> list[int]:
+        """For each key, the length of the longest prefix of ``hashes`` in that target's view.
+
+        One walk over ``hashes`` for all keys: an *alive* bitmask of the candidates' bits is
+        and-ed with each block's holder mask; a candidate's length is fixed when its bit dies and
+        the walk stops when none is alive. Unregistered keys get 0. ``hashes`` must be router
+        hashes for the targets' block size (callers group targets by block size)."""
+        targets = self._targets
+        alive = 0
+        for k in keys:
+            t = targets.get(k)
+            if t is not None:
+                alive |= t.mask
+        if not alive or not hashes:
+            return [0] * len(keys)
+        get = self._holders.get
+        died: dict[int, int] = {}
+        depth = 0
+        for h in hashes:
+            held = get(h, 0) & alive
+            if held != alive:
+                dead = alive ^ held
+                while dead:
+                    low = dead & -dead
+                    died[low] = depth
+                    dead ^= low
+                alive = held
+                if not alive:
+                    break
+            depth += 1
+        full = len(hashes)
+        out = []
+        for k in keys:
+            t = targets.get(k)
+            if t is None:
+                out.append(0)
+            else:
+                out.append(died.get(t.mask, full))
+        return out
+
+    def match_one(self, hashes: Sequence[int], key: str) -> int:
+        """``match(hashes, [key])[0]`` without the bitmask bookkeeping."""
+        t = self._targets.get(key)
+        if t is None:
+            return 0
+        m = t.mask
+        get = self._holders.get
+        n = 0
+        for h in hashes:
+            if not get(h, 0) & m:
+                break
+            n += 1
+        return n

@@ -1,0 +1,186 @@
+"""KV-aware policy: send a request where the longest part of its prompt is already cached,
+balanced against load.
+
+cost(target) = w_overlap × missed_blocks + w_mm × missed_images + in_flight_blocks + recent_misses
+
+* missed_blocks = request blocks − the longest cached prefix in that target's view (KV events);
+* in_flight_blocks = distinct blocks of requests in flight there (shared prefixes count once);
+* recent_misses = blocks recently charged to it, decayed ×0.97 per pick (prefill work queued
+  there that in-flight accounting alone would not show);
+* w_overlap = the role's weight (``--kv-overlap-weight``, or the prefill/decode weights for PD
+  legs) × the retention amplifier (long ×2, explicit none ×0.1);
+* multimodal requests are steered by image affinity (w_mm = 48 × w) instead of text overlap.
+
+A rank-multiplexed worker (DP attention) is scored per rank; the chosen rank travels as
+``X-Data-Parallel-Rank``. The argmin is over (cost, load), first candidate on ties.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Protocol, Sequence
+
+from infera.api.cache_hints import LONG, NONE, RETENTION_NAMES, CacheHints, parse_cache_hints
+from infera.discovery.record import WorkerRecord
+from infera.kv.hashing import block_hashes
+from infera.kv.prompt import PromptTokenizer
+from infera.router.policy import RoutedRequest
+
+log = logging.getLogger(__name__)
+
+RECENT_DECAY = 0.97
+MM_WEIGHT = 48.0
+MM_AFFINITY_CAP = 256
+
+
+def route_key(worker_id: str, dp_rank: int | None) -> str:
+    return worker_id if dp_rank is None else f"{worker_id}#dp{dp_rank}"
+
+
+def expand_targets(worker: WorkerRecord) -> list[tuple[int | None, str]]:
+    """(dp_rank, route_key) per target: a rank-multiplexed worker is one target per rank."""
+    if worker.dp_size and worker.dp_size > 1 and worker.dp_rank is None:
+        return [(r, route_key(worker.worker_id, r)) for r in range(worker.dp_size)]
+    return [(None, worker.worker_id)]
+
+
+class PrefixIndex(Protocol):
+    def match(self, hashes: list[int], keys: Sequence[str]) -> list[int]: ...
+
+
+class KvPickObserver(Protocol):
+    """Metrics sink (the server's); optional."""
+
+    def record_pick(self, role: str, key: str, hit_blocks: int, request_blocks: int) -> None: ...
+
+
+class KvAwarePolicy:
+    name = "kv-aware"
+
+    def __init__(self, index: PrefixIndex, prompts: PromptTokenizer, *, overlap_weight: float = 1.0,
+                 prefill_overlap_weight: float | None = None, decode_overlap_weight: float | None = None,
+                 observer: KvPickObserver | None = None) -> None:
+        self.index = index
+        self.prompts = prompts
+        self.weights = {"mixed": overlap_weight,
+                        "prefill": overlap_weight if prefill_overlap_weight is None else prefill_overlap_weight,
+                        "decode": overlap_weight if decode_overlap_weight is None else decode_overlap_weight}
+        self.observer = observer
+        self.active: dict[str, dict[int, int]] = {}  # route key → {block hash: requests in flight}
+        self.recent: dict[str, float] = {}
+        self.mm_affinity: dict[str, OrderedDict[int, None]] = {}
+
+    async def prepare(self, request: RoutedRequest) -> None:
+        """Tokenize once per request (cached across requests), before any pick."""
+        request.state["tokens"] = await self.prompts.tokens(request.route, request.parsed)
+        request.state["hints"] = parse_cache_hints(request.parsed)
+
+    def _hashes(self, request: RoutedRequest, block_size: int) -> list[int]:
+        by_size = request.state.setdefault("hashes", {})
+        hashes = by_size.get(block_size)
+        if hashes is None:
+            hashes = by_size[block_size] = block_hashes(request.state.get("tokens") or [], block_size)
+        return hashes
+
+    def pick(self, candidates: Sequence[WorkerRecord], request: RoutedRequest, role: str = "mixed") -> WorkerRecord:
+        hints: CacheHints = request.state.get("hints") or CacheHints()
+        amplified = self.weights.get(role, self.weights["mixed"]) * (
+            2.0 if hints.retention == LONG else 0.1 if (hints.retention == NONE and hints.explicit) else 1.0)
+        w_overlap, w_mm = (0.0, amplified * MM_WEIGHT) if hints.multimodal else (amplified, 0.0)
+        mm_keys = hints.image_keys
+
+        # Group targets by block size: one hash chain and one index walk per group.
+        groups: dict[int, list[tuple[WorkerRecord, int | None, str]]] = {}
+        unsized: list[tuple[WorkerRecord, int | None, str]] = []
+        for w in candidates:
+            for rank, key in expand_targets(w):
+                (groups.setdefault(w.kv_block_size, []) if w.kv_block_size else unsized).append((w, rank, key))
+
+        best = None
+        for block_size, targets in [*groups.items(), (0, unsized)]:
+            if not targets:
+                continue
+            hashes = self._hashes(request, block_size) if block_size else []
+            total = len(hashes)
+            hits = self.index.match(hashes, [t[2] for t in targets]) if total else [0] * len(targets)
+            for (w, rank, key), hit in zip(targets, hits):
+                load = len(self.active.get(key, ())) + self.recent.get(key, 0.0)
+                cost = w_overlap * (total - hit) + load
+                if w_mm:
+                    affinity = self.mm_affinity.get(key)
+                    cost += w_mm * sum(1 for k in mm_keys if not affinity or k not in affinity)
+                score = (cost, load)
+                if best is None or score < best[0]:
+                    best = (score, w, rank, key, hit, total, block_size)
+        assert best is not None, "pick() needs at least one candidate"
+        _, worker, rank, key, hit, total, block_size = best
+
+        if mm_keys:
+            affinity = self.mm_affinity.setdefault(key, OrderedDict())
+            for k in mm_keys:
+                affinity[k] = None
+                affinity.move_to_end(k)
+            while len(affinity) > MM_AFFINITY_CAP:
+                affinity.popitem(last=False)
+        self._charge(key, total - hit, total)
+        st = request.state
+        st["route_key"], st["dp_rank"], st["block_size"] = key, rank, block_size
+        st["blocks"] = self._hashes(request, block_size) if block_size else []
+        st["predicted_hit_blocks"] = hit
+        if self.observer is not None:
+            self.observer.record_pick(role, key, hit, total)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("pick policy=kv-aware role=%s retention=%s request_id=%s picked=%s cache_hits=%d "
+                      "request_blocks=%d active_blocks=%d", role, RETENTION_NAMES[hints.retention],
+                      request.request_id, key, hit, total, len(self.active.get(key, ())))
+        return worker
+
+    def _charge(self, key: str, missed: int, total: int) -> None:
+        # Decay per pick (not wall clock): bounded by the fleet size, not its history.
+        recent = self.recent
+        for k in list(recent):
+            v = recent[k] * RECENT_DECAY
+            if v < 1e-3:
+                del recent[k]
+            else:
+                recent[k] = v
+        charge = 1.0 if total == 0 else float(missed)
+        if charge:
+            recent[key] = recent.get(key, 0.0) + charge
+
+    def on_started(self, worker: WorkerRecord, request: RoutedRequest) -> None:
+        key = request.state.get("route_key")
+        if key is None:
+            return
+        counts = self.active.setdefault(key, {})
+        for h in request.state.get("blocks", ()):
+            counts[h] = counts.get(h, 0) + 1
+
+    def on_finished(self, worker: WorkerRecord, request: RoutedRequest) -> None:
+        key = request.state.get("route_key")
+        counts = self.active.get(key) if key is not None else None
+        if counts is None:
+            return
+        for h in request.state.get("blocks", ()):
+            n = counts.get(h, 0) - 1
+            if n > 0:
+                counts[h] = n
+            else:
+                counts.pop(h, None)
+
+    def active_blocks(self, key: str) -> int:
+        return len(self.active.get(key, ()))
+
+    def forget(self, worker_id: str) -> None:
+        prefix = worker_id + "#dp"
+        for table in (self.active, self.recent, self.mm_affinity):
+            for k in [k for k in table if k == worker_id or k.startswith(prefix)]:
+                del table[k]
+
+
+def predicted_cached_tokens(hit_blocks: int, block_size: int, prompt_tokens: int) -> int:
+    """What the engine should report as cached: full hit blocks, but never the whole prompt
+    (vLLM always recomputes at least the last prompt token, dropping that block's hit)."""
+    if block_size <= 0 or prompt_tokens <= 0:
+        return 0
+    return min(hit_blocks * block_size, ((prompt_tokens - 1) // block_size) * block_size)

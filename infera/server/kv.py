@@ -1,0 +1,268 @@
+"""KV-aware wiring on the server: fleet → KV-event subscriptions → index, plus the self-check.
+
+* Subscriptions follow the fleet: one per worker (per DP rank) that registered a KV-event
+  endpoint and a block size; removed with the worker.
+* Each batch is decoded by the worker's engine format and applied to the index (the index
+  re-hashes token ids into the router's own hash space).
+* Self-check, which no peer router has: every 200 reply's engine-reported cached prompt tokens
+  are compared with what the router predicted when it picked the worker. The error is exported,
+  and a warning is logged once when predictions diverge (block-size, hash-seed or chat-template
+  mismatch) or a worker's events fall silent.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Callable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from infera.discovery.fleet import Fleet
+from infera.discovery.record import WorkerRecord
+from infera.kv.events import KvEventDecodeError, decoder_for
+from infera.kv.index import KvIndex
+from infera.router.kv_aware import expand_targets, predicted_cached_tokens
+from infera.router.policy import RoutedRequest
+from infera.server.metrics import Histogram
+from infera.transport.kv_events_zmq import ZmqKvEventSubscriber
+
+log = logging.getLogger(__name__)
+
+BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+ERROR_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+# A worker that got requests whose blocks it must have stored, yet sent no event batch for
+# this long, is "silent".
+SILENT_AFTER_S = 10.0
+# Mean |error| above one block over this many replies → predictions have diverged.
+DIVERGENCE_WINDOW = 20
+
+
+def _endpoint_for_rank(endpoint: str, rank: int | None) -> str:
+    if not rank:
+        return endpoint
+    host, port = endpoint.rsplit(":", 1)
+    return f"{host}:{int(port) + rank}"  # engines publish rank r on port + r
+
+
+class _TargetState:
+    __slots__ = ("worker_id", "engine", "batches", "events", "decode_errors", "last_batch_at", "last_seq",
+                 "unconfirmed_since", "silent", "errors", "abs_error_sum", "observations", "exact")
+
+    def __init__(self, worker_id: str, engine: str) -> None:
+        self.worker_id = worker_id
+        self.engine = engine
+        self.batches = 0
+        self.events = 0
+        self.decode_errors = 0
+        self.last_batch_at: float | None = None
+        self.last_seq: int | None = None
+        self.unconfirmed_since: float | None = None  # first routed miss not yet followed by a batch
+        self.silent = False
+        self.errors: list[int] = []  # recent |predicted − reported| in blocks
+        self.abs_error_sum = 0
+        self.observations = 0
+        self.exact = 0
+
+
+class KvEventsBridge:
+    def __init__(self, fleet: Fleet, index: KvIndex, *, subscriber: ZmqKvEventSubscriber | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.fleet = fleet
+        self.index = index
+        self.clock = clock
+        self.subscriber = subscriber or ZmqKvEventSubscriber(self._on_batch, self._on_reset)
+        self.targets: dict[str, _TargetState] = {}
+        self._decoders: dict[str, Callable[[bytes], Any]] = {}
+        self._worker_keys: dict[str, list[str]] = {}
+        self._warned: set[tuple[str, str]] = set()
+        self._picks = 0
+        self.pick_hits: dict[str, Histogram] = {}
+        self.pick_blocks: dict[str, Histogram] = {}
+        self.picks: dict[tuple[str, str], int] = {}
+        self.prediction_error = Histogram(ERROR_BUCKETS)
+        self._watchdog: asyncio.Task | None = None
+        fleet.subscribe(self._on_fleet_change)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.subscriber.start()
+        for record in self.fleet.all():
+            self._on_fleet_change(record.worker_id, record)
+        self._watchdog = asyncio.ensure_future(self._watch_silence())
+
+    async def stop(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        await self.subscriber.stop()
+
+    # -- fleet → subscriptions -----------------------------------------------------------------------
+    def _on_fleet_change(self, worker_id: str, record: WorkerRecord | None) -> None:
+        old_keys = self._worker_keys.pop(worker_id, [])
+        if record is None or not record.is_active:
+            for key in old_keys:
+                self._drop(key)
+            return
+        if not record.kv_events_endpoint or not record.kv_block_size:
+            if not record.kv_events_endpoint:
+                self._warn_once(worker_id, "no_events", "worker %s registered no KV-event endpoint: kv-aware routing "
+                                "sees no cache there and routes it by load only", worker_id)
+            else:
+                self._warn_once(worker_id, "no_block_size", "worker %s registered no KV block size: its events "
+                                "cannot be hashed; routed by load only", worker_id)
+            for key in old_keys:
+                self._drop(key)
+            return
+        keys = []
+        for rank, key in expand_targets(record):
+            keys.append(key)
+            if key in old_keys and self.index.has_target(key):
+                continue  # unchanged record: keep the subscription and the view
+            self.index.add_target(key, record.kv_block_size)
+            self.targets[key] = _TargetState(worker_id, record.engine)
+            if record.engine not in self._decoders:
+                self._decoders[record.engine] = decoder_for(record.engine)
+            replay = record.kv_events_replay_endpoint
+            self.subscriber.add(key, _endpoint_for_rank(record.kv_events_endpoint, rank),
+                                _endpoint_for_rank(replay, rank) if replay else None)
+        for key in old_keys:
+            if key not in keys:
+                self._drop(key)
+        self._worker_keys[worker_id] = keys
+
+    def _drop(self, key: str) -> None:
+        self.subscriber.remove(key)
+        self.index.remove_target(key)
+        self.targets.pop(key, None)
+
+    # -- events ----------------------------------------------------------------------------------------
+    def _on_batch(self, key: str, seq: int, payload: bytes) -> None:
+        state = self.targets.get(key)
+        if state is None:
+            return
+        try:
+            batch = self._decoders[state.engine](payload)
+        except KvEventDecodeError as exc:
+            state.decode_errors += 1
+            self._warn_once(key, "decode", "cannot decode KV events from %s (engine %s): %s", key, state.engine, exc)
+            return
+        state.events += self.index.apply(key, batch)
+        state.batches += 1
+        state.last_seq = seq
+        state.last_batch_at = self.clock()
+        state.unconfirmed_since = None
+        if state.silent:
+            state.silent = False
+            log.info("KV events from %s resumed", key)
+
+    def _on_reset(self, key: str) -> None:
+        """A gap with no replay, or an engine restart: the view can't be trusted; start over."""
+        if key in self.targets:
+            log.warning("KV event stream of %s lost continuity: its cache view is reset", key)
+            self.index.reset(key)
+
+    # -- picks and the self-check ---------------------------------------------------------------------
+    def record_pick(self, role: str, key: str, hit_blocks: int, request_blocks: int) -> None:
+        self.picks[(role, key)] = self.picks.get((role, key), 0) + 1
+        h = self.pick_hits.get(role)
+        if h is None:
+            h = self.pick_hits[role] = Histogram(BLOCK_BUCKETS)
+            self.pick_blocks[role] = Histogram(BLOCK_BUCKETS)
+        h.observe(hit_blocks)
+        self.pick_blocks[role].observe(request_blocks)
+        state = self.targets.get(key)
+        if state is not None and request_blocks > hit_blocks and state.unconfirmed_since is None:
+            state.unconfirmed_since = self.clock()  # it must store new blocks: expect events
+
+    def observe_usage(self, worker: WorkerRecord, request: RoutedRequest, cached_tokens: int | None) -> None:
+        st = request.state
+        key = st.get("route_key")
+        state = self.targets.get(key) if key else None
+        if state is None or cached_tokens is None:
+            return
+        block_size = st.get("block_size") or 0
+        predicted = predicted_cached_tokens(st.get("predicted_hit_blocks", 0), block_size,
+                                            len(st.get("tokens") or ()))
+        error = abs(cached_tokens - predicted)
+        self.prediction_error.observe(error)
+        blocks_off = error // block_size if block_size else 0
+        state.observations += 1
+        state.exact += error == 0
+        state.errors.append(blocks_off)
+        state.abs_error_sum += blocks_off
+        if len(state.errors) > DIVERGENCE_WINDOW:
+            state.abs_error_sum -= state.errors.pop(0)
+        if len(state.errors) == DIVERGENCE_WINDOW and state.abs_error_sum > DIVERGENCE_WINDOW:
+            self._warn_once(key, "diverged", "router predictions for %s disagree with the engine's reported cached "
+                            "tokens (mean error > 1 block over %d replies): check that the router tokenizer "
+                            "(--router-tokenizer-path) and chat template match the engine's, and that the "
+                            "registered block size is the engine's", key, DIVERGENCE_WINDOW)
+
+    async def _watch_silence(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = self.clock()
+            for key, state in self.targets.items():
+                if state.unconfirmed_since is not None and now - state.unconfirmed_since > SILENT_AFTER_S:
+                    if not state.silent:
+                        state.silent = True
+                        self._warn_once(key, "silent", "no KV events from %s for %.0fs although it was sent "
+                                        "requests that store new blocks: its cache view is going stale", key,
+                                        now - state.unconfirmed_since)
+
+    def _warn_once(self, key: str, what: str, msg: str, *args: Any) -> None:
+        if (key, what) not in self._warned:
+            self._warned.add((key, what))
+            log.warning(msg, *args)
+
+    # -- visibility ------------------------------------------------------------------------------------
+    def cache_view(self, worker_id: str, dp_rank: int | None) -> dict | None:
+        key = worker_id if dp_rank is None else f"{worker_id}#dp{dp_rank}"
+        state = self.targets.get(key)
+        if state is None:
+            return None
+        sub = self.subscriber.stats(key)
+        now = self.clock()
+        return {"worker_id": worker_id, "dp_rank": dp_rank, "route_key": key, "engine": state.engine,
+                "block_count": self.index.block_count(key), "last_event_seq": state.last_seq,
+                "lag_s": None if state.last_batch_at is None else round(now - state.last_batch_at, 3),
+                "batches": state.batches, "block_events": state.events, "decode_errors": state.decode_errors,
+                "gaps": sub.get("gaps", 0), "replays": sub.get("replays", 0), "resets": sub.get("resets", 0),
+                "events_silent": state.silent,
+                "prediction": {"observations": state.observations, "exact": state.exact,
+                               "mean_error_blocks": (state.abs_error_sum / len(state.errors)) if state.errors else None}}
+
+    def collect(self) -> Iterator[Metric]:
+        fam = CounterMetricFamily("infera_router_picks", "KV-aware picks", labels=["role", "worker"])
+        for (role, key), n in sorted(self.picks.items()):
+            fam.add_metric([role, key], n)
+        yield fam
+        for name, table, doc in (("infera_router_pick_hit_blocks", self.pick_hits, "Predicted cached blocks per pick"),
+                                 ("infera_router_pick_request_blocks", self.pick_blocks, "Full blocks per request")):
+            hist = HistogramMetricFamily(name, doc, labels=["role"])
+            for role, h in sorted(table.items()):
+                hist.add_metric([role], h.cumulative(), h.total)
+            yield hist
+        hist = HistogramMetricFamily("infera_kv_prediction_error_tokens", "|engine-reported − router-predicted| "
+                                     "cached prompt tokens per reply")
+        hist.add_metric([], self.prediction_error.cumulative(), self.prediction_error.total)
+        yield hist
+        batches = CounterMetricFamily("infera_kv_event_batches", "KV-event batches applied", labels=["worker"])
+        events = CounterMetricFamily("infera_kv_block_events", "Block events applied", labels=["worker"])
+        gaps = CounterMetricFamily("infera_kv_event_gaps", "Sequence gaps (replayed or reset)", labels=["worker"])
+        resets = CounterMetricFamily("infera_kv_view_resets", "Cache views reset after lost continuity",
+                                     labels=["worker"])
+        silent = GaugeMetricFamily("infera_kv_events_silent", "1 when a worker's KV events fell silent",
+                                   labels=["worker"])
+        blocks = GaugeMetricFamily("infera_kv_view_blocks", "Blocks in the router's view of a worker",
+                                   labels=["worker"])
+        for key, state in sorted(self.targets.items()):
+            sub = self.subscriber.stats(key)
+            batches.add_metric([key], state.batches)
+            events.add_metric([key], state.events)
+            gaps.add_metric([key], sub.get("gaps", 0))
+            resets.add_metric([key], sub.get("resets", 0))
+            silent.add_metric([key], 1 if state.silent else 0)
+            blocks.add_metric([key], self.index.block_count(key))
+        yield from (batches, events, gaps, resets, silent, blocks)
+

@@ -1,0 +1,389 @@
+"""The router's KV-event subscriber: one ZMQ SUB per (worker, DP rank), gap-free or reset.
+
+Engines (vLLM, SGLang, the simulator) PUBlish multipart ``[topic, seq (8-byte BE), payload]`` with
+``seq`` +1 per batch. PUB/SUB loses messages silently -- before the subscription reaches the
+publisher (the "slow joiner"), at a high-water mark, across reconnects -- so every key's sequence
+is tracked, and a caller's view of a worker is never allowed to drift silently:
+
+* first contact: with a replay endpoint, the buffered batches are fetched from seq 0 right away
+  (this recovers blocks stored before we subscribed, even if the engine then stays idle), and
+  again when the first live batch is not the one expected; without one, ``on_reset`` unless the
+  first batch is seq 0;
+* a gap (``seq > last + 1``): replay from ``last + 1`` through a DEALER; if there is no replay
+  endpoint, the replay fails (no answer within ``replay_timeout`` s of silence) or its buffer no
+  longer reaches back far enough, ``on_reset(key)`` and continue from what is available;
+* a restart: ``seq <= last`` and not a duplicate of a batch replay already delivered, or -- when
+  the restarted engine has already published more batches than before -- a gap whose replay
+  (asked from ``last``, one batch early) returns a different batch ``last`` than the one we
+  delivered: ``on_reset(key)`` first, then as on first contact (replay from 0). A restart that
+  lands exactly on ``last + 1`` cannot be told from seq numbers and goes unnoticed.
+
+``on_batch(key, seq, payload)`` is called in seq order, at most once per seq between resets; the
+payload is handed over undecoded (the caller picks the vLLM or SGLang decoder). Two-frame
+messages ``[topic, payload]`` (no sequence number: ATOM's hook) are passed through with seq -1 and
+no tracking. Callback exceptions are logged and counted, never kill a reader. All I/O is
+``zmq.asyncio`` on the caller's loop.
+
+Replay protocol (vLLM): the DEALER sends ``[b"", start_seq (8-byte BE)]`` and receives
+``[b"", (topic,) seq, payload]`` per buffered batch with seq >= start_seq, then an end marker whose
+seq is -1 (8-byte signed BE). Only the last two frames are read, so replies with or without the
+topic frame both work.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import xxhash
+import zmq
+import zmq.asyncio
+
+log = logging.getLogger("infera.transport.kv_events_zmq")
+
+DEFAULT_TOPIC = "kv-events"
+NO_SEQ = -1
+_END_SEQ = -1
+# Idle replay probes: soon after subscribing (the ZMQ slow-joiner window), then every few seconds
+# of silence.
+_FIRST_PROBE_S = 0.5
+_IDLE_PROBE_S = 5.0
+
+OnBatch = Callable[[str, int, bytes], None]
+OnReset = Callable[[str], None]
+
+
+def _digest(payload: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+@dataclass(eq=False)
+class _KeyState:
+    key: str
+    endpoint: str
+    replay_endpoint: str | None
+    sock: zmq.asyncio.Socket | None = None
+    task: asyncio.Task | None = None
+    last_seq: int | None = None  # last seq delivered (None: nothing since the last reset)
+    last_digest: int = 0  # of the payload delivered as last_seq
+    # seq -> payload digest of batches delivered by replay and not yet seen live: a live copy of
+    # one of them is a duplicate; anything else at seq <= last_seq means the engine restarted.
+    replayed: dict[int, int] = field(default_factory=dict)
+    replayed_max: int = -1
+    batches: int = 0
+    gaps: int = 0
+    replays: int = 0
+    replay_failures: int = 0
+    probe_recoveries: int = 0  # batches found by an idle probe that the live stream had dropped
+    resets: int = 0
+    restarts: int = 0
+    duplicates: int = 0
+    callback_errors: int = 0
+    last_batch_at: float | None = None
+
+    def forget_replayed(self) -> None:
+        self.replayed.clear()
+        self.replayed_max = -1
+
+
+class ZmqKvEventSubscriber:
+    """Subscribe to many engines' KV events; see the module docstring for the guarantees."""
+
+    def __init__(self, on_batch: OnBatch, on_reset: OnReset, *, context: zmq.asyncio.Context | None = None,
+                 replay_timeout: float = 2.0, topic: str = DEFAULT_TOPIC) -> None:
+        if replay_timeout <= 0:
+            raise ValueError("replay_timeout must be > 0")
+        self.on_batch = on_batch
+        self.on_reset = on_reset
+        self.replay_timeout = replay_timeout
+        self.topic = topic.encode()
+        self._ctx = context
+        self._own_ctx = context is None
+        self._keys: dict[str, _KeyState] = {}
+        self._closing: set[asyncio.Task] = set()
+        self._started = False
+
+    # ------------------------------------------------------------------ public
+
+    def add(self, key: str, endpoint: str, replay_endpoint: str | None = None) -> None:
+        """Subscribe ``key`` (a route key: ``"<worker_id>"`` or ``"<worker_id>#dp<rank>"``) to
+        ``endpoint`` (and its replay socket). Adding an existing key replaces its subscription: fresh
+        sequence state and counters, and (with a replay endpoint) a replay from seq 0 for a view
+        rebuilt from scratch. Takes effect at ``start()``, or at once when already started."""
+        if key in self._keys:
+            self.remove(key)
+        st = _KeyState(key, endpoint, replay_endpoint or None)
+        self._keys[key] = st
+        if self._started:
+            self._open(st)
+
+    def remove(self, key: str) -> None:
+        """Unsubscribe ``key``: its SUB socket closes now, its reader task is cancelled (closing an
+        in-flight replay's DEALER as it unwinds). Unknown keys are ignored."""
+        st = self._keys.pop(key, None)
+        if st is not None:
+            self._close(st)
+
+    def keys(self) -> list[str]:
+        return list(self._keys)
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
+        self._started = True
+        for st in self._keys.values():
+            self._open(st)
+
+    async def stop(self) -> None:
+        self._started = False
+        for st in self._keys.values():
+            self._close(st)
+        closing, self._closing = list(self._closing), set()
+        if closing:
+            await asyncio.gather(*closing, return_exceptions=True)
+        for st in self._keys.values():
+            st.task = None
+        if self._own_ctx and self._ctx is not None:
+            self._ctx.destroy(linger=0)  # all closed by now; destroy() can't hang if one was not
+            self._ctx = None
+
+    def stats(self, key: str) -> dict:
+        """Counters and sequence state of one key (KeyError if not subscribed)."""
+        st = self._keys[key]
+        return {
+            "key": st.key,
+            "endpoint": st.endpoint,
+            "replay_endpoint": st.replay_endpoint,
+            "connected": st.sock is not None and not st.sock.closed,  # SUB open (ZMQ reconnects on its own)
+            "last_seq": st.last_seq,
+            "batches": st.batches,
+            "gaps": st.gaps,
+            "replays": st.replays,
+            "replay_failures": st.replay_failures,
+            "probe_recoveries": st.probe_recoveries,
+            "resets": st.resets,
+            "restarts": st.restarts,
+            "duplicates": st.duplicates,
+            "callback_errors": st.callback_errors,
+            "last_batch_at": st.last_batch_at,
+        }
+
+    # ------------------------------------------------------------------ sockets
+
+    def _open(self, st: _KeyState) -> None:
+        assert self._ctx is not None
+        if st.last_seq is not None:  # re-opened after stop(): continuity is lost, start over
+            st.last_seq = None
+            st.forget_replayed()
+            self._reset(st)
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+        sock.setsockopt(zmq.RCVHWM, 100000)
+        sock.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sock.connect(st.endpoint)
+        st.sock = sock
+        st.task = asyncio.get_running_loop().create_task(self._reader(st), name=f"kv-events-sub:{st.key}")
+
+    def _close(self, st: _KeyState) -> None:
+        task, st.task = st.task, None
+        if task is not None and not task.done():
+            task.cancel()
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        sock, st.sock = st.sock, None
+        if sock is not None and not sock.closed:
+            sock.close(linger=0)
+
+    # ------------------------------------------------------------------ reader
+
+    async def _reader(self, st: _KeyState) -> None:
+        sock = st.sock
+        assert sock is not None
+        try:
+            if st.replay_endpoint:
+                await self._catch_up(st, 0, None)  # blocks stored before we subscribed
+            probe_after = _FIRST_PROBE_S
+            while True:
+                try:
+                    if st.replay_endpoint and not await sock.poll(int(probe_after * 1000)):
+                        # Quiet: batches published while the SUB was still joining (ZMQ drops them
+                        # silently) would otherwise stay unknown until the next live batch.
+                        await self._probe(st)
+                        probe_after = _IDLE_PROBE_S
+                        continue
+                    frames = await sock.recv_multipart()
+                except asyncio.CancelledError:
+                    raise
+                except zmq.ZMQError as exc:
+                    if sock.closed:
+                        return
+                    log.warning("KV events %s: receive failed: %s", st.key, exc)
+                    await asyncio.sleep(0.1)
+                    continue
+                await self._on_message(st, frames)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug here must not silently end the subscription
+            log.exception("KV events %s: reader failed; resetting the view", st.key)
+            st.last_seq = None
+            st.forget_replayed()
+            self._reset(st)
+            if self._keys.get(st.key) is st and st.task is asyncio.current_task():
+                st.task = asyncio.get_running_loop().create_task(self._reader(st), name=f"kv-events-sub:{st.key}")
+
+    async def _on_message(self, st: _KeyState, frames: list[bytes]) -> None:
+        if len(frames) == 2:  # [topic, payload]: no sequence to track
+            self._deliver(st, NO_SEQ, frames[1], track=False)
+            return
+        if len(frames) < 2 or len(frames[-2]) != 8:
+            log.warning("KV events %s: ignoring a malformed message (%d frames)", st.key, len(frames))
+            return
+        seq = int.from_bytes(frames[-2], "big")
+        payload = frames[-1]
+        if st.last_seq is not None and seq <= st.last_seq:
+            if st.replayed.get(seq) == _digest(payload):
+                st.duplicates += 1  # replay already delivered it
+                return
+            # Sequence went backwards with new content: the engine (or its publisher) restarted.
+            st.restarts += 1
+            log.info("KV events %s: seq went back from %d to %d (engine restart?): resetting",
+                     st.key, st.last_seq, seq)
+            st.last_seq = None
+            st.forget_replayed()
+            self._reset(st)
+        if st.last_seq is None:
+            if seq != 0:
+                await self._catch_up(st, 0, seq)
+        elif seq != st.last_seq + 1:
+            st.gaps += 1
+            log.info("KV events %s: gap %d..%d", st.key, st.last_seq + 1, seq - 1)
+            await self._repair_gap(st, seq)
+        self._deliver(st, seq, payload)
+        if st.replayed and seq >= st.replayed_max:
+            st.forget_replayed()  # live has overtaken everything replay delivered
+
+    async def _probe(self, st: _KeyState) -> None:
+        """Ask the replay socket for anything newer than what was delivered (cheap when idle)."""
+        start = 0 if st.last_seq is None else st.last_seq + 1
+        batches = await self._fetch(st, start, counted=False)
+        if batches:
+            st.probe_recoveries += 1
+            self._apply_replay(st, batches, start, None)
+
+    async def _catch_up(self, st: _KeyState, start: int, upto: int | None) -> None:
+        """Deliver the missing batches ``start .. upto-1`` by replay (``upto`` None: every buffered
+        one, the proactive first-contact replay); ``on_reset`` when they cannot all be had."""
+        batches = await self._fetch(st, start) if st.replay_endpoint else None
+        if batches is None:
+            if upto is not None:
+                self._reset(st)
+            return
+        self._apply_replay(st, batches, start, upto)
+
+    async def _repair_gap(self, st: _KeyState, upto: int) -> None:
+        """Fill ``last_seq+1 .. upto-1``. The replay starts one batch early, at ``last_seq``: if the
+        engine's batch there is not the one we delivered, the engine restarted and has simply
+        published more batches than before -- reset and start over from its seq 0."""
+        assert st.last_seq is not None
+        last = st.last_seq
+        batches = await self._fetch(st, last) if st.replay_endpoint else None
+        if batches is None:
+            self._reset(st)
+            return
+        anchor = next((p for s, p in batches if s == last), None)
+        if anchor is not None and _digest(anchor) != st.last_digest:
+            st.restarts += 1
+            log.info("KV events %s: the replayed batch %d differs from the one delivered (engine restart?): "
+                     "resetting", st.key, last)
+            st.last_seq = None
+            st.forget_replayed()
+            self._reset(st)
+            await self._catch_up(st, 0, upto)  # the new engine's batches from its seq 0
+            return
+        self._apply_replay(st, batches, last + 1, upto)
+
+    def _apply_replay(self, st: _KeyState, batches: list[tuple[int, bytes]], start: int, upto: int | None) -> None:
+        """Deliver replayed ``batches`` from ``start`` up to (excluding) ``upto``; ``on_reset`` first
+        when they do not reach back to ``start`` or do not reach ``upto - 1``."""
+        usable: list[tuple[int, bytes]] = []
+        for seq, payload in sorted(batches, key=lambda b: b[0]):
+            if seq < start or (upto is not None and seq >= upto) or (usable and seq == usable[-1][0]):
+                continue
+            usable.append((seq, payload))
+        if upto is not None and (not usable or usable[-1][0] != upto - 1):
+            self._reset(st)  # a hole right before the live batch: nothing here can be chained to it
+            return
+        if not usable:
+            return  # first contact with an engine that has published nothing yet
+        run = 0  # start of the last contiguous run: only that one connects to what comes next
+        for i in range(1, len(usable)):
+            if usable[i][0] != usable[i - 1][0] + 1:
+                run = i
+        if run > 0 or usable[0][0] != start:
+            self._reset(st)  # older batches fell out of the engine's replay buffer
+        for seq, payload in usable[run:]:
+            self._deliver(st, seq, payload)
+            st.replayed[seq] = _digest(payload)
+        st.replayed_max = max(st.replayed_max, usable[-1][0])
+
+    async def _fetch(self, st: _KeyState, start: int, counted: bool = True) -> list[tuple[int, bytes]] | None:
+        """Every buffered batch with seq >= start from the replay socket; None on failure."""
+        assert self._ctx is not None and st.replay_endpoint
+        if counted:
+            st.replays += 1
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        out: list[tuple[int, bytes]] = []
+        try:
+            dealer.connect(st.replay_endpoint)
+            await asyncio.wait_for(dealer.send_multipart([b"", start.to_bytes(8, "big")]), self.replay_timeout)
+            while True:
+                # The timeout is on silence, not the whole transfer: a big buffer may take a while.
+                frames = await asyncio.wait_for(dealer.recv_multipart(), self.replay_timeout)
+                if len(frames) < 2 or len(frames[-2]) != 8:
+                    log.warning("KV events %s: malformed replay reply (%d frames)", st.key, len(frames))
+                    continue
+                seq = int.from_bytes(frames[-2], "big", signed=True)
+                if seq == _END_SEQ:
+                    log.debug("KV events %s: replayed %d batch(es) from %d", st.key, len(out), start)
+                    return out
+                out.append((seq, frames[-1]))
+        except asyncio.TimeoutError:
+            st.replay_failures += 1
+            log.warning("KV events %s: replay from %d via %s timed out after %.1fs", st.key, start,
+                        st.replay_endpoint, self.replay_timeout)
+            return None
+        except zmq.ZMQError as exc:
+            st.replay_failures += 1
+            log.warning("KV events %s: replay from %d via %s failed: %s", st.key, start, st.replay_endpoint, exc)
+            return None
+        finally:
+            dealer.close(linger=0)
+
+    # ------------------------------------------------------------------ callbacks
+
+    def _deliver(self, st: _KeyState, seq: int, payload: bytes, *, track: bool = True) -> None:
+        if track:
+            st.last_seq = seq
+            st.last_digest = _digest(payload)
+        st.batches += 1
+        st.last_batch_at = time.monotonic()
+        try:
+            self.on_batch(st.key, seq, payload)
+        except Exception:
+            st.callback_errors += 1
+            log.exception("KV events %s: on_batch failed for seq %d", st.key, seq)
+
+    def _reset(self, st: _KeyState) -> None:
+        st.resets += 1
+        try:
+            self.on_reset(st.key)
+        except Exception:
+            st.callback_errors += 1
+            log.exception("KV events %s: on_reset failed", st.key)

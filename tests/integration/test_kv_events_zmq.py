@@ -1,0 +1,435 @@
+"""The router's ZMQ KV-event subscriber against the simulator's real publisher (and, for forced gaps
+and restarts, a tiny hand-driven publisher): order, replay, resets, removal."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from infera.engine.sim.cache import block_hashes
+from infera.engine.sim.kv_events import KvEventsConfig
+from infera.engine.sim.server import SimEngine, SimServer, parse_args
+from infera.transport.kv_events_zmq import ZmqKvEventSubscriber
+from tests.conftest import free_port, wait_for
+
+pytestmark = pytest.mark.integration
+
+BS = 16
+TOPIC = b"kv-events"
+
+
+def decode(payload: bytes):
+    return msgspec.msgpack.decode(payload)  # [ts, [events], dp_rank] as plain Python objects
+
+
+class Sink:
+    """Records what the subscriber hands over."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[str, int, list]] = []
+        self.resets: list[str] = []
+        self.log: list[tuple] = []  # batches and resets interleaved, in call order
+
+    def on_batch(self, key: str, seq: int, payload: bytes) -> None:
+        batch = decode(payload)
+        self.batches.append((key, seq, batch[1]))
+        self.log.append(("batch", key, seq))
+
+    def on_reset(self, key: str) -> None:
+        self.resets.append(key)
+        self.log.append(("reset", key))
+
+    def seqs(self, key: str) -> list[int]:
+        return [s for k, s, _ in self.batches if k == key]
+
+    def events(self, key: str) -> list[dict]:
+        return [e for k, _, evs in self.batches if k == key for e in evs]
+
+
+@pytest.fixture
+async def subscriber():
+    sink = Sink()
+    sub = ZmqKvEventSubscriber(sink.on_batch, sink.on_reset, replay_timeout=1.0)
+    await sub.start()
+    yield sub, sink
+    await sub.stop()
+
+
+def kv_args(pub: int, replay: int | None, *extra: str, blocks: int = 40):
+    cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}", "topic": "kv-events"}
+    if replay:
+        cfg["replay_endpoint"] = f"tcp://*:{replay}"
+    return parse_args(["--model", "sim-model", "--host", "127.0.0.1", "--port", "0", "--speedup", "1000",
+                       "--block-size", str(BS), "--num-gpu-blocks", str(blocks), "--max-model-len", "512",
+                       "--kv-events-config", json.dumps(cfg), *extra])
+
+
+@pytest.fixture
+async def sim():
+    servers: list[SimServer] = []
+
+    async def factory(pub: int | None = None, replay: int | None | bool = True, **kw) -> SimServer:
+        pub = pub or free_port()
+        replay = free_port() if replay is True else (replay or None)
+        server = SimServer(kv_args(pub, replay, **kw))
+        await server.start()
+        server.kv_pub, server.kv_replay = pub, replay
+        servers.append(server)
+        return server
+
+    yield factory
+    for s in servers:
+        await s.stop()
+
+
+def endpoints(server: SimServer) -> tuple[str, str | None]:
+    replay = f"tcp://127.0.0.1:{server.kv_replay}" if server.kv_replay else None
+    return f"tcp://127.0.0.1:{server.kv_pub}", replay
+
+
+def prompt(k: int, n: int = 100) -> list[int]:
+    return [1000 + 997 * k + i for i in range(n)]
+
+
+async def complete(server: SimServer, *prompts: list[int], max_tokens: int = 30) -> None:
+    async with aiohttp.ClientSession() as s:
+        for p in prompts:
+            async with s.post(server.url + "/v1/completions",
+                              json={"prompt": p, "max_tokens": max_tokens, "ignore_eos": True}) as r:
+                assert r.status == 200, await r.text()
+
+
+def published(server: SimServer) -> int:
+    return server.engine.kv_events.next_seq
+
+
+async def wait_caught_up(sub: ZmqKvEventSubscriber, key: str, server: SimServer, timeout: float = 10) -> None:
+    await wait_for(lambda: sub.stats(key)["last_seq"] == published(server) - 1, timeout,
+                   message=f"{key} caught up with seq {published(server) - 1}")
+
+
+# -- the real simulator ---------------------------------------------------------------------------------
+
+async def test_batches_arrive_in_order_and_decode(sim, subscriber):
+    sub, sink = subscriber
+    server = await sim(blocks=40)
+    sub.add("w1", *endpoints(server))
+    await complete(server, *(prompt(k) for k in range(7)))  # 7 x 9 blocks > 40: evictions
+    await wait_caught_up(sub, "w1", server)
+    assert sink.seqs("w1") == list(range(published(server)))  # every batch, in order, once
+    assert sink.resets == []
+
+    events = sink.events("w1")
+    stored = [e for e in events if e["type"] == "BlockStored"]
+    removed = [e for e in events if e["type"] == "BlockRemoved"]
+    assert stored and removed
+    for e in stored:
+        assert len(e["token_ids"]) == len(e["block_hashes"]) * e["block_size"] and e["block_size"] == BS
+        assert e["medium"] == "GPU" and e["lora_id"] is None
+    first = next(e for e in stored if e["parent_block_hash"] is None and e["token_ids"][:BS] == prompt(0)[:BS])
+    assert first["token_ids"] == prompt(0)[: 6 * BS]  # the prompt's 6 full blocks, one event
+    # Engine hashes are not the router's: a router must re-hash token_ids.
+    assert not set(first["block_hashes"]) & set(block_hashes(first["token_ids"], BS))
+    stored_hashes = {h for e in stored for h in e["block_hashes"]}
+    assert all(e["block_hashes"][0] in stored_hashes for e in removed)
+    st = sub.stats("w1")
+    assert st["batches"] == published(server) and st["connected"] and st["endpoint"] == endpoints(server)[0]
+    assert st["last_batch_at"] is not None and st["resets"] == 0
+
+
+async def test_late_subscriber_recovers_by_replay_from_zero(sim, subscriber):
+    sub, sink = subscriber
+    server = await sim()
+    await complete(server, prompt(0), prompt(1))
+    n = published(server)
+    assert n > 0
+    sub.add("late", *endpoints(server))  # no new traffic: the proactive replay alone must deliver
+    await wait_for(lambda: sink.seqs("late") == list(range(n)), 10, message="replayed batches")
+    assert sub.stats("late")["replays"] >= 1 and sink.resets == []
+    # Then live batches continue the same sequence without duplicates.
+    await complete(server, prompt(2))
+    await wait_caught_up(sub, "late", server)
+    assert sink.seqs("late") == list(range(published(server)))
+
+
+async def test_reset_prefix_cache_emits_all_blocks_cleared(sim, subscriber):
+    sub, sink = subscriber
+    server = await sim()
+    sub.add("w", *endpoints(server))
+    await complete(server, prompt(0))
+    await wait_caught_up(sub, "w", server)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(server.url + "/reset_prefix_cache") as r:
+            assert r.status == 200
+    await wait_for(lambda: {"type": "AllBlocksCleared"} in sink.events("w"), 10, message="AllBlocksCleared")
+    assert sink.batches[-1][2] == [{"type": "AllBlocksCleared"}]
+
+
+async def test_publisher_restart_resets_the_view(sim, subscriber):
+    sub, sink = subscriber
+    a = await sim()
+    sub.add("w", *endpoints(a))
+    await complete(a, *(prompt(k) for k in range(4)))
+    await wait_caught_up(sub, "w", a)
+    before = published(a)
+    assert before >= 8
+    await a.stop()
+    b = await sim(pub=a.kv_pub, replay=a.kv_replay)  # same ports, seq starts over at 0
+    pokes = iter(range(10, 1000))
+
+    async def poked() -> bool:  # the SUB reconnects on its own; a batch per poll until it shows
+        if not sink.resets:
+            await complete(b, prompt(next(pokes)), max_tokens=1)
+        return bool(sink.resets)
+
+    await wait_for(poked, 15, interval=0.2, message="on_reset after the restart")
+    await wait_caught_up(sub, "w", b)
+    assert published(b) < before
+    after = sink.log.index(("reset", "w"))
+    assert [e[2] for e in sink.log[after + 1:]] == list(range(published(b)))  # replayed from 0, in order
+    assert sub.stats("w")["restarts"] == 1
+
+
+async def test_remove_closes_the_socket(sim, subscriber):
+    sub, sink = subscriber
+    server = await sim()
+    sub.add("gone", *endpoints(server))
+    sub.add("witness", *endpoints(server))
+    await complete(server, prompt(0))
+    await wait_caught_up(sub, "gone", server)
+    sock = sub._keys["gone"].sock
+    sub.remove("gone")
+    assert sock.closed and "gone" not in sub.keys()
+    with pytest.raises(KeyError):
+        sub.stats("gone")
+    n = len(sink.seqs("gone"))
+    await complete(server, prompt(1))
+    await wait_caught_up(sub, "witness", server)
+    assert len(sink.seqs("gone")) == n
+    sub.remove("gone")  # idempotent
+
+
+async def test_sglang_format_from_the_simulator(subscriber):
+    sub, sink = subscriber
+    port = free_port()
+    args = kv_args(port, None)
+    args.kv_events_config = KvEventsConfig.from_dict(
+        {"publisher": "zmq", "endpoint": f"tcp://*:{port}", "topic": "kv-events"}, sglang=True)
+    engine = SimEngine(args, kv_events_format="sglang")
+    async with SimServer(args, engine) as server:
+        sub.add("sg", f"tcp://127.0.0.1:{port}")
+        pokes = iter(range(1000))
+
+        async def poked() -> bool:  # no replay socket: traffic until the subscription is through
+            if not sink.seqs("sg"):
+                await complete(server, prompt(next(pokes)), max_tokens=4)
+            return bool(sink.seqs("sg"))
+
+        await wait_for(poked, 10, interval=0.1, message="a first sglang batch")
+        await wait_for(lambda: sink.seqs("sg") and sink.seqs("sg")[-1] == published(server) - 1, 10,
+                       message="sglang batches")
+    ev = sink.events("sg")[0]
+    assert ev[0] == "BlockStored" and len(ev[3]) == len(ev[1]) * ev[4] and ev[6] == "GPU"
+
+
+# -- a hand-driven publisher: forced gaps and restarts ------------------------------------------------------
+
+class TinyPublisher:
+    """XPUB (so the test knows when the subscription arrived) + an optional vLLM-style replay ROUTER."""
+
+    def __init__(self, replay: bool) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.pub = self.ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind("tcp://127.0.0.1:*")
+        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.buffer: dict[int, bytes] = {}
+        self.router = None
+        self.replay_endpoint = None
+        self.task = None
+        self.served = 0
+        if replay:
+            self.router = self.ctx.socket(zmq.ROUTER)
+            self.router.setsockopt(zmq.LINGER, 0)
+            self.router.bind("tcp://127.0.0.1:*")
+            self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.task = asyncio.get_running_loop().create_task(self._serve())
+
+    async def _serve(self) -> None:
+        while True:
+            ident, _, start = await self.router.recv_multipart()
+            start = int.from_bytes(start, "big")
+            for seq in sorted(self.buffer):
+                if seq >= start:
+                    await self.router.send_multipart([ident, b"", TOPIC, seq.to_bytes(8, "big"), self.buffer[seq]])
+            await self.router.send_multipart([ident, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+            self.served += 1
+
+    async def subscribed(self) -> None:
+        msg = await asyncio.wait_for(self.pub.recv(), 10)
+        assert msg == b"\x01" + TOPIC
+
+    def batch(self, seq: int, *, send: bool = True, tag: str = "") -> None:
+        payload = msgspec.msgpack.encode([float(seq), [{"type": "BlockRemoved", "block_hashes": [seq],
+                                                        "medium": tag or "GPU"}], 0])
+        self.buffer[seq] = payload
+        if send:
+            self.pub.send_multipart([TOPIC, seq.to_bytes(8, "big"), payload])
+
+    async def close(self) -> None:
+        if self.task:
+            self.task.cancel()
+            try:
+                await self.task
+            except asyncio.CancelledError:
+                pass
+        self.ctx.destroy(linger=0)
+
+
+@pytest.fixture
+async def tiny():
+    pubs: list[TinyPublisher] = []
+
+    async def factory(replay: bool) -> TinyPublisher:
+        p = TinyPublisher(replay)
+        pubs.append(p)
+        return p
+
+    yield factory
+    for p in pubs:
+        await p.close()
+
+
+async def test_forced_gap_is_repaired_by_replay(subscriber, tiny):
+    sub, sink = subscriber
+    p = await tiny(replay=True)
+    sub.add("w#dp0", p.endpoint, p.replay_endpoint)
+    await p.subscribed()
+    await wait_for(lambda: p.served == 1, 5, message="the initial (empty) replay")
+    p.batch(0)
+    p.batch(1)
+    p.batch(2, send=False)  # lost on the way
+    p.batch(3)
+    p.batch(4)
+    await wait_for(lambda: sink.seqs("w#dp0") == [0, 1, 2, 3, 4], 5, message="gap filled")
+    st = sub.stats("w#dp0")
+    assert (st["gaps"], st["replays"], st["resets"], st["last_seq"]) == (1, 2, 0, 4)
+    assert sink.resets == []
+
+
+async def test_forced_gap_without_replay_resets(subscriber, tiny):
+    sub, sink = subscriber
+    p = await tiny(replay=False)
+    sub.add("w", p.endpoint)
+    await p.subscribed()
+    p.batch(0)
+    p.batch(1)
+    p.batch(2, send=False)
+    p.batch(3)
+    await wait_for(lambda: sink.seqs("w") == [0, 1, 3], 5, message="batches after the gap")
+    assert sink.log == [("batch", "w", 0), ("batch", "w", 1), ("reset", "w"), ("batch", "w", 3)]
+    assert sub.stats("w")["gaps"] == 1 and sub.stats("w")["resets"] == 1
+
+
+async def test_failed_replay_resets(subscriber, tiny):
+    sub, sink = subscriber
+    p = await tiny(replay=False)
+    dead = f"tcp://127.0.0.1:{free_port()}"  # nobody answers there
+    sub.add("w", p.endpoint, dead)
+    await p.subscribed()
+    p.batch(0)
+    await wait_for(lambda: sink.seqs("w") == [0], 5, message="seq 0")  # after the initial replay timed out
+    assert sink.resets == []  # a failed replay on first contact loses nothing yet
+    p.batch(2)
+    await wait_for(lambda: sink.seqs("w") == [0, 2], 5, message="seq 2 after the failed replay")
+    assert sink.resets == ["w"] and sub.stats("w")["replay_failures"] == 2
+
+
+async def test_first_contact_without_replay_resets_unless_seq_zero(subscriber, tiny):
+    sub, sink = subscriber
+    p = await tiny(replay=False)
+    sub.add("w", p.endpoint)
+    await p.subscribed()
+    p.batch(5)
+    await wait_for(lambda: sink.seqs("w") == [5], 5, message="seq 5")
+    assert sink.log == [("reset", "w"), ("batch", "w", 5)]
+
+
+async def test_restart_resets_first_then_replays(subscriber, tiny):
+    sub, sink = subscriber
+    p = await tiny(replay=True)
+    sub.add("w", p.endpoint, p.replay_endpoint)
+    await p.subscribed()
+    await wait_for(lambda: p.served == 1, 5, message="the initial (empty) replay")
+    for s in range(4):
+        p.batch(s)
+    await wait_for(lambda: sink.seqs("w") == [0, 1, 2, 3], 5, message="first life")
+    p.buffer.clear()  # the engine restarts: new buffer, seq from 0
+    p.batch(0, send=False, tag="new")
+    p.batch(1, tag="new")  # its seq 0 never reached us
+    await wait_for(lambda: len(sink.seqs("w")) == 6, 5, message="second life")
+    assert sink.log[4:] == [("reset", "w"), ("batch", "w", 0), ("batch", "w", 1)]
+    assert [e["medium"] for e in sink.events("w")[4:]] == ["new", "new"]
+    st = sub.stats("w")
+    assert (st["restarts"], st["resets"], st["last_seq"]) == (1, 1, 1)
+
+
+async def test_duplicates_after_replay_are_skipped_and_callback_errors_survive(subscriber, tiny):
+    sub, sink = subscriber
+    p = await tiny(replay=True)
+    for s in range(3):
+        p.batch(s, send=False)  # published before we subscribed: only replay has them
+    failing = {"n": 0}
+
+    def on_batch(key, seq, payload):
+        sink.on_batch(key, seq, payload)
+        if seq == 1 and not failing["n"]:
+            failing["n"] += 1
+            raise RuntimeError("boom")
+
+    sub.on_batch = on_batch
+    sub.add("w", p.endpoint, p.replay_endpoint)
+    await p.subscribed()
+    await wait_for(lambda: sink.seqs("w") == [0, 1, 2], 5, message="replayed")
+    p.pub.send_multipart([TOPIC, (2).to_bytes(8, "big"), p.buffer[2]])  # a live copy of a replayed batch
+    p.batch(3)
+    await wait_for(lambda: sink.seqs("w") == [0, 1, 2, 3], 5, message="seq 3")
+    st = sub.stats("w")
+    assert (st["duplicates"], st["callback_errors"], st["resets"]) == (1, 1, 0)
+
+
+async def test_restart_ahead_of_last_seq_is_caught_by_the_replay_anchor(subscriber, tiny):
+    sub, sink = subscriber
+    p = await tiny(replay=True)
+    sub.add("w", p.endpoint, p.replay_endpoint)
+    await p.subscribed()
+    await wait_for(lambda: p.served == 1, 5, message="the initial (empty) replay")
+    p.batch(0)
+    p.batch(1)
+    await wait_for(lambda: sink.seqs("w") == [0, 1], 5, message="first life")
+    p.buffer.clear()  # restart; the new engine publishes 0..3 unseen, then 4 reaches us: looks like a gap
+    for s in range(4):
+        p.batch(s, send=False, tag="new")
+    p.batch(4, tag="new")
+    await wait_for(lambda: len(sink.seqs("w")) == 7, 5, message="second life")
+    assert sink.log[2:] == [("reset", "w")] + [("batch", "w", s) for s in range(5)]
+    assert [e["medium"] for e in sink.events("w")[2:]] == ["new"] * 5
+    st = sub.stats("w")
+    assert (st["restarts"], st["resets"], st["gaps"]) == (1, 1, 1)
+
+
+async def test_re_adding_a_key_starts_over_with_a_replay(sim, subscriber):
+    sub, sink = subscriber
+    server = await sim()
+    sub.add("w", *endpoints(server))
+    await complete(server, prompt(0))
+    await wait_caught_up(sub, "w", server)
+    n = published(server)
+    sub.add("w", *endpoints(server))  # e.g. the caller rebuilt its view: everything again, from 0
+    await wait_for(lambda: sink.seqs("w") == list(range(n)) * 2, 10, message="replayed again from 0")
+    assert sub.stats("w")["batches"] == n and sink.resets == []

@@ -1,0 +1,201 @@
+import asyncio
+
+import pytest
+
+from infera.api.requests import parse_request
+from infera.discovery.record import WorkerRecord
+from infera.kv.hashing import block_hashes
+from infera.kv.prompt import PromptTokenizer
+from infera.router.kv_aware import KvAwarePolicy, expand_targets, predicted_cached_tokens
+from infera.router.policy import RoutedRequest
+
+BS = 4
+
+
+class FakeIndex:
+    """Views as plain sets: the policy only needs match()."""
+
+    def __init__(self):
+        self.views: dict[str, set[int]] = {}
+
+    def hold(self, key, hashes):
+        self.views.setdefault(key, set()).update(hashes)
+
+    def match(self, hashes, keys):
+        out = []
+        for k in keys:
+            view, n = self.views.get(k, set()), 0
+            for h in hashes:
+                if h not in view:
+                    break
+                n += 1
+            out.append(n)
+        return out
+
+
+def worker(wid, bs=BS, dp_size=None, dp_rank=None):
+    return WorkerRecord(worker_id=wid, url=f"http://{wid}", model_name="m", kv_block_size=bs, dp_size=dp_size,
+                        dp_rank=dp_rank)
+
+
+def request(prompt_ids, **extra):
+    import json
+
+    body = json.dumps({"model": "m", "prompt": prompt_ids, **extra}).encode()
+    return RoutedRequest(route="/v1/completions", body=body, parsed=parse_request("/v1/completions", body), model="m",
+                         stream=False, request_id="r")
+
+
+def make(**kw):
+    index = FakeIndex()
+    return index, KvAwarePolicy(index, PromptTokenizer.from_path(None), **kw)
+
+
+def pick(policy, workers, req, role="mixed"):
+    asyncio.run(policy.prepare(req))
+    return policy.pick(workers, req, role)
+
+
+PROMPT = list(range(100, 132))  # 8 blocks of 4
+
+
+def test_longest_cached_prefix_wins():
+    index, policy = make()
+    a, b, c = worker("a"), worker("b"), worker("c")
+    hashes = block_hashes(PROMPT, BS)
+    index.hold("a", hashes[:2])
+    index.hold("b", hashes[:6])
+    req = request(PROMPT)
+    assert pick(policy, [a, b, c], req).worker_id == "b"
+    assert req.state["predicted_hit_blocks"] == 6 and req.state["route_key"] == "b"
+    assert req.state["blocks"] == hashes
+
+
+def test_load_breaks_ties_and_in_flight_is_released():
+    index, policy = make()
+    a, b = worker("a"), worker("b")
+    r1 = request(PROMPT)
+    assert pick(policy, [a, b], r1).worker_id == "a"  # tie → first
+    policy.on_started(a, r1)
+    assert policy.active_blocks("a") == 8
+    r2 = request(list(range(500, 532)))
+    assert pick(policy, [a, b], r2).worker_id == "b"  # a is loaded
+    policy.on_finished(a, r1)
+    assert policy.active_blocks("a") == 0
+
+
+def test_shared_prefix_in_flight_counts_once():
+    _, policy = make()
+    a = worker("a")
+    r1, r2 = request(PROMPT), request(PROMPT)
+    pick(policy, [a], r1)
+    pick(policy, [a], r2)
+    policy.on_started(a, r1)
+    policy.on_started(a, r2)
+    assert policy.active_blocks("a") == 8
+    policy.on_finished(a, r1)
+    assert policy.active_blocks("a") == 8
+    policy.on_finished(a, r2)
+    assert policy.active_blocks("a") == 0
+
+
+@pytest.mark.parametrize("weight, expected", [(1.0, "a"), (0.0, "b")])
+def test_overlap_weight_against_load(weight, expected):
+    index, policy = make(overlap_weight=weight)
+    a, b = worker("a"), worker("b")
+    index.hold("a", block_hashes(PROMPT, BS))
+    busy = request(list(range(900, 912)))  # 3 blocks in flight on a
+    busy.state.update(route_key="a", blocks=block_hashes(list(range(900, 912)), BS))
+    policy.on_started(a, busy)
+    assert pick(policy, [a, b], request(PROMPT)).worker_id == expected
+
+
+def test_retention_long_amplifies_overlap():
+    index, policy = make(overlap_weight=0.5)
+    a, b = worker("a"), worker("b")
+    index.hold("a", block_hashes(PROMPT, BS)[:4])
+    busy = request(list(range(900, 916)))
+    busy.state.update(route_key="a", blocks=block_hashes(list(range(900, 916)), BS)[:3])
+    policy.on_started(a, busy)
+    # a: 0.5*4 missed + 3 load = 5 vs b: 0.5*8 = 4 → b; with long retention: a 4+3=7 vs b 8 → a
+    assert pick(policy, [a, b], request(PROMPT)).worker_id == "b"
+    index2, policy2 = make(overlap_weight=0.5)
+    index2.hold("a", block_hashes(PROMPT, BS)[:4])
+    policy2.on_started(a, busy)
+    assert pick(policy2, [a, b], request(PROMPT, prompt_cache_retention="24h")).worker_id == "a"
+
+
+def test_role_weights():
+    _, policy = make(overlap_weight=1.0, prefill_overlap_weight=20.0, decode_overlap_weight=2.0)
+    assert policy.weights == {"mixed": 1.0, "prefill": 20.0, "decode": 2.0}
+
+
+def test_rank_multiplexed_worker_is_scored_per_rank():
+    index, policy = make()
+    w = worker("w", dp_size=4)
+    assert [k for _, k in expand_targets(w)] == ["w#dp0", "w#dp1", "w#dp2", "w#dp3"]
+    index.hold("w#dp2", block_hashes(PROMPT, BS))
+    req = request(PROMPT)
+    assert pick(policy, [w], req) is w
+    assert req.state["dp_rank"] == 2 and req.state["route_key"] == "w#dp2"
+    pinned = worker("p", dp_size=4, dp_rank=1)  # external LB: one rank per record, no header
+    req = request(PROMPT)
+    pick(policy, [pinned], req)
+    assert req.state["dp_rank"] is None
+
+
+def test_recent_misses_decay_and_spread_cold_load():
+    _, policy = make()
+    a, b = worker("a"), worker("b")
+    seq = [pick(policy, [a, b], request(list(range(1000 * i, 1000 * i + 32)))).worker_id for i in range(4)]
+    assert seq == ["a", "b", "a", "b"]  # each cold prefill charges its worker
+    assert 0 < policy.recent["a"] < 16
+
+
+def test_unsized_workers_pay_no_overlap_but_are_still_candidates():
+    index, policy = make()
+    sized, unsized = worker("s"), worker("u", bs=None)
+    index.hold("s", block_hashes(PROMPT, BS))
+    assert pick(policy, [unsized, sized], request(PROMPT)).worker_id == "s"
+
+
+def test_multimodal_routes_by_image_affinity():
+    _, policy = make()
+    a, b = worker("a"), worker("b")
+
+    def mm(url):
+        import json
+
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": url}}]}]}).encode()
+        return RoutedRequest(route="/v1/chat/completions", body=body,
+                             parsed=parse_request("/v1/chat/completions", body), model="m", stream=False, request_id="x")
+
+    first = pick(policy, [a, b], mm("http://img/1.png")).worker_id
+    other = pick(policy, [a, b], mm("http://img/2.png")).worker_id
+    assert other != first
+    assert pick(policy, [a, b], mm("http://img/1.png")).worker_id == first
+
+
+def test_forget_drops_every_rank():
+    _, policy = make()
+    w = worker("w", dp_size=2)
+    req = request(PROMPT)
+    pick(policy, [w], req)
+    policy.on_started(w, req)
+    policy.forget("w")
+    assert not any(k.startswith("w") for t in (policy.active, policy.recent, policy.mm_affinity) for k in t)
+
+
+def test_untokenizable_request_routes_by_load():
+    _, policy = make()
+    a = worker("a")
+    req = request(["a", "b"])  # batched prompts: not prefix-routed
+    assert pick(policy, [a], req) is a and req.state["blocks"] == []
+
+
+@pytest.mark.parametrize("hits, bs, prompt, expected", [
+    (0, 16, 100, 0), (3, 16, 100, 48), (7, 16, 112, 96), (7, 16, 113, 112), (6, 16, 113, 96), (2, 0, 50, 0),
+])
+def test_predicted_cached_tokens(hits, bs, prompt, expected):
+    assert predicted_cached_tokens(hits, bs, prompt) == expected

@@ -1,0 +1,249 @@
+"""The simulator's KV-event encoding: vLLM maps, SGLang arrays, engine hashes, seq, replay buffer,
+and the sim launcher's KV-event flags."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import msgspec
+import pytest
+
+from infera.engine.base.launcher import build_launcher_parser
+from infera.engine.sim.cache import KVCache, block_hashes
+from infera.engine.sim.kv_events import (ClearedEvent, KvEventPublisher, KvEventsConfig, RemovedEvent, StoredEvent,
+                                         binds, encode_batch, engine_root_hash, parse_kv_events_config)
+from infera.engine.sim.launcher import SimAdapter
+from infera.engine.sim.scheduler import Scheduler
+from infera.engine.sim.server import parse_args
+
+BS = 4
+
+
+def decode(payload: bytes):
+    return msgspec.msgpack.decode(payload)  # plain Python objects: what any subscriber sees
+
+
+def publisher(fmt="vllm", seed=0, buffer_steps=10000, num_blocks=8) -> tuple[KvEventPublisher, KVCache]:
+    cfg = KvEventsConfig(enable_kv_cache_events=True, publisher="zmq", buffer_steps=buffer_steps)
+    pub = KvEventPublisher(cfg, block_size=BS, seed=seed, fmt=fmt)
+    cache = KVCache(BS, num_blocks)
+    pub.attach(cache)
+    return pub, cache
+
+
+def events_of(pub: KvEventPublisher, seq: int) -> list:
+    return decode(dict(pub.buffered())[seq])[1]
+
+
+# -- config ---------------------------------------------------------------------------------------------
+
+def test_config_vllm_schema():
+    cfg = parse_kv_events_config('{"enable_kv_cache_events":true,"endpoint":"tcp://*:5557",'
+                                 '"replay_endpoint":"tcp://*:5558","topic":"kv-events"}')
+    assert cfg.enabled and cfg.publisher == "zmq"  # zmq is the default publisher once enabled
+    assert (cfg.buffer_steps, cfg.topic, cfg.replay_endpoint) == (10000, "kv-events", "tcp://*:5558")
+    assert KvEventsConfig.from_dict({}).enabled is False
+    assert KvEventsConfig.from_dict({"enable_kv_cache_events": True, "publisher": "null"}).enabled is False
+    assert KvEventsConfig.from_dict({"enable_kv_cache_events": True}).topic == ""
+    for bad in ('{"enable_kv_cache_events":true,"bogus":1}', '{"publisher":"kafka"}', "[1]", "nope",
+                '{"buffer_steps":0}'):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_kv_events_config(bad)
+
+
+def test_config_sglang_schema():
+    cfg = KvEventsConfig.from_dict({"publisher": "zmq", "endpoint": "tcp://*:9", "topic": "kv-events"}, sglang=True)
+    assert cfg.enabled and cfg.replay_endpoint is None
+    assert not KvEventsConfig.from_dict({"endpoint": "tcp://*:9"}, sglang=True).enabled
+
+
+def test_sim_server_flag():
+    args = parse_args(["--model", "m", "--kv-events-config", '{"enable_kv_cache_events":true}'])
+    assert args.kv_events_config.enabled
+    assert parse_args(["--model", "m"]).kv_events_config is None
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--kv-events-config", "{bad"])
+
+
+@pytest.mark.parametrize("endpoint, bound", [("tcp://*:5557", True), ("tcp://[::]:1", True), ("ipc:///tmp/x", True),
+                                             ("inproc://x", True), ("tcp://10.0.0.1:5557", False)])
+def test_bind_or_connect(endpoint, bound):
+    assert binds(endpoint) is bound
+
+
+# -- encoding -------------------------------------------------------------------------------------------
+
+def test_vllm_batch_is_array_of_ts_events_rank_with_tagged_maps():
+    events = [StoredEvent([11, 12], None, list(range(8)), BS), RemovedEvent([11]), ClearedEvent(),
+              StoredEvent([13], 12, [1, 2, 3, 4], BS)]
+    batch = decode(encode_batch(events, "vllm", ts=12.5, dp_rank=3))
+    assert batch[0] == 12.5 and batch[2] == 3
+    assert batch[1] == [
+        {"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": None, "token_ids": list(range(8)),
+         "block_size": BS, "lora_id": None, "medium": "GPU"},
+        {"type": "BlockRemoved", "block_hashes": [11], "medium": "GPU"},
+        {"type": "AllBlocksCleared"},
+        {"type": "BlockStored", "block_hashes": [13], "parent_block_hash": 12, "token_ids": [1, 2, 3, 4],
+         "block_size": BS, "lora_id": None, "medium": "GPU"},
+    ]
+
+
+def test_sglang_batch_uses_tagged_arrays():
+    events = [StoredEvent([2**64 - 1], 7, [1, 2, 3, 4], BS), RemovedEvent([2**64 - 1]), ClearedEvent()]
+    batch = decode(encode_batch(events, "sglang", ts=1.0))
+    assert batch == [1.0, [["BlockStored", [2**64 - 1], 7, [1, 2, 3, 4], BS, None, "GPU"],
+                           ["BlockRemoved", [2**64 - 1], "GPU"], ["AllBlocksCleared"]], 0]
+    with pytest.raises(ValueError):
+        encode_batch(events, "trt")
+
+
+# -- the publisher over a real cache --------------------------------------------------------------------
+
+def test_engine_hashes_are_not_router_hashes_but_a_reseeded_chain():
+    pub, cache = publisher(seed=7)
+    prompt = list(range(100, 100 + 3 * BS + 1))  # 3 full blocks + 1
+    cache.allocate("a", prompt)
+    assert pub.flush() == 0
+    [ev] = events_of(pub, 0)  # one event for the whole chain, like vLLM
+    router = block_hashes(prompt, BS)  # the cache's (= the router's) hash space
+    assert ev["type"] == "BlockStored" and ev["parent_block_hash"] is None
+    assert ev["token_ids"] == prompt[: 3 * BS] and len(ev["token_ids"]) == len(ev["block_hashes"]) * BS
+    assert not set(ev["block_hashes"]) & set(router)
+    assert ev["block_hashes"] == block_hashes(prompt, BS, parent_hash=engine_root_hash(7))
+    other, cache2 = publisher(seed=8)
+    cache2.allocate("a", prompt)
+    other.flush()
+    assert events_of(other, 0)[0]["block_hashes"] != ev["block_hashes"]  # seed-dependent
+
+
+def test_generated_tokens_eviction_clear_and_seq():
+    pub, cache = publisher(num_blocks=4)
+    assert pub.flush() is None and pub.next_seq == 0  # nothing pending: no batch, no seq used
+    cache.allocate("a", list(range(1, 2 * BS + 2)))  # 2 full blocks + 1 token
+    assert pub.flush() == 0
+    first = events_of(pub, 0)[0]["block_hashes"]
+    for t in range(BS - 1):  # fill the third block with "generated" tokens
+        cache.append_token("a", 900 + t)
+    assert pub.flush() == 1
+    [ev] = events_of(pub, 1)
+    assert ev["parent_block_hash"] == first[-1] and ev["token_ids"] == [2 * BS + 1, 900, 901, 902]
+    assert cache.match_prefix(list(range(1, 2 * BS + 2))) == 2 * BS  # the cache's own matching is intact
+    cache.free("a")
+    cache.allocate("b", list(range(500, 500 + 3 * BS)))  # needs 3 fresh blocks: evicts 2 cached ones
+    assert pub.flush() == 2
+    batch = events_of(pub, 2)
+    removed = [e["block_hashes"][0] for e in batch if e["type"] == "BlockRemoved"]
+    assert len(removed) == 2 and set(removed) <= set(first + ev["block_hashes"])
+    assert [e["type"] for e in batch].count("BlockStored") == 1
+    cache.free("b")
+    assert cache.reset_prefix_cache()
+    assert pub.flush() == 3 and events_of(pub, 3) == [{"type": "AllBlocksCleared"}]
+    assert len(pub.hashes) == 0
+    assert [s for s, _ in pub.buffered()] == [0, 1, 2, 3]
+
+
+def test_sglang_publisher_over_a_cache():
+    pub, cache = publisher(fmt="sglang")
+    cache.allocate("a", list(range(10, 10 + BS)))
+    pub.flush()
+    [ev] = events_of(pub, 0)
+    assert ev[0] == "BlockStored" and ev[2] is None and ev[3] == list(range(10, 10 + BS)) and ev[4:] == [BS, None,
+                                                                                                         "GPU"]
+
+
+def test_replay_buffer_is_bounded():
+    pub, cache = publisher(buffer_steps=3, num_blocks=16)
+    for i in range(5):
+        cache.allocate(i, [1000 * (i + 1) + t for t in range(BS)])
+        assert pub.flush() == i
+    assert [s for s, _ in pub.buffered()] == [2, 3, 4] and pub.next_seq == 5
+
+
+async def test_one_batch_per_scheduler_step():
+    cfg = KvEventsConfig(enable_kv_cache_events=True, publisher="zmq")
+    cache = KVCache(BS, 64)
+    sched = Scheduler(cache, speedup=10000)
+    pub = KvEventPublisher(cfg, block_size=BS)
+    pub.attach(cache, sched)
+    sched.start()
+    try:
+        seqs = [sched.submit(list(range(k * 100, k * 100 + 3 * BS)), 2 * BS, ignore_eos=True) for k in range(3)]
+        for s in seqs:
+            async for _ in s.stream():
+                pass
+    finally:
+        await sched.stop()
+    assert 0 < pub.next_seq <= sched.num_steps
+    batches = [decode(p) for _, p in pub.buffered()]
+    # The first step admits all three prompts: their stored blocks come in ONE batch.
+    assert len([e for e in batches[0][1] if e["type"] == "BlockStored"]) == 3
+    stored = sum(len(e["block_hashes"]) for b in batches for e in b[1] if e["type"] == "BlockStored")
+    # Per request: 3 prompt blocks + 1 filled by generated tokens (the last of the 8 generated
+    # tokens never enters the cache, as in vLLM: 12 + 7 = 19 tokens = 4 full blocks).
+    assert stored == 3 * 4
+
+
+# -- the sim launcher -----------------------------------------------------------------------------------
+
+def prepare(argv, *launcher_flags):
+    a = SimAdapter()
+    args, engine_argv = build_launcher_parser(a, "t", environ={}).parse_known_args(
+        ["--etcd-endpoint", "e", *launcher_flags, *argv])
+    return a, args, a.prepare(engine_argv, args)
+
+
+class _Resp:
+    def __init__(self, body):
+        self.body = body
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        return None
+
+    async def json(self):
+        return self.body
+
+    async def text(self):
+        return self.body
+
+
+class _Session:
+    def get(self, url, **kw):
+        if url.endswith("/v1/models"):
+            return _Resp({"data": [{"id": "m"}]})
+        return _Resp('vllm:cache_config_info{block_size="16",num_gpu_blocks="9",enable_prefix_caching="True"} 1.0\n')
+
+
+async def test_sim_launcher_injects_kv_events_and_registers_endpoints():
+    a, args, spec = prepare(["--model", "m", "--port", "9001", "--host", "0.0.0.0"])
+    i = spec.argv.index("--kv-events-config")
+    cfg = json.loads(spec.argv[i + 1])
+    assert cfg["enable_kv_cache_events"] and cfg["publisher"] == "zmq" and cfg["topic"] == "kv-events"
+    pub, replay = a.kv_events
+    assert (cfg["endpoint"], cfg["replay_endpoint"]) == (f"tcp://*:{pub}", f"tcp://*:{replay}")
+    assert parse_args(spec.argv).kv_events_config.enabled  # the engine accepts what was injected
+    fields = await a.describe(_Session(), "http://x", spec.argv, args)
+    assert fields["kv_events_endpoint"] == f"tcp://127.0.0.1:{pub}"
+    assert fields["kv_events_replay_endpoint"] == f"tcp://127.0.0.1:{replay}"
+
+    a, args, spec = prepare(["--model", "m", "--host", "0.0.0.0"], "--advertise-host", "node-7")
+    fields = await a.describe(_Session(), "http://x", spec.argv, args)
+    assert fields["kv_events_endpoint"] == f"tcp://node-7:{a.kv_events[0]}"
+
+
+async def test_sim_launcher_kv_events_off_or_user_given():
+    a, args, spec = prepare(["--model", "m"], "--no-enable-kv-events")
+    assert "--kv-events-config" not in spec.argv and a.kv_events is None
+    fields = await a.describe(_Session(), "http://x", spec.argv, args)
+    assert "kv_events_endpoint" not in fields and "kv_events_replay_endpoint" not in fields
+
+    user = '{"enable_kv_cache_events":true,"endpoint":"tcp://*:6000","topic":"kv-events"}'
+    a, args, spec = prepare(["--model", "m", "--kv-events-config", user])
+    assert spec.argv.count("--kv-events-config") == 1 and a.kv_events == (6000, None)
+    fields = await a.describe(_Session(), "http://x", spec.argv, args)
+    assert fields["kv_events_endpoint"] == "tcp://127.0.0.1:6000" and "kv_events_replay_endpoint" not in fields
+
+    a, _, _ = prepare(["--model", "m", "--kv-events-config", '{"enable_kv_cache_events":false}'])
+    assert a.kv_events is None
