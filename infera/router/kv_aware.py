@@ -5,8 +5,10 @@ cost(target) = w_overlap × missed_blocks + w_mm × missed_images + in_flight_bl
 
 * missed_blocks = request blocks − the longest cached prefix in that target's view (KV events);
 * in_flight_blocks = distinct blocks of requests in flight there (shared prefixes count once);
-* recent_misses = blocks recently charged to it, decayed ×0.97 per pick (prefill work queued
-  there that in-flight accounting alone would not show);
+* recent_misses = missed blocks charged at pick time, decayed ×0.97 per pick (prefill work queued
+  there that in-flight accounting alone would not show). Unlike upstream, a request's remaining
+  charge is released when it finishes: a finished prefill is no load, and keeping it charged
+  pushes the very next turn of a conversation away from the worker that just cached its prefix;
 * w_overlap = the role's weight (``--kv-overlap-weight``, or the prefill/decode weights for PD
   legs) × the retention amplifier (long ×2, explicit none ×0.1);
 * multimodal requests are steered by image affinity (w_mm = 48 × w) instead of text overlap.
@@ -68,6 +70,7 @@ class KvAwarePolicy:
         self.observer = observer
         self.active: dict[str, dict[int, int]] = {}  # route key → {block hash: requests in flight}
         self.recent: dict[str, float] = {}
+        self._picks = 0  # decay clock: remaining charge = charge × RECENT_DECAY^(picks since)
         self.mm_affinity: dict[str, OrderedDict[int, None]] = {}
 
     async def prepare(self, request: RoutedRequest) -> None:
@@ -122,8 +125,8 @@ class KvAwarePolicy:
                 affinity.move_to_end(k)
             while len(affinity) > MM_AFFINITY_CAP:
                 affinity.popitem(last=False)
-        self._charge(key, total - hit, total)
         st = request.state
+        st["charge"] = (self._charge(key, total - hit, total), self._picks)
         st["route_key"], st["dp_rank"], st["block_size"] = key, rank, block_size
         st["blocks"] = self._hashes(request, block_size) if block_size else []
         st["predicted_hit_blocks"] = hit
@@ -135,8 +138,9 @@ class KvAwarePolicy:
                       request.request_id, key, hit, total, len(self.active.get(key, ())))
         return worker
 
-    def _charge(self, key: str, missed: int, total: int) -> None:
+    def _charge(self, key: str, missed: int, total: int) -> float:
         # Decay per pick (not wall clock): bounded by the fleet size, not its history.
+        self._picks += 1
         recent = self.recent
         for k in list(recent):
             v = recent[k] * RECENT_DECAY
@@ -147,6 +151,7 @@ class KvAwarePolicy:
         charge = 1.0 if total == 0 else float(missed)
         if charge:
             recent[key] = recent.get(key, 0.0) + charge
+        return charge
 
     def on_started(self, worker: WorkerRecord, request: RoutedRequest) -> None:
         key = request.state.get("route_key")
@@ -158,7 +163,16 @@ class KvAwarePolicy:
 
     def on_finished(self, worker: WorkerRecord, request: RoutedRequest) -> None:
         key = request.state.get("route_key")
-        counts = self.active.get(key) if key is not None else None
+        if key is None:
+            return
+        charge, at = request.state.pop("charge", (0.0, 0))
+        if charge and key in self.recent:
+            left = self.recent[key] - charge * RECENT_DECAY ** (self._picks - at)
+            if left < 1e-3:
+                del self.recent[key]
+            else:
+                self.recent[key] = left
+        counts = self.active.get(key)
         if counts is None:
             return
         for h in request.state.get("blocks", ()):

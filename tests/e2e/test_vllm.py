@@ -73,6 +73,63 @@ def urlopen_text(url: str) -> str:
         return r.read().decode()
 
 
+def engine_prefix_hits(port: int) -> float:
+    text = urlopen_text(f"http://127.0.0.1:{port}/metrics")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prefix_cache_hits_total"))
+
+
+def test_kv_aware_sends_shared_prefixes_to_their_holder(vllm_fleet):
+    """Through the kv-aware replica: real vLLM KV events fill the router's views; follow-up turns
+    of a conversation land on the engine holding its prefix; vLLM's own metrics confirm the hits;
+    the router's predicted cached tokens equal what vLLM reports (within one block)."""
+    base = vllm_fleet.kv_base
+    words = urlopen_text(base + "/metrics").split()[:400]  # varied text the tokenizer knows
+    for w in vllm_fleet.workers:
+        wait_until(lambda: _view(base, w.worker_id) is not None, 30, f"a cache view for {w.worker_id}")
+
+    def ask(group: int, turn: int) -> dict:
+        system = f"group {group}: " + " ".join(words[group * 150:group * 150 + 300])
+        return http_json(base + "/v1/chat/completions", {
+            "model": "tiny", "max_tokens": 2, "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"question {turn}"}]})
+
+    hits_before = {w.worker_id: engine_prefix_hits(w.port) for w in vllm_fleet.workers}
+    cached = []
+    def view_blocks() -> int:
+        return sum(_view(base, w.worker_id)["block_count"] for w in vllm_fleet.workers)
+
+    for group in (0, 1):
+        before = view_blocks()
+        cold = ask(group, 0)  # cold: stores the prefix on one engine
+        full_blocks = cold["usage"]["prompt_tokens"] // 32
+        wait_until(lambda: view_blocks() >= before + full_blocks, 10,
+                   "the router's views to hold the new prefix (from vLLM's KV events)")
+        for turn in (1, 2):
+            cached.append(ask(group, turn)["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert all(c >= 32 * 5 for c in cached), cached  # every follow-up hit its group's prefix
+    gained = {wid: engine_prefix_hits(w.port) - hits_before[wid] for w in vllm_fleet.workers
+              for wid in [w.worker_id]}
+    assert sum(gained.values()) >= sum(cached), (gained, cached)  # vLLM's own counters agree
+    views = [_view(base, w.worker_id) for w in vllm_fleet.workers]
+    observed = sum(v["prediction"]["observations"] for v in views)
+    assert observed == 6
+    for v in views:
+        if v["prediction"]["observations"]:
+            assert v["prediction"]["mean_error_blocks"] <= 1, v
+    assert sum(v["prediction"]["exact"] for v in views) >= 5, views
+    assert not any(v["events_silent"] for v in views)
+
+
+def _view(base: str, worker_id: str) -> dict | None:
+    import urllib.error
+
+    try:
+        return http_json(f"{base}/v1/admin/cache-view/{worker_id}", timeout=5)
+    except urllib.error.HTTPError:
+        return None
+
+
 def test_sigterm_with_a_stream_in_flight_drains_after_deregistering(vllm_fleet):
     worker = vllm_fleet.workers[1]
     engine_pid = worker.engine_pid()

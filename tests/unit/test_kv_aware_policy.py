@@ -199,3 +199,24 @@ def test_untokenizable_request_routes_by_load():
 ])
 def test_predicted_cached_tokens(hits, bs, prompt, expected):
     assert predicted_cached_tokens(hits, bs, prompt) == expected
+
+
+def test_finished_cold_prefill_no_longer_repels_the_next_turn():
+    index, policy = make()
+    a, b = worker("a"), worker("b")
+    first = request(PROMPT)
+    assert pick(policy, [a, b], first).worker_id == "a"
+    policy.on_started(a, first)
+    policy.on_finished(a, first)
+    assert "a" not in policy.recent  # the finished prefill's charge is gone
+    index.hold("a", block_hashes(PROMPT, BS)[:1])  # even a 1-block hit now keeps the conversation on a
+    assert pick(policy, [a, b], request(PROMPT)).worker_id == "a"
+
+
+def test_charge_of_a_request_in_flight_still_counts():
+    _, policy = make()
+    a, b = worker("a"), worker("b")
+    first = request(PROMPT)
+    pick(policy, [a, b], first)
+    policy.on_started(a, first)
+    assert pick(policy, [a, b], request(list(range(700, 732)))).worker_id == "b"
