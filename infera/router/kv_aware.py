@@ -14,7 +14,8 @@ cost(target) = w_overlap × missed_blocks + w_mm × missed_images + in_flight_bl
 * multimodal requests are steered by image affinity (w_mm = 48 × w) instead of text overlap.
 
 A rank-multiplexed worker (DP attention) is scored per rank; the chosen rank travels as
-``X-Data-Parallel-Rank``. The argmin is over (cost, load), first candidate on ties.
+``X-Data-Parallel-Rank``. The argmin is over (cost, load); remaining ties go to the target whose
+cache holds the fewest blocks, then rotate.
 """
 from __future__ import annotations
 
@@ -99,20 +100,36 @@ class KvAwarePolicy:
             for rank, key in expand_targets(w):
                 (groups.setdefault(w.kv_block_size, []) if w.kv_block_size else unsized).append((w, rank, key))
 
+        # Ties on (cost, load) — typically a cold prompt on an idle fleet — go to the target whose
+        # cache holds the least (spreading new prefixes keeps the fleet's caches balanced), then
+        # rotate, so sequential cold traffic never piles onto the first worker.
+        n_targets = sum(len(t) for t in groups.values()) + len(unsized)
+        offset = self._picks % n_targets if n_targets else 0
+        block_count = getattr(self.index, "block_count", None)
         best = None
+        position = 0
+        most_blocks = 0
         for block_size, targets in [*groups.items(), (0, unsized)]:
             if not targets:
                 continue
-            hashes = self._hashes(request, block_size) if block_size else []
-            total = len(hashes)
-            hits = self.index.match(hashes, [t[2] for t in targets]) if total else [0] * len(targets)
+            if block_size:
+                hashes = self._hashes(request, block_size)
+                total = len(hashes)
+                most_blocks = max(most_blocks, total)
+                hits = self.index.match(hashes, [t[2] for t in targets]) if total else [0] * len(targets)
+            else:
+                # No block size registered: nothing can be known cached there, so it pays for every
+                # block (upstream charged it nothing, making it look like a perfect cache hit).
+                total, hits = most_blocks, [0] * len(targets)
             for (w, rank, key), hit in zip(targets, hits):
                 load = len(self.active.get(key, ())) + self.recent.get(key, 0.0)
                 cost = w_overlap * (total - hit) + load
                 if w_mm:
                     affinity = self.mm_affinity.get(key)
                     cost += w_mm * sum(1 for k in mm_keys if not affinity or k not in affinity)
-                score = (cost, load)
+                held = block_count(key) if block_count is not None else 0
+                score = (cost, load, held, (position - offset) % n_targets)
+                position += 1
                 if best is None or score < best[0]:
                     best = (score, w, rank, key, hit, total, block_size)
         assert best is not None, "pick() needs at least one candidate"

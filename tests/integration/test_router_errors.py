@@ -81,8 +81,10 @@ async def env():
     servers, workers = [], []
 
     async def server(*flags: str) -> tuple[InferaServer, str]:
-        s = InferaServer(parse_args(["--port", "0", "--host", "127.0.0.1", "--etcd-endpoint", "unused:1", *flags],
-                                    environ={}), discovery=NoDiscovery())
+        # Dispatch semantics, not policy: round-robin unless a test asks otherwise.
+        policy = [] if "--router-policy" in flags else ["--router-policy", "round-robin"]
+        s = InferaServer(parse_args(["--port", "0", "--host", "127.0.0.1", "--etcd-endpoint", "unused:1", *policy,
+                                     *flags], environ={}), discovery=NoDiscovery())
         await s.start()
         servers.append(s)
         return s, f"http://127.0.0.1:{s.port}"
@@ -200,11 +202,12 @@ async def test_request_id_echoed_and_forwarded(env):
     assert w.seen_request_ids == ["abc123"]
 
 
+@pytest.mark.parametrize("policy", ["round-robin", "kv-aware"])
 @pytest.mark.parametrize("bad", ["refused", "500"])
 @pytest.mark.parametrize("stream", [False, True])
-async def test_failure_before_first_byte_is_retried(env, bad, stream):
+async def test_failure_before_first_byte_is_retried(env, bad, stream, policy):
     server, worker, s = env
-    srv, base = await server("--request-max-retries", "1")
+    srv, base = await server("--request-max-retries", "1", "--router-policy", policy)
     good = await worker()
     bad_rec = _refused_record() if bad == "refused" else (await worker("500")).record()
     srv.fleet.upsert(bad_rec)

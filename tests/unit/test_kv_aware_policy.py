@@ -13,10 +13,13 @@ BS = 4
 
 
 class FakeIndex:
-    """Views as plain sets: the policy only needs match()."""
+    """Views as plain sets: the policy needs match() and block_count()."""
 
     def __init__(self):
         self.views: dict[str, set[int]] = {}
+
+    def block_count(self, key):
+        return len(self.views.get(key, ()))
 
     def hold(self, key, hashes):
         self.views.setdefault(key, set()).update(hashes)
@@ -75,7 +78,7 @@ def test_load_breaks_ties_and_in_flight_is_released():
     index, policy = make()
     a, b = worker("a"), worker("b")
     r1 = request(PROMPT)
-    assert pick(policy, [a, b], r1).worker_id == "a"  # tie → first
+    assert pick(policy, [a, b], r1).worker_id == "a"  # full tie → the rotation starts at the first
     policy.on_started(a, r1)
     assert policy.active_blocks("a") == 8
     r2 = request(list(range(500, 532)))
@@ -220,3 +223,22 @@ def test_charge_of_a_request_in_flight_still_counts():
     pick(policy, [a, b], first)
     policy.on_started(a, first)
     assert pick(policy, [a, b], request(list(range(700, 732)))).worker_id == "b"
+
+
+def test_ties_go_to_the_emptier_cache_then_rotate():
+    index, policy = make()
+    a, b, c = worker("a"), worker("b"), worker("c")
+    index.hold("a", [1, 2, 3])
+    index.hold("b", [4])
+    # cold prompt, idle fleet: c holds nothing → c
+    req = request(list(range(5000, 5032)))
+    assert pick(policy, [a, b, c], req).worker_id == "c"
+    policy.on_finished(c, req)
+    # sequential cold requests on equally empty caches rotate instead of piling onto one worker
+    _, fresh = make()
+    seen = []
+    for i in range(3):
+        r = request(list(range(9000 + 100 * i, 9032 + 100 * i)))
+        seen.append(pick(fresh, [a, b, c], r).worker_id)
+        fresh.on_finished(None, r)
+    assert sorted(seen) == ["a", "b", "c"]
