@@ -21,7 +21,7 @@ import aiohttp
 
 from infera.config import add_flag, choice_of, etcd_url, positive_float, positive_int
 from infera.engine.base.launcher import _set_pdeathsig
-from infera.engine.sim.launcher import free_port
+from infera.engine.base.kv_events import free_port
 
 log = logging.getLogger("infera.up")
 

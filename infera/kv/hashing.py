@@ -7,6 +7,8 @@ router never depends on an engine's own hash function or seed.
 """
 from __future__ import annotations
 
+import struct
+import sys
 from array import array
 from typing import Sequence
 
@@ -17,27 +19,31 @@ _xxh3 = xxhash.xxh3_64_intdigest
 _U64 = (1 << 64) - 1
 
 
-def _token_bytes(tokens: Sequence[int]) -> bytes:
-    buf = array("I", tokens)  # native order; swapped below on big-endian hosts
-    if buf.itemsize != 4:
-        buf = array("L", tokens)
-    if array("I", [1]).tobytes()[0] != 1:
+def tokens_le_bytes(tokens: Sequence[int]) -> bytes:
+    """Token ids as consecutive 4-byte little-endian unsigned ints (one C-level conversion)."""
+    buf = array("I", tokens)
+    if buf.itemsize != 4:  # exotic platform: an explicit layout
+        return struct.pack(f"<{len(tokens)}I", *tokens)
+    if sys.byteorder != "little":
         buf.byteswap()
     return buf.tobytes()
 
 
 def hash_chunk(parent: int, tokens: Sequence[int]) -> int:
-    return _xxh3(parent.to_bytes(8, "little") + _token_bytes(tokens))
+    return _xxh3(parent.to_bytes(8, "little") + tokens_le_bytes(tokens))
 
 
-def block_hashes(tokens: Sequence[int], block_size: int, parent: int = ROUTER_SEED) -> list[int]:
+def block_hashes(tokens: Sequence[int], block_size: int, parent_hash: int = ROUTER_SEED) -> list[int]:
     """Chained hashes of every full block of ``tokens`` (one bytes conversion for the whole list)."""
-    n = len(tokens) // block_size
-    if n == 0 or block_size <= 0:
+    if block_size <= 0:
         return []
-    data = _token_bytes(tokens[: n * block_size])
+    n = len(tokens) // block_size
+    if n == 0:
+        return []
+    data = tokens_le_bytes(tokens[: n * block_size])
     step = 4 * block_size
     out = []
+    parent = parent_hash
     for i in range(n):
         parent = _xxh3(parent.to_bytes(8, "little") + data[i * step:(i + 1) * step])
         out.append(parent)

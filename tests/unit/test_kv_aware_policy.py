@@ -242,3 +242,9 @@ def test_ties_go_to_the_emptier_cache_then_rotate():
         seen.append(pick(fresh, [a, b, c], r).worker_id)
         fresh.on_finished(None, r)
     assert sorted(seen) == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("tokens, bs, n", [([], 16, 0), (list(range(15)), 16, 0), (list(range(16)), 16, 1),
+                                           (list(range(40)), 16, 2), (list(range(40)), 0, 0)])
+def test_block_hashes_full_blocks_only(tokens, bs, n):
+    assert len(block_hashes(tokens, bs)) == n

@@ -6,7 +6,7 @@ import json
 import pytest
 import xxhash
 
-from infera.engine.sim.tokenizer import (
+from infera.kv.tokenizer import (
     BUILTIN_SPECIAL_TOKENS,
     IMAGE_MARKER,
     NUM_RESERVED_IDS,

@@ -30,7 +30,7 @@ import aiohttp
 from infera.engine.base.argv import flag_value, flag_values, has_flag
 from infera.engine.base.launcher import EngineProcessSpec, default_advertise_host, engine_command
 from infera.engine.sglang.adapter import add_kv_events_flag, int_flag, kv_events_enabled
-from infera.engine.sim.launcher import free_port
+from infera.engine.base.kv_events import free_port
 
 PROG = "infera.engine.atom"
 ATOM_MODULE = "atom.entrypoints.openai_server"

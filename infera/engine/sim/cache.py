@@ -16,55 +16,19 @@ cache, when cached blocks are evicted, and when the whole cache is reset.
 """
 from __future__ import annotations
 
-import sys
-from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-import xxhash
+from infera.kv.hashing import ROUTER_SEED, block_hashes, hash_chunk  # noqa: F401  (re-exported)
 
-# The hash of the (non-existent) block before the first one.
-ROOT_PARENT_HASH = 0
+# The cache's own prefix keys are the router's chained block hashes (one implementation); what
+# it announces in KV events is re-rooted by the publisher, so the router still has to re-hash.
+ROOT_PARENT_HASH = ROUTER_SEED
 
 OnStored = Callable[[list[int], "int | None", list[int]], None]
 OnRemoved = Callable[[list[int]], None]
 OnCleared = Callable[[], None]
-
-_xxh3_64 = xxhash.xxh3_64_intdigest
-
-
-def tokens_le_bytes(tokens: Sequence[int]) -> bytes:
-    """Token ids as consecutive 4-byte little-endian unsigned ints (one C-level conversion)."""
-    arr = array("I", tokens)
-    if arr.itemsize != 4:  # exotic platform: fall back to an explicit layout
-        import struct
-
-        return struct.pack(f"<{len(tokens)}I", *tokens)
-    if sys.byteorder != "little":
-        arr.byteswap()
-    return arr.tobytes()
-
-
-def hash_chunk(parent_hash: int, tokens: Sequence[int]) -> int:
-    """Hash of one block: ``xxh3_64(parent as 8 LE bytes + each token as 4 LE bytes)``."""
-    return _xxh3_64(parent_hash.to_bytes(8, "little") + tokens_le_bytes(tokens))
-
-
-def block_hashes(tokens: Sequence[int], block_size: int, parent_hash: int = ROOT_PARENT_HASH) -> list[int]:
-    """Chained hashes of every FULL block of ``tokens`` (a trailing partial block has none)."""
-    num_full = len(tokens) // block_size
-    if num_full == 0:
-        return []
-    raw = tokens_le_bytes(tokens[: num_full * block_size])
-    stride = 4 * block_size
-    hashes: list[int] = []
-    parent = parent_hash
-    for i in range(num_full):
-        parent = _xxh3_64(parent.to_bytes(8, "little") + raw[i * stride : (i + 1) * stride])
-        hashes.append(parent)
-    return hashes
-
 
 @dataclass
 class _SeqBlocks:

@@ -7,47 +7,16 @@ record advertises ``kv_events_endpoint`` / ``kv_events_replay_endpoint``.
 from __future__ import annotations
 
 import argparse
-import json
-import socket
 from typing import Any
 
 import aiohttp
 
-from infera.config import add_flag
 from infera.engine.base.argv import flag_value, flag_values
+from infera.engine.base.kv_events import add_kv_events_flag, event_fields, free_port, with_kv_events
 from infera.engine.base.launcher import EngineProcessSpec, default_advertise_host, engine_command
 from infera.engine.base.prom import VLLM_INFLIGHT, info_labels, sum_samples
 
 SIM_DEFAULT_BLOCK_SIZE = 16
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _event_ports(raw: str) -> tuple[int, int | None] | None:
-    """Publisher and replay ports of a user's ``--kv-events-config`` (None: nothing to subscribe to)."""
-    try:
-        cfg = json.loads(raw)
-    except ValueError as exc:
-        raise SystemExit(f"infera.engine.sim: --kv-events-config is not valid JSON: {exc}") from None
-    if not isinstance(cfg, dict):
-        raise SystemExit("infera.engine.sim: --kv-events-config must be a JSON object")
-    if not cfg.get("enable_kv_cache_events", False) or (cfg.get("publisher") or "zmq") != "zmq":
-        return None
-
-    def port(endpoint: str | None) -> int | None:
-        if not endpoint or not endpoint.startswith("tcp://") or ":" not in endpoint[len("tcp://"):]:
-            return None
-        try:
-            return int(endpoint.rsplit(":", 1)[1])
-        except ValueError:
-            return None
-
-    pub = port(cfg.get("endpoint", "tcp://*:5557"))
-    return (pub, port(cfg.get("replay_endpoint"))) if pub else None
 
 
 class SimAdapter:
@@ -57,9 +26,7 @@ class SimAdapter:
         self.kv_events: tuple[int, int | None] | None = None  # (publisher, replay) ports, set by prepare
 
     def add_flags(self, parser: argparse.ArgumentParser) -> None:
-        add_flag(parser, "--enable-kv-events", env="INFERA_ENABLE_KV_EVENTS", default=True,
-                 action=argparse.BooleanOptionalAction,
-                 help="publish KV events: inject a --kv-events-config on free ports unless one is given")
+        add_kv_events_flag(parser)
 
     def prepare(self, engine_argv: list[str], args: argparse.Namespace) -> EngineProcessSpec:
         if not flag_value(engine_argv, "--model"):
@@ -70,17 +37,7 @@ class SimAdapter:
             engine_argv = [*engine_argv, "--port", str(port)]
         else:
             port = int(port_s)
-        self.kv_events = None
-        if getattr(args, "enable_kv_events", False):
-            user_cfg = flag_value(engine_argv, "--kv-events-config")
-            if user_cfg is None:
-                pub, replay = free_port(), free_port()
-                engine_argv = [*engine_argv, "--kv-events-config", json.dumps(
-                    {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
-                     "replay_endpoint": f"tcp://*:{replay}", "topic": "kv-events"}, separators=(",", ":"))]
-                self.kv_events = (pub, replay)
-            else:
-                self.kv_events = _event_ports(user_cfg)
+        engine_argv, self.kv_events = with_kv_events(engine_argv, getattr(args, "enable_kv_events", False), "sim")
         bind = flag_value(engine_argv, "--host", default="0.0.0.0")
         reach = "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind
         return EngineProcessSpec(cmd=engine_command(args, "infera.engine.sim.server", engine_argv), port=port, host=reach,
@@ -101,12 +58,8 @@ class SimAdapter:
         model_name = served[0] if served else models[0]["id"]
         bind = flag_value(engine_argv, "--host", default="0.0.0.0")
         fields: dict[str, Any] = {"model_name": model_name, "kv_block_size": int(block_size), "bind_host": bind}
-        if self.kv_events:
-            advertise = getattr(args, "advertise_host", None) or default_advertise_host(bind)
-            pub, replay = self.kv_events
-            fields["kv_events_endpoint"] = f"tcp://{advertise}:{pub}"
-            if replay:
-                fields["kv_events_replay_endpoint"] = f"tcp://{advertise}:{replay}"
+        advertise = getattr(args, "advertise_host", None) or default_advertise_host(bind)
+        fields.update(event_fields(self.kv_events, advertise))
         return fields
 
     def inflight(self, metrics_text: str) -> int | None:

@@ -25,7 +25,9 @@ from typing import AsyncIterator, Sequence as SequenceT
 
 import xxhash
 
-from .cache import KVCache, tokens_le_bytes
+from infera.kv.hashing import tokens_le_bytes
+
+from .cache import KVCache
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from .cache import KVCache
 from .kv_events import KvEventPublisher, parse_kv_events_config
 from .scheduler import FINISH_REASONS, FINISH_STOP, Scheduler, Sequence
-from .tokenizer import ChatTemplateError, SimTokenizer, load_tokenizer
+from infera.kv.tokenizer import ChatTemplateError, SimTokenizer, load_tokenizer
 
 log = logging.getLogger("infera.engine.sim.server")
 

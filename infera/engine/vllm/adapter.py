@@ -17,11 +17,10 @@ from typing import Any
 
 import aiohttp
 
-from infera.config import add_flag
 from infera.engine.base.argv import flag_value, flag_values, has_flag
+from infera.engine.base.kv_events import add_kv_events_flag, event_fields, with_kv_events
 from infera.engine.base.launcher import EngineProcessSpec, default_advertise_host, engine_command
 from infera.engine.base.prom import VLLM_INFLIGHT, info_labels, sum_samples
-from infera.engine.sim.launcher import free_port
 
 log = logging.getLogger("infera.launcher.vllm")
 
@@ -111,9 +110,7 @@ class VllmAdapter:
         self.kv_events: tuple[int, int | None] | None = None  # (publisher, replay) ports, set by prepare
 
     def add_flags(self, parser: argparse.ArgumentParser) -> None:
-        add_flag(parser, "--enable-kv-events", env="INFERA_ENABLE_KV_EVENTS", default=True,
-                 action=argparse.BooleanOptionalAction,
-                 help="publish KV events: inject a --kv-events-config on free ports unless one is given")
+        add_kv_events_flag(parser)
 
     def prepare(self, engine_argv: list[str], args: argparse.Namespace) -> EngineProcessSpec:
         argv = list(engine_argv)
@@ -129,17 +126,7 @@ class VllmAdapter:
                 argv += ["--kv-cache-dtype", "fp8_e4m3"]
             else:
                 log.info("no GPU found: leaving vLLM's KV-cache dtype at its default (fp8_e4m3 is a GPU default)")
-        self.kv_events = None
-        if args.enable_kv_events:
-            user_cfg = flag_value(argv, "--kv-events-config")
-            if user_cfg is None:
-                pub, replay = free_port(), free_port()
-                argv += ["--kv-events-config", json.dumps(
-                    {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
-                     "replay_endpoint": f"tcp://*:{replay}", "topic": "kv-events"}, separators=(",", ":"))]
-                self.kv_events = (pub, replay)
-            else:
-                self.kv_events = _event_ports(user_cfg)
+        argv, self.kv_events = with_kv_events(argv, args.enable_kv_events, "vllm")
         cfg = parse_kv_transfer_config(flag_value(argv, "--kv-transfer-config"))
         if cfg is not None and cfg.get("kv_role") in ("kv_producer", "kv_consumer") and not cfg.get("engine_id"):
             # Pin the engine id so the record and the engine agree on it (vLLM would pick a random one).
@@ -182,30 +169,8 @@ class VllmAdapter:
                 fields["dp_rank"] = int(rank)  # external LB: this launcher serves exactly one rank
         cfg = parse_kv_transfer_config(flag_value(engine_argv, "--kv-transfer-config"))
         fields["disagg_mode"], fields["disagg_meta"] = disaggregation(cfg, advertise)
-        if self.kv_events:
-            pub, replay = self.kv_events
-            fields["kv_events_endpoint"] = f"tcp://{advertise}:{pub}"
-            if replay:
-                fields["kv_events_replay_endpoint"] = f"tcp://{advertise}:{replay}"
+        fields.update(event_fields(self.kv_events, advertise))
         return fields
 
     def inflight(self, metrics_text: str) -> int | None:
         return sum_samples(metrics_text, VLLM_INFLIGHT)
-
-
-def _event_ports(raw: str) -> tuple[int, int | None] | None:
-    """Publisher and replay ports from a user's ``--kv-events-config`` (None if events are off)."""
-    try:
-        cfg = json.loads(raw)
-    except ValueError as exc:
-        raise SystemExit(f"infera.engine.vllm: --kv-events-config is not valid JSON: {exc}") from None
-    if not cfg.get("enable_kv_cache_events", False) or cfg.get("publisher", "null") != "zmq":
-        return None
-
-    def port(endpoint: str | None) -> int | None:
-        if not endpoint or ":" not in endpoint:
-            return None
-        return int(endpoint.rsplit(":", 1)[1])
-
-    pub = port(cfg.get("endpoint", "tcp://*:5557"))
-    return (pub, port(cfg.get("replay_endpoint"))) if pub else None

@@ -1,0 +1,75 @@
+"""vLLM-style ``--kv-events-config`` handling shared by the launchers that speak it (vLLM, sim).
+
+Unless the user gave one, a config is injected publishing on a free port with a replay socket on
+another; a user's own config is honoured and its ports read back, so the record can advertise
+``kv_events_endpoint`` / ``kv_events_replay_endpoint``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+
+from infera.config import add_flag
+from infera.engine.base.argv import flag_value
+
+Ports = tuple[int, "int | None"]  # (publisher, replay)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def add_kv_events_flag(parser: argparse.ArgumentParser) -> None:
+    add_flag(parser, "--enable-kv-events", env="INFERA_ENABLE_KV_EVENTS", default=True,
+             action=argparse.BooleanOptionalAction,
+             help="publish KV events: inject a --kv-events-config on free ports unless one is given")
+
+
+def with_kv_events(argv: list[str], enabled: bool, engine: str) -> tuple[list[str], Ports | None]:
+    """(argv with a config injected if needed, the ports to advertise or None)."""
+    if not enabled:
+        return argv, None
+    user_cfg = flag_value(argv, "--kv-events-config")
+    if user_cfg is not None:
+        return argv, event_ports(user_cfg, engine)
+    pub, replay = free_port(), free_port()
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
+              "replay_endpoint": f"tcp://*:{replay}", "topic": "kv-events"}
+    return [*argv, "--kv-events-config", json.dumps(config, separators=(",", ":"))], (pub, replay)
+
+
+def event_ports(raw: str, engine: str) -> Ports | None:
+    """Publisher and replay ports of a user's ``--kv-events-config`` (None: nothing to subscribe to)."""
+    try:
+        cfg = json.loads(raw)
+    except ValueError as exc:
+        raise SystemExit(f"infera.engine.{engine}: --kv-events-config is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise SystemExit(f"infera.engine.{engine}: --kv-events-config must be a JSON object")
+    if not cfg.get("enable_kv_cache_events", False) or (cfg.get("publisher") or "zmq") != "zmq":
+        return None
+
+    def port(endpoint: str | None) -> int | None:
+        if not endpoint or not endpoint.startswith("tcp://") or ":" not in endpoint[len("tcp://"):]:
+            return None
+        try:
+            return int(endpoint.rsplit(":", 1)[1])
+        except ValueError:
+            return None
+
+    pub = port(cfg.get("endpoint", "tcp://*:5557"))
+    return (pub, port(cfg.get("replay_endpoint"))) if pub else None
+
+
+def event_fields(ports: Ports | None, advertise_host: str) -> dict[str, str]:
+    """The record fields for the published endpoints."""
+    if not ports:
+        return {}
+    pub, replay = ports
+    fields = {"kv_events_endpoint": f"tcp://{advertise_host}:{pub}"}
+    if replay:
+        fields["kv_events_replay_endpoint"] = f"tcp://{advertise_host}:{replay}"
+    return fields
