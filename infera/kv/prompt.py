@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 from collections import OrderedDict
 from typing import Any
 
 import msgspec
 import xxhash
 
-from infera.kv.tokenizer import SimTokenizer, load_tokenizer
+from infera.kv.tokenizer import SimTokenizer, load_tokenizer, normalize_messages
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +44,30 @@ def resolve_tokenizer_path(path: str) -> str:
         raise ValueError(f"cannot resolve router tokenizer {path!r}: {exc}") from None
 
 
+# Segment-wise encoding is checked against whole-text encoding on the first prompts, then on a
+# sample; any difference turns it off for good.
+_VERIFY_FIRST = 16
+_VERIFY_EVERY = 64
+
+
 class PromptTokenizer:
-    def __init__(self, tokenizer: SimTokenizer, cache_size: int = 8192) -> None:
+    """Whole prompts are cached by content; chat prompts are also encoded piece by piece between
+    special tokens, with each piece cached, so a shared system prompt or an earlier turn is not
+    re-tokenized when a conversation grows (every turn is a new prompt)."""
+
+    def __init__(self, tokenizer: SimTokenizer, cache_size: int = 8192, segment_cache_size: int = 65536) -> None:
         self.tokenizer = tokenizer
         self.cache_size = cache_size
         self._cache: OrderedDict[bytes, list[int]] = OrderedDict()
         self.hits = 0
         self.misses = 0
+        separators = tokenizer.segment_separators()
+        self._splitter = re.compile("(" + "|".join(re.escape(t) for t in sorted(separators, key=len, reverse=True))
+                                    + ")") if separators else None
+        self._segments: OrderedDict[bytes, list[int]] = OrderedDict()
+        self.segment_cache_size = segment_cache_size
+        self.segment_hits = 0
+        self._chat_prompts = 0
 
     @classmethod
     def from_path(cls, path: str | None) -> "PromptTokenizer":
@@ -70,11 +88,41 @@ class PromptTokenizer:
                 return None, ("none", None)  # batched prompts: not routed by prefix
         return xxhash.xxh3_128_digest(prompt.encode("utf-8", "surrogatepass")) + b"p", ("text", prompt)
 
+    def _encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        tok = self.tokenizer
+        text = tok.render_chat(normalize_messages(messages))
+        if self._splitter is None:
+            return tok.encode(text, add_special_tokens=False)
+        ids: list[int] = []
+        segments = self._segments
+        for piece in self._splitter.split(text):
+            if not piece:
+                continue
+            key = xxhash.xxh3_128_digest(piece.encode("utf-8", "surrogatepass"))
+            cached = segments.get(key)
+            if cached is None:
+                cached = segments[key] = tok.encode(piece, add_special_tokens=False)
+                if len(segments) > self.segment_cache_size:
+                    segments.popitem(last=False)
+            else:
+                segments.move_to_end(key)
+                self.segment_hits += 1
+            ids.extend(cached)
+        self._chat_prompts += 1
+        if self._chat_prompts <= _VERIFY_FIRST or self._chat_prompts % _VERIFY_EVERY == 0:
+            whole = tok.encode(text, add_special_tokens=False)
+            if whole != ids:
+                log.info("piecewise tokenization differs from whole-prompt tokenization for this tokenizer; "
+                         "encoding whole prompts from now on")
+                self._splitter = None
+                return whole
+        return ids
+
     def _compute(self, work: Any) -> list[int]:
         kind, value = work
         if kind == "chat":
             messages = [{"role": m.role, "content": m.content if m.content is not None else ""} for m in value]
-            return self.tokenizer.encode_chat(messages)
+            return self._encode_chat(messages)
         if kind == "text":
             return self.tokenizer.encode(value, add_special_tokens=True)
         if kind == "ids":
@@ -93,7 +141,7 @@ class PromptTokenizer:
                 return cached
         self.misses += 1
         try:
-            size = len(work[1]) if work[0] == "text" else sum(len(str(m.content or "")) for m in work[1]) if work[0] == "chat" else 0
+            size = len(work[1]) if work[0] == "text" else 0  # chat pieces are mostly cached: inline
             if size > _THREAD_THRESHOLD_CHARS:
                 ids = await asyncio.to_thread(self._compute, work)
             else:

@@ -14,6 +14,7 @@ caching realistic.
 """
 from __future__ import annotations
 
+import abc
 import json
 import os
 import re
@@ -136,7 +137,7 @@ def chatml_format(messages: list[dict[str, Any]]) -> str:
     return "".join(parts)
 
 
-class SimTokenizer:
+class SimTokenizer(abc.ABC):
     """Common interface: encode text, render chat, map output token ids to text."""
 
     #: ``"builtin"`` or ``"hf"``.
@@ -146,8 +147,14 @@ class SimTokenizer:
         self.output_token_ids, self._output_text = self._build_output_vocab()
 
     # --- to implement
+    @abc.abstractmethod
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        raise NotImplementedError
+        """Token ids of ``text``."""
+
+    def segment_separators(self) -> list[str] | None:
+        """Special tokens at which encoding splits the text into independent pieces (so each piece
+        may be encoded and cached alone), or None when that is not guaranteed."""
+        return None
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
         """Messages (already normalized) -> prompt text, with the generation prompt appended."""
@@ -195,6 +202,9 @@ class BuiltinTokenizer(SimTokenizer):
 
     kind = "builtin"
     vocab_size = BUILTIN_VOCAB_SIZE
+
+    def segment_separators(self) -> list[str] | None:
+        return list(BUILTIN_SPECIAL_TOKENS)  # encode() splits at exactly these first
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         # No BOS in this vocabulary, so add_special_tokens changes nothing; literal special-token
@@ -259,6 +269,14 @@ class HFTokenizer(SimTokenizer):
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def segment_separators(self) -> list[str] | None:
+        # ``tokenizers`` splits the input at added tokens before normalizing and pre-tokenizing each
+        # piece on its own — unless a token strips neighbouring whitespace or is normalized.
+        added = list(self._tok.get_added_tokens_decoder().values())
+        if not added or any(t.lstrip or t.rstrip or t.single_word or t.normalized for t in added if t.special):
+            return None
+        return [t.content for t in added if t.special]
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
         if self._template is None:
