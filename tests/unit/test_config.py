@@ -55,7 +55,7 @@ def test_server_defaults():
     args = parse_args(["--etcd-endpoint", "h"], environ={})
     assert (args.host, args.port, args.etcd_prefix) == ("0.0.0.0", 8000, "/infera/workers/")
     assert (args.router_mode, args.router_policy, args.request_transport) == ("auto", "kv-aware", "http")
-    assert args.router_tokenizer_path is None and args.kv_overlap_weight == 1.0
+    assert args.router_tokenizer_path is None and args.kv_overlap_weight == 16.0
     assert args.kv_prefill_overlap_weight is None and args.kv_decode_overlap_weight is None
     assert args.etcd_endpoint == "http://h:2379"
 
