@@ -35,12 +35,14 @@ class FakeWorker:
         self.mode = mode
         self.hits = 0
         self.seen_request_ids: list[str] = []
+        self.seen_dp_ranks: list[str | None] = []
         self.runner: web.AppRunner | None = None
         self.port = 0
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.hits += 1
         self.seen_request_ids.append(request.headers.get("X-Request-Id", ""))
+        self.seen_dp_ranks.append(request.headers.get("X-Data-Parallel-Rank"))
         body = await request.json()
         if self.mode == "500":
             return web.json_response({"error": {"message": "engine exploded"}}, status=500)
@@ -305,3 +307,24 @@ async def test_models_workers_health_metrics(env):
                    "infera_request_duration_seconds_bucket", "infera_time_to_first_token_seconds_bucket",
                    "infera_worker_inflight_requests", 'infera_workers{disagg_mode="mixed",status="active"} 2.0'):
         assert needle in text, needle
+
+
+async def test_rank_multiplexed_worker_gets_the_chosen_dp_rank_header(env):
+    server, worker, s = env
+    srv, base = await server("--router-policy", "kv-aware")
+    w, pinned = await worker(), await worker()
+    rec = w.record()
+    rec.dp_size, rec.kv_block_size = 2, 16  # DP attention: one endpoint, ranks picked by the router
+    srv.fleet.upsert(rec)
+    for i in range(4):
+        async with s.post(base + "/v1/chat/completions", json={**CHAT, "messages": [
+                {"role": "user", "content": f"distinct prompt number {i} " * 20}]}) as r:
+            assert r.status == 200
+    assert sorted(set(w.seen_dp_ranks)) == ["0", "1"]  # both ranks used, each pinned by header
+    srv.fleet.remove(rec.worker_id)
+    prec = pinned.record()
+    prec.dp_size, prec.dp_rank = 2, 1  # external LB: the record is one rank; no header
+    srv.fleet.upsert(prec)
+    async with s.post(base + "/v1/chat/completions", json=CHAT) as r:
+        assert r.status == 200
+    assert pinned.seen_dp_ranks == [None]
