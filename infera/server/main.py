@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 from typing import Sequence
 
 from aiohttp import web
@@ -17,6 +16,7 @@ from infera.router.policy import make_policy
 from infera.server.app import ServerState, build_app
 from infera.kv.index import KvIndex
 from infera.kv.prompt import PromptTokenizer
+from infera.runtime import install_event_loop, wait_for_shutdown_signal
 from infera.server.cli import parse_args
 from infera.server.kv import KvEventsBridge
 from infera.server.metrics import ServerMetrics
@@ -98,24 +98,11 @@ class InferaServer:
 async def serve(args: argparse.Namespace) -> None:
     server = InferaServer(args)
     await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        await wait_for_shutdown_signal()
     finally:
         log.info("shutting down")
         await server.stop()
-
-
-def install_event_loop() -> None:
-    try:
-        import uvloop
-
-        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    except ImportError:  # uvloop is optional off Linux/macOS
-        pass
 
 
 def main(argv: Sequence[str] | None = None) -> None:

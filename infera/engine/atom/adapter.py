@@ -21,12 +21,12 @@ The record: ``model_name`` = ``--served-model-name`` or ``--model``; ``kv_block_
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from typing import Any
 
 import aiohttp
 
+from infera.engine.base.engine_config import http_ready, parse_json_flag
 from infera.engine.base.argv import flag_value, flag_values, has_flag
 from infera.engine.base.launcher import EngineProcessSpec, default_advertise_host, engine_command
 from infera.engine.sglang.adapter import add_kv_events_flag, int_flag, kv_events_enabled
@@ -51,15 +51,7 @@ _WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 
 
 def parse_kv_transfer_config(raw: str | None) -> dict[str, Any] | None:
-    if raw is None:
-        return None
-    try:
-        cfg = json.loads(raw)
-    except ValueError as exc:
-        raise SystemExit(f"{PROG}: --kv-transfer-config is not valid JSON: {exc}") from None
-    if not isinstance(cfg, dict):
-        raise SystemExit(f"{PROG}: --kv-transfer-config must be a JSON object")
-    return cfg
+    return parse_json_flag(raw, "--kv-transfer-config", PROG)
 
 
 def disaggregation(cfg: dict[str, Any] | None, advertise_host: str, http_port: int,
@@ -129,11 +121,7 @@ class AtomAdapter:
         return EngineProcessSpec(cmd=engine_command(args, ATOM_MODULE, argv), port=server_port, host=reach, argv=argv)
 
     async def ready(self, session: aiohttp.ClientSession, base_url: str) -> bool:
-        async with session.get(base_url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
-            if resp.status != 200:
-                return False
-        async with session.get(base_url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as resp:
-            return resp.status == 200
+        return await http_ready(session, base_url)
 
     async def describe(self, session: aiohttp.ClientSession | None, base_url: str, engine_argv: list[str],
                        args: argparse.Namespace) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from infera.config import add_flag, choice_of, etcd_prefix, etcd_url, non_negati
 from infera.discovery import make_registration
 from infera.discovery.base import Registration
 from infera.discovery.record import WorkerRecord
+from infera.runtime import install_event_loop
 
 log = logging.getLogger("infera.launcher")
 
@@ -342,8 +343,6 @@ def launch(adapter: EngineAdapter, prog: str, argv: Sequence[str] | None = None)
     if args.discovery_backend == "etcd" and not args.etcd_endpoint:
         parser.error("--etcd-endpoint (or INFERA_ETCD_ENDPOINT) is required with --discovery-backend etcd")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from infera.server.main import install_event_loop
-
     install_event_loop()
     code = asyncio.run(Launcher(adapter, args, engine_argv).run())
     sys.exit(code)

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import aiohttp
 
 from infera.config import add_flag, parse_bool
+from infera.engine.base.engine_config import http_ready
 from infera.engine.base.argv import flag_value, has_flag
 from infera.engine.base.launcher import EngineProcessSpec, default_advertise_host, engine_command
 from infera.engine.base.prom import sum_samples
@@ -172,11 +173,7 @@ class SglangAdapter:
         return EngineProcessSpec(cmd=engine_command(args, SGLANG_MODULE, argv), port=port, host=reach, argv=argv)
 
     async def ready(self, session: aiohttp.ClientSession, base_url: str) -> bool:
-        async with session.get(base_url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
-            if resp.status != 200:
-                return False
-        async with session.get(base_url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as resp:
-            return resp.status == 200
+        return await http_ready(session, base_url)
 
     async def describe(self, session: aiohttp.ClientSession | None, base_url: str, engine_argv: list[str],
                        args: argparse.Namespace) -> dict[str, Any]:

@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 import time
 import uuid
@@ -35,6 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from .cache import KVCache
 from .kv_events import KvEventPublisher, parse_kv_events_config
 from .scheduler import FINISH_REASONS, FINISH_STOP, Scheduler, Sequence
+from infera.runtime import wait_for_shutdown_signal
 from infera.kv.tokenizer import ChatTemplateError, SimTokenizer, load_tokenizer
 
 log = logging.getLogger("infera.engine.sim.server")
@@ -741,16 +741,10 @@ async def serve(args: argparse.Namespace) -> None:
     await server.start()
     log.info("sim engine for %s serving %s on %s:%d (speedup %g)", args.model, server.engine.model_name,
              args.host, server.port, args.speedup)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        await wait_for_shutdown_signal()
         log.info("shutting down")
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
         await server.stop()
 
 

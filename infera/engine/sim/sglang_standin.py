@@ -23,9 +23,10 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import sys
 from typing import Iterable
+
+from infera.runtime import wait_for_shutdown_signal
 
 from . import server as sim
 from .kv_events import KvEventsConfig
@@ -112,16 +113,10 @@ async def _serve(args: argparse.Namespace, metrics_flavor: str | None, ready_lin
     await server.start()
     log.info("serving %s on %s:%d", engine.model_name, args.host, server.port)
     log.info("%s", ready_line)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        await wait_for_shutdown_signal()
         log.info("shutting down")
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
         await server.stop()
 
 

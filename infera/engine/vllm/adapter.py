@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 
 from infera.engine.base.argv import flag_value, flag_values, has_flag
+from infera.engine.base.engine_config import http_ready, parse_json_flag
 from infera.engine.base.kv_events import add_kv_events_flag, event_fields, with_kv_events
 from infera.engine.base.launcher import EngineProcessSpec, default_advertise_host, engine_command
 from infera.engine.base.prom import VLLM_INFLIGHT, info_labels, sum_samples
@@ -57,15 +58,7 @@ def vllm_entry_module() -> str:
 
 
 def parse_kv_transfer_config(raw: str | None) -> dict[str, Any] | None:
-    if raw is None:
-        return None
-    try:
-        cfg = json.loads(raw)
-    except ValueError as exc:
-        raise SystemExit(f"infera.engine.vllm: --kv-transfer-config is not valid JSON: {exc}") from None
-    if not isinstance(cfg, dict):
-        raise SystemExit("infera.engine.vllm: --kv-transfer-config must be a JSON object")
-    return cfg
+    return parse_json_flag(raw, "--kv-transfer-config", "infera.engine.vllm")
 
 
 def _replace_flag_value(argv: list[str], name: str, value: str) -> list[str]:
@@ -142,11 +135,7 @@ class VllmAdapter:
         return EngineProcessSpec(cmd=engine_command(args, module, cmd_argv), port=port, host=reach, env=env, argv=argv)
 
     async def ready(self, session: aiohttp.ClientSession, base_url: str) -> bool:
-        async with session.get(base_url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
-            if resp.status != 200:
-                return False
-        async with session.get(base_url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as resp:
-            return resp.status == 200 and bool((await resp.json()).get("data"))
+        return await http_ready(session, base_url, require_model=True)
 
     async def describe(self, session: aiohttp.ClientSession, base_url: str, engine_argv: list[str],
                        args: argparse.Namespace) -> dict:

@@ -1,0 +1,28 @@
+"""Process-level helpers shared by every entry point: the event loop and shutdown signals."""
+from __future__ import annotations
+
+import asyncio
+import signal
+
+
+def install_event_loop() -> None:
+    """uvloop where available (Linux/macOS); the stock loop otherwise."""
+    try:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
+
+
+async def wait_for_shutdown_signal() -> None:
+    """Return on the first SIGTERM or SIGINT (handlers removed again afterwards)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
