@@ -26,3 +26,14 @@ async def wait_for_shutdown_signal() -> None:
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+
+
+async def cancel_and_wait(task: "asyncio.Task | None") -> None:
+    """Cancel a background task and wait until it has unwound."""
+    if task is None:
+        return
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass

@@ -380,6 +380,15 @@ class EtcdClient:
 # --------------------------------------------------------------------------------------------
 # Discovery (server side)
 # --------------------------------------------------------------------------------------------
+def _client_for(endpoint_url: str | None, client: "EtcdClient | None", who: str) -> "tuple[EtcdClient, bool]":
+    """(the client to use, whether we created it and so must close it)."""
+    if client is not None:
+        return client, False
+    if not endpoint_url:
+        raise ValueError(f"{who} needs an endpoint_url or a client")
+    return EtcdClient(endpoint_url), True
+
+
 class EtcdDiscovery:
     """Keep a :class:`Fleet` equal to the records under ``prefix``.
 
@@ -397,14 +406,7 @@ class EtcdDiscovery:
         backoff_initial: float = 0.2,
         backoff_max: float = 5.0,
     ) -> None:
-        if client is None:
-            if not endpoint_url:
-                raise ValueError("EtcdDiscovery needs an endpoint_url or a client")
-            client = EtcdClient(endpoint_url)
-            self._owns_client = True
-        else:
-            self._owns_client = False
-        self.client = client
+        self.client, self._owns_client = _client_for(endpoint_url, client, "EtcdDiscovery")
         self.prefix = prefix
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
@@ -546,14 +548,7 @@ class EtcdRegistration:
         client: EtcdClient | None = None,
         first_timeout: float = 30.0,
     ) -> None:
-        if client is None:
-            if not endpoint_url:
-                raise ValueError("EtcdRegistration needs an endpoint_url or a client")
-            client = EtcdClient(endpoint_url)
-            self._owns_client = True
-        else:
-            self._owns_client = False
-        self.client = client
+        self.client, self._owns_client = _client_for(endpoint_url, client, "EtcdRegistration")
         self.prefix = prefix
         self.lease_ttl = max(1, math.ceil(ttl))  # etcd leases are whole seconds
         self.keepalive_interval = max(self.lease_ttl / 3, 0.5)

@@ -47,7 +47,6 @@ ROLE_MODES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "mix
 # ATOM's kv_connector names (lowercase; "mooncake" is its default) → Infera PD protocol id.
 CONNECTOR_PROTOCOLS = {"mooncake": "atom-mooncake"}
 
-_WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 
 
 def parse_kv_transfer_config(raw: str | None) -> dict[str, Any] | None:
@@ -117,7 +116,7 @@ class AtomAdapter:
         if not has_flag(argv, "--port"):
             argv += ["--port", str(free_port())]  # ATOM's torch MASTER_PORT; a fixed one collides
         bind = flag_value(argv, "--host", default=ATOM_DEFAULT_HOST)
-        reach = "127.0.0.1" if bind in _WILDCARDS else bind
+        reach = default_advertise_host(bind)
         return EngineProcessSpec(cmd=engine_command(args, ATOM_MODULE, argv), port=server_port, host=reach, argv=argv)
 
     async def ready(self, session: aiohttp.ClientSession, base_url: str) -> bool:

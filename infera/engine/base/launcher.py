@@ -117,8 +117,12 @@ def _set_pdeathsig() -> None:  # runs in the child between fork and exec
         pass
 
 
+WILDCARD_HOSTS = ("", "*", "0.0.0.0", "::", "[::]")
+
+
 def default_advertise_host(engine_host: str | None) -> str:
-    if engine_host and engine_host not in ("0.0.0.0", "::", "[::]", ""):
+    """The engine's bind host, or loopback for a wildcard bind: where this machine reaches it."""
+    if engine_host and engine_host not in WILDCARD_HOSTS:
         return engine_host
     return "127.0.0.1"
 

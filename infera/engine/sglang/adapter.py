@@ -26,7 +26,7 @@ import aiohttp
 from infera.config import add_flag, parse_bool
 from infera.engine.base.engine_config import http_ready
 from infera.engine.base.argv import flag_value, has_flag
-from infera.engine.base.launcher import EngineProcessSpec, default_advertise_host, engine_command
+from infera.engine.base.launcher import WILDCARD_HOSTS, EngineProcessSpec, default_advertise_host, engine_command
 from infera.engine.base.prom import sum_samples
 
 log = logging.getLogger("infera.launcher.sglang")
@@ -58,7 +58,7 @@ SGLANG_PD_QUEUES = (
     "sglang:num_decode_transfer_queue_reqs",
 )
 
-_WILDCARDS = ("", "*", "0.0.0.0", "::", "[::]")
+_WILDCARDS = WILDCARD_HOSTS
 
 
 def add_kv_events_flag(parser: argparse.ArgumentParser, default: bool, helptext: str) -> None:
@@ -169,7 +169,7 @@ class SglangAdapter:
             else:
                 self.kv_events = parse_kv_events_endpoint(user_cfg)
         bind = flag_value(argv, "--host", default=SGLANG_DEFAULT_HOST)
-        reach = "127.0.0.1" if bind in _WILDCARDS else bind
+        reach = default_advertise_host(bind)
         return EngineProcessSpec(cmd=engine_command(args, SGLANG_MODULE, argv), port=port, host=reach, argv=argv)
 
     async def ready(self, session: aiohttp.ClientSession, base_url: str) -> bool:

@@ -20,7 +20,9 @@ import argparse
 import sys
 from typing import Iterable
 
-from .sglang_standin import _json_object, _positive_int, add_sim_knobs, run_standin, sim_args
+from infera.config import positive_int
+
+from .sglang_standin import _json_object, add_sim_knobs, run_standin, sim_args
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -30,8 +32,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--server-port", type=int, default=8000)
-    p.add_argument("-tp", "--tensor-parallel-size", dest="tp", type=_positive_int, default=1)
-    p.add_argument("--block-size", type=_positive_int, default=16)
+    p.add_argument("-tp", "--tensor-parallel-size", dest="tp", type=positive_int, default=1)
+    p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--kv-transfer-config", type=_json_object, default=None)
     p.add_argument("--port", type=int, default=None, help="ATOM's internal torch MASTER_PORT (unused here)")
     add_sim_knobs(p)

@@ -41,6 +41,7 @@ import xxhash
 import zmq
 import zmq.asyncio
 
+from infera.runtime import cancel_and_wait
 from .cache import KVCache, hash_chunk
 
 log = logging.getLogger("infera.engine.sim.kv_events")
@@ -410,12 +411,7 @@ class KvEventPublisher:
 
     async def stop(self) -> None:
         task, self._replay_task = self._replay_task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(task)
         for sock in (self._pub, self._replay):
             if sock is not None and not sock.closed:
                 sock.close(linger=0)

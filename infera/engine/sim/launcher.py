@@ -39,7 +39,7 @@ class SimAdapter:
             port = int(port_s)
         engine_argv, self.kv_events = with_kv_events(engine_argv, getattr(args, "enable_kv_events", False), "sim")
         bind = flag_value(engine_argv, "--host", default="0.0.0.0")
-        reach = "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind
+        reach = default_advertise_host(bind)
         return EngineProcessSpec(cmd=engine_command(args, "infera.engine.sim.server", engine_argv), port=port, host=reach,
                                  argv=engine_argv)
 

@@ -25,6 +25,7 @@ from typing import AsyncIterator, Sequence as SequenceT
 
 import xxhash
 
+from infera.runtime import cancel_and_wait
 from infera.kv.hashing import tokens_le_bytes
 
 from .cache import KVCache
@@ -194,12 +195,7 @@ class Scheduler:
     async def stop(self) -> None:
         """Stop stepping and end every outstanding sequence with finish reason "abort"."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(task)
         for seq in list(self._running) + list(self._waiting):
             self.abort(seq)
 

@@ -34,6 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from .cache import KVCache
 from .kv_events import KvEventPublisher, parse_kv_events_config
 from .scheduler import FINISH_REASONS, FINISH_STOP, Scheduler, Sequence
+from infera.config import positive_float
 from infera.runtime import wait_for_shutdown_signal
 from infera.kv.tokenizer import ChatTemplateError, SimTokenizer, load_tokenizer
 
@@ -65,16 +66,6 @@ def _int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
     return conv
 
 
-def _positive_float(value: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid float value: {value!r}") from None
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0: {value!r}")
-    return x
-
-
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m infera.engine.sim.server",
@@ -92,7 +83,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=_int_in(1), default=8192,
                    help="uncached prompt tokens prefilled per step")
     p.add_argument("--max-model-len", type=_int_in(1), default=8192, help="prompt + output token limit")
-    p.add_argument("--speedup", type=_positive_float, default=1.0, help="simulated time is divided by this")
+    p.add_argument("--speedup", type=positive_float, default=1.0, help="simulated time is divided by this")
     p.add_argument("--seed", type=int, default=0, help="seed of the deterministic output")
     p.add_argument("--kv-events-config", type=parse_kv_events_config, default=None,
                    help="vLLM's KV-events config (JSON): enable_kv_cache_events, publisher (zmq), endpoint, "
@@ -167,8 +158,8 @@ class SimEngine:
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
-class _EngineMetrics:
-    """Prometheus collector reading live engine state at scrape time (vLLM metric names)."""
+class _LiveMetrics:
+    """Base of the collectors that read live engine state at scrape time, labelled by model."""
 
     def __init__(self, engine: SimEngine) -> None:
         self._engine = engine
@@ -176,35 +167,36 @@ class _EngineMetrics:
     def describe(self) -> list:
         return []  # don't let registration trigger a collect
 
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=["model_name"])
+        g.add_metric([self._engine.model_name], value)
+        return g
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=["model_name"])
+        c.add_metric([self._engine.model_name], value)
+        return c
+
+
+class _EngineMetrics(_LiveMetrics):
+    """vLLM's metric names."""
+
     def collect(self):
         e = self._engine
-        labels = ["model_name"]
-        values = [e.model_name]
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric(values, value)
-            return g
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric(values, value)
-            return c
-
         stats = e.scheduler.stats
-        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+        yield self._gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
                     e.scheduler.num_running)
-        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+        yield self._gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
                     e.scheduler.num_waiting)
-        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", e.cache.usage)
-        yield counter("vllm:prefix_cache_queries",
+        yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", e.cache.usage)
+        yield self._counter("vllm:prefix_cache_queries",
                       "Prefix cache queries, in terms of number of queried tokens.", e.cache.prefix_cache_queries)
-        yield counter("vllm:prefix_cache_hits",
+        yield self._counter("vllm:prefix_cache_hits",
                       "Prefix cache hits, in terms of number of cached tokens.", e.cache.prefix_cache_hits)
-        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+        yield self._counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                       stats.num_preemptions)
-        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens)
-        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", stats.generation_tokens)
+        yield self._counter("vllm:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens)
+        yield self._counter("vllm:generation_tokens", "Number of generation tokens processed.", stats.generation_tokens)
         success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
                                       labels=["model_name", "finished_reason"])
         for reason in FINISH_REASONS:
@@ -216,43 +208,24 @@ class _EngineMetrics:
         yield info
 
 
-class _SglangMetrics:
+class _SglangMetrics(_LiveMetrics):
     """The same live state under SGLang's metric names (``--enable-metrics``), PD queues at 0."""
-
-    def __init__(self, engine: SimEngine) -> None:
-        self._engine = engine
-
-    def describe(self) -> list:
-        return []
 
     def collect(self):
         e = self._engine
-        labels = ["model_name"]
-        values = [e.model_name]
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric(values, value)
-            return g
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric(values, value)
-            return c
-
         stats = e.scheduler.stats
         queries = e.cache.prefix_cache_queries
-        yield gauge("sglang:num_running_reqs", "The number of running requests.", e.scheduler.num_running)
-        yield gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", e.scheduler.num_waiting)
-        yield gauge("sglang:token_usage", "The token usage.", e.cache.usage)
-        yield gauge("sglang:cache_hit_rate", "The prefix cache hit rate.",
+        yield self._gauge("sglang:num_running_reqs", "The number of running requests.", e.scheduler.num_running)
+        yield self._gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", e.scheduler.num_waiting)
+        yield self._gauge("sglang:token_usage", "The token usage.", e.cache.usage)
+        yield self._gauge("sglang:cache_hit_rate", "The prefix cache hit rate.",
                     e.cache.prefix_cache_hits / queries if queries else 0.0)
         for name in ("sglang:num_prefill_bootstrap_queue_reqs", "sglang:num_prefill_inflight_queue_reqs",
                      "sglang:num_decode_prealloc_queue_reqs", "sglang:num_decode_transfer_queue_reqs"):
-            yield gauge(name, "Requests in a PD queue (the simulator never disaggregates).", 0)
-        yield counter("sglang:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens)
-        yield counter("sglang:generation_tokens", "Number of generation tokens processed.", stats.generation_tokens)
-        yield counter("sglang:num_requests", "Number of requests processed.", sum(stats.request_success.values()))
+            yield self._gauge(name, "Requests in a PD queue (the simulator never disaggregates).", 0)
+        yield self._counter("sglang:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens)
+        yield self._counter("sglang:generation_tokens", "Number of generation tokens processed.", stats.generation_tokens)
+        yield self._counter("sglang:num_requests", "Number of requests processed.", sum(stats.request_success.values()))
 
 
 METRICS_FLAVORS: dict[str, Callable[[SimEngine], Any]] = {"vllm": _EngineMetrics, "sglang": _SglangMetrics}

@@ -26,6 +26,7 @@ import os
 import sys
 from typing import Iterable
 
+from infera.config import positive_float, positive_int
 from infera.runtime import wait_for_shutdown_signal
 
 from . import server as sim
@@ -48,18 +49,8 @@ def _json_object(value: str) -> dict:
     return obj
 
 
-def _positive_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1: {value!r}")
-    return n
-
-
 def add_sim_knobs(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speedup", type=sim._positive_float, default=1.0, help="simulated time is divided by this")
+    p.add_argument("--speedup", type=positive_float, default=1.0, help="simulated time is divided by this")
     p.add_argument("--seed", type=int, default=0, help="seed of the deterministic output")
 
 
@@ -71,9 +62,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--page-size", type=_positive_int, default=1)
-    p.add_argument("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size", type=_positive_int, default=1)
-    p.add_argument("--dp-size", "--data-parallel-size", "--dp", dest="dp_size", type=_positive_int, default=1)
+    p.add_argument("--page-size", type=positive_int, default=1)
+    p.add_argument("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size", type=positive_int, default=1)
+    p.add_argument("--dp-size", "--data-parallel-size", "--dp", dest="dp_size", type=positive_int, default=1)
     p.add_argument("--enable-dp-attention", action="store_true")
     p.add_argument("--disaggregation-mode", choices=["null", "prefill", "decode"], default="null")
     p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998)

@@ -127,7 +127,7 @@ class VllmAdapter:
             argv = _replace_flag_value(argv, "--kv-transfer-config", json.dumps(cfg, separators=(",", ":")))
         port = int(flag_value(argv, "--port", default=str(VLLM_DEFAULT_PORT)))
         bind = flag_value(argv, "--host")
-        reach = "127.0.0.1" if bind in (None, "", "0.0.0.0", "::") else bind
+        reach = default_advertise_host(bind)
         if reach in ("127.0.0.1", "localhost") and "VLLM_HOST_IP" not in os.environ:
             env["VLLM_HOST_IP"] = "127.0.0.1"  # keep vLLM's internal sockets on loopback too
         module = vllm_entry_module()
