@@ -1,0 +1,93 @@
+"""``atom-mooncake``: ATOM's Mooncake connector, serial, ``/v1/completions`` only.
+
+The prefill leg is told where the decode engine listens (its host, HTTP and handshake ports and its
+parallelism); its reply carries the handoff (with the ``transfer_id``) that the decode leg gets back
+verbatim, plus the prefill's parallelism and the DP rank that served it. The decode engine
+produces every output token, so its body keeps the client's limits.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from infera.discovery.record import WorkerRecord
+from infera.router.pd.base import (COMPLETIONS_ROUTE, CHAT_ROUTE, PdError, PdPair, Topology, as_port,
+                                   is_int, misconfigured, params, prefill_single_token,
+                                   reply_kv_transfer_params, require_route)
+
+
+@dataclass(frozen=True, slots=True)
+class AtomWorkerParams:
+    """The ``disagg_meta.params`` an ATOM worker advertises (see ``engine.atom.adapter``)."""
+
+    host: str
+    http_port: int
+    handshake_port: int
+    tp_size: int
+    dp_size: int
+
+    @classmethod
+    def of(cls, protocol: str, worker: WorkerRecord) -> "AtomWorkerParams":
+        raw = params(worker)
+        host = raw.get("host")
+        if not isinstance(host, str) or not host:
+            raise misconfigured(protocol, worker, f"advertises host {host!r}")
+        ports = {key: as_port(raw.get(key)) for key in ("http_port", "handshake_port")}
+        sizes = {key: raw.get(key) for key in ("tp_size", "dp_size")}
+        for key, port in ports.items():
+            if port is None:
+                raise misconfigured(protocol, worker, f"advertises {key} {raw.get(key)!r}; expected a port")
+        for key, size in sizes.items():
+            if not is_int(size) or size < 1:
+                raise misconfigured(protocol, worker, f"advertises {key} {size!r}; expected an integer ≥ 1")
+        return cls(host=host, **ports, **sizes)
+
+
+class AtomMooncakeProtocol:
+    name = "atom-mooncake"
+    topology: Topology = "serial"
+
+    def check_route(self, route: str) -> None:
+        if route == CHAT_ROUTE:
+            raise PdError(400, f"ATOM PD pairs ({self.name}) serve only {COMPLETIONS_ROUTE}: send the "
+                          f"prompt to {COMPLETIONS_ROUTE} instead of {CHAT_ROUTE}", "unsupported_route")
+        require_route(self.name, route, (COMPLETIONS_ROUTE,))
+
+    def leg_request_id(self, pair: PdPair) -> str | None:
+        return None
+
+    def prefill_body(self, body: dict[str, Any], pair: PdPair) -> dict[str, Any]:
+        decode = AtomWorkerParams.of(self.name, pair.decode)
+        out = prefill_single_token(body)
+        out["kv_transfer_params"] = {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": decode.host,
+            "remote_port": decode.http_port,
+            "remote_handshake_port": decode.handshake_port,
+            "remote_dp_size": decode.dp_size,
+            "remote_tp_size": decode.tp_size,
+        }
+        return out
+
+    def decode_body(self, body: dict[str, Any], pair: PdPair,
+                    prefill_reply: dict[str, Any] | None) -> dict[str, Any]:
+        prefill = AtomWorkerParams.of(self.name, pair.prefill)
+        decode = AtomWorkerParams.of(self.name, pair.decode)
+        handoff = reply_kv_transfer_params(self.name, prefill_reply)
+        if handoff.get("transfer_id") is None:
+            raise PdError(502, f"PD protocol {self.name}: the prefill reply's kv_transfer_params carry no "
+                          "transfer_id", "handoff_missing")
+        handoff["remote_dp_size"] = prefill.dp_size
+        handoff["remote_tp_size"] = prefill.tp_size
+        if handoff.get("tp_size") is None:
+            handoff["tp_size"] = decode.tp_size
+        dp_rank = prefill_reply.get("dp_rank") if isinstance(prefill_reply, dict) else None
+        if is_int(dp_rank):
+            handoff["remote_dp_rank"] = dp_rank
+        out = copy.deepcopy(body)
+        out["kv_transfer_params"] = handoff
+        return out
