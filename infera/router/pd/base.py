@@ -89,12 +89,17 @@ def prefill_single_token(body: dict[str, Any]) -> dict[str, Any]:
 
 def decode_remaining(body: dict[str, Any]) -> dict[str, Any]:
     """The decode leg of a protocol whose prefill already emitted the first token: integer
-    ``max_tokens``/``max_completion_tokens`` decremented by one (never below 1)."""
+    ``max_tokens``/``max_completion_tokens`` decremented by one (never below 1), and ``min_tokens``
+    too (never below 0) — else a client's ``min_tokens == max_tokens`` would reach the decode
+    engine as min > max, which it rejects."""
     out = copy.deepcopy(body)
     for key in ("max_tokens", "max_completion_tokens"):
         value = out.get(key)
         if isinstance(value, int) and not isinstance(value, bool):
             out[key] = max(1, value - 1)
+    min_tokens = out.get("min_tokens")
+    if isinstance(min_tokens, int) and not isinstance(min_tokens, bool):
+        out["min_tokens"] = max(0, min_tokens - 1)
     return out
 
 
