@@ -18,14 +18,16 @@ class RoutedRequest:
     stream: bool
     request_id: str
     direct_worker: str | None = None  # router-mode direct: x-worker-instance-id
+    direct_prefill: str | None = None  # router-mode direct, PD: x-prefill-instance-id
     state: dict[str, Any] = field(default_factory=dict)  # per-policy scratch (e.g. block hashes)
 
 
 class Policy(Protocol):
     name: str
 
-    def pick(self, candidates: Sequence[WorkerRecord], request: RoutedRequest) -> WorkerRecord:
-        """``candidates`` is non-empty, sorted by worker_id, and already excludes tried workers."""
+    def pick(self, candidates: Sequence[WorkerRecord], request: RoutedRequest, role: str = "mixed") -> WorkerRecord:
+        """``candidates`` is non-empty, sorted by worker_id, and already excludes tried workers.
+        ``role``: "mixed", or "prefill"/"decode" for the legs of a PD request."""
         ...
 
     def on_started(self, worker: WorkerRecord, request: RoutedRequest) -> None: ...

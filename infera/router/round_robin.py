@@ -17,7 +17,8 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._counters: dict[tuple[str, ...], int] = {}
 
-    def pick(self, candidates: Sequence[WorkerRecord], request: RoutedRequest) -> WorkerRecord:
+    def pick(self, candidates: Sequence[WorkerRecord], request: RoutedRequest, role: str = "mixed") -> WorkerRecord:
+        # Prefill and decode pools are distinct sets, so each rotates on its own counter.
         if len(candidates) == 1:
             return candidates[0]
         key = tuple(w.worker_id for w in candidates)

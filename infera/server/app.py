@@ -19,7 +19,7 @@ from infera.api.errors import ApiError, error_bytes
 from infera.api.requests import parse_request
 from infera.discovery.fleet import Fleet
 from infera.discovery.record import record_to_dict
-from infera.router.dispatch import MixedRouter
+from infera.router.auto import AutoRouter
 from infera.router.policy import RoutedRequest
 from infera.server.metrics import ServerMetrics
 
@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "X-Infera-Request-Id"
 DIRECT_WORKER_HEADER = "x-worker-instance-id"
+DIRECT_PREFILL_HEADER = "x-prefill-instance-id"
 _json = msgspec.json.Encoder()
 REQUEST_ID_KEY = web.RequestKey("request_id", str) if hasattr(web, "RequestKey") else "request_id"
 
@@ -34,7 +35,7 @@ REQUEST_ID_KEY = web.RequestKey("request_id", str) if hasattr(web, "RequestKey")
 @dataclass
 class ServerState:
     fleet: Fleet
-    router: MixedRouter
+    router: AutoRouter
     metrics: ServerMetrics
     max_request_bytes: int
     request_ids: "RequestIds" = field(default_factory=lambda: RequestIds())
@@ -96,7 +97,8 @@ def _make_inference_handler(route: str):
         parsed = parse_request(route, body)
         stream = bool(parsed.stream)
         routed = RoutedRequest(route=route, body=body, parsed=parsed, model=parsed.model, stream=stream,
-                               request_id=request_id, direct_worker=request.headers.get(DIRECT_WORKER_HEADER))
+                               request_id=request_id, direct_worker=request.headers.get(DIRECT_WORKER_HEADER),
+                               direct_prefill=request.headers.get(DIRECT_PREFILL_HEADER))
         metrics = state.metrics
         try:
             reply = await state.router.dispatch(routed)

@@ -5,7 +5,7 @@ import argparse
 from typing import Mapping, Sequence
 
 from infera.config import (add_flag, choice_of, etcd_prefix, etcd_url, non_negative_float, non_negative_int,
-                           port_number, positive_int)
+                           port_number, positive_float, positive_int)
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 DEFAULT_KV_OVERLAP_WEIGHT = 16.0
@@ -46,6 +46,8 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
       help="kv-aware: the weight for decode picks of PD pairs (default: --kv-overlap-weight)")
     f("--request-max-retries", env="INFERA_REQUEST_MAX_RETRIES", default=1, type=non_negative_int,
       help="other workers tried when one fails before the first byte")
+    f("--pd-prefill-timeout", env="INFERA_PD_PREFILL_TIMEOUT", default=120.0, type=positive_float,
+      help="PD: seconds a prefill leg may take before it is aborted and the pair retried")
     f("--max-request-bytes", env="INFERA_MAX_REQUEST_BYTES", default=DEFAULT_MAX_REQUEST_BYTES,
       type=positive_int, help="largest accepted request body (413 above)")
     f("--log-level", env="INFERA_LOG_LEVEL", default="info", type=choice_of("debug", "info", "warning", "error"))

@@ -11,7 +11,10 @@ from aiohttp import web
 from infera.discovery import make_discovery
 from infera.discovery.base import Discovery
 from infera.discovery.fleet import Fleet
+from infera.router.auto import AutoRouter
+from infera.router.disagg import DisaggRouter
 from infera.router.dispatch import MixedRouter
+from infera.router.pd import protocol_registry
 from infera.router.policy import make_policy
 from infera.server.app import ServerState, build_app
 from infera.kv.index import KvIndex
@@ -48,9 +51,12 @@ class InferaServer:
             usage_observer = self.kv.observe_usage
         else:
             self.policy = make_policy(args.router_policy)
-        self.router = MixedRouter(self.fleet, self.policy, self.transport, self.metrics,
-                                  max_retries=args.request_max_retries, direct=args.router_mode == "direct",
-                                  usage_observer=usage_observer)
+        direct = args.router_mode == "direct"
+        mixed = MixedRouter(self.fleet, self.policy, self.transport, self.metrics,
+                            max_retries=args.request_max_retries, direct=direct, usage_observer=usage_observer)
+        disagg = DisaggRouter(self.fleet, self.policy, self.transport, self.metrics, protocol_registry(),
+                              max_retries=args.request_max_retries, prefill_timeout=args.pd_prefill_timeout)
+        self.router = AutoRouter(self.fleet, mixed, disagg, direct=direct)
         self._worker_urls: dict[str, str] = {}
         self.fleet.subscribe(self._on_fleet_change)
         self._runner: web.AppRunner | None = None
@@ -89,6 +95,7 @@ class InferaServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        await self.router.close()
         await self.discovery.stop()
         if self.kv is not None:
             await self.kv.stop()

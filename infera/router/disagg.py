@@ -1,0 +1,369 @@
+"""PD dispatch: one prefill worker and one decode worker per request, legs shaped by the pair's
+protocol (``infera.router.pd``), the client served from the decode leg only.
+
+Per attempt: pick a prefill (role "prefill") and a decode (role "decode") separately, resolve the
+pair's protocol, then
+
+* **concurrent** protocols: both legs go out at once. The prefill reply is read and discarded in a
+  task bounded by ``prefill_timeout``. Whichever leg fails first before the decode's first byte
+  aborts the other (closing its connection makes the engine drop the request), and the attempt is
+  retried on another pair;
+* **serial** protocols: the prefill leg (one token, unstreamed) must answer within
+  ``prefill_timeout``; its reply's handoff shapes the decode leg.
+
+Unlike upstream (no PD failover at all), a leg that fails before the client's first byte — 5xx,
+transport error, prefill timeout, a prefill reply without a usable handoff — is retried with another
+pair up to ``max_retries`` times, excluding the worker that failed. A 4xx from either leg is the
+client's: returned as is. After the first byte a broken decode stream ends with an SSE error event.
+A prefill leg never outlives its bound: it is awaited, cancelled or timed out, never forgotten.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+import msgspec
+
+from infera.api.errors import ApiError, sse_error_event
+from infera.discovery.fleet import Fleet
+from infera.discovery.record import WorkerRecord
+from infera.router.dispatch import DP_RANK_HEADER, Reply
+from infera.router.pd import PdError, PdPair, PdProtocol, resolve_protocol
+from infera.router.policy import Policy, RoutedRequest
+from infera.server.metrics import ServerMetrics
+from infera.transport.http import HttpTransport, UpstreamError, UpstreamResponse
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PREFILL_TIMEOUT = 120.0
+_decode_json = msgspec.json.Decoder().decode
+_encode_json = msgspec.json.Encoder().encode
+
+
+@dataclass
+class _LegFailure(Exception):
+    """A leg failed before the client's first byte. ``retryable`` False: a 4xx, returned as is."""
+
+    role: str  # "prefill" | "decode"
+    worker_id: str
+    status: int
+    message: str
+    reason: str
+    body: bytes | None = None
+    content_type: str = "application/json"
+    retryable: bool = True
+
+
+class _Leg:
+    """One leg's worker, its own policy state, and its accounting (released exactly once)."""
+
+    __slots__ = ("role", "worker", "req", "_router", "_done")
+
+    def __init__(self, router: "DisaggRouter", role: str, worker: WorkerRecord, req: RoutedRequest) -> None:
+        self.role, self.worker, self.req, self._router = role, worker, req, router
+        self._done = False
+        router.policy.on_started(worker, req)
+        router.metrics.inflight_gauge(worker.worker_id).inc()
+
+    @property
+    def rank(self) -> int | None:
+        return self.req.state.get("dp_rank")
+
+    def release(self) -> None:
+        if not self._done:
+            self._done = True
+            self._router.metrics.inflight_gauge(self.worker.worker_id).dec()
+            self._router.policy.on_finished(self.worker, self.req)
+
+
+def _leg_request(req: RoutedRequest) -> RoutedRequest:
+    """A per-leg copy: tokenization is shared, pick state (route key, rank, charges) is not."""
+    return RoutedRequest(route=req.route, body=req.body, parsed=req.parsed, model=req.model, stream=req.stream,
+                         request_id=req.request_id, state=dict(req.state))
+
+
+def pd_kind(worker: WorkerRecord) -> tuple[str, str]:
+    """(engine, protocol): what a prefill and its decode must share."""
+    return worker.engine, str((worker.disagg_meta or {}).get("protocol"))
+
+
+def align_room(room: int, prefill: WorkerRecord, rank: int | None) -> int:
+    """``room mod dp_size == rank`` for a rank-pinned prefill (SGLang follows the room to the rank)."""
+    size = prefill.dp_size or 1
+    if rank is None or size <= 1:
+        return room
+    return room - room % size + rank
+
+
+class DisaggRouter:
+    def __init__(self, fleet: Fleet, policy: Policy, transport: HttpTransport, metrics: ServerMetrics,
+                 protocols: dict[str, PdProtocol], *, max_retries: int = 1,
+                 prefill_timeout: float = DEFAULT_PREFILL_TIMEOUT, rng: random.Random | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.fleet = fleet
+        self.policy = policy
+        self._prepare = getattr(policy, "prepare", None)
+        self.transport = transport
+        self.metrics = metrics
+        self.protocols = protocols
+        self.max_retries = max_retries
+        self.prefill_timeout = prefill_timeout
+        self._rng = rng or random.Random()
+        self._clock = clock
+        self._background: set[asyncio.Task] = set()  # prefill legs still finishing after a commit
+
+    # -- entry points ----------------------------------------------------------------------------
+    async def dispatch(self, req: RoutedRequest) -> Reply:
+        prefills = self.fleet.active(req.model, "prefill")
+        decodes = self.fleet.active(req.model, "decode")
+        if not prefills or not decodes:  # the fleet changed since the topology check
+            raise ApiError(503, f"no active {'prefill' if not prefills else 'decode'} worker for model "
+                           f"{req.model!r}; retry shortly", "no_active_worker", headers={"Retry-After": "1"})
+        if self._prepare is not None:
+            await self._prepare(req)
+        body = self._parse(req)
+        failed: set[str] = set()
+        failure: _LegFailure | None = None
+        for attempt in range(1 + self.max_retries):
+            p_pool = [w for w in prefills if w.worker_id not in failed]
+            d_pool = [w for w in decodes if w.worker_id not in failed]
+            if not p_pool or not d_pool:
+                break
+            p_req, d_req = _leg_request(req), _leg_request(req)
+            prefill = self.policy.pick(p_pool, p_req, "prefill")
+            # A pair never mixes engines or connectors: the decode comes from the prefill's kind.
+            kind = pd_kind(prefill)
+            d_pool = [w for w in d_pool if pd_kind(w) == kind]
+            if not d_pool:
+                raise ApiError(500, f"no decode worker for model {req.model!r} speaks {kind[1]!r} on {kind[0]} like "
+                               f"prefill worker {prefill.worker_id!r} (decode workers: "
+                               f"{', '.join(f'{w.worker_id}={pd_kind(w)[1]}' for w in decodes)})",
+                               "pd_protocol_mismatch")
+            decode = self.policy.pick(d_pool, d_req, "decode")
+            try:
+                return await self._attempt(req, body, prefill, p_req, decode, d_req)
+            except _LegFailure as exc:
+                if not exc.retryable:
+                    return Reply(exc.status, exc.content_type, exc.worker_id, body=exc.body)
+                failure = exc
+                failed.add(exc.worker_id)
+                log.warning("request %s: PD %s leg on %s failed: %s (attempt %d)", req.request_id, exc.role,
+                            exc.worker_id, exc.message, attempt + 1)
+                self.metrics.count_retry(req.route, f"{exc.role}_{exc.reason}")
+        if failure is None:
+            raise ApiError(503, f"no untried prefill/decode pair left for model {req.model!r}", "no_active_worker",
+                           headers={"Retry-After": "1"})
+        raise ApiError(failure.status, f"{failure.role} leg: {failure.message}", failure.reason)
+
+    async def dispatch_pair(self, req: RoutedRequest, prefill: WorkerRecord, decode: WorkerRecord) -> Reply:
+        """Direct mode (``x-prefill-instance-id`` + ``x-worker-instance-id``): exactly this pair, one
+        attempt, no policy pick."""
+        body = self._parse(req)
+        try:
+            return await self._attempt(req, body, prefill, _leg_request(req), decode, _leg_request(req))
+        except _LegFailure as exc:
+            if not exc.retryable:
+                return Reply(exc.status, exc.content_type, exc.worker_id, body=exc.body)
+            raise ApiError(exc.status, f"{exc.role} leg: {exc.message}", exc.reason) from None
+
+    async def close(self) -> None:
+        """Server stop: cancel prefill legs still draining in the background."""
+        tasks = list(self._background)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    @staticmethod
+    def _parse(req: RoutedRequest) -> dict:
+        try:
+            body = _decode_json(req.body)
+        except msgspec.DecodeError as exc:  # parse_request accepted it, so this is not expected
+            raise ApiError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object", "invalid_request")
+        return body
+
+    def _headers(self, request_id: str, rank: int | None) -> tuple[tuple[str, str], ...]:
+        if rank is None:
+            return (("X-Request-Id", request_id),)
+        return (("X-Request-Id", request_id), (DP_RANK_HEADER, str(rank)))
+
+    async def _post(self, leg: _Leg, route: str, body: dict, request_id: str) -> UpstreamResponse:
+        host, port = self.transport.address(leg.worker.url)
+        return await self.transport.post(host, port, route, _encode_json(body), self._headers(request_id, leg.rank))
+
+    @staticmethod
+    async def _read_reply(leg: _Leg, resp: UpstreamResponse) -> bytes:
+        """The whole reply of a leg; a 5xx is a retryable failure, a 4xx the client's."""
+        try:
+            data = await resp.read()
+        finally:
+            resp.release()
+        if resp.status >= 500:
+            raise _LegFailure(leg.role, leg.worker.worker_id, resp.status,
+                              f"worker {leg.worker.worker_id} returned {resp.status}: {data[:300]!r}",
+                              f"http_{resp.status}", data)
+        if resp.status >= 400:
+            raise _LegFailure(leg.role, leg.worker.worker_id, resp.status, f"worker returned {resp.status}",
+                              f"http_{resp.status}", data, resp.content_type, retryable=False)
+        return data
+
+    # -- one attempt -----------------------------------------------------------------------------
+    async def _attempt(self, req: RoutedRequest, body: dict, prefill: WorkerRecord, p_req: RoutedRequest,
+                       decode: WorkerRecord, d_req: RoutedRequest) -> Reply:
+        try:
+            protocol = resolve_protocol(prefill, decode, self.protocols)
+            protocol.check_route(req.route)
+        except PdError as exc:
+            raise ApiError(exc.status, exc.message, exc.code) from None
+        p_leg = _Leg(self, "prefill", prefill, p_req)
+        d_leg = _Leg(self, "decode", decode, d_req)
+        committed = False
+        try:
+            pair = PdPair(prefill, decode, align_room(self._rng.getrandbits(63), prefill, p_leg.rank),
+                          prefill_rank=p_leg.rank, decode_rank=d_leg.rank)
+            try:
+                request_id = protocol.leg_request_id(pair) or req.request_id
+                p_body = protocol.prefill_body(body, pair)
+            except PdError as exc:
+                raise ApiError(exc.status, exc.message, exc.code) from None
+            if protocol.topology == "serial":
+                reply = await self._serial(req, body, protocol, pair, p_leg, d_leg, p_body, request_id)
+            else:
+                reply = await self._concurrent(req, body, protocol, pair, p_leg, d_leg, p_body, request_id)
+            committed = True
+            return reply
+        finally:
+            if not committed:
+                p_leg.release()
+                d_leg.release()
+
+    async def _run_prefill(self, leg: _Leg, route: str, body: dict, request_id: str) -> bytes:
+        """The prefill leg to completion, bounded by the prefill timeout; its accounting ends here."""
+        async def exchange() -> bytes:
+            resp = await self._post(leg, route, body, request_id)
+            return await self._read_reply(leg, resp)
+
+        try:
+            return await asyncio.wait_for(exchange(), self.prefill_timeout)
+        except asyncio.TimeoutError:
+            raise _LegFailure("prefill", leg.worker.worker_id, 504,
+                              f"prefill on {leg.worker.worker_id} did not finish within {self.prefill_timeout:g}s",
+                              "prefill_timeout") from None
+        except UpstreamError as exc:
+            raise _LegFailure("prefill", leg.worker.worker_id, 502,
+                              f"worker {leg.worker.worker_id} unreachable: {exc}", "unreachable") from None
+        finally:
+            leg.release()
+
+    async def _open_decode(self, req: RoutedRequest, leg: _Leg, body: dict, request_id: str
+                           ) -> tuple[UpstreamResponse | None, bytes]:
+        """The decode leg up to its first byte: (open response, first chunk) for a 200 stream, or
+        (None, whole body) for a unary reply."""
+        try:
+            resp = await self._post(leg, req.route, body, request_id)
+            if not req.stream or resp.status != 200:
+                return None, await self._read_reply(leg, resp)
+            try:
+                first = await resp.next_chunk()
+            except BaseException:
+                resp.release()
+                raise
+            if not first:
+                resp.release()
+                raise _LegFailure("decode", leg.worker.worker_id, 502,
+                                  f"worker {leg.worker.worker_id} closed the stream before the first byte",
+                                  "empty_stream")
+            return resp, first
+        except UpstreamError as exc:
+            raise _LegFailure("decode", leg.worker.worker_id, 502,
+                              f"worker {leg.worker.worker_id} unreachable: {exc}", "unreachable") from None
+
+    def _reply(self, req: RoutedRequest, leg: _Leg, opened: tuple[UpstreamResponse | None, bytes],
+               prefill_task: asyncio.Task | None) -> Reply:
+        resp, data = opened
+        if resp is None:
+            leg.release()
+            return Reply(200, "application/json", leg.worker.worker_id, body=data)
+        return Reply(200, resp.content_type, leg.worker.worker_id,
+                     stream=self._relay(data, resp, leg, prefill_task), first_byte_at=self._clock())
+
+    async def _serial(self, req: RoutedRequest, body: dict, protocol: PdProtocol, pair: PdPair, p_leg: _Leg,
+                      d_leg: _Leg, p_body: dict, request_id: str) -> Reply:
+        data = await self._run_prefill(p_leg, req.route, p_body, request_id)
+        try:
+            reply = _decode_json(data)
+            if not isinstance(reply, dict):
+                raise ValueError("not a JSON object")
+        except (msgspec.DecodeError, ValueError) as exc:
+            raise _LegFailure("prefill", p_leg.worker.worker_id, 502,
+                              f"prefill reply from {p_leg.worker.worker_id} is not a JSON object: {exc}",
+                              "bad_prefill_reply") from None
+        try:
+            d_body = protocol.decode_body(body, pair, reply)
+        except PdError as exc:
+            if exc.status < 500:
+                raise ApiError(exc.status, exc.message, exc.code) from None
+            raise _LegFailure("prefill", p_leg.worker.worker_id, exc.status, exc.message, exc.code) from None
+        opened = await self._open_decode(req, d_leg, d_body, request_id)
+        return self._reply(req, d_leg, opened, None)
+
+    async def _concurrent(self, req: RoutedRequest, body: dict, protocol: PdProtocol, pair: PdPair, p_leg: _Leg,
+                          d_leg: _Leg, p_body: dict, request_id: str) -> Reply:
+        try:
+            d_body = protocol.decode_body(body, pair, None)
+        except PdError as exc:
+            raise ApiError(exc.status, exc.message, exc.code) from None
+        prefill_task = asyncio.create_task(self._run_prefill(p_leg, req.route, p_body, request_id))
+        decode_task = asyncio.create_task(self._open_decode(req, d_leg, d_body, request_id))
+        try:
+            done, _ = await asyncio.wait((prefill_task, decode_task), return_when=asyncio.FIRST_COMPLETED)
+            if prefill_task in done and prefill_task.exception() is not None:
+                raise prefill_task.exception()  # type: ignore[misc]  # the decode would wait for KV forever
+            opened = await decode_task
+        except BaseException:
+            for t in (prefill_task, decode_task):
+                t.cancel()
+            results = await asyncio.gather(prefill_task, decode_task, return_exceptions=True)
+            opened_resp = results[1][0] if isinstance(results[1], tuple) else None
+            if opened_resp is not None:
+                opened_resp.release()
+            raise
+        if not prefill_task.done():
+            self._background.add(prefill_task)
+            prefill_task.add_done_callback(self._prefill_done)
+        else:
+            self._prefill_done(prefill_task)
+        return self._reply(req, d_leg, opened, prefill_task)
+
+    def _prefill_done(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("PD prefill leg failed after the decode leg answered: %s", task.exception())
+
+    async def _relay(self, first: bytes, resp: UpstreamResponse, leg: _Leg,
+                     prefill_task: asyncio.Task | None) -> AsyncIterator[bytes]:
+        try:
+            yield first
+            while True:
+                chunk = await resp.next_chunk()
+                if not chunk:
+                    break
+                yield chunk
+        except UpstreamError as exc:
+            log.warning("decode worker %s failed mid-stream: %s", leg.worker.worker_id, exc)
+            self.metrics.count_midstream_failure(leg.worker.worker_id)
+            yield sse_error_event(f"decode worker {leg.worker.worker_id} failed mid-stream", 502,
+                                  "worker_failed_midstream")
+        finally:
+            resp.release()
+            leg.release()
+            if prefill_task is not None and not prefill_task.done():
+                # The client is gone or the decode ended first: the prefill has nothing left to feed.
+                prefill_task.cancel()
