@@ -21,6 +21,7 @@ from infera.engine.base.argv import flag_value, flag_values, has_flag
 from infera.engine.base.engine_config import http_ready, parse_json_flag
 from infera.engine.base.kv_events import add_kv_events_flag, event_fields, with_kv_events
 from infera.engine.base.launcher import EngineProcessSpec, default_advertise_host, engine_command
+from infera.engine.base.preflight import PdSetup
 from infera.engine.base.prom import VLLM_INFLIGHT, info_labels, sum_samples
 
 log = logging.getLogger("infera.launcher.vllm")
@@ -57,8 +58,20 @@ def vllm_entry_module() -> str:
         return "vllm.entrypoints.openai.api_server"
 
 
-def parse_kv_transfer_config(raw: str | None) -> dict[str, Any] | None:
-    return parse_json_flag(raw, "--kv-transfer-config", "infera.engine.vllm")
+def parse_kv_transfer_config(raw: str | None, prog: str = "infera.engine.vllm") -> dict[str, Any] | None:
+    return parse_json_flag(raw, "--kv-transfer-config", prog)
+
+
+def with_pinned_engine_id(argv: list[str], prog: str = "infera.engine.vllm") -> tuple[list[str], dict[str, Any] | None]:
+    """(argv, parsed ``--kv-transfer-config``), a P/D role's missing ``engine_id`` pinned into both.
+
+    Pinned so the record and the engine agree on the id (vLLM would pick a random one).
+    """
+    cfg = parse_kv_transfer_config(flag_value(argv, "--kv-transfer-config"), prog)
+    if cfg is not None and cfg.get("kv_role") in ("kv_producer", "kv_consumer") and not cfg.get("engine_id"):
+        cfg["engine_id"] = uuid.uuid4().hex
+        argv = _replace_flag_value(argv, "--kv-transfer-config", json.dumps(cfg, separators=(",", ":")))
+    return argv, cfg
 
 
 def _replace_flag_value(argv: list[str], name: str, value: str) -> list[str]:
@@ -96,6 +109,16 @@ def disaggregation(cfg: dict[str, Any] | None, advertise_host: str) -> tuple[str
     return mode, {"protocol": protocol, "connector": connector, "params": params}
 
 
+def vllm_pd_setup(engine_argv: list[str]) -> PdSetup:
+    """The PD role a ``--kv-transfer-config`` asks for, for the launcher's preflight."""
+    cfg = parse_kv_transfer_config(flag_value(engine_argv, "--kv-transfer-config"))
+    mode, meta = disaggregation(cfg, "-")
+    connector = meta.get("connector") or (cfg or {}).get("kv_connector") or ""
+    protocol = meta.get("protocol")
+    return PdSetup(mode, protocol, connector, rdma_capable=protocol not in (None, "vllm-example"),
+                   bind_host=flag_value(engine_argv, "--host"))
+
+
 class VllmAdapter:
     engine = "vllm"
 
@@ -104,6 +127,9 @@ class VllmAdapter:
 
     def add_flags(self, parser: argparse.ArgumentParser) -> None:
         add_kv_events_flag(parser)
+
+    def pd_setup(self, engine_argv: list[str]) -> PdSetup:
+        return vllm_pd_setup(engine_argv)
 
     def prepare(self, engine_argv: list[str], args: argparse.Namespace) -> EngineProcessSpec:
         argv = list(engine_argv)
@@ -120,11 +146,7 @@ class VllmAdapter:
             else:
                 log.info("no GPU found: leaving vLLM's KV-cache dtype at its default (fp8_e4m3 is a GPU default)")
         argv, self.kv_events = with_kv_events(argv, args.enable_kv_events, "vllm")
-        cfg = parse_kv_transfer_config(flag_value(argv, "--kv-transfer-config"))
-        if cfg is not None and cfg.get("kv_role") in ("kv_producer", "kv_consumer") and not cfg.get("engine_id"):
-            # Pin the engine id so the record and the engine agree on it (vLLM would pick a random one).
-            cfg["engine_id"] = uuid.uuid4().hex
-            argv = _replace_flag_value(argv, "--kv-transfer-config", json.dumps(cfg, separators=(",", ":")))
+        argv, _ = with_pinned_engine_id(argv)
         port = int(flag_value(argv, "--port", default=str(VLLM_DEFAULT_PORT)))
         bind = flag_value(argv, "--host")
         reach = default_advertise_host(bind)
