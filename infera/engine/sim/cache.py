@@ -13,6 +13,10 @@ references it, and which full blocks are reusable by hash. Semantics follow vLLM
 
 KV-event hooks (``on_stored``/``on_removed``/``on_cleared``) fire when full blocks first enter the
 cache, when cached blocks are evicted, and when the whole cache is reset.
+
+Prefill/decode disaggregation adds *holds*: block references owned by a hold id instead of a
+sequence (``hold_prefix_blocks`` pins a finished prefill's prompt blocks for a decode to pull;
+``import_blocks`` fills blocks with KV that arrived by transfer). ``free(hold_id)`` releases one.
 """
 from __future__ import annotations
 
@@ -129,18 +133,65 @@ class KVCache:
 
     # ------------------------------------------------------------- allocation
 
+    def match_full_blocks(self, tokens: Sequence[int]) -> int:
+        """Leading tokens of ``tokens``' full blocks already cached (no one-token-recompute limit):
+        what a KV transfer of those blocks would not need to move. No side effects."""
+        num_full = len(tokens) // self.block_size
+        hashes = block_hashes(tokens[: num_full * self.block_size], self.block_size)
+        return len(self._matching_blocks(hashes, num_full)) * self.block_size
+
     def allocate(self, seq_id: object, tokens: Sequence[int]) -> int | None:
         """Give ``seq_id`` blocks for ``tokens``; return how many tokens were prefix-cache hits.
 
         Returns None (and changes nothing) when there are not enough free blocks.
         Full blocks are registered in the cache immediately, as vLLM does at schedule time.
         """
-        if seq_id in self._seqs:
-            raise ValueError(f"sequence {seq_id!r} already holds blocks")
         tokens = list(tokens)
+        hit_blocks = self._acquire(seq_id, tokens, self._max_hit_blocks(len(tokens)))
+        if hit_blocks is None:
+            return None
+        cached_tokens = len(hit_blocks) * self.block_size
+        self.prefix_cache_queries += len(tokens)
+        self.prefix_cache_hits += cached_tokens
+        return cached_tokens
+
+    def import_blocks(self, hold_id: object, tokens: Sequence[int]) -> list[int] | None:
+        """Hold the full blocks of ``tokens`` under ``hold_id`` as KV that arrived by transfer.
+
+        Blocks already cached are reused; the others are filled and registered exactly as if
+        computed here (``on_stored`` fires), so a sequence with this prefix then hits them all.
+        Returns the ids of the blocks filled by the transfer; None (nothing changed) when the free
+        blocks don't suffice. Not counted as prefix-cache queries: no request asked yet.
+        """
+        num_full = len(tokens) // self.block_size
+        full = list(tokens[: num_full * self.block_size])
+        hit_blocks = self._acquire(hold_id, full, num_full)
+        if hit_blocks is None:
+            return None
+        return self._seqs[hold_id].block_ids[len(hit_blocks):]
+
+    def hold_prefix_blocks(self, hold_id: object, seq_id: object, num_blocks: int) -> list[int]:
+        """Pin the first ``num_blocks`` blocks of live ``seq_id`` under ``hold_id`` (a reference of
+        its own, so they survive the sequence being freed and cannot be evicted); their ids."""
+        if hold_id in self._seqs:
+            raise ValueError(f"hold {hold_id!r} already holds blocks")
+        seq = self._seqs[seq_id]
+        block_ids = seq.block_ids[: max(num_blocks, 0)]
+        for block_id in block_ids:
+            self._ref(block_id)
+        self._seqs[hold_id] = _SeqBlocks(block_ids=list(block_ids),
+                                         tokens=seq.tokens[: len(block_ids) * self.block_size],
+                                         num_full_blocks=len(block_ids))
+        return list(block_ids)
+
+    def _acquire(self, owner: object, tokens: list[int], max_hit_blocks: int) -> list[int] | None:
+        """Blocks for ``tokens`` under ``owner``, reusing up to ``max_hit_blocks`` cached ones;
+        the hit block ids, or None (nothing changed) when there are not enough free blocks."""
+        if owner in self._seqs:
+            raise ValueError(f"sequence {owner!r} already holds blocks")
         bs = self.block_size
         hashes = block_hashes(tokens, bs)
-        hit_blocks = self._matching_blocks(hashes, self._max_hit_blocks(len(tokens)))
+        hit_blocks = self._matching_blocks(hashes, max_hit_blocks)
         num_new = self.blocks_needed(len(tokens)) - len(hit_blocks)
         # Hit blocks currently sitting unreferenced are counted as free; don't count them twice.
         hits_in_evictable = sum(1 for b in hit_blocks if self._ref_counts[b] == 0)
@@ -156,18 +207,14 @@ class KVCache:
             block_ids.append(block_id)
 
         seq = _SeqBlocks(block_ids=block_ids, tokens=tokens)
-        self._seqs[seq_id] = seq
+        self._seqs[owner] = seq
         # Register the newly filled full blocks (hits are already cached).
         for i in range(len(hit_blocks), len(hashes)):
             parent = hashes[i - 1] if i > 0 else None
             self._register_full_block(block_ids[i], hashes[i], parent, tokens[i * bs : (i + 1) * bs])
         seq.num_full_blocks = len(hashes)
         seq.last_full_hash = hashes[-1] if hashes else ROOT_PARENT_HASH
-
-        cached_tokens = len(hit_blocks) * bs
-        self.prefix_cache_queries += len(tokens)
-        self.prefix_cache_hits += cached_tokens
-        return cached_tokens
+        return hit_blocks
 
     def append_token(self, seq_id: object, token: int) -> bool:
         """Append one generated token. Returns False (nothing changed) if a new block is needed and none is free."""
@@ -192,7 +239,7 @@ class KVCache:
         return True
 
     def free(self, seq_id: object) -> None:
-        """Drop a sequence's references. Its cached blocks stay reusable until evicted."""
+        """Drop a sequence's (or hold's) references. Its cached blocks stay reusable until evicted."""
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return

@@ -13,6 +13,11 @@ One asyncio task runs engine "steps" like vLLM's engine core loop:
 
 Output is deterministic: token ``i`` of a request is a hash of (seed, prompt token ids, i), and the
 natural stop length is a hash of (seed, prompt) in [8, 256].
+
+Prefill/decode disaggregation hooks (driven by ``pd.py``): a sequence with ``kv_hold`` gets it
+called at a normal finish while it still holds its blocks (a PD prefill pins its prompt's KV for
+the decode to pull); a sequence with ``kv_import`` has KV that arrived by transfer held for it
+until admission, where the prompt tokens it hits are counted as externally computed.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ import itertools
 import logging
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Sequence as SequenceT
+from typing import AsyncIterator, Callable, Sequence as SequenceT
 
 import xxhash
 
@@ -94,6 +99,20 @@ FINISHED = "finished"
 #: carries the finish reason; its token is None when the sequence ended without a new token.
 TokenEvent = tuple["int | None", "str | None"]
 
+# Where a prompt's tokens came from, as vLLM's vllm:prompt_tokens_by_source labels them.
+SOURCE_LOCAL_COMPUTE = "local_compute"
+SOURCE_LOCAL_CACHE_HIT = "local_cache_hit"
+SOURCE_EXTERNAL_KV_TRANSFER = "external_kv_transfer"
+PROMPT_TOKEN_SOURCES = (SOURCE_LOCAL_COMPUTE, SOURCE_LOCAL_CACHE_HIT, SOURCE_EXTERNAL_KV_TRANSFER)
+
+
+@dataclass(frozen=True)
+class ImportedKv:
+    """KV blocks a transfer filled, held in the cache under ``hold_id`` until the sequence is admitted."""
+
+    hold_id: object
+    block_ids: frozenset[int]
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -109,9 +128,15 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     state: str = WAITING
     finish_reason: str | None = None
-    # Prompt tokens served by the prefix cache at first admission (-1 until admitted).
+    # Prompt tokens served by the prefix cache at first admission (-1 until admitted), of which
+    # ``num_external_tokens`` came by KV transfer (vLLM reports both as cached).
     num_cached_tokens: int = -1
+    num_external_tokens: int = 0
     num_preemptions: int = 0
+    # PD prefill: called at a stop/length finish, before the blocks are freed, to pin what a decode pulls.
+    kv_hold: "Callable[[Sequence], None] | None" = field(default=None, repr=False)
+    # PD decode: KV a transfer brought for this prompt, released once admission has referenced it.
+    kv_import: ImportedKv | None = None
     _events: asyncio.Queue = field(default_factory=asyncio.Queue, repr=False)
 
     @property
@@ -142,6 +167,10 @@ class SchedulerStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     request_success: Counter = field(default_factory=Counter)  # finish reason -> count
+    prompt_tokens_by_source: Counter = field(default_factory=Counter)  # PROMPT_TOKEN_SOURCES -> tokens
+    # Tokens asked of / served by a KV connector (only counted when the engine has one, as in vLLM).
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
 
 
 class Scheduler:
@@ -156,6 +185,7 @@ class Scheduler:
         speedup: float = 1.0,
         seed: int = 0,
         output_vocab: SequenceT[int] | None = None,
+        kv_connector: bool = False,
     ) -> None:
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0 or speedup <= 0:
             raise ValueError("max_num_seqs, max_num_batched_tokens and speedup must be > 0")
@@ -165,6 +195,8 @@ class Scheduler:
         self.speedup = speedup
         self.seed = seed
         self.output_vocab: SequenceT[int] = output_vocab if output_vocab else DEFAULT_OUTPUT_VOCAB
+        # vLLM queries a configured KV connector for every request, transfer or not.
+        self.kv_connector = kv_connector
         self.stats = SchedulerStats()
         self.num_steps = 0
 
@@ -200,8 +232,10 @@ class Scheduler:
             self.abort(seq)
 
     def submit(self, prompt_token_ids: SequenceT[int], max_tokens: int, *, ignore_eos: bool = False,
-               request_id: str = "") -> Sequence:
-        """Queue a request. Raises ValueError if it could never fit in the KV cache."""
+               request_id: str = "", kv_hold: "Callable[[Sequence], None] | None" = None,
+               kv_import: ImportedKv | None = None) -> Sequence:
+        """Queue a request. Raises ValueError if it could never fit in the KV cache (the caller
+        still owns ``kv_import`` then)."""
         if max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         if not prompt_token_ids:
@@ -219,6 +253,8 @@ class Scheduler:
             max_tokens=max_tokens,
             natural_length=None if ignore_eos else natural_stop_length(digest),
             digest=digest,
+            kv_hold=kv_hold,
+            kv_import=kv_import,
         )
         self._waiting.append(seq)
         self._wakeup.set()
@@ -237,9 +273,10 @@ class Scheduler:
                 self._waiting.remove(seq)
             except ValueError:
                 pass
+            self._release_import(seq)
         else:
             self._running.remove(seq)
-            self.cache.free(seq.seq_id)
+            self._free_blocks(seq, reason)
         self._mark_finished(seq, reason, token_id=None)
 
     # -------------------------------------------------------------------- loop
@@ -290,7 +327,9 @@ class Scheduler:
             self._waiting.popleft()
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = cached
-                self.stats.prompt_tokens += seq.prompt_len
+                seq.num_external_tokens = self._imported_hits(seq, cached)
+                self._count_prompt(seq)
+            self._release_import(seq)  # the sequence references those blocks itself now
             seq.state = RUNNING
             self._running.append(seq)
             prefill.append(seq)
@@ -316,7 +355,7 @@ class Scheduler:
                 reason = None
             if reason is not None:
                 self._running.remove(seq)
-                self.cache.free(seq.seq_id)
+                self._free_blocks(seq, reason)
                 self._mark_finished(seq, reason, token_id)
                 continue
             seq._events.put_nowait((token_id, None))
@@ -325,6 +364,33 @@ class Scheduler:
                 self._preempt(victim or seq)
                 if victim is None:
                     break
+
+    def _imported_hits(self, seq: Sequence, cached: int) -> int:
+        """Of ``cached`` prompt tokens just hit, those in blocks a KV transfer filled."""
+        if seq.kv_import is None or not cached:
+            return 0
+        hit_blocks = self.cache.seq_block_ids(seq.seq_id)[: cached // self.cache.block_size]
+        return sum(1 for b in hit_blocks if b in seq.kv_import.block_ids) * self.cache.block_size
+
+    def _count_prompt(self, seq: Sequence) -> None:
+        self.stats.prompt_tokens += seq.prompt_len
+        by_source = self.stats.prompt_tokens_by_source
+        by_source[SOURCE_LOCAL_COMPUTE] += seq.prompt_len - seq.num_cached_tokens
+        by_source[SOURCE_LOCAL_CACHE_HIT] += seq.num_cached_tokens - seq.num_external_tokens
+        by_source[SOURCE_EXTERNAL_KV_TRANSFER] += seq.num_external_tokens
+        if self.kv_connector:
+            self.stats.external_prefix_cache_queries += seq.prompt_len
+            self.stats.external_prefix_cache_hits += seq.num_external_tokens
+
+    def _release_import(self, seq: Sequence) -> None:
+        if seq.kv_import is not None:
+            self.cache.free(seq.kv_import.hold_id)
+            seq.kv_import = None
+
+    def _free_blocks(self, seq: Sequence, reason: str) -> None:
+        if seq.kv_hold is not None and reason != FINISH_ABORT:
+            seq.kv_hold(seq)  # still holding its blocks: the hook pins what it needs
+        self.cache.free(seq.seq_id)
 
     def _preempt(self, seq: Sequence) -> None:
         self._running.remove(seq)
