@@ -3,6 +3,10 @@
 Like the vLLM launcher, KV events are on by default (``--enable-kv-events``): unless the user gives
 a ``--kv-events-config``, one is injected with a publisher and a replay socket on free ports, and the
 record advertises ``kv_events_endpoint`` / ``kv_events_replay_endpoint``.
+
+P/D comes from the sim's ``--kv-transfer-config`` exactly as for vLLM (the vLLM adapter's code):
+a producer/consumer's missing ``engine_id`` is pinned into the forwarded config, and the record's
+``disagg_mode``/``disagg_meta`` say ``vllm-nixl``.
 """
 from __future__ import annotations
 
@@ -15,6 +19,9 @@ from infera.engine.base.argv import flag_value, flag_values
 from infera.engine.base.kv_events import add_kv_events_flag, event_fields, free_port, with_kv_events
 from infera.engine.base.launcher import EngineProcessSpec, default_advertise_host, engine_command
 from infera.engine.base.prom import VLLM_INFLIGHT, info_labels, sum_samples
+from infera.engine.vllm.adapter import disaggregation, parse_kv_transfer_config, with_pinned_engine_id
+
+PROG = "infera.engine.sim"
 
 SIM_DEFAULT_BLOCK_SIZE = 16
 
@@ -30,7 +37,7 @@ class SimAdapter:
 
     def prepare(self, engine_argv: list[str], args: argparse.Namespace) -> EngineProcessSpec:
         if not flag_value(engine_argv, "--model"):
-            raise SystemExit("infera.engine.sim: --model is required (a name, or a folder with tokenizer.json)")
+            raise SystemExit(f"{PROG}: --model is required (a name, or a folder with tokenizer.json)")
         port_s = flag_value(engine_argv, "--port")
         if port_s is None:  # no port given: take a free one rather than colliding on :8000
             port = free_port()
@@ -38,6 +45,7 @@ class SimAdapter:
         else:
             port = int(port_s)
         engine_argv, self.kv_events = with_kv_events(engine_argv, getattr(args, "enable_kv_events", False), "sim")
+        engine_argv, _ = with_pinned_engine_id(engine_argv, PROG)
         bind = flag_value(engine_argv, "--host", default="0.0.0.0")
         reach = default_advertise_host(bind)
         return EngineProcessSpec(cmd=engine_command(args, "infera.engine.sim.server", engine_argv), port=port, host=reach,
@@ -59,6 +67,8 @@ class SimAdapter:
         bind = flag_value(engine_argv, "--host", default="0.0.0.0")
         fields: dict[str, Any] = {"model_name": model_name, "kv_block_size": int(block_size), "bind_host": bind}
         advertise = getattr(args, "advertise_host", None) or default_advertise_host(bind)
+        kv_transfer = parse_kv_transfer_config(flag_value(engine_argv, "--kv-transfer-config"), PROG)
+        fields["disagg_mode"], fields["disagg_meta"] = disaggregation(kv_transfer, advertise)
         fields.update(event_fields(self.kv_events, advertise))
         return fields
 

@@ -11,6 +11,10 @@ In-process use (tests, launchers)::
 ``--kv-events-config`` (vLLM's JSON schema) publishes the cache's real KV events over ZMQ in vLLM's
 wire format, with vLLM's replay socket (see ``kv_events.py``).
 
+``--kv-transfer-config`` (vLLM's JSON, ``NixlConnector``) makes the engine a prefill
+(``kv_producer``), decode (``kv_consumer``) or either (``kv_both``) of vLLM's NIXL P/D protocol,
+with a modelled transfer (``--kv-transfer-bandwidth``, ``--kv-bytes-per-token``); see ``pd.py``.
+
 ``build_app(args)`` returns the bare ``aiohttp`` application if you want to host it yourself;
 run it with ``web.AppRunner(app, handler_cancellation=True)`` so a client disconnect cancels the
 handler (which aborts the sequence and frees its KV blocks).
@@ -33,7 +37,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .cache import KVCache
 from .kv_events import KvEventPublisher, parse_kv_events_config
-from .scheduler import FINISH_REASONS, FINISH_STOP, Scheduler, Sequence
+from .pd import (DEFAULT_KV_BYTES_PER_TOKEN, DEFAULT_KV_TRANSFER_BANDWIDTH_GBPS, VLLM_KV_HOLD_TIMEOUT_S,
+                 VLLM_KV_TRANSFER_TIMEOUT_S, Disaggregation, LegError, LegPlan, NixlDisaggregation,
+                 SglangDisaggregation, build_disaggregation, parse_kv_transfer_config)
+from .scheduler import FINISH_REASONS, FINISH_STOP, PROMPT_TOKEN_SOURCES, Scheduler, Sequence
 from infera.config import positive_float
 from infera.runtime import wait_for_shutdown_signal
 from infera.kv.tokenizer import ChatTemplateError, SimTokenizer, load_tokenizer
@@ -88,6 +95,18 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-config", type=parse_kv_events_config, default=None,
                    help="vLLM's KV-events config (JSON): enable_kv_cache_events, publisher (zmq), endpoint, "
                         "replay_endpoint, buffer_steps, topic")
+    p.add_argument("--kv-transfer-config", type=parse_kv_transfer_config, default=None,
+                   help="vLLM's KV-transfer config (JSON) for P/D: kv_connector (NixlConnector), kv_role "
+                        "(kv_producer | kv_consumer | kv_both), engine_id, kv_connector_extra_config, "
+                        "kv_load_failure_policy (recompute | fail)")
+    p.add_argument("--kv-transfer-bandwidth", type=positive_float, default=DEFAULT_KV_TRANSFER_BANDWIDTH_GBPS,
+                   help="GB/s of the simulated KV transfer between P and D")
+    p.add_argument("--kv-bytes-per-token", type=_int_in(1), default=DEFAULT_KV_BYTES_PER_TOKEN,
+                   help="KV bytes per token moved by a transfer (default: an 8B Llama in bf16)")
+    p.add_argument("--kv-hold-timeout", type=positive_float, default=VLLM_KV_HOLD_TIMEOUT_S,
+                   help="seconds a prefill holds a prompt's KV for its decode (VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
+    p.add_argument("--kv-transfer-timeout", type=positive_float, default=VLLM_KV_TRANSFER_TIMEOUT_S,
+                   help="seconds a decode waits for the prefill's KV before giving up")
     return p
 
 
@@ -129,6 +148,7 @@ class SimEngine:
             speedup=args.speedup,
             seed=args.seed,
             output_vocab=self.tokenizer.output_token_ids,
+            kv_connector=getattr(args, "kv_transfer_config", None) is not None,
         )
         # KV events ("vllm" tagged maps or "sglang" tagged arrays), one batch per scheduler step.
         self.kv_events: KvEventPublisher | None = None
@@ -137,6 +157,9 @@ class SimEngine:
             self.kv_events = KvEventPublisher(kv_cfg, block_size=args.block_size, seed=args.seed,
                                               fmt=kv_events_format)
             self.kv_events.attach(self.cache, self.scheduler)
+        # P/D role (None: a mixed engine). Blocks a transfer brings are announced right away.
+        self.disagg: Disaggregation | None = build_disaggregation(
+            args, self.cache, self.kv_events.flush if self.kv_events is not None else None)
         self.registry = CollectorRegistry()
         if metrics_flavor is not None:
             self.registry.register(METRICS_FLAVORS[metrics_flavor](self))
@@ -186,8 +209,9 @@ class _EngineMetrics(_LiveMetrics):
         stats = e.scheduler.stats
         yield self._gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
                     e.scheduler.num_running)
+        # Like vLLM, a decode waiting for remote KV is a waiting request.
         yield self._gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                    e.scheduler.num_waiting)
+                    e.scheduler.num_waiting + (e.disagg.num_in_flight if e.disagg is not None else 0))
         yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", e.cache.usage)
         yield self._counter("vllm:prefix_cache_queries",
                       "Prefix cache queries, in terms of number of queried tokens.", e.cache.prefix_cache_queries)
@@ -197,6 +221,23 @@ class _EngineMetrics(_LiveMetrics):
                       stats.num_preemptions)
         yield self._counter("vllm:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens)
         yield self._counter("vllm:generation_tokens", "Number of generation tokens processed.", stats.generation_tokens)
+        by_source = CounterMetricFamily("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
+                                        labels=["model_name", "source"])
+        for source in PROMPT_TOKEN_SOURCES:
+            by_source.add_metric([e.model_name, source], stats.prompt_tokens_by_source.get(source, 0))
+        yield by_source
+        yield self._counter("vllm:external_prefix_cache_queries",
+                            "External prefix cache queries from KV connector cross-instance cache sharing, "
+                            "in terms of number of queried tokens.", stats.external_prefix_cache_queries)
+        yield self._counter("vllm:external_prefix_cache_hits",
+                            "External prefix cache hits from KV connector cross-instance cache sharing, "
+                            "in terms of number of cached tokens.", stats.external_prefix_cache_hits)
+        if isinstance(e.disagg, NixlDisaggregation):
+            yield self._counter("vllm:nixl_num_failed_transfers", "Number of failed NIXL KV Cache transfers.",
+                                e.disagg.num_failed_transfers)
+            yield self._counter("vllm:nixl_num_kv_expired_reqs",
+                                "Number of requests that had their KV expire before a decode pulled it.",
+                                e.disagg.holds.num_expired)
         success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
                                       labels=["model_name", "finished_reason"])
         for reason in FINISH_REASONS:
@@ -220,9 +261,14 @@ class _SglangMetrics(_LiveMetrics):
         yield self._gauge("sglang:token_usage", "The token usage.", e.cache.usage)
         yield self._gauge("sglang:cache_hit_rate", "The prefix cache hit rate.",
                     e.cache.prefix_cache_hits / queries if queries else 0.0)
-        for name in ("sglang:num_prefill_bootstrap_queue_reqs", "sglang:num_prefill_inflight_queue_reqs",
-                     "sglang:num_decode_prealloc_queue_reqs", "sglang:num_decode_transfer_queue_reqs"):
-            yield self._gauge(name, "Requests in a PD queue (the simulator never disaggregates).", 0)
+        pd = e.disagg if isinstance(e.disagg, SglangDisaggregation) else None
+        # The simulated prefill never waits for a bootstrap handshake; its KV waits to be fetched.
+        queues = {"sglang:num_prefill_bootstrap_queue_reqs": 0,
+                  "sglang:num_prefill_inflight_queue_reqs": len(pd.holds) if pd else 0,
+                  "sglang:num_decode_prealloc_queue_reqs": pd.num_waiting_for_kv if pd else 0,
+                  "sglang:num_decode_transfer_queue_reqs": pd.num_transferring if pd else 0}
+        for name, value in queues.items():
+            yield self._gauge(name, "Requests in a PD queue.", value)
         yield self._counter("sglang:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens)
         yield self._counter("sglang:generation_tokens", "Number of generation tokens processed.", stats.generation_tokens)
         yield self._counter("sglang:num_requests", "Number of requests processed.", sum(stats.request_success.values()))
@@ -268,6 +314,12 @@ class _SamplingRequest(msgspec.Struct, kw_only=True):
     seed: int | None = None
     n: int | None = 1
     user: str | None = None
+    # P/D legs: vLLM's NixlConnector hand-off, SGLang's bootstrap room (see pd.py).
+    kv_transfer_params: dict[str, Any] | None = None
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+    disagg_prefill_dp_rank: int | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest, kw_only=True):
@@ -503,23 +555,43 @@ async def _completions(request: web.Request) -> web.StreamResponse:
                            request_id=f"cmpl-{_request_id(request)}")
 
 
+def _local_addr(request: web.Request) -> tuple[str, int] | None:
+    """The (host, port) this request reached us at: a concrete address even on a wildcard bind."""
+    sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
+    if isinstance(sockname, tuple) and len(sockname) >= 2:
+        return sockname[0], sockname[1]
+    return None
+
+
 async def _generate(request: web.Request, engine: SimEngine, req: _SamplingRequest, prompt_ids: list[int],
                     max_tokens: int, *, chat: bool, request_id: str) -> web.StreamResponse:
+    plan = LegPlan()
+    if engine.disagg is not None:
+        try:
+            plan = await engine.disagg.admit(req, prompt_ids, request_id)
+        except LegError as e:
+            raise ApiError(e.status, e.message, e.err_type) from None
+        if plan.max_tokens is not None:
+            max_tokens = plan.max_tokens
     try:
-        seq = engine.scheduler.submit(prompt_ids, max_tokens, ignore_eos=bool(req.ignore_eos), request_id=request_id)
+        seq = engine.scheduler.submit(prompt_ids, max_tokens, ignore_eos=bool(req.ignore_eos), request_id=request_id,
+                                      kv_hold=plan.kv_hold, kv_import=plan.kv_import)
     except ValueError as e:
+        if engine.disagg is not None:
+            engine.disagg.discard(plan)
         raise ApiError(400, str(e)) from None
     try:
         if req.stream:
             return await _stream_response(request, engine, req, seq, chat=chat, request_id=request_id)
-        return await _full_response(engine, req, seq, chat=chat, request_id=request_id)
+        return await _full_response(engine, req, seq, chat=chat, request_id=request_id, plan=plan,
+                                    local_addr=_local_addr(request))
     finally:
         # Normal end: no-op. Client gone (handler cancelled / write failed): free the slot now.
         engine.scheduler.abort(seq)
 
 
 async def _full_response(engine: SimEngine, req: _SamplingRequest, seq: Sequence, *, chat: bool,
-                         request_id: str) -> web.Response:
+                         request_id: str, plan: LegPlan, local_addr: tuple[str, int] | None) -> web.Response:
     text = StopStringMatcher(_stop_strings(req.stop), hold_back=False)
     finish_reason: str | None = None
     async for token_id, finish_reason in seq.stream():
@@ -530,6 +602,8 @@ async def _full_response(engine: SimEngine, req: _SamplingRequest, seq: Sequence
                 finish_reason = FINISH_STOP
                 break
     created = int(time.time())
+    kv_transfer_params = (engine.disagg.reply_kv_transfer_params(plan, local_addr)
+                          if engine.disagg is not None else None)
     if chat:
         body = {
             "id": request_id, "object": "chat.completion", "created": created, "model": engine.model_name,
@@ -539,7 +613,7 @@ async def _full_response(engine: SimEngine, req: _SamplingRequest, seq: Sequence
                             "reasoning_content": None},
                 "logprobs": None, "finish_reason": finish_reason, "stop_reason": text.matched,
             }],
-            "usage": _usage(seq), "prompt_logprobs": None, "kv_transfer_params": None,
+            "usage": _usage(seq), "prompt_logprobs": None, "kv_transfer_params": kv_transfer_params,
         }
     else:
         body = {
@@ -548,7 +622,7 @@ async def _full_response(engine: SimEngine, req: _SamplingRequest, seq: Sequence
                 "index": 0, "text": text.text, "logprobs": None, "finish_reason": finish_reason,
                 "stop_reason": text.matched, "prompt_logprobs": None,
             }],
-            "usage": _usage(seq), "kv_transfer_params": None,
+            "usage": _usage(seq), "kv_transfer_params": kv_transfer_params,
         }
     return web.Response(body=_json_encode(body), content_type="application/json")
 
@@ -637,11 +711,15 @@ def build_app(args: argparse.Namespace, engine: SimEngine | None = None) -> web.
     async def start_engine(_app: web.Application) -> None:
         if engine.kv_events is not None:
             await engine.kv_events.start()  # bound before the first request can store a block
+        if engine.disagg is not None:
+            await engine.disagg.start()
         engine.scheduler.start()
 
     async def stop_engine(_app: web.Application) -> None:
         # Ends in-flight generations (finish_reason "abort") so handlers return promptly.
         await engine.scheduler.stop()
+        if engine.disagg is not None:
+            await engine.disagg.stop()
         if engine.kv_events is not None:
             await engine.kv_events.stop()
 
@@ -658,6 +736,8 @@ def build_app(args: argparse.Namespace, engine: SimEngine | None = None) -> web.
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
+    if engine.disagg is not None:
+        engine.disagg.add_routes(app)
     return app
 
 

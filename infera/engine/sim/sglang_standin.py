@@ -10,8 +10,12 @@ Use it through the launcher's documented override::
         --engine-entrypoint "python -m infera.engine.sim.sglang_standin" \\
         --model-path my-model --port 30001 --page-size 16
 
-PD flags are accepted and validated, not acted on: a "prefill" or "decode" stand-in serves complete
-requests like a mixed one (no bootstrap server, no KV transfer). ``--kv-events-config`` with a
+``--disaggregation-mode prefill|decode`` speaks SGLang's bootstrap-room P/D (see ``pd.py``): a
+prefill starts a bootstrap server on ``--disaggregation-bootstrap-port`` and offers each request's
+KV there; a decode fetches it (``--kv-transfer-timeout``) before decoding. Both need
+``bootstrap_host``/``bootstrap_port``/``bootstrap_room`` in every request (else 400).
+``--disaggregation-transfer-backend`` is validated and otherwise ignored; the transfer is modelled
+by ``--kv-transfer-bandwidth`` and ``--kv-bytes-per-token``. ``--kv-events-config`` with a
 ``"zmq"`` publisher publishes the simulated cache's real KV events in SGLang's format (events as
 tagged arrays, batch ``[ts, events, dp_rank]``) on ``endpoint``. The stand-in runs one engine, so
 with ``--dp-size N`` only rank 0 publishes (on the endpoint's port itself).
@@ -24,13 +28,16 @@ import json
 import logging
 import os
 import sys
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from infera.config import positive_float, positive_int
 from infera.runtime import wait_for_shutdown_signal
 
 from . import server as sim
 from .kv_events import KvEventsConfig
+from .pd import (DEFAULT_KV_BYTES_PER_TOKEN, DEFAULT_KV_TRANSFER_BANDWIDTH_GBPS, SGLANG_DISAGGREGATION_MODES,
+                 SGLANG_KV_HOLD_TIMEOUT_S, SGLANG_KV_TRANSFER_TIMEOUT_S, SGLANG_TRANSFER_BACKENDS,
+                 SglangDisaggregationConfig)
 
 log = logging.getLogger("infera.engine.sim.sglang_standin")
 
@@ -66,8 +73,18 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size", type=positive_int, default=1)
     p.add_argument("--dp-size", "--data-parallel-size", "--dp", dest="dp_size", type=positive_int, default=1)
     p.add_argument("--enable-dp-attention", action="store_true")
-    p.add_argument("--disaggregation-mode", choices=["null", "prefill", "decode"], default="null")
-    p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998)
+    p.add_argument("--disaggregation-mode", choices=SGLANG_DISAGGREGATION_MODES, default="null")
+    p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998, help="0 picks a free port")
+    p.add_argument("--disaggregation-transfer-backend", choices=SGLANG_TRANSFER_BACKENDS, default="mooncake",
+                   help="accepted for fidelity; the simulated transfer ignores it")
+    p.add_argument("--kv-transfer-bandwidth", type=positive_float, default=DEFAULT_KV_TRANSFER_BANDWIDTH_GBPS,
+                   help="GB/s of the simulated KV transfer between P and D")
+    p.add_argument("--kv-bytes-per-token", type=positive_int, default=DEFAULT_KV_BYTES_PER_TOKEN,
+                   help="KV bytes per token moved by a transfer")
+    p.add_argument("--kv-hold-timeout", type=positive_float, default=SGLANG_KV_HOLD_TIMEOUT_S,
+                   help="seconds a prefill holds a room's KV for its decode (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT)")
+    p.add_argument("--kv-transfer-timeout", type=positive_float, default=SGLANG_KV_TRANSFER_TIMEOUT_S,
+                   help="seconds a decode waits for its room's KV (SGLANG_DISAGGREGATION_WAITING_TIMEOUT)")
     p.add_argument("--enable-metrics", action="store_true")
     p.add_argument("--kv-events-config", type=_json_object, default=None)
     p.add_argument("--mem-fraction-static", type=float, default=None)
@@ -77,14 +94,43 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 def sim_args(model: str, served: str | None, host: str, port: int, block_size: int, speedup: float,
-             seed: int) -> argparse.Namespace:
-    """The simulator's own arguments (validated by its parser) for a stand-in's settings."""
+             seed: int, extra: Sequence[str] = ()) -> argparse.Namespace:
+    """The simulator's own arguments (validated by its parser) for a stand-in's settings;
+    ``extra``: more simulator flags."""
     argv = ["--model", model, "--host", host, "--port", str(port), "--block-size", str(block_size),
             "--num-gpu-blocks", str(max(1, KV_CAPACITY_TOKENS // block_size)), "--speedup", str(speedup),
-            "--seed", str(seed)]
+            "--seed", str(seed), *extra]
     if served:
         argv += ["--served-model-name", served]
     return sim.parse_args(argv)
+
+
+def parse_standin_args(argv: Iterable[str] | None = None) -> tuple[argparse.Namespace, str | None]:
+    """(the simulator's arguments, its metrics flavor) for a stand-in command line; exits 2 if invalid.
+
+    In-process use (tests)::
+
+        args, flavor = parse_standin_args([...])
+        engine = sim.SimEngine(args, metrics_flavor=flavor, kv_events_format="sglang")
+        async with sim.SimServer(args, engine) as server: ...  # engine.disagg.bootstrap_port once started
+    """
+    parser = build_arg_parser()
+    a = parser.parse_args(None if argv is None else list(argv))
+    transfer = ["--kv-transfer-bandwidth", str(a.kv_transfer_bandwidth), "--kv-bytes-per-token",
+                str(a.kv_bytes_per_token), "--kv-hold-timeout", str(a.kv_hold_timeout),
+                "--kv-transfer-timeout", str(a.kv_transfer_timeout)]
+    args = sim_args(a.model_path, a.served_model_name, a.host, a.port, a.page_size, a.speedup, a.seed, transfer)
+    try:
+        args.kv_events_config = sglang_kv_events_config(a.kv_events_config)
+    except ValueError as exc:
+        parser.error(f"argument --kv-events-config: {exc}")
+    if a.disaggregation_mode != "null":
+        if not 0 <= a.disaggregation_bootstrap_port <= 65535:
+            parser.error(f"argument --disaggregation-bootstrap-port: not a port: {a.disaggregation_bootstrap_port}")
+        args.sglang_disaggregation = SglangDisaggregationConfig(
+            mode=a.disaggregation_mode, bootstrap_port=a.disaggregation_bootstrap_port,
+            transfer_backend=a.disaggregation_transfer_backend)
+    return args, "sglang" if a.enable_metrics else None
 
 
 def sglang_kv_events_config(obj: dict | None) -> KvEventsConfig | None:
@@ -132,14 +178,8 @@ def run_standin(args: argparse.Namespace, metrics_flavor: str | None, ready_line
 
 
 def main(argv: Iterable[str] | None = None) -> int:
-    parser = build_arg_parser()
-    a = parser.parse_args(None if argv is None else list(argv))
-    args = sim_args(a.model_path, a.served_model_name, a.host, a.port, a.page_size, a.speedup, a.seed)
-    try:
-        args.kv_events_config = sglang_kv_events_config(a.kv_events_config)
-    except ValueError as exc:
-        parser.error(f"argument --kv-events-config: {exc}")
-    return run_standin(args, "sglang" if a.enable_metrics else None, SGLANG_READY_LINE, "sglang")
+    args, metrics_flavor = parse_standin_args(argv)
+    return run_standin(args, metrics_flavor, SGLANG_READY_LINE, "sglang")
 
 
 if __name__ == "__main__":
