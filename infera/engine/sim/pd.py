@@ -110,7 +110,8 @@ class KvTransferConfig:
         engine_id = obj.get("engine_id")
         if engine_id is not None and (not isinstance(engine_id, str) or not engine_id):
             raise ValueError("engine_id must be a non-empty string")
-        extra = obj.get("kv_connector_extra_config") or {}
+        extra = obj.get("kv_connector_extra_config")
+        extra = {} if extra is None else extra
         if not isinstance(extra, dict):
             raise ValueError("kv_connector_extra_config must be a JSON object")
         policy = obj.get("kv_load_failure_policy") or "recompute"
