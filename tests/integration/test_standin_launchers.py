@@ -162,10 +162,11 @@ async def test_sglang_worker_registers_serves_and_stops(make_server, spawn):
 async def test_sglang_pd_roles(make_server, spawn):
     server = await make_server()
     boot = free_port()
+    # One host, loopback: the PD preflight (no RDMA, non-routable host) is waived on purpose.
     p = await spawn("sglang", "--model-path", "sim-pd", "--disaggregation-mode", "prefill",
-                    "--disaggregation-bootstrap-port", str(boot))
+                    "--disaggregation-bootstrap-port", str(boot), launcher_args=("--disaggregation-allow-tcp",))
     d = await spawn("sglang", "--model", "sim-pd", "--disaggregation-mode", "decode",
-                    launcher_args=("--no-enable-kv-events",))
+                    launcher_args=("--no-enable-kv-events", "--disaggregation-allow-tcp"))
     await wait_workers(server, {p.worker_id, d.worker_id})
     pr, dr = server.fleet.get(p.worker_id), server.fleet.get(d.worker_id)
     assert (pr.engine, pr.disagg_mode, pr.kv_block_size) == ("sglang", "prefill", 1)
@@ -182,7 +183,7 @@ async def test_sglang_pd_roles(make_server, spawn):
 async def test_atom_workers_register_serve_and_stop_without_draining(make_server, spawn):
     server = await make_server()
     prod = await spawn("atom", "--model", "atom-pd", "--kv-transfer-config",
-                       '{"kv_connector":"mooncake","kv_role":"kv_producer"}')
+                       '{"kv_connector":"mooncake","kv_role":"kv_producer"}', launcher_args=("--disaggregation-allow-tcp",))
     # A drain would hold this one for 20 s (the engine must stay idle that long); ATOM has none.
     mixed = await spawn("atom", "--model", "sim-model", "--block-size", "32",
                         launcher_args=("--drain-settle", "20", "--drain-timeout", "30"))

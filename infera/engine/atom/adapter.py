@@ -29,6 +29,7 @@ import aiohttp
 from infera.engine.base.engine_config import http_ready, parse_json_flag
 from infera.engine.base.argv import flag_value, flag_values, has_flag
 from infera.engine.base.launcher import EngineProcessSpec, default_advertise_host, engine_command
+from infera.engine.base.preflight import PdSetup
 from infera.engine.sglang.adapter import add_kv_events_flag, int_flag, kv_events_enabled
 from infera.engine.base.kv_events import free_port
 
@@ -93,6 +94,12 @@ class AtomAdapter:
         # AMD Infera reads ATOM's ready timeout from its own variable; the generic one still wins.
         if "INFERA_ATOM_READY_TIMEOUT" in os.environ and not isinstance(parser.get_default("ready_timeout"), str):
             parser.set_defaults(ready_timeout=os.environ["INFERA_ATOM_READY_TIMEOUT"])  # parsed like a flag
+
+    def pd_setup(self, engine_argv: list[str]) -> PdSetup:
+        mode, meta = disaggregation(parse_kv_transfer_config(flag_value(engine_argv, "--kv-transfer-config")), "-",
+                                    ATOM_DEFAULT_SERVER_PORT, 1)
+        return PdSetup(mode, meta.get("protocol"), "the mooncake connector",
+                       bind_host=flag_value(engine_argv, "--host", default=ATOM_DEFAULT_HOST))
 
     def prepare(self, engine_argv: list[str], args: argparse.Namespace) -> EngineProcessSpec:
         argv = list(engine_argv)

@@ -25,6 +25,7 @@ from infera.config import add_flag, choice_of, etcd_prefix, etcd_url, non_negati
 from infera.discovery import make_registration
 from infera.discovery.base import Registration
 from infera.discovery.record import WorkerRecord
+from infera.engine.base.preflight import PdSetup, pd_preflight
 from infera.runtime import install_event_loop
 
 log = logging.getLogger("infera.launcher")
@@ -92,6 +93,9 @@ def build_launcher_parser(adapter: EngineAdapter, prog: str, environ: Mapping[st
     f("--engine-entrypoint", env="INFERA_ENGINE_ENTRYPOINT", default=None,
       help="command that replaces the engine's own entry point (e.g. 'python -m my.stand_in'); the "
            "engine argv is appended to it. For stand-ins and custom builds")
+    f("--disaggregation-allow-tcp", env="INFERA_DISAGGREGATION_ALLOW_TCP", default=False,
+      action=argparse.BooleanOptionalAction,
+      help="PD workers: skip the RDMA and routable-host preflight (single-host tests and benchmarks)")
     f("--log-level", env="INFERA_LOG_LEVEL", default="info", type=choice_of("debug", "info", "warning", "error"))
     adapter.add_flags(p)
     return p
@@ -340,12 +344,26 @@ def _exit_code(code: int | None) -> int:
     return 128 - code if code < 0 else code  # killed by signal N → 128+N, like a shell
 
 
+def pd_preflight_problems(adapter: EngineAdapter, args: argparse.Namespace, engine_argv: list[str],
+                          rdma_devices: list[str] | None = None) -> list[str]:
+    """Why this PD worker must not start (see ``preflight.py``); empty for mixed workers."""
+    setup_fn = getattr(adapter, "pd_setup", None)
+    if setup_fn is None:
+        return []
+    setup: PdSetup = setup_fn(engine_argv)
+    advertise = args.advertise_host or default_advertise_host(setup.bind_host)
+    return pd_preflight(setup, advertise, allow_tcp=args.disaggregation_allow_tcp, rdma_devices=rdma_devices)
+
+
 def launch(adapter: EngineAdapter, prog: str, argv: Sequence[str] | None = None) -> None:
     """Entry point body of ``python -m infera.engine.<engine>``."""
     parser = build_launcher_parser(adapter, prog)
     args, engine_argv = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     if args.discovery_backend == "etcd" and not args.etcd_endpoint:
         parser.error("--etcd-endpoint (or INFERA_ETCD_ENDPOINT) is required with --discovery-backend etcd")
+    problems = pd_preflight_problems(adapter, args, engine_argv)
+    if problems:
+        parser.error("PD preflight refused this worker:\n  - " + "\n  - ".join(problems))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_event_loop()
     code = asyncio.run(Launcher(adapter, args, engine_argv).run())

@@ -27,6 +27,7 @@ from infera.config import add_flag, parse_bool
 from infera.engine.base.engine_config import http_ready
 from infera.engine.base.argv import flag_value, has_flag
 from infera.engine.base.launcher import WILDCARD_HOSTS, EngineProcessSpec, default_advertise_host, engine_command
+from infera.engine.base.preflight import SGLANG_RDMA_BACKENDS, PdSetup
 from infera.engine.base.prom import sum_samples
 
 log = logging.getLogger("infera.launcher.sglang")
@@ -47,6 +48,7 @@ TP_FLAGS = ("--tp-size", "--tensor-parallel-size", "--tp")
 DP_FLAGS = ("--dp-size", "--data-parallel-size", "--dp")
 DISAGG_MODES = {"null": "mixed", "prefill": "prefill", "decode": "decode"}
 PROTOCOL = "sglang-bootstrap"
+SGLANG_DEFAULT_TRANSFER_BACKEND = "mooncake"
 
 SGLANG_INFLIGHT = ("sglang:num_running_reqs", "sglang:num_queue_reqs")
 # PD queues: requests a disaggregated worker holds outside running/queued (bootstrap handshakes,
@@ -143,6 +145,15 @@ class SglangAdapter:
         add_kv_events_flag(parser, True, "publish KV events: inject a zmq --kv-events-config on a free port "
                                          "unless one is given")
 
+    def pd_setup(self, engine_argv: list[str]) -> PdSetup:
+        mode = flag_value(engine_argv, "--disaggregation-mode", default="null")
+        if mode not in DISAGG_MODES:
+            raise SystemExit(f"{PROG}: --disaggregation-mode must be one of null, prefill, decode; got {mode!r}")
+        backend = flag_value(engine_argv, "--disaggregation-transfer-backend", default=SGLANG_DEFAULT_TRANSFER_BACKEND)
+        return PdSetup(DISAGG_MODES[mode], PROTOCOL, f"the {backend!r} transfer backend",
+                       rdma_capable=backend in SGLANG_RDMA_BACKENDS,
+                       bind_host=flag_value(engine_argv, "--host", default=SGLANG_DEFAULT_HOST))
+
     def prepare(self, engine_argv: list[str], args: argparse.Namespace) -> EngineProcessSpec:
         argv = list(engine_argv)
         if not flag_value(argv, *MODEL_FLAGS):
@@ -203,7 +214,8 @@ class SglangAdapter:
             params: dict[str, Any] = {}
             if mode == "prefill":
                 boot = int_flag(argv, ["--disaggregation-bootstrap-port"], SGLANG_DEFAULT_BOOTSTRAP_PORT, PROG)
-                params["bootstrap_addr"] = f"{advertise}:{boot}"
+                host = f"[{advertise}]" if ":" in advertise and not advertise.startswith("[") else advertise
+                params["bootstrap_addr"] = f"{host}:{boot}"  # IPv6 bracketed: the router splits on the last ':'
             if has_flag(argv, *TP_FLAGS):
                 params["tp_size"] = int_flag(argv, TP_FLAGS, 1, PROG)
             fields["disagg_meta"] = {"protocol": PROTOCOL, "params": params}
