@@ -176,6 +176,8 @@ async def test_nixl_serial_flow(nixl_pair, http, route, stream):
     assert await metric(http, decode, "vllm:external_prefix_cache_hits_total") == full_block_tokens
     assert await metric(http, decode, "vllm:external_prefix_cache_queries_total") == prompt_tokens
     assert await metric(http, decode, "vllm:nixl_num_failed_transfers_total") == 0
+    assert await metric(http, decode, "vllm:nixl_bytes_transferred_count") == 1
+    assert await metric(http, decode, "vllm:nixl_bytes_transferred_sum") == full_block_tokens * 131072
 
     # The pull released the hold: nothing referenced on the prefill, and a second pull finds nothing.
     assert await metric(http, prefill, "vllm:kv_cache_usage_perc") == 0
@@ -256,7 +258,8 @@ async def test_nixl_fail_policy_answers_an_error(servers, http, stream):
     status, reply = await post(http, decode.url + "/v1/completions",
                                {**client_body("completions", stream=stream), "kv_transfer_params": params})
     assert status == 500
-    assert reply["error"]["type"] == "InternalServerError" and reply["error"]["message"].startswith("KV transfer failed")
+    assert reply["error"]["type"] == "InternalServerError"
+    assert reply["error"]["message"].startswith("KV transfer failed")
 
 
 async def test_nixl_transfer_time_follows_the_bandwidth(servers, http):
@@ -306,8 +309,8 @@ async def sglang_trio(servers):
 
 def sglang_leg(body: dict, prefill: SimServer, room: int) -> dict:
     """What the router's sglang-bootstrap protocol sends each leg."""
-    return {**copy.deepcopy(body), "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.engine.disagg.bootstrap_port,
-            "bootstrap_room": room}
+    return {**copy.deepcopy(body), "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": prefill.engine.disagg.bootstrap_port, "bootstrap_room": room}
 
 
 @pytest.mark.parametrize("order, route, stream", [

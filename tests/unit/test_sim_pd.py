@@ -68,7 +68,8 @@ def test_kv_transfer_config_rejects(obj, message):
 
 def test_sim_flag_errors_name_what_is_supported(capsys):
     with pytest.raises(SystemExit) as exc:
-        parse_args(["--model", "m", "--kv-transfer-config", '{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}'])
+        parse_args(["--model", "m", "--kv-transfer-config",
+                    '{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}'])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--kv-transfer-config" in err and "LMCacheConnectorV1" in err and "supported: NixlConnector" in err

@@ -300,6 +300,7 @@ class Disaggregation:
         self.num_waiting_for_kv = 0  # decodes whose KV the prefill has not offered yet
         self.num_transferring = 0  # decodes fetching / moving KV
         self.num_failed_transfers = 0
+        self.num_transfers = 0  # completed ones, with the bytes they moved
         self.bytes_transferred = 0
 
     @property
@@ -353,6 +354,7 @@ class Disaggregation:
         block_ids = self.cache.import_blocks(hold_id, token_ids)
         if block_ids is None:
             raise ValueError(f"no free KV blocks for the {num_full_tokens} tokens from {origin}")
+        self.num_transfers += 1
         self.bytes_transferred += num_moved * self.link.bytes_per_token
         if self._flush_kv_events is not None:
             self._flush_kv_events()  # the new blocks' BlockStored, as if computed here

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable, TypeVar
 import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from .cache import KVCache
 from .kv_events import KvEventPublisher, parse_kv_events_config
@@ -235,6 +235,11 @@ class _EngineMetrics(_LiveMetrics):
         if isinstance(e.disagg, NixlDisaggregation):
             yield self._counter("vllm:nixl_num_failed_transfers", "Number of failed NIXL KV Cache transfers.",
                                 e.disagg.num_failed_transfers)
+            # vLLM's is a histogram per transfer; its _sum and _count are what dashboards read.
+            moved = HistogramMetricFamily("vllm:nixl_bytes_transferred", "Number of bytes transferred per NIXL "
+                                          "KV Cache transfers.", labels=["model_name"])
+            moved.add_metric([e.model_name], [("+Inf", e.disagg.num_transfers)], sum_value=e.disagg.bytes_transferred)
+            yield moved
             yield self._counter("vllm:nixl_num_kv_expired_reqs",
                                 "Number of requests that had their KV expire before a decode pulled it.",
                                 e.disagg.holds.num_expired)
