@@ -148,3 +148,15 @@ def reply_kv_transfer_params(protocol: str, prefill_reply: dict[str, Any] | None
         raise PdError(502, f"PD protocol {protocol}: the prefill reply carries no kv_transfer_params object",
                       "handoff_missing")
     return copy.deepcopy(handoff)
+
+
+class ProtocolDefaults:
+    """What most protocols share: both OpenAI routes, and the router's own request id on both legs."""
+
+    name: str
+
+    def check_route(self, route: str) -> None:
+        require_route(self.name, route)
+
+    def leg_request_id(self, pair: PdPair) -> str | None:
+        return None

@@ -11,7 +11,7 @@ import copy
 import ipaddress
 from typing import Any
 
-from infera.router.pd.base import PdPair, Topology, as_port, misconfigured, params, require_route
+from infera.router.pd.base import ProtocolDefaults, PdPair, Topology, as_port, misconfigured, params
 
 
 def parse_bootstrap_addr(addr: Any) -> tuple[str, int] | None:
@@ -39,15 +39,9 @@ def parse_bootstrap_addr(addr: Any) -> tuple[str, int] | None:
     return host, port
 
 
-class SglangBootstrapProtocol:
+class SglangBootstrapProtocol(ProtocolDefaults):
     name = "sglang-bootstrap"
     topology: Topology = "concurrent"
-
-    def check_route(self, route: str) -> None:
-        require_route(self.name, route)
-
-    def leg_request_id(self, pair: PdPair) -> str | None:
-        return None
 
     def _annotated(self, body: dict[str, Any], pair: PdPair) -> dict[str, Any]:
         addr = params(pair.prefill).get("bootstrap_addr")

@@ -9,18 +9,12 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from infera.router.pd.base import PdPair, Topology, prefill_single_token, require_route
+from infera.router.pd.base import ProtocolDefaults, PdPair, Topology, prefill_single_token
 
 
-class VllmExampleProtocol:
+class VllmExampleProtocol(ProtocolDefaults):
     name = "vllm-example"
     topology: Topology = "serial"
-
-    def check_route(self, route: str) -> None:
-        require_route(self.name, route)
-
-    def leg_request_id(self, pair: PdPair) -> str | None:
-        return None
 
     def prefill_body(self, body: dict[str, Any], pair: PdPair) -> dict[str, Any]:
         return prefill_single_token(body)

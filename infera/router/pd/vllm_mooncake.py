@@ -9,23 +9,17 @@ from __future__ import annotations
 from typing import Any
 
 from infera.discovery.record import WorkerRecord
-from infera.router.pd.base import (PdPair, Topology, decode_remaining, misconfigured, params,
-                                   prefill_single_token, require_route)
+from infera.router.pd.base import (ProtocolDefaults, PdPair, Topology, decode_remaining, misconfigured, params,
+                                   prefill_single_token)
 
 
 def transfer_id(room: int) -> str:
     return "xfer-%032x" % room
 
 
-class VllmMooncakeProtocol:
+class VllmMooncakeProtocol(ProtocolDefaults):
     name = "vllm-mooncake"
     topology: Topology = "concurrent"
-
-    def check_route(self, route: str) -> None:
-        require_route(self.name, route)
-
-    def leg_request_id(self, pair: PdPair) -> str | None:
-        return None
 
     def prefill_body(self, body: dict[str, Any], pair: PdPair) -> dict[str, Any]:
         out = prefill_single_token(body)

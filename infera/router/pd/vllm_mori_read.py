@@ -9,18 +9,15 @@ from __future__ import annotations
 from typing import Any
 
 from infera.router.pd import _mori
-from infera.router.pd.base import (PdError, PdPair, Topology, decode_remaining, prefill_single_token,
-                                   reply_kv_transfer_params, require_route)
+from infera.router.pd.base import (ProtocolDefaults, PdError, PdPair, Topology, decode_remaining, prefill_single_token,
+                                   reply_kv_transfer_params)
 
 TRANSFER_ID_KEY = "mori_transfer_id"
 
 
-class VllmMoriReadProtocol:
+class VllmMoriReadProtocol(ProtocolDefaults):
     name = "vllm-mori-read"
     topology: Topology = "serial"
-
-    def check_route(self, route: str) -> None:
-        require_route(self.name, route)
 
     def leg_request_id(self, pair: PdPair) -> str | None:
         return _mori.forged_request_id(self.name, pair)

@@ -9,16 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 from infera.router.pd import _mori
-from infera.router.pd.base import (PdPair, Topology, decode_remaining, prefill_single_token,
-                                   require_route)
+from infera.router.pd.base import (ProtocolDefaults, PdPair, Topology, decode_remaining, prefill_single_token)
 
 
-class VllmMoriWriteProtocol:
+class VllmMoriWriteProtocol(ProtocolDefaults):
     name = "vllm-mori-write"
     topology: Topology = "concurrent"
-
-    def check_route(self, route: str) -> None:
-        require_route(self.name, route)
 
     def leg_request_id(self, pair: PdPair) -> str | None:
         return _mori.forged_request_id(self.name, pair)
