@@ -104,11 +104,15 @@ def group_probabilities(groups: int, popularity: str, zipf_s: float) -> list[flo
     return [x / total for x in w]
 
 
+def tokens_per_word(count_tokens: Callable[[str], int], vocab: list[str]) -> float:
+    """Mean tokens per pseudo-word of ``vocab`` in sentences, from one fixed 400-word sample."""
+    return count_tokens(_sentences(random.Random(0), vocab, 400)) / 400.0
+
+
 def _words_for_tokens(count_tokens: Callable[[str], int], rng: random.Random, vocab: list[str],
                       target: int) -> str:
     """Sentences of pseudo-words whose token count is within a few tokens of ``target``."""
-    sample = _sentences(random.Random(0), vocab, 400)
-    per_word = count_tokens(sample) / 400.0
+    per_word = tokens_per_word(count_tokens, vocab)
     n = max(1, round(target / per_word))
     state = rng.getstate()
     for _ in range(4):
@@ -134,9 +138,7 @@ def build_workload(*, seed: int, groups: int, prefix_tokens: int, turns: int, us
     pick = random.Random(f"groups-{seed}-{popularity}-{zipf_s}")
     # One sample text per target length, then cheap variations: tokenizing thousands of user turns
     # would dominate start-up, and lengths only need to be about right.
-    sample = _sentences(random.Random(0), vocab, 400)
-    per_word = count_tokens(sample) / 400.0
-    n_user_words = max(3, round(user_tokens / per_word))
+    n_user_words = max(3, round(user_tokens / tokens_per_word(count_tokens, vocab)))
     convs = []
     for cid in range(conversations):
         group = pick.choices(range(groups), weights=probs)[0]
@@ -144,6 +146,17 @@ def build_workload(*, seed: int, groups: int, prefix_tokens: int, turns: int, us
         users = [f"Question {cid}.{t + 1}: " + _sentences(rng, vocab, n_user_words) for t in range(turns)]
         convs.append(Conversation(cid, group, users))
     return Workload(seed, popularity, zipf_s, prefixes, convs, probs)
+
+
+def distinct_prompts(*, seed: int, tag: str, count: int, target_tokens: int,
+                     count_tokens: Callable[[str], int]) -> list[str]:
+    """``count`` texts of about ``target_tokens`` tokens, none sharing more than a word or two of
+    prefix with another (nor with another ``tag``'s): random pseudo-word sentences from the first
+    word, so a prefix cache finds no block to reuse. Lengths are calibrated once (words x mean tokens per word), not per
+    text, because tokenizing hundreds of long prompts would dominate start-up."""
+    vocab = pseudo_vocabulary(seed)
+    n_words = max(1, round(target_tokens / tokens_per_word(count_tokens, vocab)))
+    return [_sentences(random.Random(f"prompt-{seed}-{tag}-{i}"), vocab, n_words) for i in range(count)]
 
 
 def measure(workload: Workload, encode_chat: Callable[[list[dict]], list[int]]) -> None:

@@ -6,13 +6,19 @@ Protocol: one JSON object per line on stdin, one JSON result per line on stdout.
      "duration": 4.0, "warmup": 1.0, "bodies": ["{...json...}", ...]}
     {"cmd": "quit"}
 
+Optional job keys: ``warmup_requests`` (the warm-up also ends once that many requests were issued,
+so a job that must never send a body twice can size ``bodies`` as warm-up + ``requests``) and
+``request_timeout`` (seconds, default 60).
+
 For each ``run``: ``concurrency`` coroutines each send one request at a time (closed loop), the
 target URL taken round-robin from ``urls`` (several worker URLs when hitting workers directly;
 the one router URL otherwise). The first ``warmup`` seconds are discarded; the measured window
 then issues requests until ``requests`` have been issued or ``duration`` seconds have passed,
 whichever comes first, and waits for them. Reported per run: completed requests, errors (with a
 few samples), req/s, latency percentiles and, for streams, TTFT (first ``data:`` event) and ITL
-(gaps between consecutive ``data:`` events, ``[DONE]`` excluded). Times in the result are ms.
+(gaps between consecutive ``data:`` events, ``[DONE]`` excluded), and completion tokens from the
+replies' ``usage`` where present (streams need ``stream_options.include_usage``). Times in the
+result are ms.
 
 Standalone: stdlib + aiohttp (+ uvloop when available); it never imports ``infera``.
 """
@@ -21,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import sys
 import time
 from typing import Any
@@ -34,6 +41,9 @@ except ImportError:  # pragma: no cover
 
 _HEADERS = {"Content-Type": "application/json"}
 _MAX_ERROR_SAMPLES = 5
+# Matched only in payloads that contain the key, so the hot path stays a substring test.
+_COMPLETION_TOKENS_KEY = b'"completion_tokens"'
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
 
 def percentile(sorted_values: list[float], q: float) -> float | None:
@@ -55,6 +65,8 @@ class _Stats:
         self.ttfts: list[float] = []
         self.itls: list[float] = []
         self.data_events = 0
+        self.completion_tokens = 0
+        self.replies_with_usage = 0
         self.errors = 0
         self.error_samples: list[str] = []
         self.last_done = 0.0
@@ -63,6 +75,19 @@ class _Stats:
         self.errors += 1
         if len(self.error_samples) < _MAX_ERROR_SAMPLES:
             self.error_samples.append(what[:300])
+
+    def count_usage(self, completion_tokens: int | None) -> None:
+        if completion_tokens is not None:
+            self.completion_tokens += completion_tokens
+            self.replies_with_usage += 1
+
+
+def _completion_tokens(payload: bytes) -> int | None:
+    """``usage.completion_tokens`` of a reply or SSE chunk; None when it carries no usage."""
+    if _COMPLETION_TOKENS_KEY not in payload:
+        return None
+    m = _COMPLETION_TOKENS.search(payload)
+    return int(m.group(1)) if m else None
 
 
 async def _one_request(session: aiohttp.ClientSession, url: str, body: bytes, stream: bool, stats: _Stats) -> None:
@@ -81,6 +106,7 @@ async def _one_request(session: aiohttp.ClientSession, url: str, body: bytes, st
                     return
                 end = clock()
                 stats.latencies.append(end - start)
+                stats.count_usage(_completion_tokens(payload))
                 stats.last_done = end
                 return
             first: float | None = None
@@ -88,6 +114,7 @@ async def _one_request(session: aiohttp.ClientSession, url: str, body: bytes, st
             done = False
             itls: list[float] = []
             events = 0
+            completion_tokens: int | None = None  # the last usage seen (continuous usage repeats it)
             async for line in resp.content:  # one SSE line at a time
                 if not line.startswith(b"data:"):
                     continue
@@ -100,6 +127,9 @@ async def _one_request(session: aiohttp.ClientSession, url: str, body: bytes, st
                     stats.error(f"SSE error event from {url}: {payload[:200].decode('utf-8', 'replace')}")
                     return
                 events += 1
+                found = _completion_tokens(payload)
+                if found is not None:
+                    completion_tokens = found
                 if first is None:
                     first = now
                 else:
@@ -113,6 +143,7 @@ async def _one_request(session: aiohttp.ClientSession, url: str, body: bytes, st
             stats.ttfts.append(first - start)
             stats.itls.extend(itls)
             stats.data_events += events
+            stats.count_usage(completion_tokens)
             stats.last_done = end
     except Exception as exc:  # transport errors, timeouts, malformed streams: all count as errors
         stats.error(f"{type(exc).__name__} from {url}: {exc}")
@@ -126,6 +157,8 @@ async def run_job(job: dict[str, Any]) -> dict[str, Any]:
     max_requests = int(job["requests"])
     duration = float(job["duration"])
     warmup = float(job["warmup"])
+    warmup_requests = job.get("warmup_requests")
+    warmup_requests = math.inf if warmup_requests is None else int(warmup_requests)
     bodies = [b.encode() for b in job["bodies"]]
     clock = time.perf_counter
 
@@ -141,7 +174,7 @@ async def run_job(job: dict[str, Any]) -> dict[str, Any]:
         async def user() -> None:
             while True:
                 now = clock()
-                if state["phase"] == "warmup" and now >= warm_deadline:
+                if state["phase"] == "warmup" and (now >= warm_deadline or state["rr"] >= warmup_requests):
                     # The first user to notice opens the measured window for everyone.
                     state["phase"] = "measure"
                     state["measure_start"] = now
@@ -170,6 +203,7 @@ async def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "concurrency": concurrency,
         "stream": stream,
         "issued": state["issued"],
+        "sent": state["rr"],  # warm-up included: bodies[i % len(bodies)] went out for i < sent
         "completed": completed,
         "errors": measured.errors + warm.errors,
         "errors_measured": measured.errors,
@@ -184,9 +218,15 @@ async def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "lat_p99_ms": ms(percentile(lat, 99)),
         "lat_max_ms": ms(lat[-1] if lat else None),
         "ttft_p50_ms": ms(percentile(ttft, 50)),
+        "ttft_p90_ms": ms(percentile(ttft, 90)),
         "ttft_p99_ms": ms(percentile(ttft, 99)),
         "itl_p50_ms": ms(percentile(itl, 50)),
+        "itl_p90_ms": ms(percentile(itl, 90)),
         "itl_p99_ms": ms(percentile(itl, 99)),
+        "completion_tokens": measured.completion_tokens,
+        "replies_with_usage": measured.replies_with_usage,
+        "out_tok_s": (round(measured.completion_tokens / elapsed, 2)
+                      if measured.replies_with_usage and elapsed > 0 else None),
         "data_events_per_stream": round(measured.data_events / completed, 2) if stream and completed else None,
     }
 
