@@ -23,39 +23,25 @@ import asyncio
 import logging
 import random
 import time
-from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import Callable
 
 import msgspec
 
-from infera.api.errors import ApiError, sse_error_event
+from infera.api.errors import ApiError
 from infera.discovery.fleet import Fleet
 from infera.discovery.record import WorkerRecord
-from infera.router.dispatch import DP_RANK_HEADER, Reply
+from infera.router.dispatch import Reply
 from infera.router.pd import PdError, PdPair, PdProtocol, resolve_protocol
 from infera.router.policy import Policy, RoutedRequest
 from infera.server.metrics import ServerMetrics
-from infera.transport.http import HttpTransport, UpstreamError, UpstreamResponse
+from infera.router.upstream import LegFailure, Opened, Relay, open_upstream, request_headers
+from infera.transport.http import HttpTransport
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFILL_TIMEOUT = 120.0
 _decode_json = msgspec.json.Decoder().decode
 _encode_json = msgspec.json.Encoder().encode
-
-
-@dataclass
-class _LegFailure(Exception):
-    """A leg failed before the client's first byte. ``retryable`` False: a 4xx, returned as is."""
-
-    role: str  # "prefill" | "decode"
-    worker_id: str
-    status: int
-    message: str
-    reason: str
-    body: bytes | None = None
-    content_type: str = "application/json"
-    retryable: bool = True
 
 
 class _Leg:
@@ -127,7 +113,7 @@ class DisaggRouter:
             await self._prepare(req)
         body = self._parse(req)
         failed: set[str] = set()
-        failure: _LegFailure | None = None
+        failure: LegFailure | None = None
         for attempt in range(1 + self.max_retries):
             p_pool = [w for w in prefills if w.worker_id not in failed]
             d_pool = [w for w in decodes if w.worker_id not in failed]
@@ -146,7 +132,7 @@ class DisaggRouter:
             decode = self.policy.pick(d_pool, d_req, "decode")
             try:
                 return await self._attempt(req, body, prefill, p_req, decode, d_req)
-            except _LegFailure as exc:
+            except LegFailure as exc:
                 if not exc.retryable:
                     return Reply(exc.status, exc.content_type, exc.worker_id, body=exc.body)
                 failure = exc
@@ -165,7 +151,7 @@ class DisaggRouter:
         body = self._parse(req)
         try:
             return await self._attempt(req, body, prefill, _leg_request(req), decode, _leg_request(req))
-        except _LegFailure as exc:
+        except LegFailure as exc:
             if not exc.retryable:
                 return Reply(exc.status, exc.content_type, exc.worker_id, body=exc.body)
             raise ApiError(exc.status, f"{exc.role} leg: {exc.message}", exc.reason) from None
@@ -189,30 +175,15 @@ class DisaggRouter:
             raise ApiError(400, "request body must be a JSON object", "invalid_request")
         return body
 
-    def _headers(self, request_id: str, rank: int | None) -> tuple[tuple[str, str], ...]:
-        if rank is None:
-            return (("X-Request-Id", request_id),)
-        return (("X-Request-Id", request_id), (DP_RANK_HEADER, str(rank)))
-
-    async def _post(self, leg: _Leg, route: str, body: dict, request_id: str) -> UpstreamResponse:
-        host, port = self.transport.address(leg.worker.url)
-        return await self.transport.post(host, port, route, _encode_json(body), self._headers(request_id, leg.rank))
-
-    @staticmethod
-    async def _read_reply(leg: _Leg, resp: UpstreamResponse) -> bytes:
-        """The whole reply of a leg; a 5xx is a retryable failure, a 4xx the client's."""
-        try:
-            data = await resp.read()
-        finally:
-            resp.release()
-        if resp.status >= 500:
-            raise _LegFailure(leg.role, leg.worker.worker_id, resp.status,
-                              f"worker {leg.worker.worker_id} returned {resp.status}: {data[:300]!r}",
-                              f"http_{resp.status}", data)
-        if resp.status >= 400:
-            raise _LegFailure(leg.role, leg.worker.worker_id, resp.status, f"worker returned {resp.status}",
-                              f"http_{resp.status}", data, resp.content_type, retryable=False)
-        return data
+    async def _open(self, leg: _Leg, route: str, body: dict, request_id: str, stream: bool) -> Opened:
+        """One leg up to its first byte; a 4xx is the client's: a non-retryable ``LegFailure``."""
+        opened = await open_upstream(self.transport, leg.worker, route, _encode_json(body),
+                                     request_headers(request_id, leg.rank), stream, leg.role)
+        if opened.status >= 400:
+            raise LegFailure(leg.worker.worker_id, opened.status, f"worker returned {opened.status}",
+                             f"http_{opened.status}", opened.body, role=leg.role, content_type=opened.content_type,
+                             retryable=False)
+        return opened
 
     # -- one attempt -----------------------------------------------------------------------------
     async def _attempt(self, req: RoutedRequest, body: dict, prefill: WorkerRecord, p_req: RoutedRequest,
@@ -246,53 +217,30 @@ class DisaggRouter:
 
     async def _run_prefill(self, leg: _Leg, route: str, body: dict, request_id: str) -> bytes:
         """The prefill leg to completion, bounded by the prefill timeout; its accounting ends here."""
-        async def exchange() -> bytes:
-            resp = await self._post(leg, route, body, request_id)
-            return await self._read_reply(leg, resp)
-
         try:
-            return await asyncio.wait_for(exchange(), self.prefill_timeout)
+            opened = await asyncio.wait_for(self._open(leg, route, body, request_id, stream=False),
+                                            self.prefill_timeout)
+            return opened.body or b""
         except asyncio.TimeoutError:
-            raise _LegFailure("prefill", leg.worker.worker_id, 504,
-                              f"prefill on {leg.worker.worker_id} did not finish within {self.prefill_timeout:g}s",
-                              "prefill_timeout") from None
-        except UpstreamError as exc:
-            raise _LegFailure("prefill", leg.worker.worker_id, 502,
-                              f"worker {leg.worker.worker_id} unreachable: {exc}", "unreachable") from None
+            raise LegFailure(leg.worker.worker_id, 504,
+                             f"prefill on {leg.worker.worker_id} did not finish within {self.prefill_timeout:g}s",
+                             "prefill_timeout", role="prefill") from None
         finally:
             leg.release()
 
-    async def _open_decode(self, req: RoutedRequest, leg: _Leg, body: dict, request_id: str
-                           ) -> tuple[UpstreamResponse | None, bytes]:
-        """The decode leg up to its first byte: (open response, first chunk) for a 200 stream, or
-        (None, whole body) for a unary reply."""
-        try:
-            resp = await self._post(leg, req.route, body, request_id)
-            if not req.stream or resp.status != 200:
-                return None, await self._read_reply(leg, resp)
-            try:
-                first = await resp.next_chunk()
-            except BaseException:
-                resp.release()
-                raise
-            if not first:
-                resp.release()
-                raise _LegFailure("decode", leg.worker.worker_id, 502,
-                                  f"worker {leg.worker.worker_id} closed the stream before the first byte",
-                                  "empty_stream")
-            return resp, first
-        except UpstreamError as exc:
-            raise _LegFailure("decode", leg.worker.worker_id, 502,
-                              f"worker {leg.worker.worker_id} unreachable: {exc}", "unreachable") from None
-
-    def _reply(self, req: RoutedRequest, leg: _Leg, opened: tuple[UpstreamResponse | None, bytes],
-               prefill_task: asyncio.Task | None) -> Reply:
-        resp, data = opened
-        if resp is None:
+    def _reply(self, leg: _Leg, opened: Opened, prefill_task: asyncio.Task | None) -> Reply:
+        if opened.resp is None:
             leg.release()
-            return Reply(200, "application/json", leg.worker.worker_id, body=data)
-        return Reply(200, resp.content_type, leg.worker.worker_id,
-                     stream=self._relay(data, resp, leg, prefill_task), first_byte_at=self._clock())
+            return Reply(200, opened.content_type, leg.worker.worker_id, body=opened.body)
+
+        def done() -> None:
+            leg.release()
+            if prefill_task is not None and not prefill_task.done():
+                # The client is gone or the decode ended first: the prefill has nothing left to feed.
+                prefill_task.cancel()
+
+        return Reply(200, opened.content_type, leg.worker.worker_id,
+                     stream=Relay(opened, leg.worker, self.metrics, done), first_byte_at=self._clock())
 
     async def _serial(self, req: RoutedRequest, body: dict, protocol: PdProtocol, pair: PdPair, p_leg: _Leg,
                       d_leg: _Leg, p_body: dict, request_id: str) -> Reply:
@@ -302,17 +250,17 @@ class DisaggRouter:
             if not isinstance(reply, dict):
                 raise ValueError("not a JSON object")
         except (msgspec.DecodeError, ValueError) as exc:
-            raise _LegFailure("prefill", p_leg.worker.worker_id, 502,
-                              f"prefill reply from {p_leg.worker.worker_id} is not a JSON object: {exc}",
-                              "bad_prefill_reply") from None
+            raise LegFailure(p_leg.worker.worker_id, 502,
+                             f"prefill reply from {p_leg.worker.worker_id} is not a JSON object: {exc}",
+                             "bad_prefill_reply", role="prefill") from None
         try:
             d_body = protocol.decode_body(body, pair, reply)
         except PdError as exc:
             if exc.status < 500:
                 raise ApiError(exc.status, exc.message, exc.code) from None
-            raise _LegFailure("prefill", p_leg.worker.worker_id, exc.status, exc.message, exc.code) from None
-        opened = await self._open_decode(req, d_leg, d_body, request_id)
-        return self._reply(req, d_leg, opened, None)
+            raise LegFailure(p_leg.worker.worker_id, exc.status, exc.message, exc.code, role="prefill") from None
+        opened = await self._open(d_leg, req.route, d_body, request_id, req.stream)
+        return self._reply(d_leg, opened, None)
 
     async def _concurrent(self, req: RoutedRequest, body: dict, protocol: PdProtocol, pair: PdPair, p_leg: _Leg,
                           d_leg: _Leg, p_body: dict, request_id: str) -> Reply:
@@ -321,7 +269,7 @@ class DisaggRouter:
         except PdError as exc:
             raise ApiError(exc.status, exc.message, exc.code) from None
         prefill_task = asyncio.create_task(self._run_prefill(p_leg, req.route, p_body, request_id))
-        decode_task = asyncio.create_task(self._open_decode(req, d_leg, d_body, request_id))
+        decode_task = asyncio.create_task(self._open(d_leg, req.route, d_body, request_id, req.stream))
         try:
             done, _ = await asyncio.wait((prefill_task, decode_task), return_when=asyncio.FIRST_COMPLETED)
             if prefill_task in done and prefill_task.exception() is not None:
@@ -330,40 +278,18 @@ class DisaggRouter:
         except BaseException:
             for t in (prefill_task, decode_task):
                 t.cancel()
-            results = await asyncio.gather(prefill_task, decode_task, return_exceptions=True)
-            opened_resp = results[1][0] if isinstance(results[1], tuple) else None
-            if opened_resp is not None:
-                opened_resp.release()
+            _, decoded = await asyncio.gather(prefill_task, decode_task, return_exceptions=True)
+            if isinstance(decoded, Opened) and decoded.resp is not None:
+                decoded.resp.release()  # the decode answered, but its prefill failed: abort it
             raise
         if not prefill_task.done():
             self._background.add(prefill_task)
             prefill_task.add_done_callback(self._prefill_done)
         else:
             self._prefill_done(prefill_task)
-        return self._reply(req, d_leg, opened, prefill_task)
+        return self._reply(d_leg, opened, prefill_task)
 
     def _prefill_done(self, task: asyncio.Task) -> None:
         self._background.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.warning("PD prefill leg failed after the decode leg answered: %s", task.exception())
-
-    async def _relay(self, first: bytes, resp: UpstreamResponse, leg: _Leg,
-                     prefill_task: asyncio.Task | None) -> AsyncIterator[bytes]:
-        try:
-            yield first
-            while True:
-                chunk = await resp.next_chunk()
-                if not chunk:
-                    break
-                yield chunk
-        except UpstreamError as exc:
-            log.warning("decode worker %s failed mid-stream: %s", leg.worker.worker_id, exc)
-            self.metrics.count_midstream_failure(leg.worker.worker_id)
-            yield sse_error_event(f"decode worker {leg.worker.worker_id} failed mid-stream", 502,
-                                  "worker_failed_midstream")
-        finally:
-            resp.release()
-            leg.release()
-            if prefill_task is not None and not prefill_task.done():
-                # The client is gone or the decode ended first: the prefill has nothing left to feed.
-                prefill_task.cancel()

@@ -9,18 +9,18 @@ import logging
 import re
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Sequence
+from typing import Callable, Sequence
 
-from infera.api.errors import ApiError, sse_error_event
+from infera.api.errors import ApiError
 from infera.discovery.fleet import Fleet
 from infera.discovery.record import WorkerRecord
 from infera.router.policy import Policy, RoutedRequest
 from infera.server.metrics import ServerMetrics
-from infera.transport.http import HttpTransport, UpstreamError, UpstreamResponse
+from infera.router.upstream import LegFailure, Relay, open_upstream, request_headers
+from infera.transport.http import HttpTransport
 
 log = logging.getLogger(__name__)
 
-DP_RANK_HEADER = "X-Data-Parallel-Rank"
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
 # (worker, request, engine-reported cached prompt tokens or None) after a 200 reply completes.
@@ -39,18 +39,8 @@ class Reply:
     content_type: str
     worker_id: str
     body: bytes | None = None  # unary reply
-    stream: "AsyncIterator[bytes] | None" = None  # streaming reply (first chunk included)
+    stream: "Relay | None" = None  # streaming reply (first chunk included); aclose() it when done
     first_byte_at: float | None = None
-
-
-@dataclass(slots=True)
-class _Failure:
-    """An attempt that failed before the first byte; retryable on another worker."""
-
-    status: int
-    message: str
-    reason: str
-    body: bytes | None = None
 
 
 class MixedRouter:
@@ -93,36 +83,34 @@ class MixedRouter:
             if worker.model_name != req.model:
                 raise ApiError(400, f"worker {worker.worker_id!r} serves {worker.model_name!r}, not {req.model!r}",
                                "model_mismatch", param="model")
-            result = await self._attempt(worker, req)
-            return self._finish(result, req)
+            try:
+                return await self._attempt(worker, req)
+            except LegFailure as exc:
+                raise ApiError(exc.status, exc.message, exc.reason) from None
 
         candidates = self.candidates(req.model)
         if self._prepare is not None:
             await self._prepare(req)
         tried: set[str] = set()
-        result: Reply | _Failure | None = None
+        failure: LegFailure | None = None
         for attempt in range(1 + self.max_retries):
             pool = candidates if not tried else [w for w in candidates if w.worker_id not in tried]
             if not pool:
                 break
             worker = self.policy.pick(pool, req)
             tried.add(worker.worker_id)
-            result = await self._attempt(worker, req)
-            if isinstance(result, Reply):
-                return result
-            log.warning("request %s: %s (attempt %d)", req.request_id, result.message, attempt + 1)
-            self.metrics.count_retry(req.route, result.reason)
-        return self._finish(result, req)
+            try:
+                return await self._attempt(worker, req)
+            except LegFailure as exc:
+                failure = exc
+            log.warning("request %s: %s (attempt %d)", req.request_id, failure.message, attempt + 1)
+            self.metrics.count_retry(req.route, failure.reason)
+        assert failure is not None
+        raise ApiError(failure.status, failure.message, failure.reason)
 
-    @staticmethod
-    def _finish(result: "Reply | _Failure | None", req: RoutedRequest) -> Reply:
-        if isinstance(result, Reply):
-            return result
-        assert result is not None
-        raise ApiError(result.status, result.message, result.reason)
-
-    async def _attempt(self, worker: WorkerRecord, req: RoutedRequest) -> "Reply | _Failure":
-        transport = self.transport
+    async def _attempt(self, worker: WorkerRecord, req: RoutedRequest) -> Reply:
+        """One worker; ``LegFailure`` if it failed before the first byte. A 4xx is the client's
+        fault: returned as is, never retried elsewhere."""
         policy = self.policy
         inflight = self.metrics.inflight_gauge(worker.worker_id)
         policy.on_started(worker, req)
@@ -136,66 +124,18 @@ class MixedRouter:
                 inflight.dec()
                 policy.on_finished(worker, req)
 
-        resp: UpstreamResponse | None = None
+        headers = request_headers(req.request_id, req.state.get("dp_rank"))
         try:
-            host, port = transport.address(worker.url)
-            rank = req.state.get("dp_rank")
-            headers = (("X-Request-Id", req.request_id),) if rank is None else (
-                ("X-Request-Id", req.request_id), (DP_RANK_HEADER, str(rank)))
-            resp = await transport.post(host, port, req.route, req.body, headers)
-            status = resp.status
-            if status >= 500:
-                body = await resp.read()
-                resp.release()
-                release()
-                return _Failure(status, f"worker {worker.worker_id} returned {status}", f"http_{status}", body)
-            if not req.stream or status != 200:
-                # A 4xx is the client's fault: returned as is, never retried elsewhere.
-                body = await resp.read()
-                resp.release()
-                release()
-                if status == 200 and self.usage_observer is not None:
-                    self.usage_observer(worker, req, reported_cached_tokens(body))
-                return Reply(status, resp.content_type, worker.worker_id, body=body)
-            first = await resp.next_chunk()
-            if not first:
-                resp.release()
-                release()
-                return _Failure(502, f"worker {worker.worker_id} closed the stream before the first byte", "empty_stream")
-        except UpstreamError as exc:
-            if resp is not None:
-                resp.release()
-            release()
-            return _Failure(502, f"worker {worker.worker_id} unreachable: {exc}", "unreachable")
-        except BaseException:  # cancelled (client gone): closing upstream makes the engine abort
-            if resp is not None:
-                resp.release()
+            opened = await open_upstream(self.transport, worker, req.route, req.body, headers, req.stream)
+        except BaseException:  # a failure to retry, or cancelled (client gone)
             release()
             raise
-        return Reply(200, resp.content_type, worker.worker_id, stream=self._relay(first, resp, worker, req, release),
-                     first_byte_at=self._clock())
-
-    async def _relay(self, first: bytes, resp: UpstreamResponse, worker: WorkerRecord, req: RoutedRequest,
-                     release: Callable[[], None]) -> AsyncIterator[bytes]:
         observer = self.usage_observer
-        tail = first[-2048:] if observer is not None else b""
-        try:
-            yield first
-            while True:
-                chunk = await resp.next_chunk()
-                if not chunk:
-                    break
-                if observer is not None:  # the usage chunk comes last: keep a short tail
-                    tail = (tail + chunk)[-2048:]
-                yield chunk
-            if observer is not None:
-                observer(worker, req, reported_cached_tokens(tail))
-        except UpstreamError as exc:
-            log.warning("worker %s failed mid-stream: %s", worker.worker_id, exc)
-            self.metrics.count_midstream_failure(worker.worker_id)
-            yield sse_error_event(f"worker {worker.worker_id} failed mid-stream", 502, "worker_failed_midstream")
-        finally:
-            # Fully read: the connection goes back to the pool. Otherwise (client gone, error)
-            # it is closed, so the engine sees the abort and frees the slot.
-            resp.release()
+        if opened.resp is None:
             release()
+            if opened.status == 200 and observer is not None:
+                observer(worker, req, reported_cached_tokens(opened.body or b""))
+            return Reply(opened.status, opened.content_type, worker.worker_id, body=opened.body)
+        on_tail = None if observer is None else (lambda tail: observer(worker, req, reported_cached_tokens(tail)))
+        return Reply(200, opened.content_type, worker.worker_id,
+                     stream=Relay(opened, worker, self.metrics, release, on_tail), first_byte_at=self._clock())

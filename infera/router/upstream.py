@@ -1,0 +1,151 @@
+"""One request to one worker, up to its first byte, and the relay of the rest: shared by mixed
+dispatch and by each leg of a PD pair.
+
+Before the first byte a failure (5xx, connection refused or reset, a stream that ends empty) is a
+``LegFailure`` the caller may retry elsewhere; after it, a broken stream ends with an SSE error
+event, because bytes already reached the client.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Sequence
+
+from infera.api.errors import sse_error_event
+from infera.discovery.record import WorkerRecord
+from infera.server.metrics import ServerMetrics
+from infera.transport.http import HttpTransport, UpstreamError, UpstreamResponse
+
+log = logging.getLogger(__name__)
+
+# A stream's usage chunk comes last: this much of its tail is kept for whoever wants it.
+TAIL_BYTES = 2048
+DP_RANK_HEADER = "X-Data-Parallel-Rank"
+
+
+def request_headers(request_id: str, dp_rank: int | None) -> tuple[tuple[str, str], ...]:
+    """The request id every engine sees, and the DP rank a rank-multiplexed worker must run on."""
+    if dp_rank is None:
+        return (("X-Request-Id", request_id),)
+    return (("X-Request-Id", request_id), (DP_RANK_HEADER, str(dp_rank)))
+
+
+class LegFailure(Exception):
+    """A worker failed before the first byte. ``retryable`` False: the client's fault (a 4xx)."""
+
+    def __init__(self, worker_id: str, status: int, message: str, reason: str, body: bytes | None = None,
+                 *, role: str = "mixed", content_type: str = "application/json", retryable: bool = True) -> None:
+        super().__init__(message)
+        self.worker_id = worker_id
+        self.status = status
+        self.message = message
+        self.reason = reason
+        self.body = body
+        self.role = role
+        self.content_type = content_type
+        self.retryable = retryable
+
+
+@dataclass(slots=True)
+class Opened:
+    """A worker's answer up to the first byte: a whole body (unary, or any non-200), or an open
+    200 stream with its first chunk."""
+
+    status: int
+    content_type: str
+    body: bytes | None = None
+    resp: UpstreamResponse | None = None
+    first: bytes = b""
+
+
+async def open_upstream(transport: HttpTransport, worker: WorkerRecord, route: str, body: bytes,
+                        headers: Sequence[tuple[str, str]], stream: bool, role: str = "mixed") -> Opened:
+    """POST ``body`` to ``worker`` and wait for its first byte; ``LegFailure`` if it failed first.
+    Cancelled (client gone): the connection is closed, so the engine aborts the request."""
+    wid = worker.worker_id
+    resp: UpstreamResponse | None = None
+    try:
+        host, port = transport.address(worker.url)
+        resp = await transport.post(host, port, route, body, headers)
+        status = resp.status
+        if status >= 500 or not stream or status != 200:
+            data = await resp.read()
+            resp.release()
+            if status >= 500:
+                raise LegFailure(wid, status, f"worker {wid} returned {status}", f"http_{status}", data, role=role)
+            return Opened(status, resp.content_type, body=data)
+        first = await resp.next_chunk()
+        if not first:
+            resp.release()
+            raise LegFailure(wid, 502, f"worker {wid} closed the stream before the first byte", "empty_stream",
+                             role=role)
+        return Opened(200, resp.content_type, resp=resp, first=first)
+    except LegFailure:
+        raise
+    except UpstreamError as exc:
+        if resp is not None:
+            resp.release()
+        raise LegFailure(wid, 502, f"worker {wid} unreachable: {exc}", "unreachable", role=role) from None
+    except BaseException:
+        if resp is not None:
+            resp.release()
+        raise
+
+
+class Relay:
+    """A worker's stream, relayed unchanged: iterate it, then ``aclose()`` it.
+
+    ``done`` runs exactly once however the relay ends — finished, broken, client gone, or closed
+    before it was ever iterated (an unstarted async generator skips its ``finally`` on
+    ``aclose()``, which would leak the connection and the in-flight accounting). ``on_tail`` gets
+    the last ``TAIL_BYTES`` of a stream that finished.
+    """
+
+    __slots__ = ("_opened", "_worker", "_metrics", "_done", "_on_tail", "_gen", "_finished")
+
+    def __init__(self, opened: Opened, worker: WorkerRecord, metrics: ServerMetrics, done: Callable[[], None],
+                 on_tail: Callable[[bytes], None] | None = None) -> None:
+        assert opened.resp is not None
+        self._opened, self._worker, self._metrics, self._done, self._on_tail = opened, worker, metrics, done, on_tail
+        self._gen = self._chunks()
+        self._finished = False
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._gen
+
+    async def aclose(self) -> None:
+        try:
+            await self._gen.aclose()
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        if not self._finished:
+            self._finished = True
+            # Fully read: the connection goes back to the pool. Otherwise (client gone, error) it
+            # is closed, so the engine sees the abort and frees the slot.
+            self._opened.resp.release()  # type: ignore[union-attr]
+            self._done()
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        resp = self._opened.resp
+        assert resp is not None
+        first, on_tail, wid = self._opened.first, self._on_tail, self._worker.worker_id
+        tail = first[-TAIL_BYTES:] if on_tail is not None else b""
+        try:
+            yield first
+            while True:
+                chunk = await resp.next_chunk()
+                if not chunk:
+                    break
+                if on_tail is not None:
+                    tail = (tail + chunk)[-TAIL_BYTES:]
+                yield chunk
+            if on_tail is not None:
+                on_tail(tail)
+        except UpstreamError as exc:
+            log.warning("worker %s failed mid-stream: %s", wid, exc)
+            self._metrics.count_midstream_failure(wid)
+            yield sse_error_event(f"worker {wid} failed mid-stream", 502, "worker_failed_midstream")
+        finally:
+            self._finish()
