@@ -61,6 +61,7 @@ for p in (REPO, BENCH_DIR):
 from infera.discovery.embedded_etcd import EmbeddedEtcd  # noqa: E402
 
 import _kv_workload as wl  # noqa: E402
+from infera.engine.base.prom import samples as prom_samples  # noqa: E402
 from router_overhead import (FleetError, Proc, _f, _free_port, _git_commit, _median,  # noqa: E402
                              tree_cpu_seconds)
 
@@ -181,18 +182,7 @@ class EnvProc(Proc):
 def parse_prom(text: str) -> dict[str, float]:
     """Sum of every sample per metric name (labels dropped)."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        ends = [i for i in (line.find("{"), line.find(" ")) if i > 0]
-        if not ends:
-            continue
-        name_end = min(ends)
-        try:
-            value = float(line.rsplit(" ", 1)[1])
-        except ValueError:
-            continue
-        name = line[:name_end]
+    for name, _, value in prom_samples(text):
         out[name] = out.get(name, 0.0) + value
     return out
 

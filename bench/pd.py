@@ -63,6 +63,7 @@ from infera.engine.sim.scheduler import decode_time_ms, prefill_time_ms  # noqa:
 import _kv_workload as kvw  # noqa: E402
 from router_overhead import Bench, FleetError, Proc, _f, _free_port, _git_commit, _median  # noqa: E402
 from router_overhead import tree_cpu_seconds  # noqa: E402
+from infera.engine.base.prom import sample_sum  # noqa: E402
 
 DEFAULT_OUT = os.path.join(BENCH_DIR, "results", "pd.json")
 BLOCK_SIZE = 16  # the sim's default --block-size, which the workers keep
@@ -140,24 +141,6 @@ def resolve_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------------------------ the fleets
-def prom_samples(text: str) -> dict[str, float]:
-    """``{series (name and labels): value}`` of a Prometheus text page."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        series, _, value = line.rpartition(" ")
-        try:
-            out[series] = float(value)
-        except ValueError:
-            continue
-    return out
-
-
-def prom_sum(samples: dict[str, float], name: str, label: str = "") -> float:
-    return sum(v for k, v in samples.items() if (k == name or k.startswith(name + "{")) and label in k)
-
-
 def machine_busy_seconds() -> float | None:
     """CPU seconds the whole machine spent busy (all cores, any process), from /proc/stat."""
     try:
@@ -272,8 +255,8 @@ class PdRig(Bench):
         out: dict[str, dict[str, float]] = {}
         for i, w in enumerate(s for s in self.sims if s.fleet == fleet):
             async with session.get(w.url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
-                samples = prom_samples(await r.text())
-            out[f"{w.role}{i}"] = {k: prom_sum(samples, name, label) for k, (name, label) in WORKER_COUNTERS.items()}
+                text = await r.text()
+            out[f"{w.role}{i}"] = {k: sample_sum(text, name, label) for k, (name, label) in WORKER_COUNTERS.items()}
         return out
 
     async def window(self, session: aiohttp.ClientSession, fleet: str, shape: WorkloadShape,

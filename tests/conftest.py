@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -10,6 +11,8 @@ import tempfile
 import time
 import urllib.request
 from typing import Awaitable, Callable
+
+from infera.engine.base.prom import samples
 
 import pytest
 
@@ -85,3 +88,17 @@ class EtcdProcess:
     def cleanup(self) -> None:
         self.stop()
         shutil.rmtree(self.data_dir, ignore_errors=True)
+
+
+_WORKER_LABEL = re.compile(r'worker="([^"]*)"')
+
+
+def requests_by_worker(metrics_text: str) -> dict[str, float]:
+    """Successful requests per worker, from a server's ``infera_requests_total``."""
+    out: dict[str, float] = {}
+    for name, labels, value in samples(metrics_text):
+        if name == "infera_requests_total" and 'status="200"' in labels:
+            worker = _WORKER_LABEL.search(labels)
+            if worker:
+                out[worker.group(1)] = out.get(worker.group(1), 0) + value
+    return out

@@ -11,6 +11,8 @@ import time
 import openai
 import pytest
 
+from infera.engine.base.prom import sample_sum
+from tests.conftest import requests_by_worker
 from tests.e2e.conftest import alive, http_json, process_group_members, urlopen_text, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -55,21 +57,15 @@ def test_openai_client_chat_and_completions_through_the_router(vllm_fleet):
     assert text == comp.choices[0].text  # greedy: the same through either path
 
     # round-robin spread these over both engines
-    served = {}
     for _ in range(4):
         http_json(vllm_fleet.base + "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1})
-    metrics = urlopen_text(vllm_fleet.base + "/metrics")
-    for line in metrics.splitlines():
-        if line.startswith("infera_requests_total{") and 'status="200"' in line:
-            worker = line.split('worker="', 1)[1].split('"', 1)[0]
-            served[worker] = served.get(worker, 0) + float(line.rsplit(" ", 1)[1])
+    served = requests_by_worker(urlopen_text(vllm_fleet.base + "/metrics"))
     assert set(served) == {w.worker_id for w in vllm_fleet.workers}
 
 
 def engine_prefix_hits(port: int) -> float:
     text = urlopen_text(f"http://127.0.0.1:{port}/metrics")
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:prefix_cache_hits_total"))
+    return sample_sum(text, "vllm:prefix_cache_hits_total")
 
 
 def test_kv_aware_sends_shared_prefixes_to_their_holder(vllm_fleet):

@@ -12,6 +12,7 @@ import subprocess
 import openai
 import pytest
 
+from infera.engine.base.prom import sample_sum
 from tests.conftest import free_port
 from tests.e2e.conftest import VLLM_PYTHON, VllmFleet, WorkerSpec, _vllm_available, http_json, urlopen_text
 
@@ -47,8 +48,7 @@ def pd_fleet(tmp_path_factory):
 
 def metric_sum(port: int, name: str, label: str = "") -> float:
     text = urlopen_text(f"http://127.0.0.1:{port}/metrics")
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") and label in line)
+    return sample_sum(text, name, label)
 
 
 def by_role(fleet: VllmFleet) -> dict[str, int]:

@@ -10,6 +10,7 @@ import uuid
 import aiohttp
 import pytest
 
+from infera.engine.base.prom import sample_sum
 from infera.server.cli import parse_args
 from infera.server.main import InferaServer
 from tests.conftest import EtcdProcess, free_port, wait_for
@@ -62,7 +63,7 @@ class Worker:
     async def engine_metric(self, session: aiohttp.ClientSession, name: str) -> float:
         async with session.get(self.url + "/metrics") as r:
             text = await r.text()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+        return sample_sum(text, name)
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import time
 import aiohttp
 import openai
 
-from tests.conftest import wait_for
+from tests.conftest import wait_for, requests_by_worker
 from tests.integration.conftest import wait_workers
 
 CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8}
@@ -66,15 +66,9 @@ async def test_even_split_then_sigkill_leaves_within_ttl(make_server, spawn_work
                 assert r.status == 200
 
 
-async def _requests_by_worker(s: aiohttp.ClientSession, base: str) -> dict[str, int]:
+async def _requests_by_worker(s: aiohttp.ClientSession, base: str) -> dict[str, float]:
     async with s.get(base + "/metrics") as r:
-        text = await r.text()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("infera_requests_total{") and 'status="200"' in line:
-            worker = line.split('worker="', 1)[1].split('"', 1)[0]
-            out[worker] = out.get(worker, 0) + int(float(line.rsplit(" ", 1)[1]))
-    return out
+        return requests_by_worker(await r.text())
 
 
 async def test_sigterm_drains_streams_after_leaving_the_fleet(make_server, spawn_worker):

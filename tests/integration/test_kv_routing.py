@@ -1,7 +1,6 @@
 """KV-aware routing end to end on sim workers: real KV events over ZMQ, real etcd, real HTTP."""
 from __future__ import annotations
 
-import asyncio
 
 import aiohttp
 

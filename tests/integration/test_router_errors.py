@@ -4,7 +4,6 @@ The fleet is fed directly (a no-op discovery), so each test sets up exactly the 
 """
 from __future__ import annotations
 
-import asyncio
 
 import aiohttp
 import openai

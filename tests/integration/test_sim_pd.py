@@ -18,6 +18,7 @@ import aiohttp
 import msgspec
 import pytest
 
+from infera.engine.base.prom import samples
 from infera.engine.sim import sglang_standin
 from infera.engine.sim.pd import KV_PULL_PATH
 from infera.engine.sim.server import SimEngine, SimServer, parse_args
@@ -114,15 +115,10 @@ def output_text(reply: dict) -> str:
 async def metric(http: aiohttp.ClientSession, server: SimServer, name: str, **labels: str) -> float:
     async with http.get(server.url + "/metrics") as resp:
         text = await resp.text()
-    total, found = 0.0, False
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        series, value = line.rsplit(" ", 1)
-        if series.split("{", 1)[0] == name and all(f'{k}="{v}"' in series for k, v in labels.items()):
-            total, found = total + float(value), True
+    found = [v for n, series, v in samples(text)
+             if n == name and all(f'{k}="{v}"' in series for k, v in labels.items())]
     assert found, f"{name}{labels} not exported"
-    return total
+    return sum(found)
 
 
 async def metric_is(http: aiohttp.ClientSession, server: SimServer, name: str, value: float) -> bool:

@@ -9,6 +9,7 @@ import aiohttp
 import openai
 import pytest
 
+from infera.engine.base.prom import sample_sum
 from tests.conftest import free_port
 from tests.integration.conftest import wait_workers
 from tests.integration.test_standin_launchers import spawn  # noqa: F401  (fixture)
@@ -30,8 +31,7 @@ def messages(tag: str) -> list[dict]:
 async def metric(session: aiohttp.ClientSession, url: str, name: str, label: str = "") -> float:
     async with session.get(url + "/metrics") as r:
         text = await r.text()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") and label in line)
+    return sample_sum(text, name, label)
 
 
 EXTERNAL = ('vllm:prompt_tokens_by_source_total', 'source="external_kv_transfer"')
@@ -107,7 +107,6 @@ async def test_sglang_bootstrap_pair_and_a_mixed_model_on_one_server(make_server
         for w in (p, d):
             async with s.get(f"http://127.0.0.1:{w.port}/metrics") as r:
                 text = await r.text()
-            assert sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                       if line.startswith("sglang:num_requests_total")) == 2
+            assert sample_sum(text, "sglang:num_requests_total") == 2
         assert await metric(s, other.url, "vllm:request_success_total") == 1
     await client.close()

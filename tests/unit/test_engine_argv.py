@@ -1,7 +1,7 @@
 import pytest
 
 from infera.engine.base.argv import flag_value, flag_values, has_flag
-from infera.engine.base.prom import info_labels, sum_samples
+from infera.engine.base.prom import info_labels, sample_sum, sum_samples
 
 
 @pytest.mark.parametrize(
@@ -36,6 +36,17 @@ vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
 vllm:num_requests_waiting_by_reason{reason="capacity"} 9.0
 vllm:cache_config_info{block_size="32",enable_prefix_caching="True",num_gpu_blocks="1024"} 1.0
 """
+
+
+@pytest.mark.parametrize("name, label, expected", [
+    ("vllm:num_requests_running", "", 3.0),
+    ("vllm:num_requests_running", 'engine="1"', 1.0),
+    ("vllm:num_requests_waiting", "", 4.0),  # not vllm:num_requests_waiting_by_reason
+    ("vllm:num_requests_waiting_by_reason", 'reason="capacity"', 9.0),
+    ("vllm:absent", "", 0.0),
+])
+def test_sample_sum_matches_the_exact_name_and_a_label(name, label, expected):
+    assert sample_sum(METRICS, name, label) == expected
 
 
 def test_sum_samples_sums_every_label_set_and_only_named_metrics():
