@@ -9,6 +9,7 @@ import uuid
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from infera.engine.base.prom import sample_sum
 from infera.server.cli import parse_args
@@ -98,3 +99,60 @@ async def fleet_ids(server: InferaServer) -> set[str]:
 async def wait_workers(server: InferaServer, ids: set[str], timeout: float = 30) -> float:
     return await wait_for(lambda: {r.worker_id for r in server.fleet.active()} == ids, timeout,
                           message=f"fleet == {sorted(ids)}")
+
+
+# -- servers fed by the test itself, and fake engines on loopback ---------------------------------
+
+class NoDiscovery:
+    """The test feeds ``server.fleet`` directly: exactly the workers it needs, no etcd."""
+
+    async def start(self, fleet) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+
+@pytest.fixture
+async def fed_server():
+    """``await fed_server(*flags) -> (server, base_url)``; round-robin unless the flags say otherwise
+    (dispatch semantics, not policy, are what these tests look at)."""
+    servers: list[InferaServer] = []
+
+    async def factory(*flags: str) -> tuple[InferaServer, str]:
+        policy = [] if "--router-policy" in flags else ["--router-policy", "round-robin"]
+        server = InferaServer(parse_args(["--port", "0", "--host", "127.0.0.1", "--etcd-endpoint", "unused:1",
+                                          *policy, *flags], environ={}), discovery=NoDiscovery())
+        await server.start()
+        servers.append(server)
+        return server, f"http://127.0.0.1:{server.port}"
+
+    yield factory
+    for s in servers:
+        await s.stop()
+
+
+class LoopbackEngine:
+    """A fake engine's HTTP side: ``handle`` serves both OpenAI routes on a free loopback port; a
+    client disconnect cancels the handler, as it does in the engines."""
+
+    runner: web.AppRunner | None = None
+    port = 0
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        raise NotImplementedError
+
+    async def start(self):
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.handle)
+        app.router.add_post("/v1/completions", self.handle)
+        self.runner = web.AppRunner(app, handler_cancellation=True)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        if self.runner:
+            await self.runner.cleanup()

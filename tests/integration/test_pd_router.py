@@ -15,10 +15,9 @@ import pytest
 from aiohttp import web
 
 from infera.discovery.record import WorkerRecord
-from infera.server.cli import parse_args
-from infera.server.main import InferaServer
 
-from tests.integration.test_router_errors import NoDiscovery, assert_openai_error
+from tests.integration.conftest import LoopbackEngine
+from tests.integration.test_router_errors import assert_openai_error
 
 SSE = [b'data: {"choices":[{"index":0,"delta":{"content":" a"}}]}\n\n',
        b'data: {"choices":[{"index":0,"delta":{"content":" b"}}]}\n\n', b"data: [DONE]\n\n"]
@@ -29,7 +28,7 @@ def chat(**extra) -> dict:
     return {"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8, **extra}
 
 
-class FakeEngine:
+class FakeEngine(LoopbackEngine):
     """An engine leg: records bodies/headers; ``behaviour`` decides the answer."""
 
     def __init__(self, name: str, mode: str, meta: dict, behaviour: str = "ok", model: str = "m",
@@ -41,8 +40,6 @@ class FakeEngine:
         self.arrived = asyncio.Event()
         self.peer: FakeEngine | None = None  # concurrent protocols: wait for the other leg to arrive
         self.cancelled = 0
-        self.runner: web.AppRunner | None = None
-        self.port = 0
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -79,39 +76,16 @@ class FakeEngine:
             self.cancelled += 1
             raise
 
-    async def start(self) -> "FakeEngine":
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self.handle)
-        app.router.add_post("/v1/completions", self.handle)
-        self.runner = web.AppRunner(app, handler_cancellation=True)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
-        return self
-
     def record(self) -> WorkerRecord:
         meta = json.loads(json.dumps(self.meta).replace("PORT", str(self.port)))
         return WorkerRecord(worker_id=self.name, url=f"http://127.0.0.1:{self.port}", model_name=self.model,
                             engine="sglang" if meta.get("protocol") == "sglang-bootstrap" else "vllm",
                             disagg_mode=self.mode, disagg_meta=meta, dp_size=self.dp_size)
 
-    async def stop(self) -> None:
-        if self.runner:
-            await self.runner.cleanup()
-
 
 @pytest.fixture
-async def pd():
-    servers, engines = [], []
-
-    async def server(*flags: str) -> tuple[InferaServer, str]:
-        policy = [] if "--router-policy" in flags else ["--router-policy", "round-robin"]
-        s = InferaServer(parse_args(["--port", "0", "--host", "127.0.0.1", "--etcd-endpoint", "unused:1", *policy,
-                                     *flags], environ={}), discovery=NoDiscovery())
-        await s.start()
-        servers.append(s)
-        return s, f"http://127.0.0.1:{s.port}"
+async def pd(fed_server):
+    engines = []
 
     async def engine(name: str, mode: str, meta: dict = NIXL, **kw) -> FakeEngine:
         e = await FakeEngine(name, mode, meta, **kw).start()
@@ -119,9 +93,7 @@ async def pd():
         return e
 
     async with aiohttp.ClientSession() as session:
-        yield server, engine, session
-    for s in servers:
-        await s.stop()
+        yield fed_server, engine, session
     for e in engines:
         await e.stop()
 

@@ -11,23 +11,14 @@ import pytest
 from aiohttp import web
 
 from infera.discovery.record import WorkerRecord
-from infera.server.cli import parse_args
-from infera.server.main import InferaServer
+from tests.integration.conftest import LoopbackEngine
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 SSE_OK = [b'data: {"choices":[{"index":0,"delta":{"content":" a"}}]}\n\n',
           b'data: {"choices":[{"index":0,"delta":{"content":" b"}}]}\n\n', b"data: [DONE]\n\n"]
 
 
-class NoDiscovery:
-    async def start(self, fleet) -> None:
-        pass
-
-    async def stop(self) -> None:
-        pass
-
-
-class FakeWorker:
+class FakeWorker(LoopbackEngine):
     """A tiny OpenAI-ish worker whose behaviour each test chooses."""
 
     def __init__(self, mode: str = "ok") -> None:
@@ -35,8 +26,6 @@ class FakeWorker:
         self.hits = 0
         self.seen_request_ids: list[str] = []
         self.seen_dp_ranks: list[str | None] = []
-        self.runner: web.AppRunner | None = None
-        self.port = 0
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.hits += 1
@@ -58,37 +47,13 @@ class FakeWorker:
             await resp.write(frame)
         return resp
 
-    async def start(self) -> "FakeWorker":
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self.handle)
-        app.router.add_post("/v1/completions", self.handle)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
-        return self
-
     def record(self, model: str = "m") -> WorkerRecord:
         return WorkerRecord(worker_id=f"fake-{self.mode}-{self.port}", url=f"http://127.0.0.1:{self.port}", model_name=model)
 
-    async def stop(self) -> None:
-        if self.runner:
-            await self.runner.cleanup()
-
 
 @pytest.fixture
-async def env():
-    servers, workers = [], []
-
-    async def server(*flags: str) -> tuple[InferaServer, str]:
-        # Dispatch semantics, not policy: round-robin unless a test asks otherwise.
-        policy = [] if "--router-policy" in flags else ["--router-policy", "round-robin"]
-        s = InferaServer(parse_args(["--port", "0", "--host", "127.0.0.1", "--etcd-endpoint", "unused:1", *policy,
-                                     *flags], environ={}), discovery=NoDiscovery())
-        await s.start()
-        servers.append(s)
-        return s, f"http://127.0.0.1:{s.port}"
+async def env(fed_server):
+    workers = []
 
     async def worker(mode: str = "ok") -> FakeWorker:
         w = await FakeWorker(mode).start()
@@ -96,9 +61,7 @@ async def env():
         return w
 
     async with aiohttp.ClientSession() as session:
-        yield server, worker, session
-    for s in servers:
-        await s.stop()
+        yield fed_server, worker, session
     for w in workers:
         await w.stop()
 
