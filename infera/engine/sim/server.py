@@ -28,7 +28,7 @@ import os
 import sys
 import time
 import uuid
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Awaitable, Callable, Iterable, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -42,7 +42,7 @@ from .pd import (DEFAULT_KV_BYTES_PER_TOKEN, DEFAULT_KV_TRANSFER_BANDWIDTH_GBPS,
                  SglangDisaggregation, build_disaggregation, parse_kv_transfer_config)
 from .scheduler import FINISH_REASONS, FINISH_STOP, PROMPT_TOKEN_SOURCES, Scheduler, Sequence
 from infera.config import positive_float
-from infera.runtime import wait_for_shutdown_signal
+from infera.runtime import install_event_loop, wait_for_shutdown_signal
 from infera.kv.tokenizer import ChatTemplateError, SimTokenizer, load_tokenizer
 
 log = logging.getLogger("infera.engine.sim.server")
@@ -806,23 +806,22 @@ async def serve(args: argparse.Namespace) -> None:
         await server.stop()
 
 
-def main(argv: Iterable[str] | None = None) -> int:
-    args = parse_args(argv)
+def run_until_signalled(main: Callable[[], Awaitable[None]]) -> int:
+    """A simulated engine's process: serve until SIGTERM/SIGINT; 1 if it cannot bind."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     log.info("started server process [%d]", os.getpid())
+    install_event_loop()
     try:
-        import uvloop
-    except ImportError:
-        uvloop = None
-    try:
-        if uvloop is not None:
-            uvloop.run(serve(args))
-        else:
-            asyncio.run(serve(args))
-    except OSError as e:  # e.g. port in use
-        log.error("cannot serve: %s", e)
+        asyncio.run(main())
+    except OSError as exc:  # e.g. port in use
+        log.error("cannot serve: %s", exc)
         return 1
     return 0
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    args = parse_args(argv)
+    return run_until_signalled(lambda: serve(args))
 
 
 if __name__ == "__main__":

@@ -23,10 +23,8 @@ with ``--dp-size N`` only rank 0 publishes (on the endpoint's port itself).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
-import os
 import sys
 from typing import Iterable, Sequence
 
@@ -160,21 +158,7 @@ async def _serve(args: argparse.Namespace, metrics_flavor: str | None, ready_lin
 def run_standin(args: argparse.Namespace, metrics_flavor: str | None, ready_line: str,
                 kv_events_format: str = "vllm") -> int:
     """Serve the simulated engine until SIGTERM/SIGINT; 1 if it cannot bind."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    log.info("started server process [%d]", os.getpid())
-    try:
-        import uvloop
-    except ImportError:
-        uvloop = None
-    try:
-        if uvloop is not None:
-            uvloop.run(_serve(args, metrics_flavor, ready_line, kv_events_format))
-        else:
-            asyncio.run(_serve(args, metrics_flavor, ready_line, kv_events_format))
-    except OSError as exc:  # e.g. port in use
-        log.error("cannot serve: %s", exc)
-        return 1
-    return 0
+    return sim.run_until_signalled(lambda: _serve(args, metrics_flavor, ready_line, kv_events_format))
 
 
 def main(argv: Iterable[str] | None = None) -> int:
