@@ -12,6 +12,7 @@ import socket
 
 from infera.config import add_flag
 from infera.engine.base.argv import flag_value
+from infera.engine.base.engine_config import parse_json_flag
 
 Ports = tuple[int, "int | None"]  # (publisher, replay)
 
@@ -43,12 +44,7 @@ def with_kv_events(argv: list[str], enabled: bool, engine: str) -> tuple[list[st
 
 def event_ports(raw: str, engine: str) -> Ports | None:
     """Publisher and replay ports of a user's ``--kv-events-config`` (None: nothing to subscribe to)."""
-    try:
-        cfg = json.loads(raw)
-    except ValueError as exc:
-        raise SystemExit(f"infera.engine.{engine}: --kv-events-config is not valid JSON: {exc}") from None
-    if not isinstance(cfg, dict):
-        raise SystemExit(f"infera.engine.{engine}: --kv-events-config must be a JSON object")
+    cfg = parse_json_flag(raw, "--kv-events-config", f"infera.engine.{engine}") or {}
     if not cfg.get("enable_kv_cache_events", False) or (cfg.get("publisher") or "zmq") != "zmq":
         return None
 

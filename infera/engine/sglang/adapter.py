@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import aiohttp
 
 from infera.config import add_flag, parse_bool
-from infera.engine.base.engine_config import http_ready
+from infera.engine.base.engine_config import http_ready, parse_json_flag
 from infera.engine.base.argv import flag_value, has_flag
 from infera.engine.base.launcher import WILDCARD_HOSTS, EngineProcessSpec, default_advertise_host, engine_command
 from infera.engine.base.preflight import SGLANG_RDMA_BACKENDS, PdSetup
@@ -114,12 +114,7 @@ def _bindable(port: int) -> bool:
 def parse_kv_events_endpoint(raw: str) -> tuple[str | None, int] | None:
     """(bind host or None for a wildcard, port) of a user's ``--kv-events-config``; None if it
     publishes nothing a router could subscribe to (no zmq publisher, or not a TCP endpoint)."""
-    try:
-        cfg = json.loads(raw)
-    except ValueError as exc:
-        raise SystemExit(f"{PROG}: --kv-events-config is not valid JSON: {exc}") from None
-    if not isinstance(cfg, dict):
-        raise SystemExit(f"{PROG}: --kv-events-config must be a JSON object")
+    cfg = parse_json_flag(raw, "--kv-events-config", PROG) or {}
     if cfg.get("publisher", "null") != "zmq":
         log.warning("--kv-events-config has no zmq publisher: no KV-events endpoint is advertised")
         return None
