@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, TypeVar
+
+T = TypeVar("T")
 
 
 def add_flag(
@@ -107,6 +110,31 @@ def choice_of(*choices: str) -> Callable[[str], str]:
 
     conv.__name__ = "choice"
     conv.choices = choices  # type: ignore[attr-defined]  # shown as the flag's metavar
+    return conv
+
+
+def json_object(value: str) -> dict:
+    """argparse ``type`` for a JSON-object flag."""
+    try:
+        obj = json.loads(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return obj
+
+
+def json_config(build: Callable[[dict], T]) -> Callable[[str], T]:
+    """argparse ``type`` for a JSON-object flag turned into a config by ``build`` (whose
+    TypeError/ValueError becomes the flag's error message)."""
+    def conv(value: str) -> T:
+        obj = json_object(value)
+        try:
+            return build(obj)
+        except (TypeError, ValueError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    conv.__name__ = "JSON"
     return conv
 
 

@@ -22,7 +22,9 @@ from typing import Iterable
 
 from infera.config import positive_int
 
-from .sglang_standin import _json_object, add_sim_knobs, run_standin, sim_args
+from infera.config import json_object
+
+from .sglang_standin import add_sim_knobs, run_standin, sim_args
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -34,7 +36,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-port", type=int, default=8000)
     p.add_argument("-tp", "--tensor-parallel-size", dest="tp", type=positive_int, default=1)
     p.add_argument("--block-size", type=positive_int, default=16)
-    p.add_argument("--kv-transfer-config", type=_json_object, default=None)
+    p.add_argument("--kv-transfer-config", type=json_object, default=None)
     p.add_argument("--port", type=int, default=None, help="ATOM's internal torch MASTER_PORT (unused here)")
     add_sim_knobs(p)
     return p

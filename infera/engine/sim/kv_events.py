@@ -27,9 +27,7 @@ subscriber sees as a gap and repairs by replay) and the replay server is a task 
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import logging
 import time
 from collections import deque
@@ -41,6 +39,7 @@ import xxhash
 import zmq
 import zmq.asyncio
 
+from infera.config import json_config
 from infera.runtime import cancel_and_wait
 from .cache import KVCache, hash_chunk
 
@@ -106,16 +105,8 @@ class KvEventsConfig:
         return cfg
 
 
-def parse_kv_events_config(value: str) -> KvEventsConfig:
-    """argparse ``type`` for the sim's ``--kv-events-config`` (vLLM schema)."""
-    try:
-        obj = json.loads(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
-    try:
-        return KvEventsConfig.from_dict(obj)
-    except (TypeError, ValueError) as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+# argparse ``type`` for the sim's ``--kv-events-config`` (vLLM schema).
+parse_kv_events_config = json_config(KvEventsConfig.from_dict)
 
 
 def binds(endpoint: str) -> bool:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -40,6 +39,8 @@ from typing import Any, Callable, Hashable, Protocol
 import aiohttp
 import msgspec
 from aiohttp import web
+
+from infera.config import json_config
 
 from .cache import KVCache
 from .scheduler import ImportedKv, Sequence
@@ -122,16 +123,8 @@ class KvTransferConfig:
                    kv_load_failure_policy=policy)
 
 
-def parse_kv_transfer_config(value: str) -> KvTransferConfig:
-    """argparse ``type`` for the sim's ``--kv-transfer-config`` (vLLM's JSON)."""
-    try:
-        obj = json.loads(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
-    try:
-        return KvTransferConfig.from_dict(obj)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+# argparse ``type`` for the sim's ``--kv-transfer-config`` (vLLM's JSON).
+parse_kv_transfer_config = json_config(KvTransferConfig.from_dict)
 
 
 @dataclass(frozen=True)

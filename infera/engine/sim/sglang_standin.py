@@ -23,12 +23,11 @@ with ``--dp-size N`` only rank 0 publishes (on the endpoint's port itself).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from typing import Iterable, Sequence
 
-from infera.config import positive_float, positive_int
+from infera.config import json_object, positive_float, positive_int
 from infera.runtime import wait_for_shutdown_signal
 
 from . import server as sim
@@ -43,15 +42,6 @@ SGLANG_READY_LINE = "The server is fired up and ready to roll!"
 # Tokens the simulated KV cache holds whatever the page size (SGLang sizes its pool in tokens).
 KV_CAPACITY_TOKENS = 65536
 
-
-def _json_object(value: str) -> dict:
-    try:
-        obj = json.loads(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
-    if not isinstance(obj, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return obj
 
 
 def add_sim_knobs(p: argparse.ArgumentParser) -> None:
@@ -84,7 +74,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-transfer-timeout", type=positive_float, default=SGLANG_KV_TRANSFER_TIMEOUT_S,
                    help="seconds a decode waits for its room's KV (SGLANG_DISAGGREGATION_WAITING_TIMEOUT)")
     p.add_argument("--enable-metrics", action="store_true")
-    p.add_argument("--kv-events-config", type=_json_object, default=None)
+    p.add_argument("--kv-events-config", type=json_object, default=None)
     p.add_argument("--mem-fraction-static", type=float, default=None)
     p.add_argument("--trust-remote-code", action="store_true")
     add_sim_knobs(p)
