@@ -8,13 +8,12 @@ import json
 import msgspec
 import pytest
 
-from infera.engine.base.launcher import build_launcher_parser
 from infera.engine.sim.cache import KVCache, block_hashes
 from infera.engine.sim.kv_events import (ClearedEvent, KvEventPublisher, KvEventsConfig, RemovedEvent, StoredEvent,
                                          binds, encode_batch, engine_root_hash, parse_kv_events_config)
-from infera.engine.sim.launcher import SimAdapter
 from infera.engine.sim.scheduler import Scheduler
 from infera.engine.sim.server import parse_args
+from tests.unit.sim_launcher_fakes import FakeSimSession, prepare
 
 BS = 4
 
@@ -185,37 +184,6 @@ async def test_one_batch_per_scheduler_step():
 
 # -- the sim launcher -----------------------------------------------------------------------------------
 
-def prepare(argv, *launcher_flags):
-    a = SimAdapter()
-    args, engine_argv = build_launcher_parser(a, "t", environ={}).parse_known_args(
-        ["--etcd-endpoint", "e", *launcher_flags, *argv])
-    return a, args, a.prepare(engine_argv, args)
-
-
-class _Resp:
-    def __init__(self, body):
-        self.body = body
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc):
-        return None
-
-    async def json(self):
-        return self.body
-
-    async def text(self):
-        return self.body
-
-
-class _Session:
-    def get(self, url, **kw):
-        if url.endswith("/v1/models"):
-            return _Resp({"data": [{"id": "m"}]})
-        return _Resp('vllm:cache_config_info{block_size="16",num_gpu_blocks="9",enable_prefix_caching="True"} 1.0\n')
-
-
 async def test_sim_launcher_injects_kv_events_and_registers_endpoints():
     a, args, spec = prepare(["--model", "m", "--port", "9001", "--host", "0.0.0.0"])
     i = spec.argv.index("--kv-events-config")
@@ -224,25 +192,25 @@ async def test_sim_launcher_injects_kv_events_and_registers_endpoints():
     pub, replay = a.kv_events
     assert (cfg["endpoint"], cfg["replay_endpoint"]) == (f"tcp://*:{pub}", f"tcp://*:{replay}")
     assert parse_args(spec.argv).kv_events_config.enabled  # the engine accepts what was injected
-    fields = await a.describe(_Session(), "http://x", spec.argv, args)
+    fields = await a.describe(FakeSimSession(), "http://x", spec.argv, args)
     assert fields["kv_events_endpoint"] == f"tcp://127.0.0.1:{pub}"
     assert fields["kv_events_replay_endpoint"] == f"tcp://127.0.0.1:{replay}"
 
     a, args, spec = prepare(["--model", "m", "--host", "0.0.0.0"], "--advertise-host", "node-7")
-    fields = await a.describe(_Session(), "http://x", spec.argv, args)
+    fields = await a.describe(FakeSimSession(), "http://x", spec.argv, args)
     assert fields["kv_events_endpoint"] == f"tcp://node-7:{a.kv_events[0]}"
 
 
 async def test_sim_launcher_kv_events_off_or_user_given():
     a, args, spec = prepare(["--model", "m"], "--no-enable-kv-events")
     assert "--kv-events-config" not in spec.argv and a.kv_events is None
-    fields = await a.describe(_Session(), "http://x", spec.argv, args)
+    fields = await a.describe(FakeSimSession(), "http://x", spec.argv, args)
     assert "kv_events_endpoint" not in fields and "kv_events_replay_endpoint" not in fields
 
     user = '{"enable_kv_cache_events":true,"endpoint":"tcp://*:6000","topic":"kv-events"}'
     a, args, spec = prepare(["--model", "m", "--kv-events-config", user])
     assert spec.argv.count("--kv-events-config") == 1 and a.kv_events == (6000, None)
-    fields = await a.describe(_Session(), "http://x", spec.argv, args)
+    fields = await a.describe(FakeSimSession(), "http://x", spec.argv, args)
     assert fields["kv_events_endpoint"] == "tcp://127.0.0.1:6000" and "kv_events_replay_endpoint" not in fields
 
     a, _, _ = prepare(["--model", "m", "--kv-events-config", '{"enable_kv_cache_events":false}'])

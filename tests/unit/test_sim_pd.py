@@ -7,15 +7,14 @@ import re
 
 import pytest
 
-from infera.engine.base.launcher import build_launcher_parser
 from infera.engine.sim import sglang_standin
 from infera.engine.sim.cache import KVCache
-from infera.engine.sim.launcher import SimAdapter
 from infera.engine.sim.pd import (KvHoldTable, KvTransferConfig, NixlDisaggregation, SglangDisaggregation,
                                   build_disaggregation, transfer_seconds)
 from infera.engine.sim.scheduler import ImportedKv, Scheduler, Sequence
 from infera.engine.sim.server import parse_args
 from tests.conftest import wait_for
+from tests.unit.sim_launcher_fakes import FakeSimSession, prepare
 
 FAST = 1e5
 NIXL = "NixlConnector"
@@ -269,37 +268,6 @@ def test_standin_rejects_bad_pd_flags(argv):
 
 # -- the sim launcher: record and pinned engine id ------------------------------------------------------------
 
-def prepare(argv):
-    adapter = SimAdapter()
-    args, engine_argv = build_launcher_parser(adapter, "t", environ={}).parse_known_args(
-        ["--etcd-endpoint", "e", "--no-enable-kv-events", *argv])
-    return adapter, args, adapter.prepare(engine_argv, args)
-
-
-class _Resp:
-    def __init__(self, body):
-        self.body = body
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc):
-        return None
-
-    async def json(self):
-        return self.body
-
-    async def text(self):
-        return self.body
-
-
-class _Session:
-    def get(self, url, **kw):
-        if url.endswith("/v1/models"):
-            return _Resp({"data": [{"id": "m"}]})
-        return _Resp('vllm:cache_config_info{block_size="16",num_gpu_blocks="9",enable_prefix_caching="True"} 1.0\n')
-
-
 @pytest.mark.parametrize("cfg, mode, pinned", [
     (None, "mixed", False),
     ({"kv_connector": NIXL, "kv_role": "kv_producer"}, "prefill", True),
@@ -308,8 +276,8 @@ class _Session:
 ])
 async def test_sim_launcher_registers_the_nixl_role(cfg, mode, pinned):
     extra = [] if cfg is None else ["--kv-transfer-config", json.dumps(cfg)]
-    adapter, args, spec = prepare(["--model", "m", "--host", "127.0.0.1", *extra])
-    fields = await adapter.describe(_Session(), "http://x", spec.argv, args)
+    adapter, args, spec = prepare(["--model", "m", "--host", "127.0.0.1", *extra], "--no-enable-kv-events")
+    fields = await adapter.describe(FakeSimSession(), "http://x", spec.argv, args)
     assert fields["disagg_mode"] == mode
     if cfg is None:
         assert fields["disagg_meta"] == {} and "--kv-transfer-config" not in spec.argv
