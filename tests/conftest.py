@@ -102,3 +102,44 @@ def requests_by_worker(metrics_text: str) -> dict[str, float]:
             if worker:
                 out[worker.group(1)] = out.get(worker.group(1), 0) + value
     return out
+
+
+# -- processes, read from /proc (Linux) ----------------------------------------------------------
+
+def proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, ppid, process group) of a process, None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[1]), int(fields[2])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    st = proc_stat(pid)
+    return st is not None and st[0] != "Z"
+
+
+def _live_processes() -> list[tuple[int, tuple[str, int, int]]]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = proc_stat(int(entry))
+            if st is not None:
+                out.append((int(entry), st))
+    return out
+
+
+def children_of(pid: int) -> list[int]:
+    return [p for p, (_, ppid, _) in _live_processes() if ppid == pid]
+
+
+def process_group_members(pgid: int) -> list[int]:
+    """Live (not zombie) members of a process group."""
+    return [p for p, (state, _, group) in _live_processes() if group == pgid and state != "Z"]
+
+
+def cmdline(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return [a.decode() for a in f.read().split(b"\0") if a]

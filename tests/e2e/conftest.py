@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import EtcdProcess, free_port
+from tests.conftest import EtcdProcess, children_of, free_port
 from tests.e2e.tiny_model import build_tiny_model
 
 VLLM_PYTHON = os.environ.get("INFERA_VLLM_PYTHON", "")
@@ -63,42 +63,6 @@ def wait_until(pred, timeout: float, what: str, interval: float = 0.2):
             return value
         time.sleep(interval)
     pytest.fail(f"timed out after {timeout}s waiting for {what}")
-
-
-def children_of(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                if int(fields[1]) == pid:
-                    out.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                pass
-    return out
-
-
-def process_group_members(pgid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                if int(fields[2]) == pgid and fields[0] != "Z":
-                    out.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                pass
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 class VllmWorker:

@@ -12,8 +12,8 @@ import openai
 import pytest
 
 from infera.engine.base.prom import sample_sum
-from tests.conftest import requests_by_worker
-from tests.e2e.conftest import alive, http_json, process_group_members, urlopen_text, wait_until
+from tests.conftest import alive, process_group_members, requests_by_worker
+from tests.e2e.conftest import http_json, urlopen_text, wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -16,42 +16,10 @@ import time
 import aiohttp
 import pytest
 
-from tests.conftest import free_port, wait_for
+from tests.conftest import alive, children_of, cmdline, free_port, wait_for
 from tests.integration.conftest import Worker, wait_workers
 
 CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 6}
-
-
-# -- process helpers ---------------------------------------------------------------------------------------
-
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state, ppid) of a live process, None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return fields[0], int(fields[1])
-
-
-def alive(pid: int) -> bool:
-    st = _stat(pid)
-    return st is not None and st[0] != "Z"
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            st = _stat(int(d))
-            if st is not None and st[1] == pid:
-                out.append(int(d))
-    return out
-
-
-def cmdline(pid: int) -> list[str]:
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return [a.decode() for a in f.read().split(b"\0") if a]
 
 
 class Launched(Worker):
@@ -60,7 +28,7 @@ class Launched(Worker):
     async def find_engine(self) -> int:
         """The stand-in: the launcher's child running ``infera.engine.sim.*_standin``."""
         def found() -> bool:
-            for pid in children(self.proc.pid):
+            for pid in children_of(self.proc.pid):
                 try:
                     if any(a.endswith("_standin") for a in cmdline(pid)):
                         self.engine_pid = pid
