@@ -2,15 +2,12 @@
 answers ``describe``'s two requests like a sim engine would."""
 from __future__ import annotations
 
-from infera.engine.base.launcher import build_launcher_parser
 from infera.engine.sim.launcher import SimAdapter
+from tests.unit import launcher_helpers
 
 
 def prepare(argv, *launcher_flags):
-    adapter = SimAdapter()
-    args, engine_argv = build_launcher_parser(adapter, "t", environ={}).parse_known_args(
-        ["--etcd-endpoint", "e", *launcher_flags, *argv])
-    return adapter, args, adapter.prepare(engine_argv, args)
+    return launcher_helpers.prepare(SimAdapter(), argv, *launcher_flags)
 
 
 class _Resp:

@@ -3,7 +3,8 @@ import json
 import pytest
 
 from infera.engine.atom.adapter import AtomAdapter
-from infera.engine.base.launcher import Launcher, build_launcher_parser
+from infera.engine.base.launcher import Launcher
+from tests.unit import launcher_helpers
 
 
 @pytest.fixture(autouse=True)
@@ -15,22 +16,15 @@ def clean_env(monkeypatch):
 
 def parse(argv, *launcher_flags, environ=None):
     a = AtomAdapter()
-    parser = build_launcher_parser(a, "t", environ={} if environ is None else environ)
-    args, engine_argv = parser.parse_known_args(["--etcd-endpoint", "e", *launcher_flags, *argv])
-    return a, args, engine_argv
+    return (a, *launcher_helpers.parse(a, argv, *launcher_flags, environ=environ))
 
 
 def prepare(argv, *launcher_flags):
-    a, args, engine_argv = parse(argv, *launcher_flags)
-    return a, args, a.prepare(engine_argv, args)
+    return launcher_helpers.prepare(AtomAdapter(), argv, *launcher_flags)
 
 
 async def record(argv, *launcher_flags):
-    a, args, spec = prepare(argv, *launcher_flags)
-    fields = await a.describe(None, "http://unused", spec.argv, args)
-    launcher = Launcher(a, args, list(argv))
-    launcher.spec = spec
-    return launcher._make_record(fields)
+    return (await launcher_helpers.record(AtomAdapter(), argv, *launcher_flags))[2]
 
 
 def kv(role=None, connector=None, **extra):

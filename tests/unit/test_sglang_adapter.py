@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from infera.engine.base.launcher import Launcher, build_launcher_parser
 from infera.engine.sglang.adapter import SglangAdapter
+from tests.unit import launcher_helpers
 
 
 @pytest.fixture(autouse=True)
@@ -12,19 +12,11 @@ def clean_env(monkeypatch):
 
 
 def prepare(argv, *launcher_flags):
-    a = SglangAdapter()
-    parser = build_launcher_parser(a, "t", environ={})
-    args, engine_argv = parser.parse_known_args(["--etcd-endpoint", "e", *launcher_flags, *argv])
-    return a, args, a.prepare(engine_argv, args)
+    return launcher_helpers.prepare(SglangAdapter(), argv, *launcher_flags)
 
 
 async def record(argv, *launcher_flags):
-    """The record the base launcher would register (fields from describe + worker id / url)."""
-    a, args, spec = prepare(argv, *launcher_flags)
-    fields = await a.describe(None, "http://unused", spec.argv, args)
-    launcher = Launcher(a, args, list(argv))
-    launcher.spec = spec
-    return a, spec, launcher._make_record(fields)
+    return await launcher_helpers.record(SglangAdapter(), argv, *launcher_flags)
 
 
 def added_kv_events_config(added):

@@ -2,16 +2,13 @@ import json
 
 import pytest
 
-from infera.engine.base.launcher import build_launcher_parser
 from infera.engine.vllm import adapter as vllm_adapter
 from infera.engine.vllm.adapter import VllmAdapter, disaggregation
+from tests.unit import launcher_helpers
 
 
 def prepare(argv, *launcher_flags, monkeypatch=None, gpu=False):
-    a = VllmAdapter()
-    parser = build_launcher_parser(a, "t", environ={})
-    args, engine_argv = parser.parse_known_args(["--etcd-endpoint", "e", *launcher_flags, *argv])
-    return a, args, a.prepare(engine_argv, args)
+    return launcher_helpers.prepare(VllmAdapter(), argv, *launcher_flags)
 
 
 @pytest.fixture(autouse=True)
