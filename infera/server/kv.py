@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from typing import Any, Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -34,7 +35,10 @@ ERROR_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 # A worker that got requests whose blocks it must have stored, yet sent no event batch for
 # this long, is "silent".
 SILENT_AFTER_S = 10.0
-# Mean |error| above one block over this many replies → predictions have diverged.
+# Predictions have diverged when most of the last DIVERGENCE_WINDOW informative replies (the engine
+# reported, or the router predicted, a cached block) were off by more than one block. A mismatched
+# tokenizer, chat template, block size or hash seed gets nearly every such reply wrong; races
+# (an eviction or a prefill still running between the pick and the engine's schedule) get a few.
 DIVERGENCE_WINDOW = 20
 
 
@@ -47,7 +51,8 @@ def _endpoint_for_rank(endpoint: str, rank: int | None) -> str:
 
 class _TargetState:
     __slots__ = ("worker_id", "engine", "batches", "events", "decode_errors", "last_batch_at", "last_seq",
-                 "unconfirmed_since", "silent", "errors", "abs_error_sum", "observations", "exact")
+                 "unconfirmed_since", "silent", "errors", "abs_error_sum", "observations", "exact", "verdicts",
+                 "wrong")
 
     def __init__(self, worker_id: str, engine: str) -> None:
         self.worker_id = worker_id
@@ -59,10 +64,12 @@ class _TargetState:
         self.last_seq: int | None = None
         self.unconfirmed_since: float | None = None  # first routed miss not yet followed by a batch
         self.silent = False
-        self.errors: list[int] = []  # recent |predicted − reported| in blocks
+        self.errors: deque[int] = deque()  # recent |predicted − reported| in blocks
         self.abs_error_sum = 0
         self.observations = 0
         self.exact = 0
+        self.verdicts: deque[bool] = deque()  # recent informative replies: off by more than one block?
+        self.wrong = 0
 
 
 class KvEventsBridge:
@@ -191,12 +198,20 @@ class KvEventsBridge:
         state.errors.append(blocks_off)
         state.abs_error_sum += blocks_off
         if len(state.errors) > DIVERGENCE_WINDOW:
-            state.abs_error_sum -= state.errors.pop(0)
-        if len(state.errors) == DIVERGENCE_WINDOW and state.abs_error_sum > DIVERGENCE_WINDOW:
+            state.abs_error_sum -= state.errors.popleft()
+        if not (cached_tokens or predicted):
+            return  # nothing cached either way: says nothing about the hash spaces agreeing
+        wrong = blocks_off > 1
+        state.verdicts.append(wrong)
+        state.wrong += wrong
+        if len(state.verdicts) > DIVERGENCE_WINDOW:
+            state.wrong -= state.verdicts.popleft()
+        if len(state.verdicts) == DIVERGENCE_WINDOW and 2 * state.wrong > DIVERGENCE_WINDOW:
             self._warn_once(key, "diverged", "router predictions for %s disagree with the engine's reported cached "
-                            "tokens (mean error > 1 block over %d replies): check that the router tokenizer "
-                            "(--router-tokenizer-path) and chat template match the engine's, and that the "
-                            "registered block size is the engine's", key, DIVERGENCE_WINDOW)
+                            "tokens (%d of the last %d replies with cached blocks were off by more than one "
+                            "block): check that the router tokenizer (--router-tokenizer-path) and chat template "
+                            "match the engine's, and that the registered block size is the engine's", key,
+                            state.wrong, DIVERGENCE_WINDOW)
 
     async def _watch_silence(self) -> None:
         while True:

@@ -1,0 +1,72 @@
+"""The router's self-check: a systematic prediction mismatch (tokenizer, template, block size, hash
+seed) is reported; occasional races under cache pressure are not."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from infera.discovery.fleet import Fleet
+from infera.discovery.record import WorkerRecord
+from infera.kv.index import KvIndex
+from infera.router.policy import RoutedRequest
+from infera.server.kv import DIVERGENCE_WINDOW, KvEventsBridge
+
+BS = 32
+PROMPT = 40 * BS  # tokens: 39 predictable blocks (the last one is always recomputed)
+WORKER = WorkerRecord(worker_id="w", url="http://w:1", model_name="m", engine="vllm", kv_block_size=BS,
+                      kv_events_endpoint="tcp://127.0.0.1:1")
+
+
+class NoSubscriber:
+    def add(self, *a) -> None: ...
+    def remove(self, *a) -> None: ...
+    def stats(self, key): return {}
+
+
+def bridge() -> KvEventsBridge:
+    fleet = Fleet()
+    b = KvEventsBridge(fleet, KvIndex(), subscriber=NoSubscriber())
+    fleet.upsert(WORKER)
+    return b
+
+
+def observe(b: KvEventsBridge, predicted_blocks: int, reported_tokens: int) -> None:
+    req = RoutedRequest(route="/v1/completions", body=b"", parsed=None, model="m", stream=False, request_id="r",
+                        state={"route_key": "w", "block_size": BS, "predicted_hit_blocks": predicted_blocks,
+                               "tokens": [0] * PROMPT})
+    b.observe_usage(WORKER, req, reported_tokens)
+
+
+def diverged(caplog) -> bool:
+    return any("disagree" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+
+@pytest.mark.parametrize("pattern, warns", [
+    # router predicts 30 blocks, engine agrees on all but every 5th (an eviction race): fine
+    (lambda i: (30, 0 if i % 5 == 0 else 30 * BS), False),
+    # cold prompts only: nothing predicted, nothing cached — says nothing either way
+    (lambda i: (0, 0), False),
+    # router hashes never match the engine's (tokenizer/template mismatch): predicts 0, engine hits
+    (lambda i: (0, 30 * BS), True),
+    # block size mismatch: the router's count is always far off
+    (lambda i: (30, 10 * BS), True),
+    # off by exactly one block (vLLM recomputing a last full block): within tolerance
+    (lambda i: (31, 30 * BS), False),
+])
+def test_divergence_is_reported_only_when_systematic(caplog, pattern, warns):
+    b = bridge()
+    with caplog.at_level(logging.WARNING):
+        for i in range(3 * DIVERGENCE_WINDOW):
+            observe(b, *pattern(i))
+    assert diverged(caplog) is warns
+    view = b.cache_view("w", None)["prediction"]
+    assert view["observations"] == 3 * DIVERGENCE_WINDOW
+
+
+def test_warned_once_per_worker(caplog):
+    b = bridge()
+    with caplog.at_level(logging.WARNING):
+        for _ in range(5 * DIVERGENCE_WINDOW):
+            observe(b, 0, 30 * BS)
+    assert sum("disagree" in r.getMessage() for r in caplog.records) == 1
