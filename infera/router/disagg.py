@@ -16,6 +16,10 @@ transport error, prefill timeout, a prefill reply without a usable handoff — i
 pair up to ``max_retries`` times, excluding the worker that failed. A 4xx from either leg is the
 client's: returned as is. After the first byte a broken decode stream ends with an SSE error event.
 A prefill leg never outlives its bound: it is awaited, cancelled or timed out, never forgotten.
+
+The circuit breaker filters the prefill and the decode pool each on its own, and scores each leg
+against its own worker: a failed prefill (5xx, transport error, timeout, unusable handoff) never
+counts against the decode it was paired with, nor the reverse.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ import msgspec
 from infera.api.errors import ApiError
 from infera.discovery.fleet import Fleet
 from infera.discovery.record import WorkerRecord
+from infera.router.breaker import CircuitBreaker
 from infera.router.dispatch import Reply
 from infera.router.pd import PdError, PdPair, PdProtocol, resolve_protocol
 from infera.router.policy import Policy, RoutedRequest
@@ -45,15 +50,20 @@ _encode_json = msgspec.json.Encoder().encode
 
 
 class _Leg:
-    """One leg's worker, its own policy state, and its accounting (released exactly once)."""
+    """One leg's worker, its own policy state, and its accounting (released exactly once), and its
+    breaker verdict (given exactly once: the first one stands)."""
 
-    __slots__ = ("role", "worker", "req", "_router", "_done")
+    __slots__ = ("role", "worker", "req", "_router", "_done", "_scored")
 
     def __init__(self, router: "DisaggRouter", role: str, worker: WorkerRecord, req: RoutedRequest) -> None:
         self.role, self.worker, self.req, self._router = role, worker, req, router
         self._done = False
+        self._scored = False
         router.policy.on_started(worker, req)
         router.metrics.inflight_gauge(worker.worker_id).inc()
+        # Created in the same loop step as the pick: on a half-open worker this leg is the probe
+        # (every leg is scored, which frees the slot again).
+        router.breaker.claim(worker.worker_id)
 
     @property
     def rank(self) -> int | None:
@@ -64,6 +74,23 @@ class _Leg:
             self._done = True
             self._router.metrics.inflight_gauge(self.worker.worker_id).dec()
             self._router.policy.on_finished(self.worker, self.req)
+
+    # Each leg is scored against its own worker: a decode is not blamed for its prefill, nor the
+    # reverse. Once per leg, so a later, vaguer outcome (the attempt unwinding) never overrides it.
+    def score_success(self) -> None:
+        if not self._scored:
+            self._scored = True
+            self._router.breaker.record_success(self.worker.worker_id)
+
+    def score_failure(self) -> None:
+        if not self._scored:
+            self._scored = True
+            self._router.breaker.record_failure(self.worker.worker_id)
+
+    def score_neutral(self) -> None:
+        if not self._scored:
+            self._scored = True
+            self._router.breaker.record_neutral(self.worker.worker_id)
 
 
 def _leg_request(req: RoutedRequest) -> RoutedRequest:
@@ -89,7 +116,7 @@ class DisaggRouter:
     def __init__(self, fleet: Fleet, policy: Policy, transport: HttpTransport, metrics: ServerMetrics,
                  protocols: dict[str, PdProtocol], *, max_retries: int = 1,
                  prefill_timeout: float = DEFAULT_PREFILL_TIMEOUT, rng: random.Random | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, breaker: CircuitBreaker | None = None) -> None:
         self.fleet = fleet
         self.policy = policy
         self._prepare = getattr(policy, "prepare", None)
@@ -100,6 +127,8 @@ class DisaggRouter:
         self.prefill_timeout = prefill_timeout
         self._rng = rng or random.Random()
         self._clock = clock
+        # Shared with the mixed router; each pool is filtered on its own, each leg scored on its own.
+        self.breaker = breaker or CircuitBreaker(failure_threshold=0)
         self._background: set[asyncio.Task] = set()  # prefill legs still finishing after a commit
 
     # -- entry points ----------------------------------------------------------------------------
@@ -120,7 +149,7 @@ class DisaggRouter:
             if not p_pool or not d_pool:
                 break
             p_req, d_req = _leg_request(req), _leg_request(req)
-            prefill = self.policy.pick(p_pool, p_req, "prefill")
+            prefill = self.policy.pick(self.breaker.filter(p_pool), p_req, "prefill")
             # A pair never mixes engines or connectors: the decode comes from the prefill's kind.
             kind = pd_kind(prefill)
             d_pool = [w for w in d_pool if pd_kind(w) == kind]
@@ -129,7 +158,9 @@ class DisaggRouter:
                                f"prefill worker {prefill.worker_id!r} (decode workers: "
                                f"{', '.join(f'{w.worker_id}={pd_kind(w)[1]}' for w in decodes)})",
                                "pd_protocol_mismatch")
-            decode = self.policy.pick(d_pool, d_req, "decode")
+            # Filtered after the kind match, so an open decode is avoided only while a healthy one of
+            # the same kind exists (and all of that kind are tried rather than none).
+            decode = self.policy.pick(self.breaker.filter(d_pool), d_req, "decode")
             try:
                 return await self._attempt(req, body, prefill, p_req, decode, d_req)
             except LegFailure as exc:
@@ -175,14 +206,25 @@ class DisaggRouter:
             raise ApiError(400, "request body must be a JSON object", "invalid_request")
         return body
 
-    async def _open(self, leg: _Leg, route: str, body: dict, request_id: str, stream: bool) -> Opened:
-        """One leg up to its first byte; a 4xx is the client's: a non-retryable ``LegFailure``."""
-        opened = await open_upstream(self.transport, leg.worker, route, _encode_json(body),
-                                     request_headers(request_id, leg.rank), stream, leg.role)
+    async def _open(self, leg: _Leg, route: str, body: dict, request_id: str, stream: bool, *,
+                    reply_proves_worker: bool = True) -> Opened:
+        """One leg up to its first byte; a 4xx is the client's: a non-retryable ``LegFailure``.
+
+        ``reply_proves_worker`` False: a 2xx is not yet a success for the breaker (a serial
+        prefill's reply must still carry a usable handoff); the caller scores it."""
+        try:
+            opened = await open_upstream(self.transport, leg.worker, route, _encode_json(body),
+                                         request_headers(request_id, leg.rank), stream, leg.role)
+        except LegFailure:  # 5xx or transport error before the first byte
+            leg.score_failure()
+            raise
         if opened.status >= 400:
+            leg.score_neutral()
             raise LegFailure(leg.worker.worker_id, opened.status, f"worker returned {opened.status}",
                              f"http_{opened.status}", opened.body, role=leg.role, content_type=opened.content_type,
                              retryable=False)
+        if reply_proves_worker:
+            leg.score_success()
         return opened
 
     # -- one attempt -----------------------------------------------------------------------------
@@ -214,17 +256,30 @@ class DisaggRouter:
             if not committed:
                 p_leg.release()
                 d_leg.release()
+                # A leg never reached, aborted because the other failed, or cancelled with the
+                # client: no verdict, but a probe slot it held is freed.
+                p_leg.score_neutral()
+                d_leg.score_neutral()
 
-    async def _run_prefill(self, leg: _Leg, route: str, body: dict, request_id: str) -> bytes:
-        """The prefill leg to completion, bounded by the prefill timeout; its accounting ends here."""
+    async def _run_prefill(self, leg: _Leg, route: str, body: dict, request_id: str, *,
+                           handoff_checked_later: bool = False) -> bytes:
+        """The prefill leg to completion, bounded by the prefill timeout; its accounting ends here,
+        and its breaker verdict too unless ``handoff_checked_later`` (serial: the reply must still
+        carry a usable handoff)."""
         try:
-            opened = await asyncio.wait_for(self._open(leg, route, body, request_id, stream=False),
+            opened = await asyncio.wait_for(self._open(leg, route, body, request_id, stream=False,
+                                                       reply_proves_worker=not handoff_checked_later),
                                             self.prefill_timeout)
             return opened.body or b""
         except asyncio.TimeoutError:
+            leg.score_failure()
             raise LegFailure(leg.worker.worker_id, 504,
                              f"prefill on {leg.worker.worker_id} did not finish within {self.prefill_timeout:g}s",
                              "prefill_timeout", role="prefill") from None
+        except BaseException:
+            # Cancelled: the decode failed first, the decode stream ended, or the client left.
+            leg.score_neutral()
+            raise
         finally:
             leg.release()
 
@@ -244,12 +299,13 @@ class DisaggRouter:
 
     async def _serial(self, req: RoutedRequest, body: dict, protocol: PdProtocol, pair: PdPair, p_leg: _Leg,
                       d_leg: _Leg, p_body: dict, request_id: str) -> Reply:
-        data = await self._run_prefill(p_leg, req.route, p_body, request_id)
+        data = await self._run_prefill(p_leg, req.route, p_body, request_id, handoff_checked_later=True)
         try:
             reply = _decode_json(data)
             if not isinstance(reply, dict):
                 raise ValueError("not a JSON object")
         except (msgspec.DecodeError, ValueError) as exc:
+            p_leg.score_failure()
             raise LegFailure(p_leg.worker.worker_id, 502,
                              f"prefill reply from {p_leg.worker.worker_id} is not a JSON object: {exc}",
                              "bad_prefill_reply", role="prefill") from None
@@ -257,8 +313,10 @@ class DisaggRouter:
             d_body = protocol.decode_body(body, pair, reply)
         except PdError as exc:
             if exc.status < 500:
-                raise ApiError(exc.status, exc.message, exc.code) from None
+                raise ApiError(exc.status, exc.message, exc.code) from None  # scored neutral by _attempt
+            p_leg.score_failure()  # a reply without a usable handoff
             raise LegFailure(p_leg.worker.worker_id, exc.status, exc.message, exc.code, role="prefill") from None
+        p_leg.score_success()
         opened = await self._open(d_leg, req.route, d_body, request_id, req.stream)
         return self._reply(d_leg, opened, None)
 

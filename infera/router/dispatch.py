@@ -1,5 +1,8 @@
 """Mixed dispatch: pick a worker, send, fail over before the first byte, relay the rest.
 
+Candidates pass the circuit breaker before the policy picks (``infera.router.breaker``), and every
+attempt's outcome up to the first byte is scored there.
+
 The router hands the server a ``Reply``: a unary body, or a stream whose first chunk has already
 arrived (that is the commit point: before it we may retry elsewhere, after it never).
 """
@@ -14,6 +17,7 @@ from typing import Callable, Sequence
 from infera.api.errors import ApiError
 from infera.discovery.fleet import Fleet
 from infera.discovery.record import WorkerRecord
+from infera.router.breaker import CircuitBreaker
 from infera.router.policy import Policy, RoutedRequest
 from infera.server.metrics import ServerMetrics
 from infera.router.upstream import LegFailure, Relay, open_upstream, request_headers
@@ -48,7 +52,7 @@ class MixedRouter:
 
     def __init__(self, fleet: Fleet, policy: Policy, transport: HttpTransport, metrics: ServerMetrics,
                  *, max_retries: int = 1, direct: bool = False, clock: Callable[[], float] = time.perf_counter,
-                 usage_observer: UsageObserver | None = None) -> None:
+                 usage_observer: UsageObserver | None = None, breaker: CircuitBreaker | None = None) -> None:
         self.fleet = fleet
         self.policy = policy
         self._prepare = getattr(policy, "prepare", None)  # async per-request setup (tokenize once)
@@ -58,6 +62,8 @@ class MixedRouter:
         self.max_retries = max_retries
         self.direct = direct
         self._clock = clock
+        # Shared with the PD router (one verdict per worker whatever it serves); disabled by default.
+        self.breaker = breaker or CircuitBreaker(failure_threshold=0)
 
     # -- candidate selection ---------------------------------------------------------------------
     def candidates(self, model: str) -> Sequence[WorkerRecord]:
@@ -97,7 +103,7 @@ class MixedRouter:
             pool = candidates if not tried else [w for w in candidates if w.worker_id not in tried]
             if not pool:
                 break
-            worker = self.policy.pick(pool, req)
+            worker = self.policy.pick(self.breaker.filter(pool), req)
             tried.add(worker.worker_id)
             try:
                 return await self._attempt(worker, req)
@@ -110,11 +116,15 @@ class MixedRouter:
 
     async def _attempt(self, worker: WorkerRecord, req: RoutedRequest) -> Reply:
         """One worker; ``LegFailure`` if it failed before the first byte. A 4xx is the client's
-        fault: returned as is, never retried elsewhere."""
+        fault: returned as is, never retried elsewhere. The breaker hears the outcome either way."""
         policy = self.policy
+        breaker = self.breaker
         inflight = self.metrics.inflight_gauge(worker.worker_id)
         policy.on_started(worker, req)
         inflight.inc()
+        # Still the pick's loop step: on a half-open worker this request is the probe (every
+        # outcome below is scored, which frees the slot again).
+        breaker.claim(worker.worker_id)
         released = False
 
         def release() -> None:
@@ -127,9 +137,22 @@ class MixedRouter:
         headers = request_headers(req.request_id, req.state.get("dp_rank"))
         try:
             opened = await open_upstream(self.transport, worker, req.route, req.body, headers, req.stream)
-        except BaseException:  # a failure to retry, or cancelled (client gone)
+        except LegFailure as exc:  # 5xx or transport error before the first byte: the worker's fault
             release()
+            if exc.retryable:
+                breaker.record_failure(worker.worker_id)
+            else:
+                breaker.record_neutral(worker.worker_id)
             raise
+        except BaseException:  # cancelled (client gone): no verdict, but a probe slot it held is freed
+            release()
+            breaker.record_neutral(worker.worker_id)
+            raise
+        # The first body byte arrived (a stream's first chunk, or a whole unary body).
+        if opened.status < 400:
+            breaker.record_success(worker.worker_id)
+        else:
+            breaker.record_neutral(worker.worker_id)  # 4xx/429: the client's error
         observer = self.usage_observer
         if opened.resp is None:
             release()

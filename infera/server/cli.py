@@ -48,6 +48,13 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
       help="other workers tried when one fails before the first byte")
     f("--pd-prefill-timeout", env="INFERA_PD_PREFILL_TIMEOUT", default=120.0, type=positive_float,
       help="PD: seconds a prefill leg may take before it is aborted and the pair retried")
+    f("--breaker-failure-threshold", env="INFERA_BREAKER_FAILURE_THRESHOLD", default=3, type=non_negative_int,
+      help="consecutive failures before the first byte (5xx, unreachable) that stop routing to a worker "
+           "for a cooldown; 0 disables the circuit breaker")
+    f("--breaker-cooldown-s", env="INFERA_BREAKER_COOLDOWN_S", default=5.0, type=positive_float,
+      help="seconds an opened worker gets no requests before one probe is let through")
+    f("--breaker-max-cooldown-s", env="INFERA_BREAKER_MAX_COOLDOWN_S", default=60.0, type=positive_float,
+      help="cap of the cooldown, which doubles each time a probe fails")
     f("--max-request-bytes", env="INFERA_MAX_REQUEST_BYTES", default=DEFAULT_MAX_REQUEST_BYTES,
       type=positive_int, help="largest accepted request body (413 above)")
     f("--log-level", env="INFERA_LOG_LEVEL", default="info", type=choice_of("debug", "info", "warning", "error"))
@@ -61,4 +68,7 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
     args = parser.parse_args(argv)
     if args.discovery_backend == "etcd" and not args.etcd_endpoint:
         parser.error("--etcd-endpoint (or INFERA_ETCD_ENDPOINT) is required with --discovery-backend etcd")
+    if args.breaker_max_cooldown_s < args.breaker_cooldown_s:
+        parser.error(f"--breaker-max-cooldown-s ({args.breaker_max_cooldown_s:g}) must be >= --breaker-cooldown-s "
+                     f"({args.breaker_cooldown_s:g})")
     return args

@@ -12,6 +12,7 @@ from infera.discovery import make_discovery
 from infera.discovery.base import Discovery
 from infera.discovery.fleet import Fleet
 from infera.router.auto import AutoRouter
+from infera.router.breaker import CircuitBreaker
 from infera.router.disagg import DisaggRouter
 from infera.router.dispatch import MixedRouter
 from infera.router.pd import protocol_registry
@@ -36,7 +37,10 @@ class InferaServer:
         self.fleet = Fleet()
         self.discovery = discovery or make_discovery(args.discovery_backend, etcd_endpoint=args.etcd_endpoint,
                                                      etcd_prefix=args.etcd_prefix)
-        self.metrics = ServerMetrics(self.fleet)
+        # One breaker for mixed and PD dispatch: a worker's verdict holds whichever router sent to it.
+        self.breaker = CircuitBreaker(failure_threshold=args.breaker_failure_threshold,
+                                      cooldown_s=args.breaker_cooldown_s, max_cooldown_s=args.breaker_max_cooldown_s)
+        self.metrics = ServerMetrics(self.fleet, breaker=self.breaker)
         self.transport = HttpTransport()
         self.kv: KvEventsBridge | None = None
         usage_observer = None
@@ -53,9 +57,11 @@ class InferaServer:
             self.policy = make_policy(args.router_policy)
         direct = args.router_mode == "direct"
         mixed = MixedRouter(self.fleet, self.policy, self.transport, self.metrics,
-                            max_retries=args.request_max_retries, direct=direct, usage_observer=usage_observer)
+                            max_retries=args.request_max_retries, direct=direct, usage_observer=usage_observer,
+                            breaker=self.breaker)
         disagg = DisaggRouter(self.fleet, self.policy, self.transport, self.metrics, protocol_registry(),
-                              max_retries=args.request_max_retries, prefill_timeout=args.pd_prefill_timeout)
+                              max_retries=args.request_max_retries, prefill_timeout=args.pd_prefill_timeout,
+                              breaker=self.breaker)
         self.router = AutoRouter(self.fleet, mixed, disagg, direct=direct)
         self._worker_urls: dict[str, str] = {}
         self.fleet.subscribe(self._on_fleet_change)
@@ -65,6 +71,7 @@ class InferaServer:
     def _on_fleet_change(self, worker_id: str, record) -> None:
         if record is None or not record.is_active:
             self.policy.forget(worker_id)
+            self.breaker.forget(worker_id)
             self.metrics.forget_worker(worker_id)
         if record is None:
             url = self._worker_urls.pop(worker_id, None)

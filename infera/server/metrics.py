@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from infera.discovery.fleet import Fleet
+from infera.router.breaker import STATE_CODES, CircuitBreaker
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -56,8 +57,9 @@ class Gauge:
 
 
 class ServerMetrics:
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Fleet, breaker: CircuitBreaker | None = None) -> None:
         self._fleet = fleet
+        self._breaker = breaker
         self.requests: dict[tuple[str, str, str], int] = {}
         self.e2e: dict[tuple[str, str], Histogram] = {}
         self.ttft: dict[str, Histogram] = {}
@@ -152,6 +154,22 @@ class ServerMetrics:
         for (status, mode), n in sorted(counts.items()):
             workers.add_metric([status, mode], n)
         yield workers
+        if self._breaker is not None:
+            yield from self._collect_breaker(self._breaker)
+
+    def _collect_breaker(self, breaker: CircuitBreaker) -> Iterator[Metric]:
+        # Read from the breaker at scrape time, for the workers in the fleet (the breaker forgets
+        # departed ones), so routing pays nothing for these series.
+        state = GaugeMetricFamily("infera_breaker_state", "Circuit breaker state per worker: 0 closed, 1 half-open "
+                                  "(one probe at a time), 2 open (no requests until the cooldown ends)",
+                                  labels=["worker"])
+        trips = CounterMetricFamily("infera_breaker_trips", "Times the circuit breaker opened for a worker",
+                                    labels=["worker"])
+        for r in self._fleet.all():
+            state.add_metric([r.worker_id], STATE_CODES[breaker.state(r.worker_id)])
+            trips.add_metric([r.worker_id], breaker.trips(r.worker_id))
+        yield state
+        yield trips
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
