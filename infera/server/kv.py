@@ -164,9 +164,17 @@ class KvEventsBridge:
 
     def _on_reset(self, key: str) -> None:
         """A gap with no replay, or an engine restart: the view can't be trusted; start over."""
-        if key in self.targets:
+        state = self.targets.get(key)
+        if state is None:
+            return
+        if state.batches:
             log.warning("KV event stream of %s lost continuity: its cache view is reset", key)
-            self.index.reset(key)
+        else:
+            # First contact with a long-running engine whose replay buffer no longer reaches its
+            # first batch: nothing was lost here, blocks stored earlier are simply unknown until
+            # stored again. (Every new server replica would otherwise warn.)
+            log.info("KV events of %s: history before the engine's replay buffer is unknown", key)
+        self.index.reset(key)
 
     # -- picks and the self-check ---------------------------------------------------------------------
     def record_pick(self, role: str, key: str, hit_blocks: int, request_blocks: int) -> None:

@@ -70,3 +70,14 @@ def test_warned_once_per_worker(caplog):
         for _ in range(5 * DIVERGENCE_WINDOW):
             observe(b, 0, 30 * BS)
     assert sum("disagree" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("batches_before, warns", [(0, False), (3, True)])
+def test_reset_warns_only_when_a_view_existed(caplog, batches_before, warns):
+    """A partial history at first contact (a long-running engine) is not a loss of continuity."""
+    b = bridge()
+    b.targets["w"].batches = batches_before
+    with caplog.at_level(logging.INFO):
+        b._on_reset("w")
+    warned = any("lost continuity" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert warned is warns
