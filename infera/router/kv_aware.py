@@ -3,7 +3,8 @@ balanced against load.
 
 cost(target) = w_overlap × missed_blocks + w_mm × missed_images + in_flight_blocks + recent_misses
 
-* missed_blocks = request blocks − the longest cached prefix in that target's view (KV events);
+* missed_blocks = request blocks − the longest cached prefix in that target's view (KV events),
+  extended by blocks of requests still in flight there (about to be cached: no duplicate prefill);
 * in_flight_blocks = distinct blocks of requests in flight there (shared prefixes count once);
 * recent_misses = missed blocks charged at pick time, decayed ×0.97 per pick (prefill work queued
   there that in-flight accounting alone would not show). Unlike upstream, a request's remaining
@@ -120,9 +121,16 @@ class KvAwarePolicy:
             else:
                 # No block size registered: nothing can be known cached there, so it pays for every
                 # block (upstream charged it nothing, making it look like a perfect cache hit).
-                total, hits = most_blocks, [0] * len(targets)
+                total, hits, hashes = most_blocks, [0] * len(targets), []
             for (w, rank, key), hit in zip(targets, hits):
-                load = len(self.active.get(key, ())) + self.recent.get(key, 0.0)
+                active = self.active.get(key)
+                if active and hit < len(hashes) and hashes[hit] in active:
+                    # Blocks still being prefilled there count as held: a second request for a
+                    # prefix in flight would otherwise go elsewhere and compute a duplicate (the
+                    # first one's events have not arrived yet), wasting a scarce cache.
+                    while hit < len(hashes) and hashes[hit] in active:
+                        hit += 1
+                load = len(active or ()) + self.recent.get(key, 0.0)
                 cost = w_overlap * (total - hit) + load
                 if w_mm:
                     affinity = self.mm_affinity.get(key)

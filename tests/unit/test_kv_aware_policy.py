@@ -248,3 +248,17 @@ def test_ties_go_to_the_emptier_cache_then_rotate():
                                            (list(range(40)), 16, 2), (list(range(40)), 0, 0)])
 def test_block_hashes_full_blocks_only(tokens, bs, n):
     assert len(block_hashes(tokens, bs)) == n
+
+
+@pytest.mark.parametrize("weight, expected, predicted", [(16.0, "a", 8), (0.0, "b", 0)])
+def test_prefix_in_flight_counts_as_held_so_no_duplicate_prefill(weight, expected, predicted):
+    """Two conversations of one prefix starting together: the second follows the first's prefill
+    (its blocks are in no KV event yet) instead of computing a duplicate elsewhere."""
+    _, policy = make(overlap_weight=weight)
+    a, b = worker("a"), worker("b")
+    first = request(PROMPT + [1, 2, 3, 4])
+    assert pick(policy, [a, b], first).worker_id == "a"
+    policy.on_started(a, first)
+    second = request(PROMPT + [9, 9, 9, 9])
+    assert pick(policy, [a, b], second).worker_id == expected
+    assert second.state["predicted_hit_blocks"] == predicted
