@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 
 import aiohttp
 import openai
 import pytest
 
 from infera.engine.base.prom import sample_sum
-from tests.conftest import free_port
+from tests.conftest import children_of, free_port
 from tests.integration.conftest import wait_workers
 from tests.integration.test_standin_launchers import spawn  # noqa: F401  (fixture)
 
@@ -67,11 +69,12 @@ async def test_1p1d_nixl_chat_equals_a_mixed_worker(make_server, spawn_worker):
     await ref.close()
 
 
-async def test_2p1d_and_1p2d_use_every_worker_of_each_pool(make_server, spawn_worker):
+@pytest.mark.parametrize("n_prefill, n_decode", [(2, 1), (1, 2)])
+async def test_2p1d_and_1p2d_use_every_worker_of_each_pool(make_server, spawn_worker, n_prefill, n_decode):
     server = await make_server("--router-policy", "round-robin")
-    ps = [await spawn_worker(*nixl("kv_producer"), model="pd") for _ in range(2)]
-    ds = [await spawn_worker(*nixl("kv_consumer"), model="pd") for _ in range(2)]
-    await wait_workers(server, {w.worker_id for w in ps + ds[:1]} | {ds[1].worker_id})
+    ps = [await spawn_worker(*nixl("kv_producer"), model="pd") for _ in range(n_prefill)]
+    ds = [await spawn_worker(*nixl("kv_consumer"), model="pd") for _ in range(n_decode)]
+    await wait_workers(server, {w.worker_id for w in ps + ds})
     base = f"http://127.0.0.1:{server.port}/v1/chat/completions"
     async with aiohttp.ClientSession() as s:
         async def one(i: int) -> None:
@@ -79,9 +82,60 @@ async def test_2p1d_and_1p2d_use_every_worker_of_each_pool(make_server, spawn_wo
                 assert r.status == 200, await r.text()
         await asyncio.gather(*(one(i) for i in range(8)))
         prefills = [await metric(s, w.url, "vllm:request_success_total") for w in ps]
-        decodes = [await metric(s, w.url, *EXTERNAL) for w in ds]
-    assert prefills == [4, 4]  # round-robin rotates each pool on its own
-    assert all(v > 0 for v in decodes)
+        moved = [await metric(s, w.url, *EXTERNAL) for w in ds]
+        served = [await metric(s, w.url, "vllm:request_success_total") for w in ds]
+    assert prefills == [8 // n_prefill] * n_prefill  # round-robin rotates each pool on its own
+    assert served == [8 // n_decode] * n_decode and all(v > 0 for v in moved)
+
+
+async def test_frozen_prefill_is_bounded_and_the_pair_retried(make_server, spawn_worker):
+    """A prefill engine that stops answering (SIGSTOP) costs at most --pd-prefill-timeout: the
+    request is retried on the other prefill, and every client request succeeds."""
+    server = await make_server("--router-policy", "round-robin", "--pd-prefill-timeout", "1",
+                               "--breaker-failure-threshold", "0")
+    ps = [await spawn_worker(*nixl("kv_producer"), model="pd", lease_ttl=30) for _ in range(2)]
+    d = await spawn_worker(*nixl("kv_consumer"), model="pd")
+    await wait_workers(server, {ps[0].worker_id, ps[1].worker_id, d.worker_id})
+    frozen = children_of(ps[0].proc.pid)
+    assert frozen, "the prefill launcher has no engine child"
+    base = f"http://127.0.0.1:{server.port}/v1/chat/completions"
+    try:
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        async with aiohttp.ClientSession() as s:
+            for i in range(4):  # round-robin sends every other one to the frozen prefill first
+                async with s.post(base, json={"model": "pd", "messages": messages(f"frozen-{i}"),
+                                              "max_tokens": 4}, timeout=aiohttp.ClientTimeout(total=20)) as r:
+                    assert r.status == 200, await r.text()
+            async with s.get(f"http://127.0.0.1:{server.port}/metrics") as r:
+                text = await r.text()
+        assert sample_sum(text, "infera_request_retries_total", 'reason="prefill_prefill_timeout"') == 2
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+
+
+async def test_decode_dying_mid_stream_ends_with_an_error_event(make_server, spawn_worker):
+    server = await make_server("--router-policy", "round-robin")
+    p = await spawn_worker(*nixl("kv_producer"), model="pd")
+    d = await spawn_worker(*nixl("kv_consumer"), model="pd", speedup=1.0)  # a stream that lasts seconds
+    await wait_workers(server, {p.worker_id, d.worker_id})
+    engine = children_of(d.proc.pid)
+    assert engine
+    body = {"model": "pd", "messages": messages("midstream"), "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    events = []
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"http://127.0.0.1:{server.port}/v1/chat/completions", json=body,
+                          timeout=aiohttp.ClientTimeout(total=30)) as r:
+            assert r.status == 200
+            async for line in r.content:
+                if not line.startswith(b"data:"):
+                    continue
+                events.append(line)
+                if len(events) == 3:
+                    os.kill(engine[0], signal.SIGKILL)
+    assert len(events) > 3 and b"[DONE]" not in events[-1]
+    assert json.loads(events[-1][5:])["error"]["code"] == "worker_failed_midstream"
 
 
 async def test_sglang_bootstrap_pair_and_a_mixed_model_on_one_server(make_server, spawn, spawn_worker):
