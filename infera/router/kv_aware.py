@@ -3,8 +3,9 @@ balanced against load.
 
 cost(target) = w_overlap × missed_blocks + w_mm × missed_images + in_flight_blocks + recent_misses
 
-* missed_blocks = request blocks − the longest cached prefix in that target's view (KV events),
-  extended by blocks of requests still in flight there (about to be cached: no duplicate prefill);
+* missed_blocks = request blocks − the longest cached prefix in that target's view (KV events);
+  when no target has any of it cached, the blocks of requests still in flight there count (they
+  are about to be cached: a concurrent second request must not prefill a duplicate elsewhere);
 * in_flight_blocks = distinct blocks of requests in flight there (shared prefixes count once);
 * recent_misses = missed blocks charged at pick time, decayed ×0.97 per pick (prefill work queued
   there that in-flight accounting alone would not show). Unlike upstream, a request's remaining
@@ -122,12 +123,14 @@ class KvAwarePolicy:
                 # No block size registered: nothing can be known cached there, so it pays for every
                 # block (upstream charged it nothing, making it look like a perfect cache hit).
                 total, hits, hashes = most_blocks, [0] * len(targets), []
+            # A prefix cached nowhere yet but being prefilled somewhere counts as held there: a
+            # second conversation of it starting before the first one's events arrive follows it
+            # instead of computing a duplicate. Only then: where a copy is already cached, the
+            # cache decides, and a prefill in flight elsewhere must not outbid it.
+            pending = hashes and not any(hits)
             for (w, rank, key), hit in zip(targets, hits):
                 active = self.active.get(key)
-                if active and hit < len(hashes) and hashes[hit] in active:
-                    # Blocks still being prefilled there count as held: a second request for a
-                    # prefix in flight would otherwise go elsewhere and compute a duplicate (the
-                    # first one's events have not arrived yet), wasting a scarce cache.
+                if pending and active and hashes[0] in active:
                     while hit < len(hashes) and hashes[hit] in active:
                         hit += 1
                 load = len(active or ()) + self.recent.get(key, 0.0)

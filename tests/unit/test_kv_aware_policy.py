@@ -262,3 +262,17 @@ def test_prefix_in_flight_counts_as_held_so_no_duplicate_prefill(weight, expecte
     second = request(PROMPT + [9, 9, 9, 9])
     assert pick(policy, [a, b], second).worker_id == expected
     assert second.state["predicted_hit_blocks"] == predicted
+
+
+def test_a_cached_copy_outbids_a_prefill_in_flight_elsewhere():
+    """The in-flight extension applies only to prefixes cached nowhere: a follow-up turn goes to the
+    worker whose cache holds its history, not to one merely prefilling the shared prefix now."""
+    index, policy = make(overlap_weight=16.0)
+    a, b = worker("a"), worker("b")
+    index.hold("a", block_hashes(PROMPT, BS)[:6])
+    running = request(PROMPT + [1, 2, 3, 4])
+    assert pick(policy, [b], running).worker_id == "b"
+    policy.on_started(b, running)  # all 9 of its blocks are now being prefilled on b
+    follow_up = request(PROMPT + [9, 9, 9, 9])
+    assert pick(policy, [a, b], follow_up).worker_id == "a"
+    assert follow_up.state["predicted_hit_blocks"] == 6
