@@ -366,6 +366,20 @@ class Bench:
             raise
         return router
 
+    async def _wait_caught_up(self, router: Router, session: aiohttp.ClientSession, timeout: float = 30.0) -> None:
+        _, text = await http_get(session, router.url + "/v1/workers", 5)
+        pending = {w["worker_id"] for w in json.loads(text)["workers"] if w["model_name"] == self.args.model}
+        deadline = time.monotonic() + timeout
+        while pending and time.monotonic() < deadline:
+            for wid in list(pending):
+                status, body = await http_get(session, f"{router.url}/v1/admin/cache-view/{wid}", 5)
+                if status == 200 and json.loads(body).get("caught_up"):
+                    pending.discard(wid)
+            if pending:
+                await asyncio.sleep(0.1)
+        if pending:
+            print(f"  warning: KV views of {sorted(pending)} not caught up after {timeout:.0f} s", flush=True)
+
     async def _wait_router(self, router: Router, session: aiohttp.ClientSession) -> None:
         a = self.args
         deadline = time.monotonic() + 60
@@ -400,6 +414,9 @@ class Bench:
             else:
                 print("  warning: the kv-aware server lists no infera_kv_view_blocks for every worker after 5 s "
                       "(KV-event subscriptions missing?)", flush=True)
+            # Its views must also have replayed each engine's history (the engines ran earlier
+            # windows): until then early follow-up turns are routed on a partial view.
+            await self._wait_caught_up(router, session)
         # One tiny request (less than a KV block: caches nothing) proves the path works.
         body = {"model": a.model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1,
                 "stream": True, "stream_options": {"include_usage": True}}

@@ -251,7 +251,7 @@ class KvEventsBridge:
                 "lag_s": None if state.last_batch_at is None else round(now - state.last_batch_at, 3),
                 "batches": state.batches, "block_events": state.events, "decode_errors": state.decode_errors,
                 "gaps": sub.get("gaps", 0), "replays": sub.get("replays", 0), "resets": sub.get("resets", 0),
-                "events_silent": state.silent,
+                "events_silent": state.silent, "caught_up": sub.get("caught_up", False),
                 "prediction": {"observations": state.observations, "exact": state.exact,
                                "mean_error_blocks": (state.abs_error_sum / len(state.errors)) if state.errors else None}}
 

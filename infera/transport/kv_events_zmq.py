@@ -79,6 +79,7 @@ class _KeyState:
     probe_recoveries: int = 0  # batches found by an idle probe that the live stream had dropped
     resets: int = 0
     restarts: int = 0
+    caught_up: bool = False  # the first-contact replay of the engine's history is done
     duplicates: int = 0
     callback_errors: int = 0
     last_batch_at: float | None = None
@@ -170,6 +171,7 @@ class ZmqKvEventSubscriber:
             "duplicates": st.duplicates,
             "callback_errors": st.callback_errors,
             "last_batch_at": st.last_batch_at,
+            "caught_up": st.caught_up,
         }
 
     # ------------------------------------------------------------------ sockets
@@ -208,6 +210,7 @@ class ZmqKvEventSubscriber:
         try:
             if st.replay_endpoint:
                 await self._catch_up(st, 0, None)  # blocks stored before we subscribed
+            st.caught_up = True
             probe_after = _FIRST_PROBE_S
             while True:
                 try:

@@ -151,6 +151,7 @@ async def test_late_subscriber_recovers_by_replay_from_zero(sim, subscriber):
     sub.add("late", *endpoints(server))  # no new traffic: the proactive replay alone must deliver
     await wait_for(lambda: sink.seqs("late") == list(range(n)), 10, message="replayed batches")
     assert sub.stats("late")["replays"] >= 1 and sink.resets == []
+    await wait_for(lambda: sub.stats("late")["caught_up"], 5, message="first-contact replay done")
     # Then live batches continue the same sequence without duplicates.
     await complete(server, prompt(2))
     await wait_caught_up(sub, "late", server)
