@@ -33,6 +33,7 @@ import aiohttp
 _CONSONANTS = "bcdfghjklmnprstvwz"
 _VOWELS = "aeiou"
 _HEADERS = {"Content-Type": "application/json"}
+REQUEST_ID_HEADER = "X-Infera-Request-Id"  # infera.server.app.REQUEST_ID_HEADER
 MAX_ERROR_SAMPLES = 5
 
 
@@ -186,13 +187,14 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
-async def one_chat(session: aiohttp.ClientSession, url: str, body: bytes) -> dict[str, Any]:
+async def one_chat(session: aiohttp.ClientSession, url: str, body: bytes,
+                   headers: dict[str, str] | None = None) -> dict[str, Any]:
     """One streamed chat completion. Returns a record (``error`` set on failure)."""
     clock = time.perf_counter
     start = clock()
     rec: dict[str, Any] = {"t_start": start, "error": None}
     try:
-        async with session.post(url, data=body, headers=_HEADERS) as resp:
+        async with session.post(url, data=body, headers=headers or _HEADERS) as resp:
             if resp.status != 200:
                 text = (await resp.read())[:300].decode("utf-8", "replace")
                 rec["error"] = f"HTTP {resp.status}: {text}"
@@ -267,7 +269,9 @@ async def run_load(workload: Workload, url_for: Callable[[Conversation], str], *
                                        "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
                                        "stream": True, "stream_options": {"include_usage": True}},
                                       separators=(",", ":")).encode()
-                    rec = await one_chat(session, url_for(conv), body)
+                    # Our router logs picks under this id (debug level): a pick traces to its conversation.
+                    rec = await one_chat(session, url_for(conv), body,
+                                         {**_HEADERS, REQUEST_ID_HEADER: f"c{conv.cid}-t{turn + 1}-g{conv.group}"})
                     rec.update(cid=conv.cid, group=conv.group, turn=turn + 1)
                     records.append(rec)
                     if on_progress is not None:

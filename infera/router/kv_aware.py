@@ -111,6 +111,7 @@ class KvAwarePolicy:
         best = None
         position = 0
         most_blocks = 0
+        scored: list[str] | None = [] if log.isEnabledFor(logging.DEBUG) else None  # why this target
         for block_size, targets in [*groups.items(), (0, unsized)]:
             if not targets:
                 continue
@@ -141,6 +142,8 @@ class KvAwarePolicy:
                 held = block_count(key) if block_count is not None else 0
                 score = (cost, load, held, (position - offset) % n_targets)
                 position += 1
+                if scored is not None:
+                    scored.append(f"{key}:hit={hit},load={load:.1f},held={held},cost={cost:.1f}")
                 if best is None or score < best[0]:
                     best = (score, w, rank, key, hit, total, block_size)
         assert best is not None, "pick() needs at least one candidate"
@@ -162,8 +165,8 @@ class KvAwarePolicy:
             self.observer.record_pick(role, key, hit, total)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("pick policy=kv-aware role=%s retention=%s request_id=%s picked=%s cache_hits=%d "
-                      "request_blocks=%d active_blocks=%d", role, RETENTION_NAMES[hints.retention],
-                      request.request_id, key, hit, total, len(self.active.get(key, ())))
+                      "request_blocks=%d active_blocks=%d targets=[%s]", role, RETENTION_NAMES[hints.retention],
+                      request.request_id, key, hit, total, len(self.active.get(key, ())), " ".join(scored or ()))
         return worker
 
     def _charge(self, key: str, missed: int, total: int) -> float:

@@ -276,3 +276,14 @@ def test_a_cached_copy_outbids_a_prefill_in_flight_elsewhere():
     follow_up = request(PROMPT + [9, 9, 9, 9])
     assert pick(policy, [a, b], follow_up).worker_id == "a"
     assert follow_up.state["predicted_hit_blocks"] == 6
+
+
+def test_debug_log_says_why_each_target_scored_as_it_did(caplog):
+    index, policy = make()
+    a, b = worker("a"), worker("b")
+    index.hold("b", block_hashes(PROMPT, BS)[:5])
+    with caplog.at_level("DEBUG", logger="infera.router.kv_aware"):
+        assert pick(policy, [a, b], request(PROMPT)).worker_id == "b"
+    line = next(r.getMessage() for r in caplog.records if "pick policy=kv-aware" in r.getMessage())
+    assert "picked=b cache_hits=5 request_blocks=8" in line
+    assert "targets=[a:hit=0,load=0.0,held=0,cost=8.0 b:hit=5,load=0.0,held=5,cost=3.0]" in line
