@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -47,7 +48,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import aiohttp
@@ -110,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speedup", type=float, default=4.0, help="sim engine --speedup")
     p.add_argument("--max-num-seqs", type=int, default=None, help="engine --max-num-seqs [sim 64; --real 8]")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="sim engine --max-num-batched-tokens")
+    p.add_argument("--router-replicas", type=int, default=1,
+                   help="instances of each router (not the oracle); the client sends each request to the next "
+                        "one, as a Service in front of router replicas would")
     p.add_argument("--kv-server-args", default="",
                    help="extra flags for the kv-aware server, one string (e.g. \"--kv-overlap-weight 4\")")
     p.add_argument("--ready-timeout", type=float, default=None, help="seconds to wait for the fleet [90; --real 420]")
@@ -144,7 +148,7 @@ def resolve_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.real and a.quick:
         a.requests = min(a.requests, 48)
     for name in ("workers", "groups", "prefix_tokens", "user_tokens", "turns", "max_tokens", "concurrency",
-                 "requests", "runs", "block_size", "max_num_seqs"):
+                 "requests", "runs", "block_size", "max_num_seqs", "router_replicas"):
         if getattr(a, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 < a.cache_fraction <= 4:
@@ -298,6 +302,12 @@ class Router:
     proc: Proc | None = None
     url: str = ""
     skip_reason: str | None = None
+    replicas: list["Router"] = field(default_factory=list)  # every instance, this one first
+
+    async def stop(self, timeout: float) -> None:
+        for r in self.replicas or [self]:
+            if r.proc is not None:
+                await r.proc.stop(timeout)
 
 
 def ensure_peers_venv() -> tuple[str | None, str]:
@@ -328,9 +338,24 @@ class Bench:
         self.skipped: dict[str, str] = {}
 
     async def start_router(self, name: str, session: aiohttp.ClientSession, tag: str) -> Router:
-        a = self.args
+        """``--router-replicas`` instances of router ``name`` (the first one carries the list)."""
         if name == "oracle":
             return Router(name)
+        n = self.args.router_replicas
+        replicas: list[Router] = []
+        try:
+            for i in range(n):
+                replicas.append(await self._start_one(name, session, tag + (f"-r{i + 1}" if n > 1 else "")))
+        except BaseException:
+            for r in replicas:
+                await r.stop(5)
+            raise
+        first = replicas[0]
+        first.replicas = replicas
+        return first
+
+    async def _start_one(self, name: str, session: aiohttp.ClientSession, tag: str) -> Router:
+        a = self.args
         port = _free_port()
         log_path = os.path.join(self.logs_dir, f"{name}-{tag}.log")
         if name in ("round-robin", "kv-aware"):
@@ -431,6 +456,9 @@ class Bench:
         if router.name == "oracle":
             urls = [u + "/v1/chat/completions" for u in self.fleet.worker_urls]
             return lambda conv: urls[conv.group % len(urls)]
+        if len(router.replicas) > 1:  # each request to the next replica, turns of one chat included
+            turn = itertools.cycle([r.url + "/v1/chat/completions" for r in router.replicas])
+            return lambda conv: next(turn)
         url = router.url + "/v1/chat/completions"
         return lambda conv: url
 
@@ -451,8 +479,8 @@ class Bench:
             await self.fleet.reset_caches(session)  # the preflight must not count (it caches nothing anyway)
             before = await self.fleet.scrape(session)
             roles = {w.proc.pid: f"worker{i}" for i, w in enumerate(self.fleet.workers)}
-            if router.proc is not None:
-                roles[router.proc.proc.pid] = "router"
+            for replica in router.replicas:
+                roles[replica.proc.proc.pid] = "router"  # summed over replicas
             cpu_before = tree_cpu_seconds(roles)
             client_before = resource.getrusage(resource.RUSAGE_SELF)
             load = await wl.run_load(workload, self.url_for(router), model=a.model, concurrency=a.concurrency,
@@ -464,8 +492,7 @@ class Bench:
             if name == "kv-aware":
                 diag = await kv_diagnostics(session, router.url, os.path.join(self.logs_dir, f"kv-aware-{tag}"))
         finally:
-            if router.proc is not None:
-                await router.proc.stop(10)
+            await router.stop(10)
         res = wl.summarize(load)
         res.update(router=name, run=run_i)
         # Per-request rows, kept so a TTFT difference can be traced to turns, hits and timing.
@@ -658,6 +685,8 @@ def acceptance_checks(args: argparse.Namespace, med: dict[str, dict], skipped: d
         return (med.get(name) or {}).get(key)
 
     def check(title: str, needs: list[str], cond: Callable[[], tuple[bool, str]]) -> None:
+        if args.router_replicas > 1:
+            title += f" [{args.router_replicas} replicas of each router]"
         missing = [n for n in needs if n not in med]
         if missing:
             why = "; ".join(f"{n}: {skipped.get(n, 'not measured (--routers)')}"[:200] for n in missing)
@@ -809,7 +838,9 @@ async def run(args: argparse.Namespace) -> int:
     total_errors = sum(r["errors"] for r in runs)
     print()
     print(f"KV routing — {'real vLLM-CPU' if args.real else 'sim'}, {args.popularity} popularity, "
-          f"{args.workers} workers, c={args.concurrency}, medians of {args.runs} run(s) "
+          f"{args.workers} workers, c={args.concurrency}, "
+          f"{f'{args.router_replicas} replicas of each router, ' if args.router_replicas > 1 else ''}"
+          f"medians of {args.runs} run(s) "
           f"(hit % = cached ÷ prompt tokens; times in ms)")
     print(render_table(med))
     for name, why in bench.skipped.items():
