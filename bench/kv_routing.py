@@ -651,6 +651,7 @@ def summarize_runs(args: argparse.Namespace, runs: list[dict]) -> dict[str, dict
             continue
         m = {k: _median([r.get(k) for r in rs]) for k in MEDIAN_METRICS}
         m["runs"] = len(rs)
+        m["window_values"] = {k: sorted(r[k] for r in rs if r.get(k) is not None) for k in ("hit_rate", "ttft_p50_ms")}
         m["completed"] = sum(r["completed"] for r in rs)
         m["errors"] = sum(r["errors"] for r in rs)
         m["worker_requests"] = [_median([r["worker_requests"][i] for r in rs]) for i in range(len(rs[0]["worker_requests"]))]
@@ -704,7 +705,14 @@ def acceptance_checks(args: argparse.Namespace, med: dict[str, dict], skipped: d
             return False, f"{key} missing ({a} {x}, {b} {y})"
         ok = x < y if lower_better else x > y
         fmt = (lambda v: f"{v:.1f} ms") if key.endswith("_ms") else (lambda v: f"{v * 100:.1f} %")
-        return ok, f"{a} {fmt(x)} vs {b} {fmt(y)}"
+        detail = f"{a} {fmt(x)} vs {b} {fmt(y)}"
+        # Medians of a few noisy windows can cross by chance: say whether the windows separate.
+        wa, wb = (((med.get(n) or {}).get("window_values") or {}).get(key) or [] for n in (a, b))
+        if len(wa) > 1 and len(wb) > 1:
+            ahead = wa[-1] < wb[0] if lower_better else wa[0] > wb[-1]
+            detail += (f" (windows {fmt(wa[0])}–{fmt(wa[-1])} vs {fmt(wb[0])}–{fmt(wb[-1])}: "
+                       f"{'every window ahead' if ahead else 'they overlap'})")
+        return ok, detail
 
     def all_of(*parts: tuple[bool, str]) -> tuple[bool, str]:
         return all(p[0] for p in parts), "; ".join(p[1] for p in parts)
