@@ -52,7 +52,7 @@ def _endpoint_for_rank(endpoint: str, rank: int | None) -> str:
 class _TargetState:
     __slots__ = ("worker_id", "engine", "batches", "events", "decode_errors", "last_batch_at", "last_seq",
                  "unconfirmed_since", "silent", "errors", "abs_error_sum", "observations", "exact", "verdicts",
-                 "wrong")
+                 "wrong", "over", "under")
 
     def __init__(self, worker_id: str, engine: str) -> None:
         self.worker_id = worker_id
@@ -68,6 +68,11 @@ class _TargetState:
         self.abs_error_sum = 0
         self.observations = 0
         self.exact = 0
+        # Replies off by more than one block, by direction: "over" (predicted hits the engine no
+        # longer had: a stale view, or an eviction between pick and schedule) and "under" (it had
+        # more: a prefill finishing meanwhile, or events that have not arrived).
+        self.over = 0
+        self.under = 0
         self.verdicts: deque[bool] = deque()  # recent informative replies: off by more than one block?
         self.wrong = 0
 
@@ -201,6 +206,11 @@ class KvEventsBridge:
         error = abs(cached_tokens - predicted)
         self.prediction_error.observe(error)
         blocks_off = error // block_size if block_size else 0
+        if blocks_off > 1:
+            if predicted > cached_tokens:
+                state.over += 1
+            else:
+                state.under += 1
         state.observations += 1
         state.exact += error == 0
         state.errors.append(blocks_off)
@@ -253,6 +263,7 @@ class KvEventsBridge:
                 "gaps": sub.get("gaps", 0), "replays": sub.get("replays", 0), "resets": sub.get("resets", 0),
                 "events_silent": state.silent, "caught_up": sub.get("caught_up", False),
                 "prediction": {"observations": state.observations, "exact": state.exact,
+                               "over": state.over, "under": state.under,
                                "mean_error_blocks": (state.abs_error_sum / len(state.errors)) if state.errors else None}}
 
     def collect(self) -> Iterator[Metric]:
@@ -279,6 +290,9 @@ class KvEventsBridge:
                                    labels=["worker"])
         blocks = GaugeMetricFamily("infera_kv_view_blocks", "Blocks in the router's view of a worker",
                                    labels=["worker"])
+        off = CounterMetricFamily("infera_kv_predictions_off", "Replies whose cached tokens the router predicted "
+                                  "wrong by more than one block: over (predicted more) or under (fewer)",
+                                  labels=["worker", "direction"])
         for key, state in sorted(self.targets.items()):
             sub = self.subscriber.stats(key)
             batches.add_metric([key], state.batches)
@@ -287,5 +301,7 @@ class KvEventsBridge:
             resets.add_metric([key], sub.get("resets", 0))
             silent.add_metric([key], 1 if state.silent else 0)
             blocks.add_metric([key], self.index.block_count(key))
-        yield from (batches, events, gaps, resets, silent, blocks)
+            off.add_metric([key, "over"], state.over)
+            off.add_metric([key, "under"], state.under)
+        yield from (batches, events, gaps, resets, silent, blocks, off)
 

@@ -81,3 +81,17 @@ def test_reset_warns_only_when_a_view_existed(caplog, batches_before, warns):
         b._on_reset("w")
     warned = any("lost continuity" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert warned is warns
+
+
+def test_wrong_predictions_are_counted_by_direction():
+    b = bridge()
+    observe(b, 30, 10 * BS)   # predicted 20 blocks too many: over (a stale view)
+    observe(b, 30, 0)         # over
+    observe(b, 0, 30 * BS)    # under (a prefill of it finished meanwhile)
+    observe(b, 31, 30 * BS)   # one block off: tolerated, not counted
+    observe(b, 30, 30 * BS)   # exact
+    view = b.cache_view("w", None)["prediction"]
+    assert (view["over"], view["under"], view["exact"], view["observations"]) == (2, 1, 1, 5)
+    samples = {(s.labels["worker"], s.labels["direction"]): s.value
+               for fam in b.collect() if fam.name == "infera_kv_predictions_off" for s in fam.samples}
+    assert samples == {("w", "over"): 2, ("w", "under"): 1}
