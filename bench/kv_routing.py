@@ -498,7 +498,8 @@ class Bench:
         # Per-request rows, kept so a TTFT difference can be traced to turns, hits and timing.
         t0 = load["t0"]
         res["requests"] = [[r["group"], r["turn"], round(r["t_start"] - t0, 4), round(r.get("ttft", -1), 4),
-                            r.get("prompt_tokens", 0), r.get("cached_tokens", 0)] for r in load["records"]]
+                            r.get("prompt_tokens", 0), r.get("cached_tokens", 0), r["cid"],
+                            round(r["t_end"] - t0, 4) if r.get("t_end") else None] for r in load["records"]]
         deltas = [{k: aft.get(k, 0.0) - bef.get(k, 0.0) for k in
                    ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:request_success_total",
                     "vllm:num_preemptions_total")} for bef, aft in zip(before, after)]
