@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 ERROR_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+DELAY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+DELAY_SMOOTHING = 0.2  # weight of the newest batch in the cache view's delay_ms
 # A worker that got requests whose blocks it must have stored, yet sent no event batch for
 # this long, is "silent".
 SILENT_AFTER_S = 10.0
@@ -52,7 +54,7 @@ def _endpoint_for_rank(endpoint: str, rank: int | None) -> str:
 class _TargetState:
     __slots__ = ("worker_id", "engine", "batches", "events", "decode_errors", "last_batch_at", "last_seq",
                  "unconfirmed_since", "silent", "errors", "abs_error_sum", "observations", "exact", "verdicts",
-                 "wrong", "over", "under")
+                 "wrong", "over", "under", "delays", "delay_ewma")
 
     def __init__(self, worker_id: str, engine: str) -> None:
         self.worker_id = worker_id
@@ -73,16 +75,21 @@ class _TargetState:
         # more: a prefill finishing meanwhile, or events that have not arrived).
         self.over = 0
         self.under = 0
+        # Engine batch timestamp → applied here (wall clocks: same host, or NTP between hosts).
+        # Events that lag a reply leave the next turn routed on a view without that reply's blocks.
+        self.delays = Histogram(DELAY_BUCKETS)
+        self.delay_ewma: float | None = None
         self.verdicts: deque[bool] = deque()  # recent informative replies: off by more than one block?
         self.wrong = 0
 
 
 class KvEventsBridge:
     def __init__(self, fleet: Fleet, index: KvIndex, *, subscriber: ZmqKvEventSubscriber | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time) -> None:
         self.fleet = fleet
         self.index = index
         self.clock = clock
+        self.wall_clock = wall_clock
         self.subscriber = subscriber or ZmqKvEventSubscriber(self._on_batch, self._on_reset)
         self.targets: dict[str, _TargetState] = {}
         self._decoders: dict[str, Callable[[bytes], Any]] = {}
@@ -159,6 +166,11 @@ class KvEventsBridge:
             self._warn_once(key, "decode", "cannot decode KV events from %s (engine %s): %s", key, state.engine, exc)
             return
         state.events += self.index.apply(key, batch)
+        # Replayed batches count with their age too; clock skew between hosts is clamped at 0.
+        delay = max(0.0, self.wall_clock() - batch.ts)
+        state.delays.observe(delay)
+        state.delay_ewma = delay if state.delay_ewma is None else (
+            state.delay_ewma + DELAY_SMOOTHING * (delay - state.delay_ewma))
         state.batches += 1
         state.last_seq = seq
         state.last_batch_at = self.clock()
@@ -259,6 +271,7 @@ class KvEventsBridge:
         return {"worker_id": worker_id, "dp_rank": dp_rank, "route_key": key, "engine": state.engine,
                 "block_count": self.index.block_count(key), "last_event_seq": state.last_seq,
                 "lag_s": None if state.last_batch_at is None else round(now - state.last_batch_at, 3),
+                "delay_ms": None if state.delay_ewma is None else round(state.delay_ewma * 1000, 1),
                 "batches": state.batches, "block_events": state.events, "decode_errors": state.decode_errors,
                 "gaps": sub.get("gaps", 0), "replays": sub.get("replays", 0), "resets": sub.get("resets", 0),
                 "events_silent": state.silent, "caught_up": sub.get("caught_up", False),
@@ -290,6 +303,8 @@ class KvEventsBridge:
                                    labels=["worker"])
         blocks = GaugeMetricFamily("infera_kv_view_blocks", "Blocks in the router's view of a worker",
                                    labels=["worker"])
+        delay = HistogramMetricFamily("infera_kv_event_delay_seconds", "Engine batch timestamp to applied here",
+                                      labels=["worker"])
         off = CounterMetricFamily("infera_kv_predictions_off", "Replies whose cached tokens the router predicted "
                                   "wrong by more than one block: over (predicted more) or under (fewer)",
                                   labels=["worker", "direction"])
@@ -301,7 +316,8 @@ class KvEventsBridge:
             resets.add_metric([key], sub.get("resets", 0))
             silent.add_metric([key], 1 if state.silent else 0)
             blocks.add_metric([key], self.index.block_count(key))
+            delay.add_metric([key], state.delays.cumulative(), state.delays.total)
             off.add_metric([key, "over"], state.over)
             off.add_metric([key, "under"], state.under)
-        yield from (batches, events, gaps, resets, silent, blocks, off)
+        yield from (batches, events, gaps, resets, silent, blocks, delay, off)
 

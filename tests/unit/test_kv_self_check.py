@@ -95,3 +95,20 @@ def test_wrong_predictions_are_counted_by_direction():
     samples = {(s.labels["worker"], s.labels["direction"]): s.value
                for fam in b.collect() if fam.name == "infera_kv_predictions_off" for s in fam.samples}
     assert samples == {("w", "over"): 2, ("w", "under"): 1}
+
+
+def test_event_delay_is_measured_from_the_engine_timestamp():
+    from infera.kv.events import EventBatch, encode_batch
+
+    now = [1000.0]
+    fleet = Fleet()
+    b = KvEventsBridge(fleet, KvIndex(), subscriber=NoSubscriber(), wall_clock=lambda: now[0])
+    fleet.upsert(WORKER)
+    assert b.cache_view("w", None)["delay_ms"] is None
+    b._on_batch("w", 0, encode_batch(EventBatch(999.95, [])))   # 50 ms on the way
+    assert b.cache_view("w", None)["delay_ms"] == 50.0
+    b._on_batch("w", 1, encode_batch(EventBatch(1000.5, [])))   # a clock ahead of ours: 0, not negative
+    assert b.cache_view("w", None)["delay_ms"] == 40.0          # smoothed: 50 + 0.2 × (0 − 50)
+    fam = next(f for f in b.collect() if f.name == "infera_kv_event_delay_seconds")
+    counts = {s.labels["le"]: s.value for s in fam.samples if s.name.endswith("_bucket")}
+    assert counts["0.001"] == 1 and counts["0.05"] == 2 and counts["0.025"] == 1
