@@ -78,6 +78,7 @@ class _Leg:
     # Each leg is scored against its own worker: a decode is not blamed for its prefill, nor the
     # reverse. Once per leg, so a later, vaguer outcome (the attempt unwinding) never overrides it.
     def score_success(self) -> None:
+        self.req.state["served"] = True  # this leg's engine holds the prompt's KV now
         if not self._scored:
             self._scored = True
             self._router.breaker.record_success(self.worker.worker_id)

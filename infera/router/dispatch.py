@@ -151,6 +151,7 @@ class MixedRouter:
         # The first body byte arrived (a stream's first chunk, or a whole unary body).
         if opened.status < 400:
             breaker.record_success(worker.worker_id)
+            req.state["served"] = True  # the engine computed the prompt: the policy may count it cached
         else:
             breaker.record_neutral(worker.worker_id)  # 4xx/429: the client's error
         observer = self.usage_observer

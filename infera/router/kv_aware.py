@@ -3,9 +3,11 @@ balanced against load.
 
 cost(target) = w_overlap × missed_blocks + w_mm × missed_images + in_flight_blocks + recent_misses
 
-* missed_blocks = request blocks − the longest cached prefix in that target's view (KV events);
-  when no target has any of it cached, the blocks of requests still in flight there count (they
-  are about to be cached: a concurrent second request must not prefill a duplicate elsewhere);
+* missed_blocks = request blocks − the longest cached prefix in that target's view (KV events),
+  extended by the blocks of requests served there in the last ``LANDED_TTL_S`` (cached, though
+  their events may still be on the way); when no target has any of it cached, the blocks of
+  requests still in flight there count (they are about to be cached: a concurrent second request
+  must not prefill a duplicate elsewhere);
 * in_flight_blocks = distinct blocks of requests in flight there (shared prefixes count once);
 * recent_misses = missed blocks charged at pick time, decayed ×0.97 per pick (prefill work queued
   there that in-flight accounting alone would not show). Unlike upstream, a request's remaining
@@ -22,8 +24,9 @@ cache holds the fewest blocks, then rotate.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from infera.api.cache_hints import LONG, NONE, RETENTION_NAMES, CacheHints, parse_cache_hints
 from infera.discovery.record import WorkerRecord
@@ -34,6 +37,13 @@ from infera.router.policy import RoutedRequest
 log = logging.getLogger(__name__)
 
 RECENT_DECAY = 0.97
+# How long a served request's blocks count as cached where it ran without an event saying so.
+# Engines publish KV events from a side thread: on a busy 2-core box vLLM's arrived up to 0.5 s
+# after the reply (infera_kv_event_delay_seconds), and the conversation's next turn was routed on
+# a view without its previous turn. Longer than that tail, short enough that an eviction the
+# events would report is not contradicted for long.
+LANDED_TTL_S = 2.0
+LANDED_CAP = 1 << 16  # blocks per target: bounded whatever the request rate
 MM_WEIGHT = 48.0
 MM_AFFINITY_CAP = 256
 
@@ -64,8 +74,9 @@ class KvAwarePolicy:
 
     def __init__(self, index: PrefixIndex, prompts: PromptTokenizer, *, overlap_weight: float = 1.0,
                  prefill_overlap_weight: float | None = None, decode_overlap_weight: float | None = None,
-                 observer: KvPickObserver | None = None) -> None:
+                 observer: KvPickObserver | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.index = index
+        self.clock = clock
         self.prompts = prompts
         self.weights = {"mixed": overlap_weight,
                         "prefill": overlap_weight if prefill_overlap_weight is None else prefill_overlap_weight,
@@ -75,6 +86,7 @@ class KvAwarePolicy:
         self.recent: dict[str, float] = {}
         self._picks = 0  # decay clock: remaining charge = charge × RECENT_DECAY^(picks since)
         self.mm_affinity: dict[str, OrderedDict[int, None]] = {}
+        self.landed: dict[str, OrderedDict[int, float]] = {}  # route key → {block hash: expiry}
 
     async def prepare(self, request: RoutedRequest) -> None:
         """Tokenize once per request (cached across requests), before any pick."""
@@ -128,6 +140,8 @@ class KvAwarePolicy:
             # second conversation of it starting before the first one's events arrive follows it
             # instead of computing a duplicate. Only then: where a copy is already cached, the
             # cache decides, and a prefill in flight elsewhere must not outbid it.
+            if self.landed and hashes:
+                hits = [self._with_landed(key, hashes, hit) for (_, _, key), hit in zip(targets, hits)]
             pending = hashes and not any(hits)
             for (w, rank, key), hit in zip(targets, hits):
                 active = self.active.get(key)
@@ -169,6 +183,21 @@ class KvAwarePolicy:
                       request.request_id, key, hit, total, len(self.active.get(key, ())), " ".join(scored or ()))
         return worker
 
+    def _with_landed(self, key: str, hashes: list[int], hit: int) -> int:
+        """``hit`` extended by blocks served on ``key`` lately (expired ones dropped first)."""
+        landed = self.landed.get(key)
+        if not landed:
+            return hit
+        now = self.clock()
+        while landed:
+            oldest = next(iter(landed))
+            if landed[oldest] > now:
+                break
+            del landed[oldest]
+        while hit < len(hashes) and hashes[hit] in landed:
+            hit += 1
+        return hit
+
     def _charge(self, key: str, missed: int, total: int) -> float:
         # Decay per pick (not wall clock): bounded by the fleet size, not its history.
         self._picks += 1
@@ -203,10 +232,19 @@ class KvAwarePolicy:
                 del self.recent[key]
             else:
                 self.recent[key] = left
+        blocks = request.state.get("blocks", ())
+        if blocks and request.state.get("served"):  # the worker answered: it computed the prompt
+            landed = self.landed.setdefault(key, OrderedDict())
+            expiry = self.clock() + LANDED_TTL_S
+            for h in blocks:
+                landed[h] = expiry
+                landed.move_to_end(h)
+            while len(landed) > LANDED_CAP:
+                landed.popitem(last=False)
         counts = self.active.get(key)
         if counts is None:
             return
-        for h in request.state.get("blocks", ()):
+        for h in blocks:
             n = counts.get(h, 0) - 1
             if n > 0:
                 counts[h] = n
@@ -218,7 +256,7 @@ class KvAwarePolicy:
 
     def forget(self, worker_id: str) -> None:
         prefix = worker_id + "#dp"
-        for table in (self.active, self.recent, self.mm_affinity):
+        for table in (self.active, self.recent, self.mm_affinity, self.landed):
             for k in [k for k in table if k == worker_id or k.startswith(prefix)]:
                 del table[k]
 

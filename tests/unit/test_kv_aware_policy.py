@@ -287,3 +287,46 @@ def test_debug_log_says_why_each_target_scored_as_it_did(caplog):
     line = next(r.getMessage() for r in caplog.records if "pick policy=kv-aware" in r.getMessage())
     assert "picked=b cache_hits=5 request_blocks=8" in line
     assert "targets=[a:hit=0,load=0.0,held=0,cost=8.0 b:hit=5,load=0.0,held=5,cost=3.0]" in line
+
+
+def _served_on(policy, workers, prompt, served=True):
+    """One request picked, run and finished; ``served``: the worker answered (it computed the prompt)."""
+    req = request(prompt)
+    w = pick(policy, workers, req)
+    policy.on_started(w, req)
+    if served:
+        req.state["served"] = True
+    policy.on_finished(w, req)
+    return w
+
+
+@pytest.mark.parametrize("served, after_s, expected_hit", [
+    (True, 0.5, 8),    # its events are still on the way: the blocks count as cached where it ran
+    (True, 2.5, 0),    # past LANDED_TTL_S only the events speak
+    (False, 0.5, 0),   # the worker failed before answering: it computed nothing
+])
+def test_a_served_request_counts_as_cached_before_its_events_arrive(served, after_s, expected_hit):
+    from infera.router.kv_aware import LANDED_TTL_S
+
+    now = [100.0]
+    index = FakeIndex()
+    policy = KvAwarePolicy(index, PromptTokenizer.from_path(None), clock=lambda: now[0])
+    a, b = worker("a"), worker("b")
+    ran_on = _served_on(policy, [a, b], PROMPT, served)
+    now[0] += after_s
+    assert after_s < LANDED_TTL_S or expected_hit == 0
+    follow_up = request(PROMPT + list(range(900, 908)))  # the next turn: same prefix plus 2 blocks
+    picked = pick(policy, [a, b] if ran_on.worker_id == "b" else [b, a], follow_up)
+    assert follow_up.state["predicted_hit_blocks"] == expected_hit
+    if expected_hit:
+        assert picked.worker_id == ran_on.worker_id  # even listed second
+        assert follow_up.state["charge"][0] == 2  # only its new blocks are charged as a miss
+
+
+def test_landed_blocks_are_bounded_and_forgotten_with_the_worker():
+    _, policy = make()
+    a = worker("a")
+    _served_on(policy, [a], PROMPT)
+    assert len(policy.landed["a"]) == 8
+    policy.forget("a")
+    assert "a" not in policy.landed
