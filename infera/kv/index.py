@@ -64,6 +64,7 @@ class TargetStats:
     resets: int = 0           #: reset() calls
     batches: int = 0          #: batches applied
     last_apply: float = 0.0   #: time.monotonic() of the last apply (0.0: never)
+    last_batch_ts: float = 0.0  #: engine timestamp (wall clock) of the newest batch applied
 
 
 class _Target:
@@ -141,6 +142,12 @@ class KvIndex:
         """Number of distinct router block hashes in ``key``'s view (0 if unknown)."""
         t = self._targets.get(key)
         return 0 if t is None else t.count
+
+    def events_made_until(self, key: str) -> float:
+        """Engine wall-clock time up to which ``key``'s events are applied (batches arrive in
+        order): what happened there before it is in the view. 0.0 if unknown."""
+        t = self._targets.get(key)
+        return 0.0 if t is None else t.stats.last_batch_ts
 
     def mapped_count(self, key: str) -> int:
         """Number of engine hashes ``key`` can resolve (parents, removals)."""
@@ -293,6 +300,8 @@ class KvIndex:
         st.removed_blocks += removed
         st.batches += 1
         st.last_apply = time.monotonic()
+        if batch.ts > st.last_batch_ts:
+            st.last_batch_ts = batch.ts
         return applied + removed
 
     # --- matching --------------------------------------------------------------------------

@@ -4,8 +4,8 @@ balanced against load.
 cost(target) = w_overlap × missed_blocks + w_mm × missed_images + in_flight_blocks + recent_misses
 
 * missed_blocks = request blocks − the longest cached prefix in that target's view (KV events),
-  extended by the blocks of requests served there in the last ``LANDED_TTL_S`` (cached, though
-  their events may still be on the way); when no target has any of it cached, the blocks of
+  extended by the blocks of requests served there whose events have not caught up yet (cached,
+  though the events saying so may still be on the way); when no target has any of it cached, the blocks of
   requests still in flight there count (they are about to be cached: a concurrent second request
   must not prefill a duplicate elsewhere);
 * in_flight_blocks = distinct blocks of requests in flight there (shared prefixes count once);
@@ -37,11 +37,11 @@ from infera.router.policy import RoutedRequest
 log = logging.getLogger(__name__)
 
 RECENT_DECAY = 0.97
-# How long a served request's blocks count as cached where it ran without an event saying so.
-# Engines publish KV events from a side thread: on a busy 2-core box vLLM's arrived up to 0.5 s
-# after the reply (infera_kv_event_delay_seconds), and the conversation's next turn was routed on
-# a view without its previous turn. Longer than that tail, short enough that an eviction the
-# events would report is not contradicted for long.
+# A served request's blocks count as cached where it ran until that engine's events catch up with
+# the moment it finished (a batch made later is applied: the view then says what became of them,
+# evictions included), or at most this long (an idle engine sends nothing). Engines publish KV
+# events from a side thread: on a busy 2-core box vLLM's arrived up to 0.5 s after the reply
+# (infera_kv_event_delay_seconds), and the next turn was routed on a view without its previous one.
 LANDED_TTL_S = 2.0
 LANDED_CAP = 1 << 16  # blocks per target: bounded whatever the request rate
 MM_WEIGHT = 48.0
@@ -74,9 +74,11 @@ class KvAwarePolicy:
 
     def __init__(self, index: PrefixIndex, prompts: PromptTokenizer, *, overlap_weight: float = 1.0,
                  prefill_overlap_weight: float | None = None, decode_overlap_weight: float | None = None,
-                 observer: KvPickObserver | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 observer: KvPickObserver | None = None, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self.index = index
         self.clock = clock
+        self.wall_clock = wall_clock  # compared with engine event timestamps
         self.prompts = prompts
         self.weights = {"mixed": overlap_weight,
                         "prefill": overlap_weight if prefill_overlap_weight is None else prefill_overlap_weight,
@@ -86,7 +88,8 @@ class KvAwarePolicy:
         self.recent: dict[str, float] = {}
         self._picks = 0  # decay clock: remaining charge = charge × RECENT_DECAY^(picks since)
         self.mm_affinity: dict[str, OrderedDict[int, None]] = {}
-        self.landed: dict[str, OrderedDict[int, float]] = {}  # route key → {block hash: expiry}
+        # route key → {block hash: (wall time it finished, monotonic expiry)}, oldest first
+        self.landed: dict[str, OrderedDict[int, tuple[float, float]]] = {}
 
     async def prepare(self, request: RoutedRequest) -> None:
         """Tokenize once per request (cached across requests), before any pick."""
@@ -184,16 +187,18 @@ class KvAwarePolicy:
         return worker
 
     def _with_landed(self, key: str, hashes: list[int], hit: int) -> int:
-        """``hit`` extended by blocks served on ``key`` lately (expired ones dropped first)."""
+        """``hit`` extended by blocks served on ``key`` that its events have not caught up with."""
         landed = self.landed.get(key)
         if not landed:
             return hit
         now = self.clock()
+        made_until = getattr(self.index, "events_made_until", None)
+        caught_up = made_until(key) if made_until is not None else 0.0
         while landed:
-            oldest = next(iter(landed))
-            if landed[oldest] > now:
+            finished, expiry = landed[next(iter(landed))]
+            if finished > caught_up and expiry > now:
                 break
-            del landed[oldest]
+            landed.popitem(last=False)
         while hit < len(hashes) and hashes[hit] in landed:
             hit += 1
         return hit
@@ -235,9 +240,9 @@ class KvAwarePolicy:
         blocks = request.state.get("blocks", ())
         if blocks and request.state.get("served"):  # the worker answered: it computed the prompt
             landed = self.landed.setdefault(key, OrderedDict())
-            expiry = self.clock() + LANDED_TTL_S
+            stamp = (self.wall_clock(), self.clock() + LANDED_TTL_S)
             for h in blocks:
-                landed[h] = expiry
+                landed[h] = stamp
                 landed.move_to_end(h)
             while len(landed) > LANDED_CAP:
                 landed.popitem(last=False)

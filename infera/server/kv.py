@@ -91,6 +91,7 @@ class KvEventsBridge:
         self.clock = clock
         self.wall_clock = wall_clock
         self.subscriber = subscriber or ZmqKvEventSubscriber(self._on_batch, self._on_reset)
+        self._replaying: Callable[[str], bool] = getattr(self.subscriber, "replaying", lambda key: False)
         self.targets: dict[str, _TargetState] = {}
         self._decoders: dict[str, Callable[[bytes], Any]] = {}
         self._worker_keys: dict[str, list[str]] = {}
@@ -166,11 +167,11 @@ class KvEventsBridge:
             self._warn_once(key, "decode", "cannot decode KV events from %s (engine %s): %s", key, state.engine, exc)
             return
         state.events += self.index.apply(key, batch)
-        # Replayed batches count with their age too; clock skew between hosts is clamped at 0.
-        delay = max(0.0, self.wall_clock() - batch.ts)
-        state.delays.observe(delay)
-        state.delay_ewma = delay if state.delay_ewma is None else (
-            state.delay_ewma + DELAY_SMOOTHING * (delay - state.delay_ewma))
+        if not self._replaying(key):  # replayed history is old by design: not a delay
+            delay = max(0.0, self.wall_clock() - batch.ts)  # clock skew between hosts: clamped at 0
+            state.delays.observe(delay)
+            state.delay_ewma = delay if state.delay_ewma is None else (
+                state.delay_ewma + DELAY_SMOOTHING * (delay - state.delay_ewma))
         state.batches += 1
         state.last_seq = seq
         state.last_batch_at = self.clock()

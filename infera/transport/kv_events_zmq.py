@@ -80,6 +80,7 @@ class _KeyState:
     resets: int = 0
     restarts: int = 0
     caught_up: bool = False  # the first-contact replay of the engine's history is done
+    replaying: bool = False  # batches now delivered come from the replay socket (old ones)
     duplicates: int = 0
     callback_errors: int = 0
     last_batch_at: float | None = None
@@ -151,6 +152,11 @@ class ZmqKvEventSubscriber:
         if self._own_ctx and self._ctx is not None:
             self._ctx.destroy(linger=0)  # all closed by now; destroy() can't hang if one was not
             self._ctx = None
+
+    def replaying(self, key: str) -> bool:
+        """Whether the batch being delivered for ``key`` now is replayed history, not live."""
+        st = self._keys.get(key)
+        return st is not None and st.replaying
 
     def stats(self, key: str) -> dict:
         """Counters and sequence state of one key (KeyError if not subscribed)."""
@@ -330,9 +336,13 @@ class ZmqKvEventSubscriber:
                 run = i
         if run > 0 or usable[0][0] != start:
             self._reset(st)  # older batches fell out of the engine's replay buffer
-        for seq, payload in usable[run:]:
-            self._deliver(st, seq, payload)
-            st.replayed[seq] = _digest(payload)
+        st.replaying = True
+        try:
+            for seq, payload in usable[run:]:
+                self._deliver(st, seq, payload)
+                st.replayed[seq] = _digest(payload)
+        finally:
+            st.replaying = False
         st.replayed_max = max(st.replayed_max, usable[-1][0])
 
     async def _fetch(self, st: _KeyState, start: int, counted: bool = True) -> list[tuple[int, bytes]] | None:

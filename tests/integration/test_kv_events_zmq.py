@@ -31,12 +31,16 @@ class Sink:
     """Records what the subscriber hands over."""
 
     def __init__(self) -> None:
+        self.sub: ZmqKvEventSubscriber | None = None
+        self.replayed: list[tuple[str, int]] = []  # batches the subscriber said were replayed history
         self.batches: list[tuple[str, int, list]] = []
         self.resets: list[str] = []
         self.log: list[tuple] = []  # batches and resets interleaved, in call order
 
     def on_batch(self, key: str, seq: int, payload: bytes) -> None:
         batch = decode(payload)
+        if self.sub is not None and self.sub.replaying(key):
+            self.replayed.append((key, seq))
         self.batches.append((key, seq, batch[1]))
         self.log.append(("batch", key, seq))
 
@@ -55,6 +59,7 @@ class Sink:
 async def subscriber():
     sink = Sink()
     sub = ZmqKvEventSubscriber(sink.on_batch, sink.on_reset, replay_timeout=1.0)
+    sink.sub = sub
     await sub.start()
     yield sub, sink
     await sub.stop()
@@ -152,10 +157,12 @@ async def test_late_subscriber_recovers_by_replay_from_zero(sim, subscriber):
     await wait_for(lambda: sink.seqs("late") == list(range(n)), 10, message="replayed batches")
     assert sub.stats("late")["replays"] >= 1 and sink.resets == []
     await wait_for(lambda: sub.stats("late")["caught_up"], 5, message="first-contact replay done")
+    assert sink.replayed == [("late", s) for s in range(n)]  # said to be history while delivered
     # Then live batches continue the same sequence without duplicates.
     await complete(server, prompt(2))
     await wait_caught_up(sub, "late", server)
     assert sink.seqs("late") == list(range(published(server)))
+    assert len(sink.replayed) == n and not sub.replaying("late")  # live batches are not history
 
 
 async def test_reset_prefix_cache_emits_all_blocks_cleared(sim, subscriber):

@@ -330,3 +330,24 @@ def test_landed_blocks_are_bounded_and_forgotten_with_the_worker():
     assert len(policy.landed["a"]) == 8
     policy.forget("a")
     assert "a" not in policy.landed
+
+
+def test_landed_blocks_give_way_once_the_events_catch_up():
+    """After a batch made later than the finish is applied, the view says what became of the
+    blocks (an eviction included): the landed claim must not outlive it."""
+    wall = [100.0]
+    index = FakeIndex()
+    made_until = {}
+    index.events_made_until = lambda key: made_until.get(key, 0.0)
+    policy = KvAwarePolicy(index, PromptTokenizer.from_path(None), wall_clock=lambda: wall[0])
+    a, b = worker("a"), worker("b")
+    ran_on = _served_on(policy, [a, b], PROMPT)
+    made_until[ran_on.worker_id] = 99.9   # its events are behind the finish: still counts
+    req = request(PROMPT)
+    pick(policy, [a, b], req)
+    assert req.state["predicted_hit_blocks"] == 8
+    made_until[ran_on.worker_id] = 100.1  # caught up, and the view holds nothing (evicted)
+    req = request(PROMPT)
+    pick(policy, [a, b], req)
+    assert req.state["predicted_hit_blocks"] == 0
+    assert not policy.landed[ran_on.worker_id]

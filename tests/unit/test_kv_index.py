@@ -334,3 +334,12 @@ def test_sglang_fixtures_chain_and_bigrams():
     assert idx.match(block_hashes(big.events[0].token_ids, 16), ["s#dp0"]) == [2]
     assert idx.apply("s#dp1", dec((FIX / "sglang_removed_cleared.msgpack").read_bytes())) == 3
     assert idx.block_count("s#dp1") == 0 and idx.block_count("s#dp0") == 2
+
+
+def test_events_made_until_follows_the_newest_batch_timestamp():
+    idx = KvIndex()
+    assert idx.events_made_until("w") == 0.0
+    idx.add_target("w", 4)
+    idx.apply("w", EventBatch(50.0, []))
+    idx.apply("w", EventBatch(49.0, []))  # a replayed older batch does not move it back
+    assert idx.events_made_until("w") == 50.0

@@ -112,3 +112,18 @@ def test_event_delay_is_measured_from_the_engine_timestamp():
     fam = next(f for f in b.collect() if f.name == "infera_kv_event_delay_seconds")
     counts = {s.labels["le"]: s.value for s in fam.samples if s.name.endswith("_bucket")}
     assert counts["0.001"] == 1 and counts["0.05"] == 2 and counts["0.025"] == 1
+
+
+def test_replayed_history_is_not_counted_as_event_delay():
+    from infera.kv.events import EventBatch, encode_batch
+
+    class Replaying(NoSubscriber):
+        def replaying(self, key):
+            return True
+
+    fleet = Fleet()
+    b = KvEventsBridge(fleet, KvIndex(), subscriber=Replaying(), wall_clock=lambda: 5000.0)
+    fleet.upsert(WORKER)
+    b._on_batch("w", 0, encode_batch(EventBatch(1000.0, [])))  # an hour old: history, not lag
+    view = b.cache_view("w", None)
+    assert view["delay_ms"] is None and view["batches"] == 1
