@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -73,7 +74,9 @@ def test_kv_aware_sends_shared_prefixes_to_their_holder(vllm_fleet):
     of a conversation land on the engine holding its prefix; vLLM's own metrics confirm the hits;
     the router's predicted cached tokens equal what vLLM reports (within one block)."""
     base = vllm_fleet.kv_base
-    words = urlopen_text(base + "/metrics").split()[:400]  # varied text the tokenizer knows
+    # Varied prose the tiny tokenizer was trained on (README.md is in its corpus); /metrics text,
+    # used before, grew label-heavy lines that tokenized past max-model-len.
+    words = (Path(__file__).resolve().parents[2] / "README.md").read_text().split()[:400]
     for w in vllm_fleet.workers:
         wait_until(lambda: _view(base, w.worker_id) is not None, 30, f"a cache view for {w.worker_id}")
 
@@ -128,7 +131,8 @@ def test_sigterm_with_a_stream_in_flight_drains_after_deregistering(vllm_fleet):
 
     def stream() -> None:  # straight to this engine, so the stream surely runs on the draining worker
         try:
-            for chunk in client.completions.create(model="tiny", prompt="def f():", max_tokens=400, temperature=0,
+            # Long enough to outlast deregistration on an idle machine (400 tokens once finished first).
+            for chunk in client.completions.create(model="tiny", prompt="def f():", max_tokens=1800, temperature=0,
                                                    stream=True, extra_body={"ignore_eos": True}):
                 got["chunks"] += 1
                 started.set()
