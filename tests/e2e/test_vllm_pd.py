@@ -41,9 +41,29 @@ def pd_fleet(tmp_path_factory):
     fleet = VllmFleet(tmp_path_factory.mktemp("vllm-pd"), specs=[nixl("kv_producer"), nixl("kv_consumer")])
     try:
         fleet.start()
+        warm_up_the_nixl_handshake(fleet)
         yield fleet
     finally:
         fleet.stop()
+
+
+def warm_up_the_nixl_handshake(fleet: VllmFleet, attempts: int = 3) -> None:
+    """vLLM's NIXL side-channel handshake, made on the pair's first transfer, gives up after a
+    fixed 5 s; on a starved 2-core box (CI, engines just started) it once did, and that first
+    request failed with the decode leg's 500. A later one handshakes anew. So the pair serves one
+    request (its own prompt: no cache the tests rely on) before the tests measure anything."""
+    import urllib.error
+
+    body = {"model": "tiny", "max_tokens": 1, "temperature": 0,
+            "messages": [{"role": "system", "content": "Warm-up."}, {"role": "user", "content": "Hi."}]}
+    errors = []
+    for _ in range(attempts):
+        try:
+            http_json(fleet.base + "/v1/chat/completions", body, timeout=120)
+            return
+        except urllib.error.HTTPError as exc:
+            errors.append(f"HTTP {exc.code}: {exc.read()[:200]!r}")
+    pytest.fail(f"the PD pair never served a request ({attempts} attempts): {errors}")
 
 
 def metric_sum(port: int, name: str, label: str = "") -> float:
