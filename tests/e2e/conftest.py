@@ -115,7 +115,9 @@ class VllmFleet:
             env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # --kv-cache-memory-bytes sizes the cache instead
             path = self.tmp / f"worker{i}.log"
             proc = subprocess.Popen(
-                [VLLM_PYTHON, "-m", "infera.engine.vllm", "--etcd-endpoint", self.etcd.endpoint, "--lease-ttl", "10",
+                # Lease 30 s: NIXL-enabled engines keep both cores busy even idle (~100 % each),
+                # and on this 2-core box a 10 s lease once lapsed mid-test (keepalives timed out).
+                [VLLM_PYTHON, "-m", "infera.engine.vllm", "--etcd-endpoint", self.etcd.endpoint, "--lease-ttl", "30",
                  "--drain-settle", "0.5", "--ready-timeout", "300", *spec.launcher,
                  "--model", str(self.model), "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
                  "--load-format", "dummy", "--max-model-len", "2048", "--block-size", "32", "--enforce-eager",

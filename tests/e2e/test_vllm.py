@@ -167,7 +167,7 @@ def test_sigkill_of_the_engine_deregisters_and_exits_nonzero(vllm_fleet):
     os.kill(engine_pid, signal.SIGKILL)
     code = worker.proc.wait(60)
     assert code != 0 and code == 128 + signal.SIGKILL
-    # deregistered by the launcher, not by lease expiry (TTL 10 s)
+    # deregistered by the launcher, not by lease expiry (TTL 30 s)
     wait_until(lambda: worker.worker_id not in {r["worker_id"] for r in vllm_fleet.records()}, 5,
                "the record deleted after the engine died")
     assert time.monotonic() - killed < 10
