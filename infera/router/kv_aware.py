@@ -79,6 +79,7 @@ class KvAwarePolicy:
         self.index = index
         self.clock = clock
         self.wall_clock = wall_clock  # compared with engine event timestamps
+        self._events_made_until = getattr(index, "events_made_until", None)
         self.prompts = prompts
         self.weights = {"mixed": overlap_weight,
                         "prefill": overlap_weight if prefill_overlap_weight is None else prefill_overlap_weight,
@@ -144,7 +145,8 @@ class KvAwarePolicy:
             # instead of computing a duplicate. Only then: where a copy is already cached, the
             # cache decides, and a prefill in flight elsewhere must not outbid it.
             if self.landed and hashes:
-                hits = [self._with_landed(key, hashes, hit) for (_, _, key), hit in zip(targets, hits)]
+                now = self.clock()
+                hits = [self._with_landed(key, hashes, hit, now) for (_, _, key), hit in zip(targets, hits)]
             pending = hashes and not any(hits)
             for (w, rank, key), hit in zip(targets, hits):
                 active = self.active.get(key)
@@ -186,14 +188,12 @@ class KvAwarePolicy:
                       request.request_id, key, hit, total, len(self.active.get(key, ())), " ".join(scored or ()))
         return worker
 
-    def _with_landed(self, key: str, hashes: list[int], hit: int) -> int:
+    def _with_landed(self, key: str, hashes: list[int], hit: int, now: float) -> int:
         """``hit`` extended by blocks served on ``key`` that its events have not caught up with."""
         landed = self.landed.get(key)
         if not landed:
             return hit
-        now = self.clock()
-        made_until = getattr(self.index, "events_made_until", None)
-        caught_up = made_until(key) if made_until is not None else 0.0
+        caught_up = self._events_made_until(key) if self._events_made_until is not None else 0.0
         while landed:
             finished, expiry = landed[next(iter(landed))]
             if finished > caught_up and expiry > now:

@@ -6,7 +6,7 @@ from infera.api.requests import parse_request
 from infera.discovery.record import WorkerRecord
 from infera.kv.hashing import block_hashes
 from infera.kv.prompt import PromptTokenizer
-from infera.router.kv_aware import KvAwarePolicy, expand_targets, predicted_cached_tokens
+from infera.router.kv_aware import LANDED_TTL_S, KvAwarePolicy, expand_targets, predicted_cached_tokens
 from infera.router.policy import RoutedRequest
 
 BS = 4
@@ -306,8 +306,6 @@ def _served_on(policy, workers, prompt, served=True):
     (False, 0.5, 0),   # the worker failed before answering: it computed nothing
 ])
 def test_a_served_request_counts_as_cached_before_its_events_arrive(served, after_s, expected_hit):
-    from infera.router.kv_aware import LANDED_TTL_S
-
     now = [100.0]
     index = FakeIndex()
     policy = KvAwarePolicy(index, PromptTokenizer.from_path(None), clock=lambda: now[0])

@@ -8,6 +8,7 @@ import pytest
 
 from infera.discovery.fleet import Fleet
 from infera.discovery.record import WorkerRecord
+from infera.kv.events import EventBatch, encode_batch
 from infera.kv.index import KvIndex
 from infera.router.policy import RoutedRequest
 from infera.server.kv import DIVERGENCE_WINDOW, KvEventsBridge
@@ -98,8 +99,6 @@ def test_wrong_predictions_are_counted_by_direction():
 
 
 def test_event_delay_is_measured_from_the_engine_timestamp():
-    from infera.kv.events import EventBatch, encode_batch
-
     now = [1000.0]
     fleet = Fleet()
     b = KvEventsBridge(fleet, KvIndex(), subscriber=NoSubscriber(), wall_clock=lambda: now[0])
@@ -115,8 +114,6 @@ def test_event_delay_is_measured_from_the_engine_timestamp():
 
 
 def test_replayed_history_is_not_counted_as_event_delay():
-    from infera.kv.events import EventBatch, encode_batch
-
     class Replaying(NoSubscriber):
         def replaying(self, key):
             return True
