@@ -195,14 +195,19 @@ async def test_leg_failure_before_first_byte_is_retried_on_another_pair(pd, fail
     assert b"infera_request_retries" in (await (await s.get(base + "/metrics")).read())
 
 
-async def test_retries_exhausted_is_an_openai_error(pd):
+@pytest.mark.parametrize("behaviour, status, code, says", [
+    ("500", 500, "http_500", "prefill leg"),             # the prefill engine failed
+    ("no-handoff", 502, "handoff_missing", "no kv_transfer_params"),  # it answered without a handoff
+])
+async def test_failed_serial_prefill_is_an_openai_error_and_never_reaches_the_decode(pd, behaviour, status, code,
+                                                                                     says):
     server, engine, s = pd
     srv, base = await server("--request-max-retries", "0")
-    p, d = await engine("p0", "prefill", behaviour="500"), await engine("d0", "decode")
+    p, d = await engine("p0", "prefill", behaviour=behaviour), await engine("d0", "decode")
     srv.fleet.replace_all([p.record(), d.record()])
-    status, reply = await post(s, base + "/v1/chat/completions", chat())
-    assert status == 500
-    assert "prefill leg" in assert_openai_error(reply, "http_500")["message"]
+    status_got, reply = await post(s, base + "/v1/chat/completions", chat())
+    assert status_got == status
+    assert says in assert_openai_error(reply, code)["message"]
     assert d.bodies == []  # a serial pair never reaches the decode when the prefill failed
 
 
@@ -247,17 +252,6 @@ async def test_concurrent_prefill_failure_aborts_the_waiting_decode(pd):
         while not d.cancelled:
             await asyncio.sleep(0.02)
     await asyncio.wait_for(aborted(), 5)
-
-
-async def test_missing_handoff_is_retried_then_502(pd):
-    server, engine, s = pd
-    srv, base = await server("--request-max-retries", "0")
-    p, d = await engine("p0", "prefill", behaviour="no-handoff"), await engine("d0", "decode")
-    srv.fleet.replace_all([p.record(), d.record()])
-    status, reply = await post(s, base + "/v1/chat/completions", chat())
-    assert status == 502
-    assert_openai_error(reply, "handoff_missing")
-    assert d.bodies == []
 
 
 async def test_midstream_decode_failure_ends_with_an_error_event(pd):
