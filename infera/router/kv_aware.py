@@ -4,10 +4,10 @@ balanced against load.
 cost(target) = w_overlap × missed_blocks + w_mm × missed_images + in_flight_blocks + recent_misses
 
 * missed_blocks = request blocks − the longest cached prefix in that target's view (KV events),
-  extended by the blocks of requests served there whose events have not caught up yet (cached,
-  though the events saying so may still be on the way); when no target has any of it cached, the blocks of
-  requests still in flight there count (they are about to be cached: a concurrent second request
-  must not prefill a duplicate elsewhere);
+  extended by the blocks of requests served there that its events have not caught up with (cached,
+  though the events saying so may still be on the way); when no target has any of it cached, the
+  blocks of requests still in flight there count (they are about to be cached: a concurrent second
+  request must not prefill a duplicate elsewhere);
 * in_flight_blocks = distinct blocks of requests in flight there (shared prefixes count once);
 * recent_misses = missed blocks charged at pick time, decayed ×0.97 per pick (prefill work queued
   there that in-flight accounting alone would not show). Unlike upstream, a request's remaining
@@ -140,13 +140,14 @@ class KvAwarePolicy:
                 # No block size registered: nothing can be known cached there, so it pays for every
                 # block (upstream charged it nothing, making it look like a perfect cache hit).
                 total, hits, hashes = most_blocks, [0] * len(targets), []
+            # Served there, events still on the way: as good as cached (see LANDED_TTL_S).
+            if self.landed and hashes:
+                now = self.clock()
+                hits = [self._with_landed(key, hashes, hit, now) for (_, _, key), hit in zip(targets, hits)]
             # A prefix cached nowhere yet but being prefilled somewhere counts as held there: a
             # second conversation of it starting before the first one's events arrive follows it
             # instead of computing a duplicate. Only then: where a copy is already cached, the
             # cache decides, and a prefill in flight elsewhere must not outbid it.
-            if self.landed and hashes:
-                now = self.clock()
-                hits = [self._with_landed(key, hashes, hit, now) for (_, _, key), hit in zip(targets, hits)]
             pending = hashes and not any(hits)
             for (w, rank, key), hit in zip(targets, hits):
                 active = self.active.get(key)
