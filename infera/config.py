@@ -143,3 +143,70 @@ def port_number(value: str) -> int:
     if not 0 <= n <= 65535:
         raise argparse.ArgumentTypeError(f"not a port number: {value!r}")
     return n
+
+
+# -- deployment planes -------------------------------------------------------------------------------
+DISCOVERY_CHOICES = ("etcd", "kubernetes")
+REQUEST_TRANSPORTS = ("http", "nats")
+KV_EVENT_TRANSPORTS = ("zmq", "nats")
+DEFAULT_NATS_SERVER = "nats://127.0.0.1:4222"
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def in_kubernetes(environ: Mapping[str, str] | None = None) -> bool:
+    """Inside a Pod: the kubelet sets KUBERNETES_SERVICE_HOST in every container."""
+    environ = os.environ if environ is None else environ
+    return bool(environ.get("KUBERNETES_SERVICE_HOST"))
+
+
+def default_plane(environ: Mapping[str, str] | None = None) -> tuple[str, str, str]:
+    """(discovery, request transport, KV-event transport) when no flag or env names them: the
+    production plane inside a Pod, the no-broker dev plane elsewhere."""
+    if in_kubernetes(environ):
+        return "kubernetes", "nats", "nats"
+    return "etcd", "http", "zmq"
+
+
+def default_k8s_namespace(environ: Mapping[str, str] | None = None, sa_dir: str = SERVICE_ACCOUNT_DIR) -> str:
+    """POD_NAMESPACE, else the Pod's service-account namespace, else ``default``."""
+    environ = os.environ if environ is None else environ
+    if environ.get("POD_NAMESPACE"):
+        return environ["POD_NAMESPACE"]
+    try:
+        with open(os.path.join(sa_dir, "namespace")) as f:
+            ns = f.read().strip()
+            if ns:
+                return ns
+    except OSError:
+        pass
+    return "default"
+
+
+def add_plane_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
+    """Discovery, transports and NATS flags shared by the server and every worker launcher."""
+    environ = os.environ if environ is None else environ
+    discovery, request_transport, kv_transport = default_plane(environ)
+    f = lambda *a, **k: add_flag(parser, *a, environ=environ, **k)  # noqa: E731
+    f("--discovery-backend", env="INFERA_DISCOVERY_BACKEND", default=discovery, type=choice_of(*DISCOVERY_CHOICES),
+      help="where worker records live (default: kubernetes inside a Pod, else etcd)")
+    f("--etcd-endpoint", env="INFERA_ETCD_ENDPOINT", default=None, type=etcd_url,
+      help="host:port, host (→ :2379) or http(s)://host:port")
+    f("--etcd-prefix", env="INFERA_ETCD_PREFIX", default="/infera/workers/", type=etcd_prefix,
+      help="key prefix of worker records")
+    f("--k8s-namespace", env="INFERA_K8S_NAMESPACE", default=default_k8s_namespace(environ),
+      help="namespace of the worker Pods (default: POD_NAMESPACE, the service account's, else default)")
+    f("--request-transport", env="INFERA_REQUEST_TRANSPORT", default=request_transport,
+      type=choice_of(*REQUEST_TRANSPORTS),
+      help="how requests reach workers (default: nats inside a Pod, else http)")
+    f("--kv-event-transport", env="INFERA_KV_EVENT_TRANSPORT", default=kv_transport,
+      type=choice_of(*KV_EVENT_TRANSPORTS),
+      help="how KV events reach routers (default: nats inside a Pod, else zmq)")
+    f("--nats-server", env="NATS_SERVER", default=DEFAULT_NATS_SERVER,
+      help="NATS URL(s), comma-separated (requests, KV events and replica sync on the NATS plane)")
+    f("--nats-req-idle-timeout", env="INFERA_NATS_REQ_IDLE_TIMEOUT", default=900.0, type=non_negative_float,
+      help="NATS requests: longest wait for the next reply chunk before 504 and a cancel (0 = forever)")
+    f("--nats-req-max-duration", env="INFERA_NATS_REQ_MAX_DURATION", default=0.0, type=non_negative_float,
+      help="NATS requests: hard cap on one request's total time (0 = off)")
+    f("--nats-req-max-pending", env="INFERA_NATS_REQ_MAX_PENDING", default=0, type=non_negative_int,
+      help="NATS requests: most requests in flight per worker; more get 429 with Retry-After and fail "
+           "over to another worker (0 = off)")

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from infera.discovery.base import Discovery, Registration
 
-DISCOVERY_BACKENDS: tuple[str, ...] = ("etcd",)
+DISCOVERY_BACKENDS: tuple[str, ...] = ("etcd", "kubernetes")
 
 
 def _check_backend(backend: str) -> None:
@@ -17,28 +17,45 @@ def _check_backend(backend: str) -> None:
         raise ValueError(f"unknown discovery backend {backend!r} (choose from {', '.join(DISCOVERY_BACKENDS)})")
 
 
-def _require_etcd_endpoint(etcd_endpoint: str | None) -> str:
-    if not etcd_endpoint:
-        raise ValueError("the etcd discovery backend needs an etcd endpoint (host:port or http://host:port)")
-    return etcd_endpoint
+def _require(value: str | None, what: str) -> str:
+    if not value:
+        raise ValueError(what)
+    return value
 
 
-def make_discovery(backend: str, *, etcd_endpoint: str | None, etcd_prefix: str, **kw: Any) -> "Discovery":
-    """Server side. Extra keywords go to the backend (etcd: ``client``, ``backoff_initial``, ``backoff_max``)."""
+def make_discovery(backend: str, *, etcd_endpoint: str | None = None, etcd_prefix: str = "/infera/workers/",
+                   k8s_namespace: str | None = None, k8s_label_selector: str | None = None, **kw: Any) -> "Discovery":
+    """Server side. Extra keywords go to the backend (etcd: ``client``, ``backoff_initial``,
+    ``backoff_max``; kubernetes: ``config``)."""
     _check_backend(backend)
+    if backend == "kubernetes":
+        from infera.discovery.kubernetes import KubernetesDiscovery
+
+        return KubernetesDiscovery(
+            _require(k8s_label_selector, "the kubernetes discovery backend needs a label selector"),
+            k8s_namespace or "default", **kw)
     from infera.discovery.etcd import EtcdDiscovery
 
-    return EtcdDiscovery(_require_etcd_endpoint(etcd_endpoint), etcd_prefix, **kw)
+    return EtcdDiscovery(_require(etcd_endpoint, "the etcd discovery backend needs an etcd endpoint "
+                                  "(host:port or http://host:port)"), etcd_prefix, **kw)
 
 
-def make_registration(
-    backend: str, *, etcd_endpoint: str | None, etcd_prefix: str, lease_ttl: float, **kw: Any
-) -> "Registration":
-    """Worker side. Extra keywords go to the backend (etcd: ``client``, ``first_timeout``)."""
+def make_registration(backend: str, *, etcd_endpoint: str | None = None, etcd_prefix: str = "/infera/workers/",
+                      lease_ttl: float = 10.0, k8s_namespace: str | None = None, k8s_pod_name: str | None = None,
+                      **kw: Any) -> "Registration":
+    """Worker side. Extra keywords go to the backend (etcd: ``client``, ``first_timeout``;
+    kubernetes: ``config``, ``refresh_s``)."""
     _check_backend(backend)
+    if backend == "kubernetes":
+        from infera.discovery.kubernetes import KubernetesRegistration
+
+        return KubernetesRegistration(
+            k8s_namespace or "default",
+            _require(k8s_pod_name, "the kubernetes discovery backend needs the worker's Pod name (POD_NAME)"), **kw)
     from infera.discovery.etcd import EtcdRegistration
 
-    return EtcdRegistration(_require_etcd_endpoint(etcd_endpoint), etcd_prefix, lease_ttl, **kw)
+    return EtcdRegistration(_require(etcd_endpoint, "the etcd discovery backend needs an etcd endpoint "
+                                     "(host:port or http://host:port)"), etcd_prefix, lease_ttl, **kw)
 
 
 __all__ = ["DISCOVERY_BACKENDS", "make_discovery", "make_registration"]

@@ -29,6 +29,9 @@ class WorkerRecord(msgspec.Struct, kw_only=True, omit_defaults=False):
     dp_rank: Optional[int] = None
     dp_size: Optional[int] = None
     request_transport: Literal["http", "nats"] = "http"
+    # Where this worker's KV events can be read: the engine's ZMQ publisher (always, at
+    # kv_events_endpoint), and also JetStream when its launcher relays them there ("nats").
+    kv_event_transport: Literal["zmq", "nats"] = "zmq"
     schema: int = SCHEMA_VERSION
 
     @property

@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 from typing import Mapping, Sequence
 
-from infera.config import (add_flag, choice_of, etcd_prefix, etcd_url, non_negative_float, non_negative_int,
-                           port_number, positive_float, positive_int)
+from infera.config import (add_flag, add_plane_flags, choice_of, non_negative_float, non_negative_int, port_number,
+                           positive_float, positive_int)
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 DEFAULT_KV_OVERLAP_WEIGHT = 16.0
@@ -17,16 +17,12 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     f = lambda *a, **k: add_flag(p, *a, environ=environ, **k)  # noqa: E731
     f("--host", env="INFERA_HOST", default="0.0.0.0", help="bind address")
     f("--port", env="INFERA_PORT", default=8000, type=port_number, help="bind port (0: any free port)")
-    f("--discovery-backend", env="INFERA_DISCOVERY_BACKEND", default="etcd", type=choice_of("etcd"),
-      help="where worker records live")
-    f("--etcd-endpoint", env="INFERA_ETCD_ENDPOINT", default=None, type=etcd_url,
-      help="host:port, host (→ :2379) or http(s)://host:port")
-    f("--etcd-prefix", env="INFERA_ETCD_PREFIX", default="/infera/workers/", type=etcd_prefix,
-      help="key prefix of worker records")
-    f("--request-transport", env="INFERA_REQUEST_TRANSPORT", default="http", type=choice_of("http"),
-      help="how requests reach workers")
-    f("--kv-event-transport", env="INFERA_KV_EVENT_TRANSPORT", default="zmq", type=choice_of("zmq"),
-      help="how KV events reach the router (used by KV-aware policies)")
+    add_plane_flags(p, environ)
+    f("--k8s-label-selector", env="INFERA_K8S_LABEL_SELECTOR", default=None,
+      help="kubernetes discovery: label selector of the worker Pods (required there)")
+    f("--replica-sync", env="INFERA_REPLICA_SYNC", default=None, type=choice_of("nats", "off"),
+      help="kv-aware: share in-flight requests and just-served prefixes with the other server replicas over "
+           "NATS, so replicas route as one (default: nats when this server uses NATS, else off)")
     f("--router-mode", env="INFERA_ROUTER_MODE", default="auto", type=choice_of("auto", "direct"),
       help="auto: the router picks; direct: honour the x-worker-instance-id header")
     f("--router-policy", env="INFERA_ROUTER_POLICY", default="kv-aware", type=choice_of("kv-aware", "round-robin"),
@@ -68,6 +64,11 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
     args = parser.parse_args(argv)
     if args.discovery_backend == "etcd" and not args.etcd_endpoint:
         parser.error("--etcd-endpoint (or INFERA_ETCD_ENDPOINT) is required with --discovery-backend etcd")
+    if args.discovery_backend == "kubernetes" and not args.k8s_label_selector:
+        parser.error("--k8s-label-selector (or INFERA_K8S_LABEL_SELECTOR) is required with --discovery-backend "
+                     "kubernetes: it names the worker Pods to route to")
+    if args.replica_sync is None:
+        args.replica_sync = "off"  # FLIP-WHEN-SYNC-LANDS: "nats" if "nats" in (args.request_transport, args.kv_event_transport) else "off"
     if args.breaker_max_cooldown_s < args.breaker_cooldown_s:
         parser.error(f"--breaker-max-cooldown-s ({args.breaker_max_cooldown_s:g}) must be >= --breaker-cooldown-s "
                      f"({args.breaker_cooldown_s:g})")

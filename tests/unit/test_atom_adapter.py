@@ -92,14 +92,14 @@ def test_kv_events_from_env_is_refused_too(monkeypatch):
     assert "--kv-events-config" not in spec.argv
 
 
-def test_only_etcd_and_http():
+def test_every_plane_is_the_launcher_s_not_the_engine_s():
+    # Upstream's ATOM launcher knew only etcd + HTTP. Ours registers and serves NATS in the shared
+    # launcher, which proxies to ATOM's HTTP API like any engine's: inside a Pod (production plane
+    # by default) an ATOM worker starts without extra flags.
     a, args, engine_argv = parse(["--model", "/m"])
-    args.request_transport = "nats"  # should the base launcher ever offer it
-    with pytest.raises(SystemExit, match="only --request-transport http"):
-        a.prepare(engine_argv, args)
-    args.request_transport, args.discovery_backend = "http", "kubernetes"
-    with pytest.raises(SystemExit, match="only --discovery-backend etcd"):
-        a.prepare(engine_argv, args)
+    args.request_transport, args.discovery_backend = "nats", "kubernetes"
+    spec = a.prepare(engine_argv, args)
+    assert spec.argv[:2] == ["--model", "/m"]
 
 
 def test_engine_stop_grace_is_15s_unless_set(monkeypatch):

@@ -200,7 +200,7 @@ def test_normalize_endpoint_rejects_garbage() -> None:
 
 
 def test_registry() -> None:
-    assert DISCOVERY_BACKENDS == ("etcd",)
+    assert DISCOVERY_BACKENDS == ("etcd", "kubernetes")
     discovery = make_discovery("etcd", etcd_endpoint="127.0.0.1:2379", etcd_prefix="/infera/workers/")
     assert isinstance(discovery, EtcdDiscovery) and discovery.client.base_url == "http://127.0.0.1:2379"
     registration = make_registration("etcd", etcd_endpoint="h:1", etcd_prefix="/w/", lease_ttl=2.5)

@@ -103,12 +103,6 @@ class AtomAdapter:
 
     def prepare(self, engine_argv: list[str], args: argparse.Namespace) -> EngineProcessSpec:
         argv = list(engine_argv)
-        if getattr(args, "discovery_backend", "etcd") != "etcd":
-            raise SystemExit(f"{PROG}: ATOM workers support only --discovery-backend etcd, "
-                             f"not {args.discovery_backend!r}")
-        if getattr(args, "request_transport", "http") != "http":
-            raise SystemExit(f"{PROG}: ATOM workers support only --request-transport http, "
-                             f"not {args.request_transport!r}")
         if kv_events_enabled(args, PROG):
             raise SystemExit(f"{PROG}: --enable-kv-events is not supported for ATOM: ATOM has no KV-events "
                              "flag to inject, so no events would be published. Run with --no-enable-kv-events "

@@ -1,0 +1,526 @@
+"""Kubernetes discovery: worker records live in an annotation of each worker's own Pod.
+
+* :class:`KubernetesDiscovery` (server side): list the Pods matching a label selector, reconcile
+  the fleet, then watch from the list's resourceVersion (with bookmarks, so a quiet selector still
+  advances its resourceVersion). A broken watch resumes from the last resourceVersion seen; 410 Gone
+  (the history moved on) means re-list and reconcile; other failures back off and retry while the
+  fleet keeps its last known content.
+* :class:`KubernetesRegistration` (worker side): JSON-merge-patch the record into the annotation of
+  its own Pod and re-assert it every ``refresh_s``; deregistering patches the annotation to null.
+
+Per Pod: DELETED, no annotation, or ``status.phase != "Running"`` → no worker; a set
+``metadata.deletionTimestamp`` → the record as ``draining`` (the Pod is terminating: routing stops
+before the kubelet signals the worker); otherwise the record as written.
+
+lightkube's public ``list``/``watch`` take label selectors only as dicts of operators and cannot ask
+for bookmarks, so list and watch requests are built with its ``GenericAsyncClient``
+(``AsyncClient._client``: ``prepare_request`` + ``list``/``watch``), passing ``labelSelector`` and
+``allowWatchBookmarks`` as raw query parameters. Decoding, ERROR events (raised as ``ApiError``) and
+auth stay lightkube's.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any, NamedTuple, Union
+
+import msgspec
+from lightkube import ApiError, AsyncClient, ConfigError, KubeConfig, SingleConfig
+from lightkube.core import generic_client as _generic_client
+from lightkube.resources.core_v1 import Pod
+from lightkube.types import PatchType
+
+from infera.config import SERVICE_ACCOUNT_DIR
+from infera.discovery.fleet import Fleet
+from infera.discovery.record import WorkerRecord, decode_record, encode_record
+
+log = logging.getLogger(__name__)
+
+ANNOTATION = "infera.amd.com/worker-info"
+DEFAULT_KUBECONFIG = "~/.kube/config"
+
+# The HTTP library lightkube is built on (httpx2 in lightkube 1.x, httpx before): its transport
+# errors are what a broken connection raises.
+_httpx = _generic_client.httpx
+
+KubeConfigLike = Union[KubeConfig, SingleConfig]
+
+
+# --------------------------------------------------------------------------------------------
+# Errors and config
+# --------------------------------------------------------------------------------------------
+class KubernetesError(Exception):
+    """Base class for the failures this module raises."""
+
+
+class KubeConfigError(KubernetesError):
+    """No usable API server configuration (neither in a Pod nor a kubeconfig file)."""
+
+
+class KubernetesRegistrationError(KubernetesError):
+    """The worker could not write its record into its own Pod's annotation."""
+
+
+def load_kube_config(service_account_dir: str = SERVICE_ACCOUNT_DIR) -> KubeConfig:
+    """In-cluster service-account config inside a Pod, else ``$KUBECONFIG``, else ``~/.kube/config``.
+
+    Same order as lightkube's ``KubeConfig.from_env``, except that ``KUBECONFIG`` may be a
+    ``:``-separated list as with kubectl (the first existing file is used; files are not merged).
+    """
+    try:
+        return KubeConfig.from_service_account(service_account_dir)
+    except (ConfigError, KeyError):
+        # ConfigError: no token/namespace files; KeyError: files present but not inside a Pod
+        # (KUBERNETES_SERVICE_HOST/PORT unset).
+        pass
+    candidates = [p for p in os.environ.get("KUBECONFIG", "").split(os.pathsep) if p] or [DEFAULT_KUBECONFIG]
+    for path in candidates:
+        if os.path.isfile(os.path.expanduser(path)):
+            try:
+                return KubeConfig.from_file(path)
+            except Exception as exc:  # bad YAML, missing sections, bad types: all "unusable"
+                raise KubeConfigError(f"unusable kubeconfig {path}: {_describe(exc)}") from exc
+    raise KubeConfigError(
+        f"no Kubernetes API config: not inside a Pod (no service account at {service_account_dir} or "
+        f"KUBERNETES_SERVICE_HOST unset) and no kubeconfig file at {', '.join(candidates)}")
+
+
+def _config(config: KubeConfigLike | None) -> KubeConfigLike:
+    return config if config is not None else load_kube_config()
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, ApiError) and exc.status is not None:
+        return f"HTTP {exc.status.code} {exc.status.reason or ''}: {exc.status.message or ''}".strip()
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _status_code(exc: BaseException) -> int | None:
+    if isinstance(exc, ApiError) and exc.status is not None and exc.status.code:
+        return int(exc.status.code)
+    if isinstance(exc, _httpx.HTTPStatusError):
+        return exc.response.status_code
+    return None
+
+
+def _retryable(exc: BaseException) -> bool:
+    """Server-side trouble or a broken connection is worth retrying; 4xx (RBAC, no such Pod) is not."""
+    code = _status_code(exc)
+    if code is not None:
+        return code >= 500 or code == 429
+    return isinstance(exc, (_httpx.TransportError, OSError, asyncio.TimeoutError))
+
+
+# --------------------------------------------------------------------------------------------
+# Pod → record (pure)
+# --------------------------------------------------------------------------------------------
+class PodState(NamedTuple):
+    record: WorkerRecord | None  # what the fleet should hold for this Pod (None: nothing)
+    reason: str  # "active" | "draining" | "no-annotation" | "not-running" | "bad-annotation"
+    detail: str = ""
+
+
+def pod_state(pod: Pod) -> PodState:
+    """Decide what a (not deleted) Pod contributes to the fleet."""
+    meta = pod.metadata
+    raw = (meta.annotations or {}).get(ANNOTATION) if meta is not None else None
+    if not raw:
+        return PodState(None, "no-annotation")
+    phase = pod.status.phase if pod.status is not None else None
+    if phase != "Running":
+        return PodState(None, "not-running", phase or "unknown")
+    try:
+        record = decode_record(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        return PodState(None, "bad-annotation", str(exc))
+    if meta.deletionTimestamp is not None:
+        # Terminating: stop routing now, before the kubelet's SIGTERM reaches the worker.
+        return PodState(msgspec.structs.replace(record, status="draining"), "draining")
+    return PodState(record, "active")
+
+
+def _pod_name(pod: Pod) -> str:
+    return (pod.metadata.name if pod.metadata is not None else None) or ""
+
+
+def _generic(client: AsyncClient) -> Any:
+    generic = getattr(client, "_client", None)
+    if generic is None or not hasattr(generic, "prepare_request"):
+        raise KubernetesError("unsupported lightkube version: AsyncClient._client.prepare_request is missing")
+    return generic
+
+
+# --------------------------------------------------------------------------------------------
+# Discovery (server side)
+# --------------------------------------------------------------------------------------------
+class KubernetesDiscovery:
+    """Keep a :class:`Fleet` equal to the worker records annotated on the Pods that ``label_selector``
+    selects in ``namespace``.
+
+    ``watch_timeout_s`` asks the server to end each watch after that long (lightkube then re-opens it
+    from the last resourceVersion); ``idle_timeout_s`` (default: ``watch_timeout_s`` + 60 s) re-opens a
+    watch on which nothing, not even a bookmark, arrived for that long — a half-open connection
+    otherwise stays silent forever.
+    """
+
+    def __init__(
+        self,
+        label_selector: str,
+        namespace: str,
+        *,
+        config: KubeConfigLike | None = None,
+        backoff_initial: float = 0.5,
+        backoff_max: float = 10.0,
+        watch_timeout_s: float = 290.0,
+        idle_timeout_s: float | None = None,
+    ) -> None:
+        self.label_selector = label_selector
+        self.namespace = namespace
+        self.config = _config(config)  # fail fast (at server start) when there is no API to talk to
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self.watch_timeout_s = watch_timeout_s
+        self.idle_timeout_s = idle_timeout_s if idle_timeout_s is not None else watch_timeout_s + 60.0
+        self.ready = asyncio.Event()  # set after the first successful list
+        self.resource_version: str | None = None  # latest seen (list, events, bookmarks); None = re-list
+        self.relists = 0  # successful lists (the first one included)
+        self.expired = 0  # 410 Gone answers (each one forces a re-list)
+        self.bookmarks = 0
+        self.last_error: str | None = None
+        self._client: AsyncClient | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._failures = 0  # failed attempts in the current outage
+        self._backoff = backoff_initial
+        self._expired_in_a_row = 0  # 410s with no watch event in between (a loop guard)
+        # Pod name → the record applied from it: a Pod whose annotation changes worker_id, or that
+        # goes away, removes the id it held (unless another Pod still holds it).
+        self._records_by_pod: dict[str, WorkerRecord] = {}
+        self._bad_annotations: dict[str, str] = {}  # Pod → bad value already logged (log once)
+
+    async def start(self, fleet: Fleet) -> None:
+        """Launch the background loop and return at once (the API server may be unreachable now)."""
+        if self._task is not None:
+            raise RuntimeError("KubernetesDiscovery already started")
+        self._client = AsyncClient(config=self.config, namespace=self.namespace, field_manager="infera")
+        _generic(self._client)  # an incompatible lightkube fails here, not in the background
+        self._task = asyncio.create_task(self._run(fleet), name=f"k8s-discovery:{self.namespace}/{self.label_selector}")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task])  # let it unwind (closes the watch stream)
+        client, self._client = self._client, None
+        if client is not None:
+            await client.close()
+
+    # -- loop ------------------------------------------------------------------------------
+    async def _run(self, fleet: Fleet) -> None:
+        while True:
+            try:
+                if self.resource_version is None:
+                    await self._relist(fleet)
+                await self._watch(fleet)
+                continue  # idle: re-open at once (lightkube itself re-opens a watch the server ended)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # never let discovery die
+                error = exc
+            self.last_error = _describe(error)
+            if _status_code(error) == 410:
+                # Our resourceVersion is older than the server's history: only a re-list
+                # (replace_all) can tell which Pods vanished meanwhile.
+                self.expired += 1
+                self._expired_in_a_row += 1
+                self.resource_version = None
+                log.info("kubernetes watch expired (%s); re-listing", self.last_error)
+                if self._expired_in_a_row > 1:  # normal once; again and again means back off
+                    await asyncio.sleep(min(self.backoff_initial * 2 ** (self._expired_in_a_row - 2), self.backoff_max))
+                continue
+            self._failures += 1
+            # First failure of an outage at WARNING; repeats at DEBUG so an outage isn't log spam.
+            log.log(logging.WARNING if self._failures == 1 else logging.DEBUG,
+                    "kubernetes discovery of %r in %s failed (%s); retrying in %.1fs from resourceVersion %s",
+                    self.label_selector, self.namespace, self.last_error, self._backoff, self.resource_version)
+            await asyncio.sleep(self._backoff)
+            self._backoff = min(self._backoff * 2, self.backoff_max)
+
+    def _progress(self) -> None:
+        """The API answered (a list, or any watch event): the outage, if any, is over."""
+        if self._failures:
+            log.info("kubernetes discovery recovered after %d failed attempt(s)", self._failures)
+            self._failures = 0
+        self._backoff = self.backoff_initial
+
+    def _request(self, watch: bool, params: dict[str, Any]) -> Any:
+        assert self._client is not None
+        params = {"labelSelector": self.label_selector, **params}
+        return _generic(self._client).prepare_request("list", res=Pod, namespace=self.namespace, watch=watch,
+                                                      params=params)
+
+    async def _relist(self, fleet: Fleet) -> None:
+        assert self._client is not None
+        pods = _generic(self._client).list(self._request(False, {}))
+        records: dict[str, WorkerRecord] = {}
+        names: set[str] = set()
+        async for pod in pods:
+            names.add(_pod_name(pod))
+            record = self._record_for(pod)
+            if record is not None:
+                records[_pod_name(pod)] = record
+        self._records_by_pod = records
+        self._bad_annotations = {n: v for n, v in self._bad_annotations.items() if n in names}
+        fleet.replace_all(records.values())
+        self.resource_version = pods.resourceVersion
+        self.relists += 1
+        self.ready.set()
+        self._progress()
+        log.debug("kubernetes list of %s in %s at resourceVersion %s: %d worker(s)", self.label_selector,
+                  self.namespace, self.resource_version, len(records))
+
+    async def _watch(self, fleet: Fleet) -> None:
+        assert self._client is not None
+        br = self._request(True, {"resourceVersion": self.resource_version, "allowWatchBookmarks": "true",
+                                  "timeoutSeconds": max(1, int(self.watch_timeout_s))})
+        stream = _generic(self._client).watch(br).__aiter__()
+        try:
+            while True:
+                try:
+                    kind, pod = await asyncio.wait_for(stream.__anext__(), self.idle_timeout_s)
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:
+                    log.info("kubernetes watch silent for %.0fs (a dead connection?); re-watching from "
+                             "resourceVersion %s", self.idle_timeout_s, self.resource_version)
+                    return
+                self._progress()
+                self._expired_in_a_row = 0
+                if kind == "BOOKMARK":
+                    self.bookmarks += 1
+                else:
+                    try:
+                        self._apply(fleet, kind, pod)
+                    except Exception:  # one odd Pod must not wedge the watch
+                        log.exception("kubernetes discovery could not apply %s of Pod %s", kind, _pod_name(pod))
+                rv = pod.metadata.resourceVersion if pod.metadata is not None else None
+                if rv:
+                    self.resource_version = rv
+        finally:
+            await stream.aclose()  # release the HTTP stream promptly
+
+    # -- applying --------------------------------------------------------------------------
+    def _record_for(self, pod: Pod) -> WorkerRecord | None:
+        name = _pod_name(pod)
+        state = pod_state(pod)
+        if state.reason == "bad-annotation":
+            raw = (pod.metadata.annotations or {}).get(ANNOTATION, "")
+            if self._bad_annotations.get(name) != raw:
+                self._bad_annotations[name] = raw
+                log.warning("skipping Pod %s: undecodable %s annotation: %s", name, ANNOTATION, state.detail)
+        else:
+            self._bad_annotations.pop(name, None)
+        return state.record
+
+    def _apply(self, fleet: Fleet, kind: str, pod: Pod) -> None:
+        name = _pod_name(pod)
+        if kind == "DELETED":
+            record = None
+            self._bad_annotations.pop(name, None)
+        else:  # ADDED / MODIFIED
+            record = self._record_for(pod)
+        old = self._records_by_pod.pop(name, None)
+        if record is not None:
+            self._records_by_pod[name] = record
+            fleet.upsert(record)
+        if old is not None and (record is None or old.worker_id != record.worker_id):
+            self._resync_worker(fleet, old.worker_id)
+
+    def _resync_worker(self, fleet: Fleet, worker_id: str) -> None:
+        """A Pod stopped holding ``worker_id``: keep it if another Pod still does, else remove it."""
+        for record in self._records_by_pod.values():
+            if record.worker_id == worker_id:
+                fleet.upsert(record)
+                return
+        fleet.remove(worker_id)
+
+
+# --------------------------------------------------------------------------------------------
+# Registration (worker side)
+# --------------------------------------------------------------------------------------------
+class KubernetesRegistration:
+    """Publish one worker record in the ``infera.amd.com/worker-info`` annotation of its own Pod.
+
+    The annotation is re-asserted every ``refresh_s`` (a no-op patch on a real API server when it is
+    unchanged), so one that someone removed comes back. The Pod's deletion removes it for good.
+    """
+
+    def __init__(
+        self,
+        namespace: str,
+        pod_name: str,
+        *,
+        config: KubeConfigLike | None = None,
+        refresh_s: float = 30.0,
+        first_timeout: float = 30.0,
+        request_timeout: float = 10.0,
+    ) -> None:
+        self.namespace = namespace
+        self.pod_name = pod_name
+        self.config = _config(config)
+        self.refresh_s = refresh_s
+        self.first_timeout = first_timeout
+        self.request_timeout = request_timeout
+        self.record: WorkerRecord | None = None
+        self.refreshes = 0  # successful re-assertions by the background loop
+        self._client: AsyncClient | None = None
+        self._refresh_task: asyncio.Task[None] | None = None
+        self._stop_refresh: asyncio.Event | None = None
+        self._lock = asyncio.Lock()  # one patch at a time: the last write carries the latest record
+        self._first_error: str | None = None  # why the first registration is still retrying
+
+    def _get_client(self) -> AsyncClient:
+        if self._client is None:
+            self._client = AsyncClient(config=self.config, namespace=self.namespace, field_manager="infera")
+        return self._client
+
+    async def _patch(self, value: str | None) -> None:
+        body = {"metadata": {"annotations": {ANNOTATION: value}}}
+        await asyncio.wait_for(
+            self._get_client().patch(Pod, self.pod_name, body, namespace=self.namespace, patch_type=PatchType.MERGE),
+            self.request_timeout)
+
+    async def _write_record(self) -> None:
+        async with self._lock:
+            assert self.record is not None
+            await self._patch(encode_record(self.record).decode())
+
+    async def register(self, record: WorkerRecord) -> None:
+        """Annotate the Pod, then keep re-asserting it in the background.
+
+        Raises KubernetesRegistrationError at once on a non-retryable answer (no such Pod, RBAC), or
+        when the API server could not be reached within ``first_timeout`` seconds.
+        """
+        if self._refresh_task is not None:
+            raise RuntimeError("already registered; use update() to change the record")
+        self.record = record
+        where = f"Pod {self.namespace}/{self.pod_name}"
+        try:
+            await asyncio.wait_for(self._first_registration(), self.first_timeout)
+        except asyncio.TimeoutError:
+            raise KubernetesRegistrationError(
+                f"could not annotate {where} with {record.worker_id} within {self.first_timeout:g}s "
+                f"(last error: {self._first_error or 'none: the request hung'})") from None
+        except KubernetesRegistrationError:
+            raise
+        except Exception as exc:
+            raise KubernetesRegistrationError(f"could not annotate {where} with {record.worker_id}: "
+                                              f"{_describe(exc)}") from exc
+        log.info("registered %s in the %s annotation of %s", record.worker_id, ANNOTATION, where)
+        self._stop_refresh = asyncio.Event()
+        self._refresh_task = asyncio.create_task(self._refresh_loop(self._stop_refresh),
+                                                 name=f"k8s-registration:{self.pod_name}")
+
+    async def _first_registration(self) -> None:
+        delay = 0.1
+        self._first_error = None
+        while True:
+            try:
+                await self._write_record()
+                return
+            except Exception as exc:
+                if not _retryable(exc):
+                    raise
+                self._first_error = _describe(exc)
+                log.info("kubernetes API not ready for registration (%s); retrying in %.1fs", _describe(exc), delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    async def update(self, record: WorkerRecord) -> bool:
+        """Re-annotate with a changed record. True when written now; False when the API is
+        unreachable — the refresh loop then writes the latest record on its next round."""
+        if self._refresh_task is None:
+            raise RuntimeError("update() needs a live registration (call register() first)")
+        self.record = record
+        try:
+            await self._write_record()
+            return True
+        except Exception as exc:
+            log.warning("could not update %s on Pod %s: %s (the refresh retries)", record.worker_id, self.pod_name,
+                        _describe(exc))
+            return False
+
+    async def _refresh_loop(self, stop: asyncio.Event) -> None:
+        failing = False
+        while True:
+            try:
+                await asyncio.wait_for(stop.wait(), self.refresh_s)
+                return
+            except asyncio.TimeoutError:
+                pass
+            try:
+                await self._write_record()
+                self.refreshes += 1
+                if failing:
+                    log.info("kubernetes API reachable again; %s is annotated", self.pod_name)
+                    failing = False
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # keep trying at the same cadence; never die
+                if not failing:
+                    log.warning("re-asserting the worker record on Pod %s failed: %s (retrying every %.1fs)",
+                                self.pod_name, _describe(exc), self.refresh_s)
+                    failing = True
+
+    async def _stop_refresh_loop(self) -> None:
+        task, self._refresh_task = self._refresh_task, None
+        if task is None:
+            return
+        assert self._stop_refresh is not None
+        # Ask it to stop and let a patch in flight finish: cancelling a sent request could let the
+        # server apply it after our own deregistering patch, re-adding the record.
+        self._stop_refresh.set()
+        done, _ = await asyncio.wait([task], timeout=self.request_timeout + 1)
+        if not done:
+            task.cancel()
+            await asyncio.wait([task])
+
+    async def deregister(self) -> None:
+        """Stop the refresh, then patch the annotation to null. Logs failures; never raises."""
+        await self._stop_refresh_loop()  # FIRST, so it cannot re-assert the record behind our back
+        if self.record is None:
+            return
+        try:
+            async with self._lock:
+                await self._patch(None)
+            log.info("deregistered %s (cleared the annotation of Pod %s)", self.record.worker_id, self.pod_name)
+        except Exception as exc:
+            if _status_code(exc) == 404:
+                log.info("deregister: Pod %s is already gone", self.pod_name)
+            else:
+                log.warning("deregister: could not clear the annotation of Pod %s: %s", self.pod_name, _describe(exc))
+
+    async def close(self) -> None:
+        """Stop the refresh and close the client. Does NOT clear the annotation (deregister() does);
+        the Pod's deletion removes it anyway."""
+        await self._stop_refresh_loop()
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                await client.close()
+            except Exception as exc:  # closing must not fail a shutdown
+                log.debug("closing the kubernetes client failed: %s", exc)
+
+
+__all__ = [
+    "ANNOTATION",
+    "KubeConfigError",
+    "KubernetesDiscovery",
+    "KubernetesError",
+    "KubernetesRegistration",
+    "KubernetesRegistrationError",
+    "PodState",
+    "load_kube_config",
+    "pod_state",
+]
