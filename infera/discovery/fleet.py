@@ -13,10 +13,14 @@ from infera.discovery.record import WorkerRecord
 log = logging.getLogger(__name__)
 
 Listener = Callable[[str, "WorkerRecord | None"], None]
+# Why this server cannot reach a worker (None: it can), e.g. a NATS-only worker and no NATS here.
+Unroutable = Callable[[WorkerRecord], "str | None"]
 
 
 class Fleet:
-    def __init__(self) -> None:
+    def __init__(self, unroutable: Unroutable | None = None) -> None:
+        self._unroutable = unroutable
+        self.unroutable_reasons: dict[str, str] = {}  # worker id → why it is never routed to
         self._workers: dict[str, WorkerRecord] = {}
         self._active_by_key: dict[tuple[str | None, str | None], tuple[WorkerRecord, ...]] = {}
         self._models: list[str] = []
@@ -53,9 +57,16 @@ class Fleet:
     def _changed(self, worker_id: str, record: WorkerRecord | None) -> None:
         # Precompute every (model, mode) view, with None meaning "any": routers then read a
         # ready tuple per request instead of filtering the fleet.
+        if self._unroutable is not None:
+            reason = self._unroutable(record) if record is not None else None
+            if reason is None:
+                self.unroutable_reasons.pop(worker_id, None)
+            elif self.unroutable_reasons.get(worker_id) != reason:
+                self.unroutable_reasons[worker_id] = reason
+                log.error("worker %s is not routed to: it %s", worker_id, reason)
         index: dict[tuple[str | None, str | None], list[WorkerRecord]] = {}
         for r in sorted(self._workers.values(), key=lambda r: r.worker_id):
-            if not r.is_active:
+            if not r.is_active or r.worker_id in self.unroutable_reasons:
                 continue
             for key in ((r.model_name, r.disagg_mode), (r.model_name, None), (None, r.disagg_mode), (None, None)):
                 index.setdefault(key, []).append(r)
@@ -76,7 +87,7 @@ class Fleet:
         return sorted(self._workers.values(), key=lambda r: r.worker_id)
 
     def active(self, model: str | None = None, mode: str | None = None) -> tuple[WorkerRecord, ...]:
-        """Active workers serving ``model`` in disaggregation ``mode`` (None matches any)."""
+        """Active, reachable workers serving ``model`` in disaggregation ``mode`` (None matches any)."""
         return self._active_by_key.get((model, mode), ())
 
     def models(self) -> list[str]:

@@ -198,23 +198,32 @@ class KubernetesDiscovery:
         # goes away, removes the id it held (unless another Pod still holds it).
         self._records_by_pod: dict[str, WorkerRecord] = {}
         self._bad_annotations: dict[str, str] = {}  # Pod → bad value already logged (log once)
+        self._stopping = False
 
     async def start(self, fleet: Fleet) -> None:
         """Launch the background loop and return at once (the API server may be unreachable now)."""
         if self._task is not None:
             raise RuntimeError("KubernetesDiscovery already started")
+        self._stopping = False
         self._client = AsyncClient(config=self.config, namespace=self.namespace, field_manager="infera")
         _generic(self._client)  # an incompatible lightkube fails here, not in the background
         self._task = asyncio.create_task(self._run(fleet), name=f"k8s-discovery:{self.namespace}/{self.label_selector}")
 
     async def stop(self) -> None:
         task, self._task = self._task, None
+        client, self._client = self._client, None
+        self._stopping = True  # the HTTP stack may turn our cancel into a read error: don't retry then
         if task is not None:
             task.cancel()
-            await asyncio.wait([task])  # let it unwind (closes the watch stream)
-        client, self._client = self._client, None
+            # Let it unwind (closes the watch stream). A read cancelled inside httpx's stream can
+            # stay parked until its connection goes away: closing the client below releases it.
+            await asyncio.wait([task], timeout=1.0)
         if client is not None:
             await client.close()
+        if task is not None and not task.done():
+            _, pending = await asyncio.wait([task], timeout=5.0)
+            if pending:
+                log.warning("kubernetes discovery task did not stop within 6s")
 
     # -- loop ------------------------------------------------------------------------------
     async def _run(self, fleet: Fleet) -> None:
@@ -227,6 +236,8 @@ class KubernetesDiscovery:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # never let discovery die
+                if self._stopping:
+                    return
                 error = exc
             self.last_error = _describe(error)
             if _status_code(error) == 410:

@@ -40,7 +40,7 @@ from infera.router.pd import PdError, PdPair, PdProtocol, resolve_protocol
 from infera.router.policy import Policy, RoutedRequest
 from infera.server.metrics import ServerMetrics
 from infera.router.upstream import LegFailure, Opened, Relay, open_upstream, request_headers
-from infera.transport.http import HttpTransport
+from infera.transport.request import RequestTransport
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def align_room(room: int, prefill: WorkerRecord, rank: int | None) -> int:
 
 
 class DisaggRouter:
-    def __init__(self, fleet: Fleet, policy: Policy, transport: HttpTransport, metrics: ServerMetrics,
+    def __init__(self, fleet: Fleet, policy: Policy, transport: RequestTransport, metrics: ServerMetrics,
                  protocols: dict[str, PdProtocol], *, max_retries: int = 1,
                  prefill_timeout: float = DEFAULT_PREFILL_TIMEOUT, rng: random.Random | None = None,
                  clock: Callable[[], float] = time.perf_counter, breaker: CircuitBreaker | None = None) -> None:
@@ -175,7 +175,8 @@ class DisaggRouter:
         if failure is None:
             raise ApiError(503, f"no untried prefill/decode pair left for model {req.model!r}", "no_active_worker",
                            headers={"Retry-After": "1"})
-        raise ApiError(failure.status, f"{failure.role} leg: {failure.message}", failure.reason)
+        raise ApiError(failure.status, f"{failure.role} leg: {failure.message}", failure.reason,
+                       headers=failure.headers)
 
     async def dispatch_pair(self, req: RoutedRequest, prefill: WorkerRecord, decode: WorkerRecord) -> Reply:
         """Direct mode (``x-prefill-instance-id`` + ``x-worker-instance-id``): exactly this pair, one
@@ -186,7 +187,7 @@ class DisaggRouter:
         except LegFailure as exc:
             if not exc.retryable:
                 return Reply(exc.status, exc.content_type, exc.worker_id, body=exc.body)
-            raise ApiError(exc.status, f"{exc.role} leg: {exc.message}", exc.reason) from None
+            raise ApiError(exc.status, f"{exc.role} leg: {exc.message}", exc.reason, headers=exc.headers) from None
 
     async def close(self) -> None:
         """Server stop: cancel prefill legs still draining in the background."""
@@ -216,8 +217,11 @@ class DisaggRouter:
         try:
             opened = await open_upstream(self.transport, leg.worker, route, _encode_json(body),
                                          request_headers(request_id, leg.rank), stream, leg.role)
-        except LegFailure:  # 5xx or transport error before the first byte
-            leg.score_failure()
+        except LegFailure as exc:  # 5xx or transport error before the first byte (or a full NATS backlog)
+            if exc.blames_worker:
+                leg.score_failure()
+            else:
+                leg.score_neutral()
             raise
         if opened.status >= 400:
             leg.score_neutral()

@@ -21,7 +21,7 @@ from infera.router.breaker import CircuitBreaker
 from infera.router.policy import Policy, RoutedRequest
 from infera.server.metrics import ServerMetrics
 from infera.router.upstream import LegFailure, Relay, open_upstream, request_headers
-from infera.transport.http import HttpTransport
+from infera.transport.request import RequestTransport
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class Reply:
 class MixedRouter:
     """Routes to mixed (non-disaggregated) workers of the requested model."""
 
-    def __init__(self, fleet: Fleet, policy: Policy, transport: HttpTransport, metrics: ServerMetrics,
+    def __init__(self, fleet: Fleet, policy: Policy, transport: RequestTransport, metrics: ServerMetrics,
                  *, max_retries: int = 1, direct: bool = False, clock: Callable[[], float] = time.perf_counter,
                  usage_observer: UsageObserver | None = None, breaker: CircuitBreaker | None = None) -> None:
         self.fleet = fleet
@@ -92,7 +92,7 @@ class MixedRouter:
             try:
                 return await self._attempt(worker, req)
             except LegFailure as exc:
-                raise ApiError(exc.status, exc.message, exc.reason) from None
+                raise ApiError(exc.status, exc.message, exc.reason, headers=exc.headers) from None
 
         candidates = self.candidates(req.model)
         if self._prepare is not None:
@@ -109,10 +109,12 @@ class MixedRouter:
                 return await self._attempt(worker, req)
             except LegFailure as exc:
                 failure = exc
+                if not exc.retryable:
+                    break
             log.warning("request %s: %s (attempt %d)", req.request_id, failure.message, attempt + 1)
             self.metrics.count_retry(req.route, failure.reason)
         assert failure is not None
-        raise ApiError(failure.status, failure.message, failure.reason)
+        raise ApiError(failure.status, failure.message, failure.reason, headers=failure.headers)
 
     async def _attempt(self, worker: WorkerRecord, req: RoutedRequest) -> Reply:
         """One worker; ``LegFailure`` if it failed before the first byte. A 4xx is the client's
@@ -139,7 +141,7 @@ class MixedRouter:
             opened = await open_upstream(self.transport, worker, req.route, req.body, headers, req.stream)
         except LegFailure as exc:  # 5xx or transport error before the first byte: the worker's fault
             release()
-            if exc.retryable:
+            if exc.blames_worker:
                 breaker.record_failure(worker.worker_id)
             else:
                 breaker.record_neutral(worker.worker_id)

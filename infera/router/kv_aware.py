@@ -20,12 +20,20 @@ cost(target) = w_overlap × missed_blocks + w_mm × missed_images + in_flight_bl
 A rank-multiplexed worker (DP attention) is scored per rank; the chosen rank travels as
 ``X-Data-Parallel-Rank``. The argmin is over (cost, load); remaining ties go to the target whose
 cache holds the fewest blocks, then rotate.
+
+Server replicas routing one fleet all read every engine's KV events, so they agree on what is
+cached. What only one replica knows is what it has in flight and what it has just served. With a
+replica sync (``replica_sync=``, e.g. :class:`infera.transport.replica_sync_nats.NatsReplicaSync`)
+each replica tells the others (:class:`ReplicaShare`): their requests in flight count in
+in_flight_blocks, in recent_misses (the charge of their pick, until they finish) and in the
+in-flight rule of missed_blocks, and their served requests in the not-yet-caught-up extension,
+exactly like this replica's own.
 """
 from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Callable, Protocol, Sequence
 
 from infera.api.cache_hints import LONG, NONE, RETENTION_NAMES, CacheHints, parse_cache_hints
@@ -46,6 +54,16 @@ LANDED_TTL_S = 2.0
 LANDED_CAP = 1 << 16  # blocks per target: bounded whatever the request rate
 MM_WEIGHT = 48.0
 MM_AFFINITY_CAP = 256
+
+# Replica sync (see ReplicaShare). Every table is bounded: what does not fit is not shared, and
+# is counted.
+SYNC_OUTBOX_CAP = 8192  # deltas waiting for the sync task; a full outbox drops the oldest
+SYNC_LIVE_CAP = 8192  # this replica's requests in flight that are shared (heartbeats list them)
+SYNC_BLOCKS_PER_REQUEST = 2048  # a request's first blocks are shared (prefixes are what routing matches)
+PEER_TIMEOUT_S = 3.0  # a replica not heard from for this long is dropped, with all it had in flight
+PEERS_CAP = 64
+PEER_REQUESTS_CAP = 8192  # in-flight requests kept per other replica
+REMOTE_BLOCKS_CAP = 1 << 20  # block references kept over all other replicas' requests
 
 
 def route_key(worker_id: str, dp_rank: int | None) -> str:
@@ -69,13 +87,20 @@ class KvPickObserver(Protocol):
     def record_pick(self, role: str, key: str, hit_blocks: int, request_blocks: int) -> None: ...
 
 
+class ReplicaSyncLink(Protocol):
+    """A replica sync's transport: it is handed the policy's :class:`ReplicaShare` once, drains its
+    outbox in the background and applies what the other replicas say (on the event loop)."""
+
+    def attach(self, share: "ReplicaShare") -> None: ...
+
+
 class KvAwarePolicy:
     name = "kv-aware"
 
     def __init__(self, index: PrefixIndex, prompts: PromptTokenizer, *, overlap_weight: float = 1.0,
                  prefill_overlap_weight: float | None = None, decode_overlap_weight: float | None = None,
                  observer: KvPickObserver | None = None, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time, replica_sync: ReplicaSyncLink | None = None) -> None:
         self.index = index
         self.clock = clock
         self.wall_clock = wall_clock  # compared with engine event timestamps
@@ -85,12 +110,17 @@ class KvAwarePolicy:
                         "prefill": overlap_weight if prefill_overlap_weight is None else prefill_overlap_weight,
                         "decode": overlap_weight if decode_overlap_weight is None else decode_overlap_weight}
         self.observer = observer
-        self.active: dict[str, dict[int, int]] = {}  # route key → {block hash: requests in flight}
+        # route key → {block hash: requests in flight}, this replica's and (with a sync) the others'
+        self.active: dict[str, dict[int, int]] = {}
         self.recent: dict[str, float] = {}
         self._picks = 0  # decay clock: remaining charge = charge × RECENT_DECAY^(picks since)
         self.mm_affinity: dict[str, OrderedDict[int, None]] = {}
-        # route key → {block hash: (wall time it finished, monotonic expiry)}, oldest first
+        # route key → {block hash: (wall time it finished, monotonic expiry)}, in order of arrival
         self.landed: dict[str, OrderedDict[int, tuple[float, float]]] = {}
+        self.replicas: ReplicaShare | None = None  # what the other server replicas share
+        if replica_sync is not None:
+            self.replicas = ReplicaShare(self)
+            replica_sync.attach(self.replicas)
 
     async def prepare(self, request: RoutedRequest) -> None:
         """Tokenize once per request (cached across requests), before any pick."""
@@ -200,7 +230,12 @@ class KvAwarePolicy:
             if finished > caught_up and expiry > now:
                 break
             landed.popitem(last=False)
-        while hit < len(hashes) and hashes[hit] in landed:
+        # Each block checked too: entries from other replicas arrive a little out of order, so one
+        # behind a valid one may already be caught up with.
+        while hit < len(hashes):
+            stamp = landed.get(hashes[hit])
+            if stamp is None or stamp[0] <= caught_up or stamp[1] <= now:
+                break
             hit += 1
         return hit
 
@@ -223,30 +258,43 @@ class KvAwarePolicy:
         key = request.state.get("route_key")
         if key is None:
             return
-        counts = self.active.setdefault(key, {})
-        for h in request.state.get("blocks", ()):
-            counts[h] = counts.get(h, 0) + 1
+        blocks = request.state.get("blocks", ())
+        self._count_in(key, blocks)
+        if self.replicas is not None and blocks:
+            charge = request.state.get("charge", (0.0, 0))[0]
+            request.state["sync_rid"] = self.replicas.started(request.model, key, blocks, charge)
 
     def on_finished(self, worker: WorkerRecord, request: RoutedRequest) -> None:
         key = request.state.get("route_key")
         if key is None:
             return
-        charge, at = request.state.pop("charge", (0.0, 0))
+        self._release_charge(key, *request.state.pop("charge", (0.0, 0)))
+        blocks = request.state.get("blocks", ())
+        served = bool(blocks) and bool(request.state.get("served"))  # the worker answered: it computed the prompt
+        finished_at = self.wall_clock() if served else 0.0
+        if served:
+            self._land(key, blocks, finished_at)
+        if self.replicas is not None:
+            rid = request.state.pop("sync_rid", None)
+            if rid is not None:
+                self.replicas.finished(rid, finished_at)
+        self._count_out(key, blocks)
+
+    def _release_charge(self, key: str, charge: float, at: int) -> None:
+        """A request charged ``charge`` at pick ``at`` finished: what is left of it goes."""
         if charge and key in self.recent:
             left = self.recent[key] - charge * RECENT_DECAY ** (self._picks - at)
             if left < 1e-3:
                 del self.recent[key]
             else:
                 self.recent[key] = left
-        blocks = request.state.get("blocks", ())
-        if blocks and request.state.get("served"):  # the worker answered: it computed the prompt
-            landed = self.landed.setdefault(key, OrderedDict())
-            stamp = (self.wall_clock(), self.clock() + LANDED_TTL_S)
-            for h in blocks:
-                landed[h] = stamp
-                landed.move_to_end(h)
-            while len(landed) > LANDED_CAP:
-                landed.popitem(last=False)
+
+    def _count_in(self, key: str, blocks: Sequence[int]) -> None:
+        counts = self.active.setdefault(key, {})
+        for h in blocks:
+            counts[h] = counts.get(h, 0) + 1
+
+    def _count_out(self, key: str, blocks: Sequence[int]) -> None:
         counts = self.active.get(key)
         if counts is None:
             return
@@ -257,14 +305,207 @@ class KvAwarePolicy:
             else:
                 counts.pop(h, None)
 
+    def _land(self, key: str, blocks: Sequence[int], finished_at: float) -> None:
+        """``blocks`` were computed on ``key`` by a request that finished at ``finished_at`` (wall
+        clock, compared with the engine's event timestamps): cached there until the events catch up."""
+        landed = self.landed.setdefault(key, OrderedDict())
+        stamp = (finished_at, self.clock() + LANDED_TTL_S)
+        for h in blocks:
+            old = landed.get(h)
+            landed[h] = stamp if old is None or old[0] <= finished_at else (old[0], stamp[1])
+            landed.move_to_end(h)
+        while len(landed) > LANDED_CAP:
+            landed.popitem(last=False)
+
+    def sweep_landed(self, now: float) -> None:
+        """Drop expired landed claims of every target (a target no pick looks at keeps none)."""
+        for key in list(self.landed):
+            landed = self.landed[key]
+            while landed and landed[next(iter(landed))][1] <= now:
+                landed.popitem(last=False)
+            if not landed:
+                del self.landed[key]
+
     def active_blocks(self, key: str) -> int:
         return len(self.active.get(key, ()))
 
     def forget(self, worker_id: str) -> None:
         prefix = worker_id + "#dp"
+        if self.replicas is not None:
+            self.replicas.forget(worker_id)
         for table in (self.active, self.recent, self.mm_affinity, self.landed):
             for k in [k for k in table if k == worker_id or k.startswith(prefix)]:
                 del table[k]
+
+
+class _Peer:
+    """Another replica: its requests in flight, as it announced them."""
+
+    __slots__ = ("last_heard", "entries")
+
+    def __init__(self, now: float) -> None:
+        self.last_heard = now
+        # request id → (model, route key, blocks, charge, pick count when it was charged here)
+        self.entries: dict[int, tuple[str, str, list[int], float, int]] = {}
+
+
+class ReplicaShare:
+    """The policy's side of a replica sync: what this replica tells the others, and what they told
+    it. Event loop only, no I/O, no locks.
+
+    Outgoing: :meth:`started`/:meth:`finished` (the pick's hot path) record the request in ``live``
+    and append a delta to ``outbox``, a bounded deque that the transport drains every few ms; a
+    full outbox drops its oldest delta (counted in ``outbox_dropped``) and sets ``lossy``, and the
+    transport then sends its whole state (``live``) again.
+
+    Incoming (called by the transport, on the event loop): another replica's request in flight adds
+    its blocks to the policy's ``active`` counts and its pick's charge to ``recent``, exactly as a
+    local one does, until its finish removes them, and a finish after a reply adds its blocks to
+    ``landed`` (with the sender's wall time, so the same caught-up rule applies). Lossy-tolerant: a heartbeat lists everything a replica has
+    in flight and what it does not list is dropped (a lost finish leaves no phantom load); a
+    replica silent for :data:`PEER_TIMEOUT_S` is dropped with all it had (:meth:`expire`)."""
+
+    def __init__(self, policy: KvAwarePolicy) -> None:
+        self.policy = policy
+        self.outbox: deque[tuple] = deque(maxlen=SYNC_OUTBOX_CAP)
+        # this replica's requests in flight: sync id → (model, route key, blocks, charge)
+        self.live: dict[int, tuple[str, str, Sequence[int], float]] = {}
+        self._next_rid = 0
+        self.wake: Callable[[], None] | None = None  # set by the transport: a delta is waiting
+        self.lossy = False
+        self.peers: dict[str, _Peer] = {}
+        self.remote_blocks = 0  # block references held in peers' entries
+        # counters (the transport's own are on it)
+        self.outbox_dropped = 0
+        self.live_overflow = 0
+        self.remote_started = 0
+        self.remote_finished = 0
+        self.remote_expired = 0  # dropped without a finish: missing from a heartbeat, or their replica left
+        self.remote_rejected = 0  # not kept: a bound was reached
+        self.peers_dropped = 0
+
+    # -- outgoing (hot path) -------------------------------------------------------------------
+    def started(self, model: str, key: str, blocks: Sequence[int], charge: float = 0.0) -> int | None:
+        """A request of this replica started on ``key`` (``charge``: the missed blocks its pick
+        charged there); returns its sync id (None: not shared)."""
+        if len(self.live) >= SYNC_LIVE_CAP:
+            self.live_overflow += 1
+            return None
+        self._next_rid += 1
+        rid = self._next_rid
+        self.live[rid] = (model, key, blocks, charge)
+        self._push((rid, model, key, blocks, charge))
+        return rid
+
+    def finished(self, rid: int, finished_at: float) -> None:
+        """``finished_at``: wall time the served request finished (0.0: the worker did not serve it)."""
+        entry = self.live.pop(rid, None)
+        if entry is not None:
+            self._push((rid, entry[0], finished_at))
+
+    def _push(self, delta: tuple) -> None:
+        if len(self.outbox) == SYNC_OUTBOX_CAP:
+            self.outbox_dropped += 1
+            self.lossy = True
+        self.outbox.append(delta)
+        if self.wake is not None:
+            self.wake()
+
+    def drain(self) -> list[tuple]:
+        """The deltas since the last drain, oldest first: ``(rid, model, key, blocks, charge)`` for a
+        start, ``(rid, model, finished_at)`` for a finish."""
+        out = list(self.outbox)
+        self.outbox.clear()
+        return out
+
+    # -- incoming ------------------------------------------------------------------------------
+    def heard(self, replica: str, now: float) -> _Peer | None:
+        peer = self.peers.get(replica)
+        if peer is None:
+            if len(self.peers) >= PEERS_CAP:
+                self.remote_rejected += 1
+                return None
+            peer = self.peers[replica] = _Peer(now)
+        peer.last_heard = now
+        return peer
+
+    def can_take(self, peer: _Peer) -> bool:
+        return len(peer.entries) < PEER_REQUESTS_CAP and self.remote_blocks < REMOTE_BLOCKS_CAP
+
+    def remote_start(self, peer: _Peer, rid: int, model: str, key: str, blocks: list[int],
+                     charge: float = 0.0) -> None:
+        if rid in peer.entries:  # idempotent: a full state repeats what was already heard
+            return
+        if len(peer.entries) >= PEER_REQUESTS_CAP or self.remote_blocks + len(blocks) > REMOTE_BLOCKS_CAP:
+            self.remote_rejected += 1
+            return
+        policy = self.policy
+        charge = min(max(charge, 0.0), float(len(blocks)) or 1.0)
+        peer.entries[rid] = (model, key, blocks, charge, policy._picks)
+        self.remote_blocks += len(blocks)
+        policy._count_in(key, blocks)
+        if charge:
+            policy.recent[key] = policy.recent.get(key, 0.0) + charge
+        self.remote_started += 1
+
+    def remote_finish(self, peer: _Peer, rid: int, finished_at: float) -> None:
+        entry = peer.entries.pop(rid, None)
+        if entry is None:  # its start was lost or not kept: nothing to release
+            return
+        _, key, blocks, charge, at = entry
+        self.remote_blocks -= len(blocks)
+        self.policy._count_out(key, blocks)
+        self.policy._release_charge(key, charge, at)
+        made_until = self.policy._events_made_until
+        # (no claim where the engine's events already got past its finish: they say what is there)
+        if finished_at > 0 and blocks and (made_until is None or made_until(key) < finished_at):
+            self.policy._land(key, blocks, finished_at)
+        self.remote_finished += 1
+
+    def remote_live(self, peer: _Peer, model: str, rids: set[int]) -> int:
+        """A heartbeat: ``rids`` is everything ``peer`` has in flight for ``model``. Its other
+        entries of that model are gone (their finish was lost). Returns how many of ``rids`` are
+        unknown here (their start was lost: the transport asks for the full state)."""
+        gone = [rid for rid, entry in peer.entries.items() if entry[0] == model and rid not in rids]
+        for rid in gone:
+            self._drop_entry(peer, rid)
+        self.remote_expired += len(gone)
+        return sum(1 for rid in rids if rid not in peer.entries)
+
+    def _drop_entry(self, peer: _Peer, rid: int) -> None:
+        _, key, blocks, charge, at = peer.entries.pop(rid)
+        self.remote_blocks -= len(blocks)
+        self.policy._count_out(key, blocks)
+        self.policy._release_charge(key, charge, at)
+
+    def drop_peer(self, replica: str) -> None:
+        peer = self.peers.pop(replica, None)
+        if peer is None:
+            return
+        self.remote_expired += len(peer.entries)
+        for rid in list(peer.entries):
+            self._drop_entry(peer, rid)
+        self.peers_dropped += 1
+
+    def expire(self, now: float, timeout: float = PEER_TIMEOUT_S) -> list[str]:
+        """Drop the replicas not heard from for ``timeout`` s (stopped, crashed, cut off), and the
+        expired landed claims; returns the replicas dropped."""
+        silent = [r for r, p in self.peers.items() if now - p.last_heard > timeout]
+        for replica in silent:
+            self.drop_peer(replica)
+        self.policy.sweep_landed(self.policy.clock())
+        return silent
+
+    def forget(self, worker_id: str) -> None:
+        """The worker left: the other replicas' requests on it are dropped too (their finishes,
+        if they come, then find nothing to release)."""
+        prefix = worker_id + "#dp"
+        for peer in self.peers.values():
+            for rid in [rid for rid, e in peer.entries.items() if e[1] == worker_id or e[1].startswith(prefix)]:
+                self.remote_blocks -= len(peer.entries.pop(rid)[2])
+
+    def in_flight_by_peer(self) -> dict[str, int]:
+        return {r: len(p.entries) for r, p in self.peers.items()}
 
 
 def predicted_cached_tokens(hit_blocks: int, block_size: int, prompt_tokens: int) -> int:

@@ -11,10 +11,11 @@ import logging
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence
 
-from infera.api.errors import sse_error_event
+from infera.api.errors import error_bytes, sse_error_event
 from infera.discovery.record import WorkerRecord
 from infera.server.metrics import ServerMetrics
-from infera.transport.http import HttpTransport, UpstreamError, UpstreamResponse
+from infera.transport.http import UpstreamError
+from infera.transport.request import RequestTransport, UpstreamReply
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,16 @@ class LegFailure(Exception):
         self.content_type = content_type
         self.retryable = retryable
 
+    @property
+    def blames_worker(self) -> bool:
+        """Whether the circuit breaker counts it: a full backlog is load, not a fault; a 4xx or a
+        body too large for the broker is the client's."""
+        return self.retryable and self.reason != "admission"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": "1"} if self.status in (429, 503) else {}
+
 
 @dataclass(slots=True)
 class Opened:
@@ -54,19 +65,18 @@ class Opened:
     status: int
     content_type: str
     body: bytes | None = None
-    resp: UpstreamResponse | None = None
+    resp: UpstreamReply | None = None
     first: bytes = b""
 
 
-async def open_upstream(transport: HttpTransport, worker: WorkerRecord, route: str, body: bytes,
+async def open_upstream(transport: RequestTransport, worker: WorkerRecord, route: str, body: bytes,
                         headers: Sequence[tuple[str, str]], stream: bool, role: str = "mixed") -> Opened:
     """POST ``body`` to ``worker`` and wait for its first byte; ``LegFailure`` if it failed first.
     Cancelled (client gone): the connection is closed, so the engine aborts the request."""
     wid = worker.worker_id
-    resp: UpstreamResponse | None = None
+    resp: UpstreamReply | None = None
     try:
-        host, port = transport.address(worker.url)
-        resp = await transport.post(host, port, route, body, headers)
+        resp = await transport.send(worker, route, body, headers, stream)
         status = resp.status
         if status >= 500 or not stream or status != 200:
             data = await resp.read()
@@ -85,6 +95,11 @@ async def open_upstream(transport: HttpTransport, worker: WorkerRecord, route: s
     except UpstreamError as exc:
         if resp is not None:
             resp.release()
+        status = getattr(exc, "status", None)
+        if status is not None:  # NATS: backlog full (429), stalled (504), body over the broker's limit (413)
+            reason = {429: "admission", 504: "timeout", 413: "body_too_large"}.get(status, "unreachable")
+            raise LegFailure(wid, status, str(exc), reason, error_bytes(str(exc), status, reason), role=role,
+                             retryable=status != 413) from None
         raise LegFailure(wid, 502, f"worker {wid} unreachable: {exc}", "unreachable", role=role) from None
     except BaseException:
         if resp is not None:

@@ -40,6 +40,7 @@ class ServerState:
     max_request_bytes: int
     request_ids: "RequestIds" = field(default_factory=lambda: RequestIds())
     kv: Any = None  # KvEventsBridge under the kv-aware policy
+    nats: Any = None  # NatsConnection on the NATS plane
 
 
 STATE_KEY = web.AppKey("state", ServerState)
@@ -145,13 +146,23 @@ async def _models(request: web.Request) -> web.Response:
 
 async def _workers(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE_KEY]
-    return web.Response(body=_json.encode({"workers": [record_to_dict(r) for r in state.fleet.all()]}),
-                        content_type="application/json")
+    reasons = state.fleet.unroutable_reasons
+    workers = []
+    for r in state.fleet.all():
+        d = record_to_dict(r)
+        reason = reasons.get(r.worker_id)
+        d["routable"] = reason is None and r.is_active
+        if reason is not None:
+            d["unroutable_reason"] = f"it {reason}"
+        workers.append(d)
+    return web.Response(body=_json.encode({"workers": workers}), content_type="application/json")
 
 
 async def _health(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE_KEY]
     body = {"status": "ok", "active_workers": len(state.fleet.active()), "workers": len(state.fleet)}
+    if state.nats is not None:  # still "ok": HTTP workers are served while the broker is away
+        body["nats"] = "connected" if state.nats.connected else "disconnected"
     return web.Response(body=_json.encode(body), content_type="application/json")
 
 

@@ -1,7 +1,9 @@
 """KV-aware wiring on the server: fleet → KV-event subscriptions → index, plus the self-check.
 
 * Subscriptions follow the fleet: one per worker (per DP rank) that registered a KV-event
-  endpoint and a block size; removed with the worker.
+  endpoint and a block size; removed with the worker. A worker whose launcher relays its events to
+  JetStream (record ``kv_event_transport == "nats"``) is followed there when this server has NATS;
+  otherwise on the engine's ZMQ publisher, which every worker keeps (mixed planes work).
 * Each batch is decoded by the worker's engine format and applied to the index (the index
   re-hashes token ids into the router's own hash space).
 * Self-check, which no peer router has: every 200 reply's engine-reported cached prompt tokens
@@ -26,7 +28,9 @@ from infera.kv.index import KvIndex
 from infera.router.kv_aware import expand_targets, predicted_cached_tokens
 from infera.router.policy import RoutedRequest
 from infera.server.metrics import Histogram
-from infera.transport.kv_events_zmq import ZmqKvEventSubscriber
+from infera.transport.kv_events_nats import NatsKvEventSubscriber, kv_event_subject
+from infera.transport.kv_events_zmq import ZmqKvEventSubscriber, endpoint_for_rank
+from infera.transport.nats_conn import NatsConnection
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +47,7 @@ SILENT_AFTER_S = 10.0
 DIVERGENCE_WINDOW = 20
 
 
-def _endpoint_for_rank(endpoint: str, rank: int | None) -> str:
-    if not rank:
-        return endpoint
-    host, port = endpoint.rsplit(":", 1)
-    return f"{host}:{int(port) + rank}"  # engines publish rank r on port + r
+_endpoint_for_rank = endpoint_for_rank  # engines publish rank r on port + r
 
 
 class _TargetState:
@@ -84,13 +84,17 @@ class _TargetState:
 
 class KvEventsBridge:
     def __init__(self, fleet: Fleet, index: KvIndex, *, subscriber: ZmqKvEventSubscriber | None = None,
+                 nats: NatsConnection | None = None, nats_subscriber: NatsKvEventSubscriber | None = None,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time) -> None:
         self.fleet = fleet
         self.index = index
         self.clock = clock
         self.wall_clock = wall_clock
         self.subscriber = subscriber or ZmqKvEventSubscriber(self._on_batch, self._on_reset)
-        self._replaying: Callable[[str], bool] = getattr(self.subscriber, "replaying", lambda key: False)
+        # JetStream, for workers whose launcher relays their events there (None: ZMQ for all).
+        self.nats_subscriber = nats_subscriber or (
+            NatsKvEventSubscriber(nats, self._on_batch, self._on_reset) if nats is not None else None)
+        self._key_sub: dict[str, Any] = {}  # route key -> the subscriber that holds it
         self.targets: dict[str, _TargetState] = {}
         self._decoders: dict[str, Callable[[bytes], Any]] = {}
         self._worker_keys: dict[str, list[str]] = {}
@@ -106,6 +110,8 @@ class KvEventsBridge:
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
         await self.subscriber.start()
+        if self.nats_subscriber is not None:
+            await self.nats_subscriber.start()  # returns at once; subscribes once the broker is up
         for record in self.fleet.all():
             self._on_fleet_change(record.worker_id, record)
         self._watchdog = asyncio.ensure_future(self._watch_silence())
@@ -114,6 +120,30 @@ class KvEventsBridge:
         if self._watchdog is not None:
             self._watchdog.cancel()
         await self.subscriber.stop()
+        if self.nats_subscriber is not None:
+            await self.nats_subscriber.stop()
+
+    # -- which subscriber holds a key --------------------------------------------------------------
+    def _subscriber_for(self, record: WorkerRecord) -> Any:
+        if self.nats_subscriber is not None and record.kv_event_transport == "nats":
+            return self.nats_subscriber
+        return self.subscriber
+
+    def stats(self, key: str) -> dict:
+        """The subscription counters of ``key`` (empty when not subscribed)."""
+        sub = self._key_sub.get(key)
+        return sub.stats(key) if sub is not None else {}
+
+    def replaying(self, key: str) -> bool:
+        sub = self._key_sub.get(key)
+        replaying = getattr(sub, "replaying", None)
+        return bool(replaying(key)) if replaying is not None else False
+
+    def transport(self, key: str) -> str | None:
+        sub = self._key_sub.get(key)
+        if sub is None:
+            return None
+        return "nats" if sub is self.nats_subscriber else "zmq"
 
     # -- fleet → subscriptions -----------------------------------------------------------------------
     def _on_fleet_change(self, worker_id: str, record: WorkerRecord | None) -> None:
@@ -133,24 +163,34 @@ class KvEventsBridge:
                 self._drop(key)
             return
         keys = []
+        sub = self._subscriber_for(record)
         for rank, key in expand_targets(record):
             keys.append(key)
-            if key in old_keys and self.index.has_target(key):
+            if key in old_keys and self.index.has_target(key) and self._key_sub.get(key) is sub:
                 continue  # unchanged record: keep the subscription and the view
+            old_sub = self._key_sub.get(key)
+            if old_sub is not None and old_sub is not sub:
+                old_sub.remove(key)  # the worker moved to the other transport
             self.index.add_target(key, record.kv_block_size)
             self.targets[key] = _TargetState(worker_id, record.engine)
             if record.engine not in self._decoders:
                 self._decoders[record.engine] = decoder_for(record.engine)
-            replay = record.kv_events_replay_endpoint
-            self.subscriber.add(key, _endpoint_for_rank(record.kv_events_endpoint, rank),
-                                _endpoint_for_rank(replay, rank) if replay else None)
+            self._key_sub[key] = sub
+            if sub is self.nats_subscriber:
+                sub.add(key, kv_event_subject(worker_id, rank))
+            else:
+                replay = record.kv_events_replay_endpoint
+                sub.add(key, _endpoint_for_rank(record.kv_events_endpoint, rank),
+                        _endpoint_for_rank(replay, rank) if replay else None)
         for key in old_keys:
             if key not in keys:
                 self._drop(key)
         self._worker_keys[worker_id] = keys
 
     def _drop(self, key: str) -> None:
-        self.subscriber.remove(key)
+        sub = self._key_sub.pop(key, None)
+        if sub is not None:
+            sub.remove(key)
         self.index.remove_target(key)
         self.targets.pop(key, None)
 
@@ -166,7 +206,7 @@ class KvEventsBridge:
             self._warn_once(key, "decode", "cannot decode KV events from %s (engine %s): %s", key, state.engine, exc)
             return
         state.events += self.index.apply(key, batch)
-        if not self._replaying(key):  # replayed history is old by design: not a delay
+        if not self.replaying(key):  # replayed history is old by design: not a delay
             delay = max(0.0, self.wall_clock() - batch.ts)  # clock skew between hosts: clamped at 0
             state.delays.observe(delay)
             state.delay_ewma = delay if state.delay_ewma is None else (
@@ -266,7 +306,7 @@ class KvEventsBridge:
         state = self.targets.get(key)
         if state is None:
             return None
-        sub = self.subscriber.stats(key)
+        sub = self.stats(key)
         now = self.clock()
         return {"worker_id": worker_id, "dp_rank": dp_rank, "route_key": key, "engine": state.engine,
                 "block_count": self.index.block_count(key), "last_event_seq": state.last_seq,
@@ -275,6 +315,7 @@ class KvEventsBridge:
                 "batches": state.batches, "block_events": state.events, "decode_errors": state.decode_errors,
                 "gaps": sub.get("gaps", 0), "replays": sub.get("replays", 0), "resets": sub.get("resets", 0),
                 "events_silent": state.silent, "caught_up": sub.get("caught_up", False),
+                "transport": self.transport(key),
                 "prediction": {"observations": state.observations, "exact": state.exact,
                                "over": state.over, "under": state.under,
                                "mean_error_blocks": (state.abs_error_sum / len(state.errors)) if state.errors else None}}
@@ -309,7 +350,7 @@ class KvEventsBridge:
                                   "wrong by more than one block: over (predicted more) or under (fewer)",
                                   labels=["worker", "direction"])
         for key, state in sorted(self.targets.items()):
-            sub = self.subscriber.stats(key)
+            sub = self.stats(key)
             batches.add_metric([key], state.batches)
             events.add_metric([key], state.events)
             gaps.add_metric([key], sub.get("gaps", 0))

@@ -11,6 +11,7 @@ from aiohttp import web
 from infera.discovery import make_discovery
 from infera.discovery.base import Discovery
 from infera.discovery.fleet import Fleet
+from infera.discovery.record import WorkerRecord
 from infera.router.auto import AutoRouter
 from infera.router.breaker import CircuitBreaker
 from infera.router.disagg import DisaggRouter
@@ -23,8 +24,11 @@ from infera.kv.prompt import PromptTokenizer
 from infera.runtime import install_event_loop, wait_for_shutdown_signal
 from infera.server.cli import parse_args
 from infera.server.kv import KvEventsBridge
-from infera.server.metrics import ServerMetrics
+from infera.server.metrics import NatsMetrics, ServerMetrics
 from infera.transport.http import HttpTransport
+from infera.transport.nats_conn import NatsConnection
+from infera.transport.nats_request import NatsRequestClient
+from infera.transport.request import RequestTransports
 
 log = logging.getLogger("infera.server")
 
@@ -34,24 +38,45 @@ class InferaServer:
 
     def __init__(self, args: argparse.Namespace, discovery: Discovery | None = None) -> None:
         self.args = args
-        self.fleet = Fleet()
+        # A worker this server cannot reach (NATS-only, no NATS here) stays listed but never routed.
+        self.fleet = Fleet(unroutable=lambda record: self.transport.unreachable_reason(record))
         self.discovery = discovery or make_discovery(args.discovery_backend, etcd_endpoint=args.etcd_endpoint,
-                                                     etcd_prefix=args.etcd_prefix)
+                                                     etcd_prefix=args.etcd_prefix, k8s_namespace=args.k8s_namespace,
+                                                     k8s_label_selector=args.k8s_label_selector)
         # One breaker for mixed and PD dispatch: a worker's verdict holds whichever router sent to it.
         self.breaker = CircuitBreaker(failure_threshold=args.breaker_failure_threshold,
                                       cooldown_s=args.breaker_cooldown_s, max_cooldown_s=args.breaker_max_cooldown_s)
         self.metrics = ServerMetrics(self.fleet, breaker=self.breaker)
-        self.transport = HttpTransport()
+        # One NATS connection for every NATS use, opened only when a flag asks for the broker plane.
+        self.nats: NatsConnection | None = None
+        if "nats" in (args.request_transport, args.kv_event_transport) or args.replica_sync == "nats":
+            self.nats = NatsConnection(args.nats_server, name="infera-server")
+        nats_requests = None
+        if args.request_transport == "nats":
+            assert self.nats is not None
+            nats_requests = NatsRequestClient(self.nats, idle_timeout=args.nats_req_idle_timeout,
+                                              max_duration=args.nats_req_max_duration,
+                                              max_pending=args.nats_req_max_pending)
+        self.transport = RequestTransports(HttpTransport(), nats_requests)
+        if self.nats is not None:
+            self.metrics.registry.register(NatsMetrics(self.nats, nats_requests))
         self.kv: KvEventsBridge | None = None
         usage_observer = None
+        self.replica_sync = None  # NatsReplicaSync: kv-aware replicas share what only each one knows
         if args.router_policy == "kv-aware":
+            if args.replica_sync == "nats":
+                from infera.transport.replica_sync_nats import NatsReplicaSync
+
+                assert self.nats is not None
+                self.replica_sync = NatsReplicaSync(self.nats)
             index = KvIndex()
-            self.kv = KvEventsBridge(self.fleet, index)
+            self.kv = KvEventsBridge(self.fleet, index, nats=self.nats if args.kv_event_transport == "nats" else None)
             self.metrics.registry.register(self.kv)
             self.policy = make_policy("kv-aware", index=index, prompts=PromptTokenizer.from_path(args.router_tokenizer_path),
                                       overlap_weight=args.kv_overlap_weight,
                                       prefill_overlap_weight=args.kv_prefill_overlap_weight,
-                                      decode_overlap_weight=args.kv_decode_overlap_weight, observer=self.kv)
+                                      decode_overlap_weight=args.kv_decode_overlap_weight, observer=self.kv,
+                                      replica_sync=self.replica_sync)
             usage_observer = self.kv.observe_usage
         else:
             self.policy = make_policy(args.router_policy)
@@ -63,7 +88,7 @@ class InferaServer:
                               max_retries=args.request_max_retries, prefill_timeout=args.pd_prefill_timeout,
                               breaker=self.breaker)
         self.router = AutoRouter(self.fleet, mixed, disagg, direct=direct)
-        self._worker_urls: dict[str, str] = {}
+        self._workers: dict[str, WorkerRecord] = {}
         self.fleet.subscribe(self._on_fleet_change)
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
@@ -74,18 +99,23 @@ class InferaServer:
             self.breaker.forget(worker_id)
             self.metrics.forget_worker(worker_id)
         if record is None:
-            url = self._worker_urls.pop(worker_id, None)
-            if url is not None:
-                self.transport.forget(url)
+            old = self._workers.pop(worker_id, None)
+            if old is not None:
+                self.transport.forget(old)
         else:
-            self._worker_urls[worker_id] = record.url
+            self._workers[worker_id] = record
 
     async def start(self) -> None:
+        if self.nats is not None:
+            await self.nats.start()  # in the background: a broker that comes up later is fine
         await self.transport.start()
         if self.kv is not None:
             await self.kv.start()
+        if self.replica_sync is not None:
+            await self.replica_sync.start()
         await self.discovery.start(self.fleet)  # returns at once; converges in the background
-        app = build_app(ServerState(self.fleet, self.router, self.metrics, self.args.max_request_bytes, kv=self.kv))
+        app = build_app(ServerState(self.fleet, self.router, self.metrics, self.args.max_request_bytes, kv=self.kv,
+                                    nats=self.nats))
         # handler_cancellation: a client that disconnects cancels its handler, which closes the
         # upstream connection, which makes the engine abort the request and free its slot.
         self._runner = web.AppRunner(app, handler_cancellation=True,
@@ -104,9 +134,13 @@ class InferaServer:
             self._runner = None
         await self.router.close()
         await self.discovery.stop()
+        if self.replica_sync is not None:
+            await self.replica_sync.stop()
         if self.kv is not None:
             await self.kv.stop()
         await self.transport.close()
+        if self.nats is not None:
+            await self.nats.close()
 
 
 async def serve(args: argparse.Namespace) -> None:

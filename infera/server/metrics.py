@@ -8,7 +8,7 @@ measurable share of the router's CPU under load.)
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import Iterator
+from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -173,3 +173,22 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class NatsMetrics:
+    """The NATS plane seen from this server: the broker connection and requests over NATS."""
+
+    def __init__(self, connection: Any, requests: Any = None) -> None:
+        self.connection = connection  # infera.transport.nats_conn.NatsConnection
+        self.requests = requests  # infera.transport.nats_request.NatsRequestClient, if any
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("infera_nats_connected", "1 while this server is connected to NATS",
+                                value=1 if self.connection.connected else 0)
+        yield CounterMetricFamily("infera_nats_disconnects", "NATS connections lost",
+                                  value=self.connection.disconnects)
+        if self.requests is not None:
+            yield CounterMetricFamily("infera_nats_requests", "Requests sent to workers over NATS",
+                                      value=self.requests.sent)
+            yield CounterMetricFamily("infera_nats_cancels", "Cancels published for requests left unfinished "
+                                      "(client gone, timeout, failure)", value=self.requests.cancels_sent)

@@ -293,6 +293,12 @@ class HttpTransport:
         return head
 
     # -- requests ----------------------------------------------------------------------------------------------
+    async def send(self, worker, path: str, body: bytes, headers: Iterable[tuple[str, str]] = (),
+                   stream: bool = False) -> UpstreamResponse:
+        """The request transport interface (``infera.transport.request``): POST to a worker record."""
+        host, port = self.address(worker.url)
+        return await self.post(host, port, path, body, headers)
+
     async def post(self, host: str, port: int, path: str, body: bytes,
                    headers: Iterable[tuple[str, str]] = ()) -> UpstreamResponse:
         """POST ``body``; returns once the reply's status line and headers have arrived.

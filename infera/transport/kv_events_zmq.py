@@ -55,6 +55,14 @@ OnBatch = Callable[[str, int, bytes], None]
 OnReset = Callable[[str], None]
 
 
+def endpoint_for_rank(endpoint: str, rank: int | None) -> str:
+    """The publisher (or replay) endpoint of DP rank ``rank``: engines publish rank r on port + r."""
+    if not rank:
+        return endpoint
+    host, port = endpoint.rsplit(":", 1)
+    return f"{host}:{int(port) + rank}"
+
+
 def _digest(payload: bytes) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 

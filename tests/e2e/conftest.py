@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import EtcdProcess, children_of, free_port
+from tests.conftest import EtcdProcess, NatsProcess, children_of, free_port
 from tests.e2e.tiny_model import build_tiny_model
 
 VLLM_PYTHON = os.environ.get("INFERA_VLLM_PYTHON", "")
@@ -87,26 +87,36 @@ class WorkerSpec:
 
 
 class VllmFleet:
+    """Two servers (round-robin and kv-aware) over the fleet, both on the NATS plane (they reach HTTP
+    workers too); by default worker 0 is on the dev plane (HTTP + ZMQ) and worker 1 on the
+    production plane (requests and KV events over NATS): mixed planes in one fleet, no extra engine."""
+
     def __init__(self, tmp: Path, specs: list[WorkerSpec] | None = None) -> None:
         self.tmp = tmp
         self.specs = specs
         self.model = build_tiny_model(tmp / "tiny-llama")
         self.etcd = EtcdProcess()
+        self.nats = NatsProcess()
         self.servers: list[subprocess.Popen] = []
         self.port, self.kv_port = free_port(), free_port()
         self.base = f"http://127.0.0.1:{self.port}"  # round-robin replica
         self.kv_base = f"http://127.0.0.1:{self.kv_port}"  # kv-aware replica over the same fleet
         self.workers: list[VllmWorker] = []
 
+    def nats_plane(self) -> list[str]:
+        return ["--request-transport", "nats", "--kv-event-transport", "nats", "--nats-server", self.nats.url]
+
     def start(self, n: int = 2) -> None:
-        specs = self.specs or [WorkerSpec() for _ in range(n)]
-        n = len(specs)
         self.etcd.start()
+        self.nats.start()
+        specs = self.specs or [WorkerSpec(launcher=self.nats_plane() if i % 2 else []) for i in range(n)]
+        n = len(specs)
         for port, policy in ((self.port, ["--router-policy", "round-robin"]),
                              (self.kv_port, ["--router-policy", "kv-aware", "--router-tokenizer-path", str(self.model)])):
             log = open(self.tmp / f"server-{port}.log", "wb")
             self.servers.append(subprocess.Popen([sys.executable, "-m", "infera.server", "--host", "127.0.0.1",
-                                                  "--port", str(port), "--etcd-endpoint", self.etcd.endpoint, *policy],
+                                                  "--port", str(port), "--etcd-endpoint", self.etcd.endpoint,
+                                                  *self.nats_plane(), *policy],
                                                  stdout=log, stderr=subprocess.STDOUT))
         for i, spec in enumerate(specs):
             port = free_port()
@@ -160,6 +170,7 @@ class VllmFleet:
             server.terminate()
             server.wait(15)
         self.etcd.cleanup()
+        self.nats.cleanup()
 
 
 @pytest.fixture(scope="module")

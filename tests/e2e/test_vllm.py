@@ -28,6 +28,12 @@ def test_workers_register_with_resolved_block_size_and_events(vllm_fleet):
         assert r["kv_events_endpoint"].startswith("tcp://127.0.0.1:")
         assert r["kv_events_replay_endpoint"].startswith("tcp://127.0.0.1:")
         assert r["disagg_mode"] == "mixed"
+    # Mixed planes: worker 0 on HTTP + ZMQ, worker 1 on requests and KV events over NATS; both
+    # servers run on the NATS plane and reach both (the routed tests below are served by both).
+    dev, prod = (records[w.worker_id] for w in vllm_fleet.workers)
+    assert (dev["request_transport"], dev["kv_event_transport"]) == ("http", "zmq")
+    assert (prod["request_transport"], prod["kv_event_transport"]) == ("nats", "nats")
+    assert all(r["routable"] for r in records.values())
 
 
 def test_openai_client_chat_and_completions_through_the_router(vllm_fleet):
@@ -111,6 +117,9 @@ def test_kv_aware_sends_shared_prefixes_to_their_holder(vllm_fleet):
             assert v["prediction"]["mean_error_blocks"] <= 1, v
     assert sum(v["prediction"]["exact"] for v in views) >= 5, views
     assert not any(v["events_silent"] for v in views)
+    # Both engines have served (round-robin above, this test's groups): the NATS worker's view was
+    # fed through its launcher's JetStream relay, the other's over ZMQ.
+    assert all(v["block_count"] > 0 for v in views), views
 
 
 def _view(base: str, worker_id: str) -> dict | None:

@@ -14,7 +14,7 @@ from aiohttp import web
 from infera.engine.base.prom import sample_sum
 from infera.server.cli import parse_args
 from infera.server.main import InferaServer
-from tests.conftest import EtcdProcess, free_port, wait_for
+from tests.conftest import EtcdProcess, NatsProcess, free_port, wait_for
 
 
 @pytest.fixture(scope="session")
@@ -23,6 +23,25 @@ def etcd():
     e.start()
     yield e
     e.cleanup()
+
+
+@pytest.fixture(scope="session")
+def nats_server():
+    """A real nats-server with JetStream, shared by the session (subjects are per worker id, and
+    worker ids carry free ports, so tests do not see each other's traffic)."""
+    n = NatsProcess(max_payload=8 * 1024 * 1024)
+    n.start()
+    yield n
+    n.cleanup()
+
+
+@pytest.fixture
+def own_nats_server():
+    """A nats-server of the test's own, for tests that stop or restart the broker."""
+    n = NatsProcess(max_payload=8 * 1024 * 1024)
+    n.start()
+    yield n
+    n.cleanup()
 
 
 @pytest.fixture

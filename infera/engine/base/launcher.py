@@ -21,12 +21,13 @@ from typing import Mapping, Protocol, Sequence
 
 import aiohttp
 
-from infera.config import add_flag, choice_of, etcd_prefix, etcd_url, non_negative_float, positive_float
+from infera.config import add_flag, add_plane_flags, choice_of, non_negative_float, positive_float
 from infera.discovery import make_registration
 from infera.discovery.base import Registration
 from infera.discovery.record import WorkerRecord
 from infera.engine.base.preflight import PdSetup, pd_preflight
 from infera.runtime import install_event_loop
+from infera.transport.nats_conn import NatsConnection
 
 log = logging.getLogger("infera.launcher")
 
@@ -71,16 +72,14 @@ def build_launcher_parser(adapter: EngineAdapter, prog: str, environ: Mapping[st
     p = argparse.ArgumentParser(prog=prog, add_help=True, allow_abbrev=False,
                                 description=f"Infera {adapter.engine} worker. Flags not listed here go to the engine verbatim.")
     f = lambda *a, **k: add_flag(p, *a, environ=environ, **k)  # noqa: E731
-    f("--discovery-backend", env="INFERA_DISCOVERY_BACKEND", default="etcd", type=choice_of("etcd"))
-    f("--etcd-endpoint", env="INFERA_ETCD_ENDPOINT", default=None, type=etcd_url,
-      help="host:port, host (→ :2379) or http(s)://host:port")
-    f("--etcd-prefix", env="INFERA_ETCD_PREFIX", default="/infera/workers/", type=etcd_prefix)
+    add_plane_flags(p, environ)
+    f("--k8s-pod-name", env="POD_NAME", default=None,
+      help="kubernetes discovery: this worker's own Pod, whose annotation carries its record")
     f("--lease-ttl", env="INFERA_LEASE_TTL", default=10.0, type=positive_float,
       help="registration lease TTL in seconds (keepalive every TTL/3)")
-    f("--advertise-host", env="INFERA_ADVERTISE_HOST", default=None,
-      help="host the router uses to reach this worker (default: the engine's --host, or 127.0.0.1 "
-           "when that is a wildcard; set it on multi-host fleets)")
-    f("--request-transport", env="INFERA_REQUEST_TRANSPORT", default="http", type=choice_of("http"))
+    f("--advertise-host", env="INFERA_ADVERTISE_HOST", default=(os.environ if environ is None else environ).get("POD_IP"),
+      help="host the router uses to reach this worker (default: POD_IP inside a Pod, else the engine's "
+           "--host, or 127.0.0.1 when that is a wildcard; set it on multi-host fleets)")
     f("--ready-timeout", env="INFERA_ENGINE_READY_TIMEOUT", default=1800.0, type=positive_float,
       help="seconds to wait for the engine to become ready")
     f("--drain-timeout", env="INFERA_DRAIN_TIMEOUT", default=30.0, type=non_negative_float,
@@ -143,6 +142,11 @@ class Launcher:
         self.record: WorkerRecord | None = None
         self._stop = asyncio.Event()
         self._signals = 0
+        # The NATS plane's sidecars: the request server (proxies NATS requests to the engine's
+        # HTTP API) and the KV-event relay (engine ZMQ → JetStream). None on the dev plane.
+        self.nats: NatsConnection | None = None
+        self.request_server = None  # NatsRequestServer
+        self.kv_relay = None
 
     # -- engine process ------------------------------------------------------------------------------
     async def start_engine(self) -> None:
@@ -269,8 +273,10 @@ class Launcher:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
         if self.registration is None:
-            self.registration = make_registration(self.args.discovery_backend, etcd_endpoint=self.args.etcd_endpoint,
-                                                  etcd_prefix=self.args.etcd_prefix, lease_ttl=self.args.lease_ttl)
+            a = self.args
+            self.registration = make_registration(a.discovery_backend, etcd_endpoint=a.etcd_endpoint,
+                                                  etcd_prefix=a.etcd_prefix, lease_ttl=a.lease_ttl,
+                                                  k8s_namespace=a.k8s_namespace, k8s_pod_name=a.k8s_pod_name)
         registered = False
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
             try:
@@ -288,6 +294,7 @@ class Launcher:
                 fields = await self.adapter.describe(session, self.engine_url, self.spec.argv or self.engine_argv,
                                                      self.args)
                 self.record = self._make_record(fields)
+                await self.start_nats_plane()
                 await self.registration.register(self.record)
                 registered = True
                 log.info("registered %s as %s (model=%s)", self.adapter.engine, self.record.worker_id,
@@ -307,7 +314,10 @@ class Launcher:
                 # Graceful: stop receiving first, then let in-flight requests finish.
                 await self.registration.deregister()
                 registered = False
+                if self.request_server is not None:
+                    await self.request_server.drain(self.args.drain_timeout)
                 await self.drain(session)
+                await self.stop_nats_plane()
                 await self.stop_engine()
                 return 0
             except EngineExited as exc:
@@ -319,8 +329,47 @@ class Launcher:
             finally:
                 if registered:
                     await self.registration.deregister()
+                await self.stop_nats_plane()
                 await self.stop_engine()
                 await self.registration.close()
+
+    # -- NATS plane --------------------------------------------------------------------------------------
+    async def start_nats_plane(self) -> None:
+        """Subscribe the worker's request subject and start the KV relay before registering: a
+        router that sees the record must find the worker there."""
+        a, record = self.args, self.record
+        assert record is not None
+        wants_kv_relay = a.kv_event_transport == "nats" and bool(record.kv_events_endpoint)
+        if a.request_transport != "nats" and not wants_kv_relay:
+            return
+        self.nats = NatsConnection(a.nats_server, name=f"infera-worker {record.worker_id}")
+        await self.nats.start()
+        if not await self.nats.wait_connected(a.ready_timeout):
+            raise TimeoutError(f"NATS at {a.nats_server} not reachable after {a.ready_timeout:.0f}s (--nats-server)")
+        if a.request_transport == "nats":
+            from infera.transport.nats_request_server import NatsRequestServer
+
+            self.request_server = NatsRequestServer(self.nats, record.worker_id, self.engine_url,
+                                                    idle_timeout=a.nats_req_idle_timeout,
+                                                    max_duration=a.nats_req_max_duration,
+                                                    max_pending=a.nats_req_max_pending)
+            await self.request_server.start()
+        if wants_kv_relay:
+            from infera.transport.kv_events_nats import KvEventNatsRelay
+
+            self.kv_relay = KvEventNatsRelay(self.nats, record)
+            await self.kv_relay.start()
+
+    async def stop_nats_plane(self) -> None:
+        if self.request_server is not None:
+            await self.request_server.stop()
+            self.request_server = None
+        if self.kv_relay is not None:
+            await self.kv_relay.stop()  # flushes what the engine published last
+            self.kv_relay = None
+        if self.nats is not None:
+            await self.nats.close()
+            self.nats = None
 
     def _make_record(self, fields: dict) -> WorkerRecord:
         assert self.spec is not None
@@ -328,7 +377,9 @@ class Launcher:
         host = self.args.advertise_host or default_advertise_host(bind_host)
         worker_id = f"{host}:{self.spec.port}"
         return WorkerRecord(worker_id=worker_id, url=f"http://{host}:{self.spec.port}", engine=self.adapter.engine,
-                            request_transport=self.args.request_transport, **fields)
+                            request_transport=self.args.request_transport,
+                            kv_event_transport=self.args.kv_event_transport if fields.get("kv_events_endpoint") else "zmq",
+                            **fields)
 
 
 class EngineExited(Exception):
@@ -361,6 +412,9 @@ def launch(adapter: EngineAdapter, prog: str, argv: Sequence[str] | None = None)
     args, engine_argv = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     if args.discovery_backend == "etcd" and not args.etcd_endpoint:
         parser.error("--etcd-endpoint (or INFERA_ETCD_ENDPOINT) is required with --discovery-backend etcd")
+    if args.discovery_backend == "kubernetes" and not args.k8s_pod_name:
+        parser.error("--k8s-pod-name (or POD_NAME, set from the Downward API) is required with --discovery-backend "
+                     "kubernetes: the worker's record goes on its own Pod")
     problems = pd_preflight_problems(adapter, args, engine_argv)
     if problems:
         parser.error("PD preflight refused this worker:\n  - " + "\n  - ".join(problems))

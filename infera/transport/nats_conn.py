@@ -1,0 +1,144 @@
+"""One NATS connection per process, shared by every NATS use (requests, KV events, replica sync).
+
+It comes up in the background: a server or worker starts while the broker is still down and
+keeps retrying, instead of failing its start (a Pod's NATS may start after it). After the first
+connect nats-py reconnects on its own, forever; subscriptions are restored by the client.
+Listeners hear ``disconnected`` / ``reconnected`` so in-flight work that lost its replies is
+failed at once rather than left waiting for an idle timeout.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+from typing import Awaitable, Callable
+
+import nats
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+log = logging.getLogger(__name__)
+
+DEFAULT_NATS_SERVER = "nats://127.0.0.1:4222"
+
+Listener = Callable[[], "Awaitable[None] | None"]
+
+
+def subject_token(worker_id: str) -> str:
+    """A worker id as one NATS subject token: base64url without padding (ids hold ':' and '.')."""
+    return base64.urlsafe_b64encode(worker_id.encode()).decode().rstrip("=")
+
+
+def token_to_worker_id(token: str) -> str:
+    return base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
+
+
+class NatsConnection:
+    def __init__(self, servers: str = DEFAULT_NATS_SERVER, *, name: str = "infera",
+                 reconnect_wait: float = 0.5, connect_timeout: float = 2.0) -> None:
+        self.servers = [s.strip() for s in servers.split(",") if s.strip()]
+        self.name = name
+        self.reconnect_wait = reconnect_wait
+        self.connect_timeout = connect_timeout
+        self.nc: Client = Client()
+        self._js: JetStreamContext | None = None
+        self._connected = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._on_disconnect: list[Listener] = []
+        self._on_reconnect: list[Listener] = []
+        self._closing = False
+        self.disconnects = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Returns at once; the first connect is retried in the background until it succeeds."""
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._connect_loop())
+
+    async def wait_connected(self, timeout: float | None = None) -> bool:
+        try:
+            await asyncio.wait_for(self._connected.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set() and self.nc.is_connected
+
+    @property
+    def js(self) -> JetStreamContext:
+        if self._js is None:
+            self._js = self.nc.jetstream()
+        return self._js
+
+    @property
+    def max_payload(self) -> int:
+        return self.nc.max_payload if self.nc.is_connected else 1024 * 1024
+
+    def on_disconnect(self, listener: Listener) -> None:
+        self._on_disconnect.append(listener)
+
+    def on_reconnect(self, listener: Listener) -> None:
+        self._on_reconnect.append(listener)
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+        if not self.nc.is_closed:
+            try:
+                await asyncio.wait_for(self.nc.close(), 5.0)
+            except (asyncio.TimeoutError, Exception) as exc:  # closing a broken connection
+                log.debug("nats close: %s", exc)
+        self._connected.clear()
+
+    # -- internals ----------------------------------------------------------------------------
+    async def _connect_loop(self) -> None:
+        warned = False
+        while not self._closing:
+            try:
+                await self.nc.connect(servers=self.servers, name=self.name, allow_reconnect=True,
+                                      max_reconnect_attempts=-1, reconnect_time_wait=self.reconnect_wait,
+                                      connect_timeout=self.connect_timeout, ping_interval=5,
+                                      max_outstanding_pings=2, error_cb=self._error,
+                                      disconnected_cb=self._disconnected, reconnected_cb=self._reconnected)
+                self._connected.set()
+                log.info("connected to NATS at %s", self.nc.connected_url.netloc if self.nc.connected_url else self.servers)
+                return
+            except Exception as exc:  # broker not up yet: keep trying, say so once
+                if not warned:
+                    log.warning("cannot reach NATS at %s (%s); retrying every %.1fs", ",".join(self.servers), exc,
+                                self.reconnect_wait)
+                    warned = True
+                self.nc = Client()
+                self._js = None  # a context made earlier wraps the dead client
+                await asyncio.sleep(self.reconnect_wait)
+
+    async def _error(self, exc: Exception) -> None:
+        log.debug("nats: %s", exc)
+
+    async def _disconnected(self) -> None:
+        if self._closing:
+            return
+        self.disconnects += 1
+        log.warning("NATS connection lost; reconnecting")
+        await self._fire(self._on_disconnect)
+
+    async def _reconnected(self) -> None:
+        log.info("NATS connection restored")
+        await self._fire(self._on_reconnect)
+
+    async def _fire(self, listeners: list[Listener]) -> None:
+        for listener in listeners:
+            try:
+                result = listener()
+                if asyncio.iscoroutine(result):
+                    await result
+            except Exception:
+                log.exception("NATS connection listener failed")

@@ -1,0 +1,341 @@
+"""Router side of requests over NATS: publish to the worker's subject, stream the reply frames back.
+
+One wildcard subscription (``<inbox prefix>.*``) carries every reply of this server, demultiplexed
+by the last token, so a request costs one publish and no subscribe/unsubscribe round trips. The
+reply looks like an HTTP ``UpstreamResponse`` (status, content type, ``next_chunk``, ``read``,
+``release``), so mixed dispatch and both PD legs use NATS workers unchanged.
+
+Every wait is bounded: the next frame within ``idle_timeout`` (and what is left of
+``max_duration``); expiry cancels the request on the worker and raises ``UpstreamTimeout`` (504).
+Leaving early (client gone, timeout, failure) publishes a cancel, so the worker aborts the engine
+request. Frames carry sequence numbers: a lost frame fails the request instead of corrupting it.
+A lost NATS connection fails every request in flight at once (their replies are gone with it);
+new requests wait a bounded time for the reconnect, so traffic resumes by itself.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import time
+from typing import Iterable
+
+from nats.aio.msg import Msg
+
+from infera.discovery.record import WorkerRecord
+from infera.transport.http import UpstreamError
+from infera.transport.nats_conn import NatsConnection, subject_token
+from infera.transport.nats_frames import (FRAME_BUSY, FRAME_DATA, FRAME_ERROR, FRAME_HEAD, H_CONTENT_TYPE, H_END,
+                                          H_FRAME, H_SEQ, H_STATUS, cancel_subject, request_headers,
+                                          request_subject)
+
+log = logging.getLogger(__name__)
+
+# How long a new request waits for a lost NATS connection to come back before failing.
+RECONNECT_GRACE_S = 10.0
+
+
+class UpstreamTimeout(UpstreamError):
+    """No reply frame within the idle timeout, or the request's total cap ran out."""
+
+    status = 504
+
+
+class AdmissionRefused(UpstreamError):
+    """The worker's request backlog is full (``--nats-req-max-pending``): try another, or 429."""
+
+    status = 429
+
+
+class NatsResponse:
+    """One request's reply, fed frame by frame by the client's inbox subscription."""
+
+    __slots__ = ("_client", "worker_id", "token", "inbox", "status", "content_type", "complete", "_chunks", "_error",
+                 "_waiter", "_headers", "_expected_seq", "_deadline", "_released", "_idle")
+
+    def __init__(self, client: "NatsRequestClient", worker_id: str, token: str, inbox: str,
+                 idle_timeout: float, deadline: float | None) -> None:
+        self._client = client
+        self.worker_id = worker_id
+        self.token = token
+        self.inbox = inbox
+        self.status = 0
+        self.content_type = "application/json"
+        self.complete = False
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._error: UpstreamError | None = None
+        self._waiter: asyncio.Future | None = None
+        self._headers: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._expected_seq = 0
+        self._idle = idle_timeout
+        self._deadline = deadline
+        self._released = False
+
+    # -- fed by the subscription ---------------------------------------------------------------
+    def _on_frame(self, msg: Msg) -> None:
+        if self.complete or self._error is not None:
+            return
+        h = msg.headers or {}
+        if h.get("Status") == "503" and not msg.data:  # the broker: nobody subscribes the subject
+            self._fail(UpstreamError(f"worker {self.worker_id} is not serving its NATS subject (no responders)",
+                                     before_response=True))
+            return
+        seq = h.get(H_SEQ)
+        if seq is None or int(seq) != self._expected_seq:
+            self._fail(UpstreamError(f"reply frames from {self.worker_id} were lost (expected #{self._expected_seq}, "
+                                     f"got #{seq})", before_response=not self._headers.done()))
+            return
+        self._expected_seq += 1
+        frame = h.get(H_FRAME)
+        if frame == FRAME_HEAD:
+            self.status = int(h.get(H_STATUS, "200"))
+            self.content_type = h.get(H_CONTENT_TYPE, "application/json")
+            if not self._headers.done():
+                self._headers.set_result(None)
+        elif frame == FRAME_BUSY:
+            self._fail(AdmissionRefused(f"worker {self.worker_id} request backlog over limit", before_response=True))
+            return
+        elif frame == FRAME_ERROR:
+            message = msg.data.decode("utf-8", "replace") or "request failed"
+            kind = UpstreamTimeout if h.get(H_STATUS) == "504" else UpstreamError
+            self._fail(kind(f"worker {self.worker_id}: {message}", before_response=not self._headers.done()))
+            return
+        elif frame != FRAME_DATA or not self._headers.done():
+            self._fail(UpstreamError(f"malformed reply frame {frame!r} from {self.worker_id}",
+                                     before_response=not self._headers.done()))
+            return
+        if msg.data:
+            self._chunks.append(msg.data)
+        if h.get(H_END) == "1":
+            self.complete = True
+            self._client._done(self)
+        self._wake()
+
+    def _fail(self, error: UpstreamError) -> None:
+        if self.complete or self._error is not None:
+            return
+        self._error = error
+        if not self._headers.done():
+            self._headers.set_exception(error)
+            self._headers.exception()  # retrieved: no "never retrieved" warning if nobody waits
+        self._client._done(self)
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    # -- consumer side -------------------------------------------------------------------------
+    def _arm(self) -> asyncio.TimerHandle | None:
+        """A timer for the next wait: the idle timeout, capped by what is left in total. One
+        ``call_later`` per wait (not an ``asyncio.wait_for``: that costs a future, a handle and
+        callbacks more, on every request); on expiry the reply fails, which wakes the waiter."""
+        t = self._idle if self._idle > 0 else None
+        cap = False
+        if self._deadline is not None:
+            left = max(0.0, self._deadline - time.monotonic())
+            if t is None or left <= t:
+                t, cap = left, True
+        return None if t is None else asyncio.get_running_loop().call_later(t, self._timed_out, cap)
+
+    def _timed_out(self, cap: bool) -> None:
+        if self.complete or self._error is not None:
+            return
+        if cap:
+            err = UpstreamTimeout(f"nats request to {self.worker_id} exceeded its total time cap",
+                                  before_response=not self._headers.done())
+        else:
+            err = UpstreamTimeout(f"nats request to {self.worker_id} stalled: no reply within {self._idle:g}s "
+                                  "(idle timeout)", before_response=not self._headers.done())
+        self._fail(err)
+        self.release()  # cancels on the worker
+
+    async def wait_headers(self) -> None:
+        headers = self._headers
+        if not headers.done():
+            timer = self._arm()
+            try:
+                await headers  # ours alone: a cancel of the caller may cancel it, nothing else waits on it
+            finally:
+                if timer is not None:
+                    timer.cancel()
+        headers.result()  # raises the reply's error
+
+    async def next_chunk(self) -> bytes:
+        """The body bytes received since the last call, waiting (bounded) if there are none;
+        b"" at the end; raises UpstreamError if the reply broke off or timed out."""
+        while True:
+            if self._chunks:
+                data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
+                self._chunks.clear()
+                return data
+            if self.complete:
+                return b""
+            if self._error is not None:
+                raise self._error
+            self._waiter = asyncio.get_running_loop().create_future()
+            timer = self._arm()
+            try:
+                await self._waiter  # woken by a frame, a failure or the timer (which fails the reply)
+            finally:
+                self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+
+    async def read(self) -> bytes:
+        parts = []
+        while True:
+            chunk = await self.next_chunk()
+            if not chunk:
+                return b"".join(parts)
+            parts.append(chunk)
+
+    def release(self) -> None:
+        """Done with the reply; if it had not finished, the worker is told to cancel (the engine
+        request is aborted)."""
+        if self._released:
+            return
+        self._released = True
+        self._client._done(self)
+        if not self.complete and not isinstance(self._error, AdmissionRefused):
+            self._client._cancel(self)
+
+    close = release
+
+
+class NatsRequestClient:
+    """Requests to NATS workers. ``max_pending`` > 0 also caps this router's own in-flight
+    requests per worker (refused locally, without a round trip)."""
+
+    def __init__(self, nats: NatsConnection, *, idle_timeout: float = 900.0, max_duration: float = 0.0,
+                 max_pending: int = 0, reconnect_grace: float = RECONNECT_GRACE_S) -> None:
+        self.nats = nats
+        self.idle_timeout = idle_timeout
+        self.max_duration = max_duration
+        self.max_pending = max_pending
+        self.reconnect_grace = reconnect_grace
+        self._prefix = ""
+        self._sub = None
+        self._subscribing: asyncio.Future | None = None
+        self._ids = itertools.count(1)
+        self._pending: dict[str, NatsResponse] = {}
+        self._inflight: dict[str, int] = {}  # worker id → this router's unfinished requests
+        self._tokens: dict[str, str] = {}
+        self.sent = 0
+        self.cancels_sent = 0
+        nats.on_disconnect(self._on_disconnect)
+
+    async def start(self) -> None:
+        pass  # subscribes on first use: the broker may not be up yet
+
+    async def close(self) -> None:
+        for resp in list(self._pending.values()):
+            resp._fail(UpstreamError("server shutting down"))
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:  # connection already closed
+                pass
+            self._sub = None
+
+    def forget(self, worker: WorkerRecord) -> None:
+        self._tokens.pop(worker.worker_id, None)
+
+    def inflight(self, worker_id: str) -> int:
+        return self._inflight.get(worker_id, 0)
+
+    # -- requests ---------------------------------------------------------------------------------
+    async def send(self, worker: WorkerRecord, path: str, body: bytes, headers: Iterable[tuple[str, str]] = (),
+                   stream: bool = False) -> NatsResponse:
+        """Publish the request; returns once the reply's head frame has arrived (like an HTTP
+        status line). Raises ``AdmissionRefused``, ``UpstreamTimeout`` or ``UpstreamError``."""
+        wid = worker.worker_id
+        if self.max_pending and self._inflight.get(wid, 0) >= self.max_pending:
+            raise AdmissionRefused(f"worker {wid} request backlog over limit ({self.max_pending} in flight here)",
+                                   before_response=True)
+        nc = self.nats.nc
+        if not self.nats.connected:
+            if not await self.nats.wait_connected(self.reconnect_grace) or not nc.is_connected:
+                raise UpstreamError(f"NATS is not connected ({','.join(self.nats.servers)}): cannot reach worker {wid}",
+                                    before_response=True)
+            nc = self.nats.nc
+        if self._sub is None:
+            await self._subscribe()
+        if len(body) > self.nats.max_payload:
+            # A client error the router can name, not a broken worker: 413 before anything is sent.
+            raise BodyTooLarge(len(body), self.nats.max_payload)
+        token = self._tokens.get(wid)
+        if token is None:
+            token = self._tokens[wid] = subject_token(wid)
+        inbox = f"{self._prefix}.{next(self._ids)}"
+        deadline = time.monotonic() + self.max_duration if self.max_duration > 0 else None
+        resp = NatsResponse(self, wid, token, inbox, self.idle_timeout, deadline)
+        self._pending[inbox] = resp
+        self._inflight[wid] = self._inflight.get(wid, 0) + 1
+        self.sent += 1
+        try:
+            await nc.publish(request_subject(token), body, reply=inbox,
+                             headers=request_headers(path, stream, tuple(headers), self.max_duration))
+            await resp.wait_headers()
+            return resp
+        except BaseException:
+            resp.release()
+            raise
+
+    async def _subscribe(self) -> None:
+        if self._subscribing is None:
+            self._subscribing = asyncio.ensure_future(self._do_subscribe())
+        await asyncio.shield(self._subscribing)
+
+    async def _do_subscribe(self) -> None:
+        nc = self.nats.nc
+        self._prefix = nc.new_inbox()
+        # No pending limits beyond the client's defaults: a slow consumer drops messages, and the
+        # frame sequence numbers turn that into a failed request, never a corrupted one.
+        self._sub = await nc.subscribe(self._prefix + ".*", cb=self._on_reply)
+
+    async def _on_reply(self, msg: Msg) -> None:
+        resp = self._pending.get(msg.subject)
+        if resp is not None:
+            resp._on_frame(msg)
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+    def _done(self, resp: NatsResponse) -> None:
+        if self._pending.pop(resp.inbox, None) is not None:
+            n = self._inflight.get(resp.worker_id, 0) - 1
+            if n > 0:
+                self._inflight[resp.worker_id] = n
+            else:
+                self._inflight.pop(resp.worker_id, None)
+
+    def _cancel(self, resp: NatsResponse) -> None:
+        nc = self.nats.nc
+        if not nc.is_connected:
+            return  # the worker cancels its requests itself when it loses the broker
+        self.cancels_sent += 1
+        asyncio.ensure_future(self._publish_cancel(nc, resp.token, resp.inbox))
+
+    @staticmethod
+    async def _publish_cancel(nc, token: str, inbox: str) -> None:
+        try:
+            await nc.publish(cancel_subject(token), inbox.encode())
+        except Exception as exc:  # best effort: the worker's idle timeout still bounds the request
+            log.debug("cancel of %s not sent: %s", inbox, exc)
+
+    def _on_disconnect(self) -> None:
+        # Replies published while we are away are lost: fail what is in flight now (before its
+        # first byte it is retried elsewhere; after it the client gets an SSE error event).
+        for resp in list(self._pending.values()):
+            resp._fail(UpstreamError("NATS connection lost", before_response=not resp._headers.done()))
+
+
+class BodyTooLarge(UpstreamError):
+    """The request body exceeds the broker's max payload."""
+
+    status = 413
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"request body of {size} bytes exceeds the NATS server's max_payload ({limit} bytes); "
+                         "raise max_payload in nats-server's config", before_response=True)
