@@ -26,9 +26,8 @@ from nats.aio.msg import Msg
 from infera.discovery.record import WorkerRecord
 from infera.transport.http import UpstreamError
 from infera.transport.nats_conn import NatsConnection, subject_token
-from infera.transport.nats_frames import (FRAME_BUSY, FRAME_DATA, FRAME_ERROR, FRAME_HEAD, H_CONTENT_TYPE, H_END,
-                                          H_FRAME, H_SEQ, H_STATUS, cancel_subject, request_headers,
-                                          request_subject)
+from infera.transport.nats_frames import (BUSY, ERROR, HEAD, FrameError, cancel_subject, decode_frame,
+                                          encode_request, request_subject)
 
 log = logging.getLogger(__name__)
 
@@ -76,38 +75,43 @@ class NatsResponse:
     def _on_frame(self, msg: Msg) -> None:
         if self.complete or self._error is not None:
             return
-        h = msg.headers or {}
-        if h.get("Status") == "503" and not msg.data:  # the broker: nobody subscribes the subject
+        before = not self._headers.done()
+        data = msg.data
+        if not data and msg.headers and msg.headers.get("Status") == "503":
+            # The broker itself: nobody subscribes the worker's subject (gone, or draining).
             self._fail(UpstreamError(f"worker {self.worker_id} is not serving its NATS subject (no responders)",
                                      before_response=True))
             return
-        seq = h.get(H_SEQ)
-        if seq is None or int(seq) != self._expected_seq:
+        try:
+            kind, end, seq, status, content_type, body = decode_frame(data)
+        except FrameError as exc:
+            self._fail(UpstreamError(f"malformed reply from {self.worker_id}: {exc}", before_response=before))
+            return
+        if seq != self._expected_seq:
             self._fail(UpstreamError(f"reply frames from {self.worker_id} were lost (expected #{self._expected_seq}, "
-                                     f"got #{seq})", before_response=not self._headers.done()))
+                                     f"got #{seq})", before_response=before))
             return
         self._expected_seq += 1
-        frame = h.get(H_FRAME)
-        if frame == FRAME_HEAD:
-            self.status = int(h.get(H_STATUS, "200"))
-            self.content_type = h.get(H_CONTENT_TYPE, "application/json")
-            if not self._headers.done():
+        if kind == HEAD:
+            self.status = status  # type: ignore[assignment]
+            self.content_type = content_type  # type: ignore[assignment]
+            if before:
                 self._headers.set_result(None)
-        elif frame == FRAME_BUSY:
+        elif kind == BUSY:
             self._fail(AdmissionRefused(f"worker {self.worker_id} request backlog over limit", before_response=True))
             return
-        elif frame == FRAME_ERROR:
-            message = msg.data.decode("utf-8", "replace") or "request failed"
-            kind = UpstreamTimeout if h.get(H_STATUS) == "504" else UpstreamError
-            self._fail(kind(f"worker {self.worker_id}: {message}", before_response=not self._headers.done()))
+        elif kind == ERROR:
+            message = body.decode("utf-8", "replace") or "request failed"
+            error = UpstreamTimeout if status == 504 else UpstreamError
+            self._fail(error(f"worker {self.worker_id}: {message}", before_response=before))
             return
-        elif frame != FRAME_DATA or not self._headers.done():
-            self._fail(UpstreamError(f"malformed reply frame {frame!r} from {self.worker_id}",
-                                     before_response=not self._headers.done()))
+        elif before:  # DATA before HEAD
+            self._fail(UpstreamError(f"malformed reply from {self.worker_id}: a data frame before the head",
+                                     before_response=True))
             return
-        if msg.data:
-            self._chunks.append(msg.data)
-        if h.get(H_END) == "1":
+        if body:
+            self._chunks.append(body)
+        if end:
             self.complete = True
             self._client._done(self)
         self._wake()
@@ -263,7 +267,7 @@ class NatsRequestClient:
             nc = self.nats.nc
         if self._sub is None:
             await self._subscribe()
-        if len(body) > self.nats.max_payload:
+        if len(body) > self.nats.max_payload - 4096:  # room for the request's meta
             # A client error the router can name, not a broken worker: 413 before anything is sent.
             raise BodyTooLarge(len(body), self.nats.max_payload)
         token = self._tokens.get(wid)
@@ -276,8 +280,8 @@ class NatsRequestClient:
         self._inflight[wid] = self._inflight.get(wid, 0) + 1
         self.sent += 1
         try:
-            await nc.publish(request_subject(token), body, reply=inbox,
-                             headers=request_headers(path, stream, tuple(headers), self.max_duration))
+            await nc.publish(request_subject(token), encode_request(path, stream, tuple(headers), body,
+                                                                    self.max_duration), reply=inbox)
             await resp.wait_headers()
             return resp
         except BaseException:

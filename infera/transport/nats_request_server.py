@@ -18,9 +18,8 @@ from nats.aio.msg import Msg
 
 from infera.transport.http import HttpTransport, UpstreamError, UpstreamResponse, split_http_url
 from infera.transport.nats_conn import NatsConnection, subject_token
-from infera.transport.nats_frames import (FRAME_BUSY, FRAME_DATA, FRAME_ERROR, FRAME_HEAD, H_MAX_DURATION, H_PATH,
-                                          cancel_subject, forwarded_headers, reply_headers, request_subject,
-                                          split_payload)
+from infera.transport.nats_frames import (BUSY, DATA, ERROR, HEAD, FrameError, cancel_subject, decode_request,
+                                          encode_frame, request_subject, split_payload)
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +154,7 @@ class NatsRequestServer:
         req = _Request(inbox)
         if self.max_pending and len(self._requests) >= self.max_pending:
             self.refused += 1
-            await self._publish(req, FRAME_BUSY, b"", status=429)
+            await self._publish(req, BUSY, b"", status=429)
             return
         self._requests[inbox] = req
         req.task = asyncio.ensure_future(self._serve(req, msg))
@@ -174,13 +173,15 @@ class NatsRequestServer:
 
     # -- one request ------------------------------------------------------------------------------------
     async def _serve(self, req: _Request, msg: Msg) -> None:
-        headers = msg.headers or {}
-        path = headers.get(H_PATH, "")
+        try:
+            path, _stream, asked, headers, body = decode_request(msg.data)
+        except FrameError as exc:
+            await self._publish(req, ERROR, str(exc).encode(), status=400)
+            return
         if path not in _ALLOWED_PATHS:
-            await self._publish(req, FRAME_ERROR, f"unsupported path {path!r}".encode(), status=404)
+            await self._publish(req, ERROR, f"unsupported path {path!r}".encode(), status=404)
             return
         cap = self.max_duration
-        asked = float(headers.get(H_MAX_DURATION, 0) or 0)
         if asked > 0:
             cap = asked if cap <= 0 else min(cap, asked)
         deadline = req.started + cap if cap > 0 else None
@@ -189,7 +190,7 @@ class NatsRequestServer:
         try:
             try:
                 host, port = self.engine
-                resp = await self.http.post(host, port, path, msg.data, forwarded_headers(headers))
+                resp = await self.http.post(host, port, path, body, headers)
                 watchdog.touch()
                 streaming = resp.content_type.startswith("text/event-stream")
                 if streaming:
@@ -218,16 +219,16 @@ class NatsRequestServer:
         except asyncio.CancelledError:
             if not watchdog.fired:
                 if self.nats.connected:
-                    await asyncio.shield(self._publish(req, FRAME_ERROR, b"request cancelled", status=499))
+                    await asyncio.shield(self._publish(req, ERROR, b"request cancelled", status=499))
                 raise
             uncancel = getattr(watchdog.task, "uncancel", None)  # 3.11+: this cancel is handled
             if uncancel is not None:
                 uncancel()
             what = "exceeded its max duration" if watchdog.capped else (
                 f"got nothing from the engine for {self.idle_timeout:g}s")
-            await self._publish(req, FRAME_ERROR, f"request {what}".encode(), status=504)
+            await self._publish(req, ERROR, f"request {what}".encode(), status=504)
         except UpstreamError as exc:
-            await self._publish(req, FRAME_ERROR, f"engine request failed: {exc}".encode(), status=502)
+            await self._publish(req, ERROR, f"engine request failed: {exc}".encode(), status=502)
         finally:
             if resp is not None:
                 resp.release()  # unfinished: the connection is closed and the engine aborts
@@ -237,15 +238,15 @@ class NatsRequestServer:
         for i, piece in enumerate(pieces):
             last = end and i == len(pieces) - 1
             if head and i == 0:
-                await self._publish(req, FRAME_HEAD, piece, status=resp.status, content_type=resp.content_type, end=last)
+                await self._publish(req, HEAD, piece, status=resp.status, content_type=resp.content_type, end=last)
             else:
-                await self._publish(req, FRAME_DATA, piece, end=last)
+                await self._publish(req, DATA, piece, end=last)
 
-    async def _publish(self, req: _Request, frame: str, payload: bytes, *, status: int | None = None,
+    async def _publish(self, req: _Request, kind: int, payload: bytes, *, status: int | None = None,
                        content_type: str | None = None, end: bool = False) -> None:
-        headers = reply_headers(req.seq, frame, end=end, status=status, content_type=content_type)
+        frame = encode_frame(kind, req.seq, payload, end=end, status=status, content_type=content_type)
         req.seq += 1
         try:
-            await self.nats.nc.publish(req.inbox, payload, headers=headers)
+            await self.nats.nc.publish(req.inbox, frame)
         except Exception as exc:  # broker gone: the router fails this request on its side
             log.debug("reply frame to %s not sent: %s", req.inbox, exc)
