@@ -17,8 +17,9 @@ from infera.kv.events import decode_array_form
 from infera.kv.index import KvIndex
 from infera.server.kv import KvEventsBridge
 from infera.transport import kv_events_nats as kvn
-from infera.transport.kv_events_nats import (HDR_EPOCH, HDR_RESET, HDR_SEQ, STREAM, KvEventNatsRelay,
-                                             NatsKvEventSubscriber, ensure_stream, kv_event_subject)
+from infera.transport.kv_events_nats import (HDR_EPOCH, HDR_RESET, HDR_SEQ, STREAM, NatsKvEventSubscriber,
+                                             ensure_stream, kv_event_subject)
+from infera.transport.kv_relay_nats import KvEventNatsRelay
 from infera.transport.nats_conn import subject_token
 from tests.conftest import free_port, wait_for
 

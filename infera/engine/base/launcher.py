@@ -355,7 +355,7 @@ class Launcher:
                                                     max_pending=a.nats_req_max_pending)
             await self.request_server.start()
         if wants_kv_relay:
-            from infera.transport.kv_events_nats import KvEventNatsRelay
+            from infera.transport.kv_relay_nats import KvEventNatsRelay
 
             self.kv_relay = KvEventNatsRelay(self.nats, record)
             await self.kv_relay.start()
