@@ -7,6 +7,11 @@ separate write like an engine relaying tokens. It registers its worker record in
 lease (``infera.discovery.etcd.EtcdRegistration``), so a server discovers it like a real worker,
 and deregisters on SIGTERM/SIGINT.
 
+With ``--request-transport nats`` it also serves its NATS request subject, in this same process,
+with ``infera.transport.nats_request_server.NatsRequestServer`` in front of its own HTTP app (as a
+launcher does in front of its engine, though a launcher is a process of its own), and its record
+says ``request_transport: nats``.
+
     python bench/_fake_worker.py --etcd-endpoint http://127.0.0.1:2379 --model fake --port 9001
 """
 from __future__ import annotations
@@ -121,9 +126,21 @@ async def serve(args: argparse.Namespace) -> None:
     site = web.TCPSite(runner, args.host, args.port, backlog=2048, reuse_address=True)
     await site.start()
     worker_id = f"{args.host}:{args.port}"
+    url = f"http://{args.host}:{args.port}"
     registration = EtcdRegistration(args.etcd_endpoint, args.etcd_prefix, ttl=args.lease_ttl)
-    record = WorkerRecord(worker_id=worker_id, url=f"http://{args.host}:{args.port}", model_name=args.model,
-                          engine="vllm", kv_block_size=16)
+    record = WorkerRecord(worker_id=worker_id, url=url, model_name=args.model,
+                          engine="vllm", kv_block_size=16, request_transport=args.request_transport)
+    nats = request_server = None
+    if args.request_transport == "nats":  # subscribed before the record is registered, like a launcher
+        from infera.transport.nats_conn import NatsConnection
+        from infera.transport.nats_request_server import NatsRequestServer
+
+        nats = NatsConnection(args.nats_server, name=f"infera-fake-worker {worker_id}")
+        await nats.start()
+        if not await nats.wait_connected(30):
+            raise SystemExit(f"NATS at {args.nats_server} not reachable")
+        request_server = NatsRequestServer(nats, worker_id, url)
+        await request_server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -134,6 +151,11 @@ async def serve(args: argparse.Namespace) -> None:
     finally:
         await registration.deregister()
         await registration.close()
+        if request_server is not None:
+            await request_server.drain(3)
+            await request_server.stop()
+        if nats is not None:
+            await nats.close()
         await runner.cleanup()
 
 
@@ -146,6 +168,9 @@ def main() -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--tokens", type=int, default=16, help="SSE token chunks per streamed reply")
+    p.add_argument("--request-transport", choices=("http", "nats"), default="http",
+                   help="nats: also serve requests over NATS (NatsRequestServer, in this process)")
+    p.add_argument("--nats-server", default="nats://127.0.0.1:4222", help="NATS URL (with --request-transport nats)")
     args = p.parse_args()
     try:
         import uvloop
