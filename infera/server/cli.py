@@ -68,7 +68,7 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
         parser.error("--k8s-label-selector (or INFERA_K8S_LABEL_SELECTOR) is required with --discovery-backend "
                      "kubernetes: it names the worker Pods to route to")
     if args.replica_sync is None:
-        args.replica_sync = "off"  # FLIP-WHEN-SYNC-LANDS: "nats" if "nats" in (args.request_transport, args.kv_event_transport) else "off"
+        args.replica_sync = "nats" if "nats" in (args.request_transport, args.kv_event_transport) else "off"
     if args.breaker_max_cooldown_s < args.breaker_cooldown_s:
         parser.error(f"--breaker-max-cooldown-s ({args.breaker_max_cooldown_s:g}) must be >= --breaker-cooldown-s "
                      f"({args.breaker_cooldown_s:g})")

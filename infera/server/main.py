@@ -58,8 +58,6 @@ class InferaServer:
                                               max_duration=args.nats_req_max_duration,
                                               max_pending=args.nats_req_max_pending)
         self.transport = RequestTransports(HttpTransport(), nats_requests)
-        if self.nats is not None:
-            self.metrics.registry.register(NatsMetrics(self.nats, nats_requests))
         self.kv: KvEventsBridge | None = None
         usage_observer = None
         self.replica_sync = None  # NatsReplicaSync: kv-aware replicas share what only each one knows
@@ -88,6 +86,8 @@ class InferaServer:
                               max_retries=args.request_max_retries, prefill_timeout=args.pd_prefill_timeout,
                               breaker=self.breaker)
         self.router = AutoRouter(self.fleet, mixed, disagg, direct=direct)
+        if self.nats is not None:
+            self.metrics.registry.register(NatsMetrics(self.nats, nats_requests, self.replica_sync))
         self._workers: dict[str, WorkerRecord] = {}
         self.fleet.subscribe(self._on_fleet_change)
         self._runner: web.AppRunner | None = None

@@ -175,12 +175,22 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-class NatsMetrics:
-    """The NATS plane seen from this server: the broker connection and requests over NATS."""
+# Replica sync figures exported as gauges (levels) or counters (totals), by their stats() key.
+_SYNC_GAUGES = {"peers": "Other server replicas heard from", "remote_in_flight": "Their requests in flight"}
+_SYNC_COUNTERS = {"messages_sent": "Messages published", "messages_received": "Messages received",
+                  "bytes_sent": "Bytes published", "deltas_dropped": "Deltas not shared (NATS down or outbox full)",
+                  "gaps": "Sequence gaps in other replicas' messages (full state asked for)",
+                  "remote_expired": "Other replicas' requests dropped without a finish (heartbeat or timeout)"}
 
-    def __init__(self, connection: Any, requests: Any = None) -> None:
+
+class NatsMetrics:
+    """The NATS plane seen from this server: the broker connection, requests over NATS, and the
+    replica sync."""
+
+    def __init__(self, connection: Any, requests: Any = None, replica_sync: Any = None) -> None:
         self.connection = connection  # infera.transport.nats_conn.NatsConnection
         self.requests = requests  # infera.transport.nats_request.NatsRequestClient, if any
+        self.replica_sync = replica_sync  # infera.transport.replica_sync_nats.NatsReplicaSync, if any
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("infera_nats_connected", "1 while this server is connected to NATS",
@@ -192,3 +202,9 @@ class NatsMetrics:
                                       value=self.requests.sent)
             yield CounterMetricFamily("infera_nats_cancels", "Cancels published for requests left unfinished "
                                       "(client gone, timeout, failure)", value=self.requests.cancels_sent)
+        if self.replica_sync is not None:
+            stats = self.replica_sync.stats()
+            for key, doc in _SYNC_GAUGES.items():
+                yield GaugeMetricFamily(f"infera_replica_sync_{key}", doc, value=stats.get(key, 0))
+            for key, doc in _SYNC_COUNTERS.items():
+                yield CounterMetricFamily(f"infera_replica_sync_{key}", doc, value=stats.get(key, 0))

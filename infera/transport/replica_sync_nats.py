@@ -118,7 +118,7 @@ class NatsReplicaSync:
     """One server replica's end of the sync. ``attach`` (by the kv-aware policy), then ``start``
     after the NATS connection was started; ``stop`` says goodbye."""
 
-    def __init__(self, nats: NatsConnection, *, replica_id: str | None = None, flush_interval_s: float = 0.005,
+    def __init__(self, nats: NatsConnection, *, replica_id: str | None = None, flush_interval_s: float = 0.001,
                  heartbeat_s: float = 1.0, peer_timeout_s: float = PEER_TIMEOUT_S,
                  max_message_bytes: int = 256 * 1024, clock: Callable[[], float] = time.monotonic) -> None:
         self.nats = nats

@@ -69,7 +69,9 @@ async def test_in_flight_requests_are_shared_and_released(make_server, spawn_wor
             assert b.policy.landed.keys() - {busy}
         # the client went away: A releases the request, and so does B
         await wait_for(lambda: b.policy.active_blocks(busy) == 0, 10, message="released on B")
+        metrics = await (await s.get(f"http://127.0.0.1:{b.port}/metrics")).text()
     assert b.policy.replicas.remote_blocks == 0 and b.policy.replicas.remote_expired == 0
+    assert "infera_replica_sync_peers 1.0" in metrics and "infera_replica_sync_messages_received_total" in metrics
 
 
 async def test_a_stopped_replica_is_dropped_at_once(make_server, spawn_worker, nats_server):

@@ -16,7 +16,7 @@ from tests.unit.test_kv_aware_policy import BS, PROMPT, FakeIndex, pick, request
 
 class Bus:
     """The broker: a publish reaches every subscriber at once, the sender included (as NATS
-    echoes); ``drop`` loses the next messages that match."""
+    echoes); ``drops`` lose the next messages that match."""
 
     def __init__(self):
         self.syncs: list[NatsReplicaSync] = []
@@ -114,25 +114,6 @@ def fleet():
 
 
 A_, B_ = worker("a"), worker("b")
-
-
-def debug_targets(policy, workers, prompt):
-    """What the pick's debug line says of each target (hit, load, held, cost)."""
-    import logging
-
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    log = logging.getLogger("infera.router.kv_aware")
-    level = log.level
-    log.addHandler(handler)
-    log.setLevel(logging.DEBUG)
-    try:
-        pick(policy, workers, request(prompt))
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
-    return records[-1].getMessage()
 OTHER = list(range(500, 532))  # 8 blocks, nothing in common with PROMPT
 
 
@@ -168,7 +149,7 @@ def test_another_replicas_served_blocks_count_as_cached_before_the_events(fleet,
         assert rb.policy.active_blocks("b") == 0  # finished: no load left
 
 
-def test_another_replicas_pick_charge_counts_until_its_request_finishes(fleet):
+def test_another_replicas_pick_charge_counts_until_its_request_finishes(fleet, caplog):
     """recent_misses (the prefill a pick queued on a target) is in-flight state too: a replica
     charges the other's cold picks like its own, and releases them when they finish."""
     make, _, _, _ = fleet
@@ -177,7 +158,9 @@ def test_another_replicas_pick_charge_counts_until_its_request_finishes(fleet):
     assert req.state["charge"][0] == 8 and ra.policy.recent["a"] == 8
     ra.tick()
     assert rb.policy.recent["a"] == 8 and rb.policy.active_blocks("a") == 8
-    line = debug_targets(rb.policy, [A_, B_], OTHER)
+    with caplog.at_level("DEBUG", logger="infera.router.kv_aware"):
+        pick(rb.policy, [A_, B_], request(OTHER))
+    line = next(r.getMessage() for r in caplog.records if "pick policy=kv-aware" in r.getMessage())
     assert "picked=b" in line and "a:hit=0,load=16.0" in line  # 8 blocks in flight + 8 charged
     ra.finish(w, req)
     ra.tick()
