@@ -40,6 +40,17 @@ async def wait_for(predicate: Callable[[], "bool | Awaitable[bool]"], timeout: f
         await asyncio.sleep(interval)
 
 
+def stop_process(proc: subprocess.Popen | None, grace: float = 10) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` seconds."""
+    if proc and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class EtcdProcess:
     """A real etcd for the test session (sync, so it outlives every test's event loop)."""
 
@@ -78,13 +89,7 @@ class EtcdProcess:
         raise RuntimeError("etcd did not become healthy")
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
     def cleanup(self) -> None:
         self.stop()
@@ -194,13 +199,7 @@ class NatsProcess:
         raise RuntimeError("nats-server did not start")
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
     def restart(self) -> None:
         self.stop()
