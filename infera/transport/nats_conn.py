@@ -13,7 +13,6 @@ import base64
 import logging
 from typing import Awaitable, Callable
 
-import nats
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 

@@ -9,7 +9,6 @@ import time
 
 import aiohttp
 import openai
-import pytest
 
 from tests.conftest import children_of, wait_for
 from tests.integration.conftest import wait_workers
