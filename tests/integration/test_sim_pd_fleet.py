@@ -39,10 +39,15 @@ async def metric(session: aiohttp.ClientSession, url: str, name: str, label: str
 EXTERNAL = ('vllm:prompt_tokens_by_source_total', 'source="external_kv_transfer"')
 
 
-async def test_1p1d_nixl_chat_equals_a_mixed_worker(make_server, spawn_worker):
-    server = await make_server("--router-policy", "round-robin")
-    p = await spawn_worker(*nixl("kv_producer"), model="pd")
-    d = await spawn_worker(*nixl("kv_consumer"), model="pd")
+@pytest.mark.parametrize("plane", ["http", "nats"])
+async def test_1p1d_nixl_chat_equals_a_mixed_worker(make_server, spawn_worker, plane, request):
+    # Both PD legs go the way their workers serve: over NATS on the production plane.
+    flags: tuple[str, ...] = ()
+    if plane == "nats":
+        flags = ("--request-transport", "nats", "--nats-server", request.getfixturevalue("nats_server").url)
+    server = await make_server("--router-policy", "round-robin", *flags)
+    p = await spawn_worker(*nixl("kv_producer"), model="pd", launcher_args=flags)
+    d = await spawn_worker(*nixl("kv_consumer"), model="pd", launcher_args=flags)
     mixed = await spawn_worker(model="pd-ref")  # same simulated model, served whole
     await wait_workers(server, {p.worker_id, d.worker_id, mixed.worker_id})
     assert (server.fleet.get(p.worker_id).disagg_mode, server.fleet.get(d.worker_id).disagg_mode) == ("prefill", "decode")
@@ -65,6 +70,8 @@ async def test_1p1d_nixl_chat_equals_a_mixed_worker(make_server, spawn_worker):
             moved = await metric(s, d.url, *EXTERNAL) - before
             assert moved >= usage.prompt_tokens - 16  # every full block came over the transfer
             assert usage.prompt_tokens_details.cached_tokens == moved
+    if plane == "nats":
+        assert server.transport.nats is not None and server.transport.nats.sent == 4  # 2 requests × 2 legs
     await client.close()
     await ref.close()
 
