@@ -217,3 +217,22 @@ async def test_sigterm_drains_nats_requests_after_deregistering(make_server, spa
         assert b"data: [DONE]" in body and b'"error"' not in body
         resp.close()
     assert await asyncio.wait_for(w.proc.wait(), 30) == 0
+
+
+async def test_a_dead_nats_worker_fails_over_before_its_record_expires(make_server, spawn_worker, nats_server):
+    """SIGKILL a worker: its record outlives it (lease 30 s), NATS answers "no responders" for its
+    subject, and every request fails over to the live worker; the breaker opens on the dead one."""
+    workers = [await spawn_worker(lease_ttl=30, launcher_args=nats_flags(nats_server.url)) for _ in range(2)]
+    server = await make_server(*nats_flags(nats_server.url, "--router-policy", "round-robin",
+                                           "--breaker-failure-threshold", "2"))
+    await wait_workers(server, {w.worker_id for w in workers})
+    dead, alive = workers
+    os.killpg(dead.proc.pid, signal.SIGKILL)
+    await dead.proc.wait()
+    async with aiohttp.ClientSession(f"http://127.0.0.1:{server.port}") as http:
+        for i in range(6):
+            async with http.post("/v1/completions", json={"model": MODEL, "prompt": f"f{i}", "max_tokens": 2,
+                                                          "stream": i % 2 == 1}) as r:
+                assert r.status == 200, await r.text()
+    assert server.fleet.get(dead.worker_id) is not None  # still registered: NATS told us, not etcd
+    assert server.breaker.state(dead.worker_id) == "open"
