@@ -13,15 +13,16 @@ import time
 import urllib.request
 from typing import Awaitable, Callable
 
+from infera.engine.base.kv_events import free_port_block
 from infera.engine.base.prom import samples
 
 import pytest
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the ephemeral range (engines bind theirs seconds later; an outgoing
+    connection must not take it meanwhile): the launchers' own allocator."""
+    return free_port_block(1, "127.0.0.1")
 
 
 async def wait_for(predicate: Callable[[], "bool | Awaitable[bool]"], timeout: float, interval: float = 0.05,

@@ -59,3 +59,23 @@ def test_info_labels():
     labels = info_labels(METRICS, "vllm:cache_config_info")
     assert labels["block_size"] == "32" and labels["num_gpu_blocks"] == "1024"
     assert info_labels(METRICS, "nope") is None
+
+
+# -- ports handed to engines: below the ephemeral range, never a NodePort ------------------------------
+
+@pytest.mark.parametrize("env, n", [({}, 1), ({}, 4), ({"INFERA_NODEPORT_RANGE": "off"}, 1),
+                                    ({"INFERA_NODEPORT_RANGE": "20000-29999"}, 2)])
+def test_free_port_block_avoids_ephemeral_and_nodeports(monkeypatch, env, n):
+    from infera.engine.base import kv_events
+
+    for k in ("INFERA_NODEPORT_RANGE",):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    eph_lo, _ = kv_events._ephemeral_range()
+    nodeports = kv_events._nodeport_range()
+    for _ in range(50):
+        base = kv_events.free_port_block(n, "127.0.0.1")
+        assert base + n - 1 < eph_lo
+        if nodeports:
+            assert base + n - 1 < nodeports[0] or base > nodeports[1]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import random
 import socket
 
 from infera.config import add_flag
@@ -17,10 +19,64 @@ from infera.engine.base.engine_config import parse_json_flag
 Ports = tuple[int, "int | None"]  # (publisher, replay)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+            return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _nodeport_range() -> tuple[int, int] | None:
+    """Kubernetes NodePorts (``INFERA_NODEPORT_RANGE="lo-hi"``, ``none``/``off`` to allow them)."""
+    raw = os.environ.get("INFERA_NODEPORT_RANGE", "30000-32767").strip().lower()
+    if raw in ("none", "off", ""):
+        return None
+    try:
+        lo, hi = (int(x) for x in raw.split("-", 1))
+        return lo, hi
+    except ValueError:
+        return 30000, 32767
+
+
+def _bindable(port: int, host: str) -> bool:
     with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port_block(n: int = 1, host: str = "", attempts: int = 256) -> int:
+    """First of ``n`` consecutive TCP ports free now, chosen BELOW the kernel's ephemeral range and
+    outside Kubernetes' NodePort range: a port handed to an engine is bound seconds later (vLLM
+    binds its KV-event publisher after loading the model), and a port from the ephemeral range
+    can be taken meanwhile by any outgoing connection on the host (it happened in CI)."""
+    eph_lo, _ = _ephemeral_range()
+    nodeports = _nodeport_range()
+    lo, hi = 10000, eph_lo - n
+    for _ in range(attempts):
+        base = random.randint(lo, hi) if hi > lo else 0
+        if base == 0:
+            break
+        if nodeports and base + n - 1 >= nodeports[0] and base <= nodeports[1]:
+            continue
+        if all(_bindable(base + i, host) for i in range(n)):
+            return base
+    # No room below the ephemeral range (unusual sysctl): let the kernel pick.
+    for _ in range(attempts):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            base = s.getsockname()[1]
+        if base + n - 1 <= 65535 and all(_bindable(base + i, host) for i in range(1, n)):
+            return base
+    raise OSError(f"no {n} consecutive free TCP ports found")
+
+
+def free_port(host: str = "") -> int:
+    return free_port_block(1, host)
 
 
 def add_kv_events_flag(parser: argparse.ArgumentParser) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import socket
 from typing import Any, Sequence
 
 import aiohttp
@@ -27,6 +26,7 @@ from infera.config import add_flag, parse_bool
 from infera.engine.base.engine_config import http_ready, parse_json_flag
 from infera.engine.base.argv import flag_value, has_flag
 from infera.engine.base.launcher import WILDCARD_HOSTS, EngineProcessSpec, default_advertise_host, engine_command
+from infera.engine.base.kv_events import free_port_block
 from infera.engine.base.preflight import SGLANG_RDMA_BACKENDS, PdSetup
 from infera.engine.base.prom import sum_samples
 
@@ -89,28 +89,6 @@ def int_flag(argv: Sequence[str], names: Sequence[str], default: int, prog: str)
         raise SystemExit(f"{prog}: {names[0]} must be an integer, got {raw!r}") from None
 
 
-def free_port_block(n: int = 1, attempts: int = 64) -> int:
-    """First of ``n`` consecutive TCP ports that are free on every interface (best effort)."""
-    for _ in range(attempts):
-        with socket.socket() as s:
-            s.bind(("", 0))
-            base = s.getsockname()[1]
-        if base + n - 1 > 65535:
-            continue
-        if all(_bindable(base + i) for i in range(1, n)):
-            return base
-    raise SystemExit(f"{PROG}: could not find {n} consecutive free ports for KV events")
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("", port))
-            return True
-        except OSError:
-            return False
-
-
 def parse_kv_events_endpoint(raw: str) -> tuple[str | None, int] | None:
     """(bind host or None for a wildcard, port) of a user's ``--kv-events-config``; None if it
     publishes nothing a router could subscribe to (no zmq publisher, or not a TCP endpoint)."""
@@ -167,7 +145,10 @@ class SglangAdapter:
         if kv_events_enabled(args, PROG):
             user_cfg = flag_value(argv, "--kv-events-config")
             if user_cfg is None:
-                kv_port = free_port_block(max(dp_size, 1))
+                try:
+                    kv_port = free_port_block(max(dp_size, 1))
+                except OSError as exc:
+                    raise SystemExit(f"{PROG}: {exc} for KV events") from None
                 argv += ["--kv-events-config", json.dumps(
                     {"publisher": "zmq", "endpoint": f"tcp://*:{kv_port}", "topic": "kv-events"},
                     separators=(",", ":"))]
