@@ -494,22 +494,14 @@ class EtcdDiscovery:
                 self._records_by_key[event.key] = record
                 fleet.upsert(record)
             if old is not None and (record is None or old.worker_id != record.worker_id):
-                self._resync_worker(fleet, old.worker_id)
+                fleet.release(old.worker_id, self._records_by_key.values())
         else:
             old = self._records_by_key.pop(event.key, None)
             self._undecodable_keys.discard(event.key)
             if old is not None:
-                self._resync_worker(fleet, old.worker_id)
+                fleet.release(old.worker_id, self._records_by_key.values())
             else:
                 fleet.remove(self._key_suffix(event.key))
-
-    def _resync_worker(self, fleet: Fleet, worker_id: str) -> None:
-        """A key stopped holding ``worker_id``: keep it if another key still does, else remove it."""
-        for record in self._records_by_key.values():
-            if record.worker_id == worker_id:
-                fleet.upsert(record)
-                return
-        fleet.remove(worker_id)
 
     def _decode(self, key: str, value: bytes) -> WorkerRecord | None:
         try:

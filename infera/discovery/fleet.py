@@ -46,6 +46,15 @@ class Fleet:
             log.info("worker removed: %s", worker_id)
             self._changed(worker_id, None)
 
+    def release(self, worker_id: str, holders: Iterable[WorkerRecord]) -> None:
+        """One registry entry (etcd key, Pod) stopped holding ``worker_id``: keep the worker if
+        another entry in ``holders`` still holds it (taking that record), else remove it."""
+        for record in holders:
+            if record.worker_id == worker_id:
+                self.upsert(record)
+                return
+        self.remove(worker_id)
+
     def replace_all(self, records: Iterable[WorkerRecord]) -> None:
         """Reconcile to exactly ``records`` (after a re-list): drops ghosts, adds/updates the rest."""
         fresh = {r.worker_id: r for r in records}

@@ -346,15 +346,7 @@ class KubernetesDiscovery:
             self._records_by_pod[name] = record
             fleet.upsert(record)
         if old is not None and (record is None or old.worker_id != record.worker_id):
-            self._resync_worker(fleet, old.worker_id)
-
-    def _resync_worker(self, fleet: Fleet, worker_id: str) -> None:
-        """A Pod stopped holding ``worker_id``: keep it if another Pod still does, else remove it."""
-        for record in self._records_by_pod.values():
-            if record.worker_id == worker_id:
-                fleet.upsert(record)
-                return
-        fleet.remove(worker_id)
+            fleet.release(old.worker_id, self._records_by_pod.values())
 
 
 # --------------------------------------------------------------------------------------------

@@ -53,3 +53,14 @@ def test_listener_errors_do_not_break_updates():
     f.subscribe(lambda wid, r: 1 / 0)
     f.upsert(rec("a"))
     assert f.get("a") is not None
+
+
+def test_release_keeps_a_worker_another_entry_still_holds():
+    fleet = Fleet()
+    a = WorkerRecord(worker_id="w", url="http://a", model_name="m")
+    b = WorkerRecord(worker_id="w", url="http://b", model_name="m")
+    fleet.upsert(a)
+    fleet.release("w", [b])  # entry A let go; entry B still holds w: its record wins
+    assert fleet.get("w") == b
+    fleet.release("w", [])  # nobody holds it any more
+    assert fleet.get("w") is None
