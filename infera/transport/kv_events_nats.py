@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -27,7 +26,7 @@ import nats.errors
 import nats.js.errors
 from nats.js import api
 
-from infera.transport.kv_events_zmq import NO_SEQ
+from infera.transport.kv_events_zmq import NO_SEQ, KvCallbacks
 from infera.transport.nats_conn import NatsConnection, subject_token
 
 log = logging.getLogger("infera.transport.kv_events_nats")
@@ -99,7 +98,7 @@ class _Key:
     last_batch_at: float | None = None
 
 
-class NatsKvEventSubscriber:
+class NatsKvEventSubscriber(KvCallbacks):
     """Server side: JetStream → ``on_batch(key, seq, payload)`` / ``on_reset(key)``; the interface of
     ``ZmqKvEventSubscriber``. ``add``'s endpoint is the key's subject (``kv_event_subject``)."""
 
@@ -397,7 +396,7 @@ class NatsKvEventSubscriber:
         except ValueError:
             seq = NO_SEQ
         if seq == NO_SEQ:
-            self._deliver(st, NO_SEQ, data)
+            self._emit(st, NO_SEQ, data)
             return
         if st.last_seq is None:
             if first and seq != 0:
@@ -411,24 +410,7 @@ class NatsKvEventSubscriber:
             log.info("KV events %s: seq went back from %d to %d: resetting", st.key, st.last_seq, seq)
             self._reset(st)
         st.last_seq = seq
-        self._deliver(st, seq, data)
-
-    def _deliver(self, st: _Key, seq: int, payload: bytes) -> None:
-        st.batches += 1
-        st.last_batch_at = time.monotonic()
-        try:
-            self.on_batch(st.key, seq, payload)
-        except Exception:
-            st.callback_errors += 1
-            log.exception("KV events %s: on_batch failed for seq %d", st.key, seq)
-
-    def _reset(self, st: _Key) -> None:
-        st.resets += 1
-        try:
-            self.on_reset(st.key)
-        except Exception:
-            st.callback_errors += 1
-            log.exception("KV events %s: on_reset failed", st.key)
+        self._emit(st, seq, data)
 
 
 def _subject_for_key(key: str) -> str:

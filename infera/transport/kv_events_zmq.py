@@ -98,7 +98,33 @@ class _KeyState:
         self.replayed_max = -1
 
 
-class ZmqKvEventSubscriber:
+class KvCallbacks:
+    """The callbacks every KV-event subscriber (ZMQ, NATS) drives, with the same bookkeeping on its
+    per-key state (``key``, ``batches``, ``last_batch_at``, ``resets``, ``callback_errors``): a
+    callback's exception is logged and counted, never kills a reader."""
+
+    on_batch: OnBatch
+    on_reset: OnReset
+
+    def _emit(self, st, seq: int, payload: bytes) -> None:
+        st.batches += 1
+        st.last_batch_at = time.monotonic()
+        try:
+            self.on_batch(st.key, seq, payload)
+        except Exception:
+            st.callback_errors += 1
+            log.exception("KV events %s: on_batch failed for seq %d", st.key, seq)
+
+    def _reset(self, st) -> None:
+        st.resets += 1
+        try:
+            self.on_reset(st.key)
+        except Exception:
+            st.callback_errors += 1
+            log.exception("KV events %s: on_reset failed", st.key)
+
+
+class ZmqKvEventSubscriber(KvCallbacks):
     """Subscribe to many engines' KV events; see the module docstring for the guarantees."""
 
     def __init__(self, on_batch: OnBatch, on_reset: OnReset, *, context: zmq.asyncio.Context | None = None,
@@ -393,18 +419,4 @@ class ZmqKvEventSubscriber:
         if track:
             st.last_seq = seq
             st.last_digest = _digest(payload)
-        st.batches += 1
-        st.last_batch_at = time.monotonic()
-        try:
-            self.on_batch(st.key, seq, payload)
-        except Exception:
-            st.callback_errors += 1
-            log.exception("KV events %s: on_batch failed for seq %d", st.key, seq)
-
-    def _reset(self, st: _KeyState) -> None:
-        st.resets += 1
-        try:
-            self.on_reset(st.key)
-        except Exception:
-            st.callback_errors += 1
-            log.exception("KV events %s: on_reset failed", st.key)
+        self._emit(st, seq, payload)
