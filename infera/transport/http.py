@@ -106,7 +106,21 @@ class UpstreamConnection(asyncio.Protocol):
             self.transport.abort()
 
 
-class UpstreamResponse:
+class ChunkedReply:
+    """``read()`` for replies that hand out their body chunk by chunk (``next_chunk``; b"" ends)."""
+
+    __slots__ = ()
+
+    async def read(self) -> bytes:
+        parts = []
+        while True:
+            chunk = await self.next_chunk()  # type: ignore[attr-defined]  # the subclass's
+            if not chunk:
+                return b"".join(parts)
+            parts.append(chunk)
+
+
+class UpstreamResponse(ChunkedReply):
     """A worker's reply: status and content type first, then the body as it arrives."""
 
     __slots__ = ("_conn", "_pool", "status", "content_type", "complete", "_chunks", "_buffered", "_error",
@@ -179,14 +193,6 @@ class UpstreamResponse:
                 await self._waiter
             finally:
                 self._waiter = None
-
-    async def read(self) -> bytes:
-        parts = []
-        while True:
-            chunk = await self.next_chunk()
-            if not chunk:
-                return b"".join(parts)
-            parts.append(chunk)
 
     def release(self) -> None:
         """Return the connection to the pool if the reply was fully read, else close it.

@@ -24,7 +24,7 @@ from typing import Iterable
 from nats.aio.msg import Msg
 
 from infera.discovery.record import WorkerRecord
-from infera.transport.http import UpstreamError
+from infera.transport.http import ChunkedReply, UpstreamError
 from infera.transport.nats_conn import NatsConnection, subject_token
 from infera.transport.nats_frames import (BUSY, ERROR, HEAD, FrameError, cancel_subject, decode_frame,
                                           encode_request, request_subject)
@@ -47,7 +47,7 @@ class AdmissionRefused(UpstreamError):
     status = 429
 
 
-class NatsResponse:
+class NatsResponse(ChunkedReply):
     """One request's reply, fed frame by frame by the client's inbox subscription."""
 
     __slots__ = ("_client", "worker_id", "token", "inbox", "status", "content_type", "complete", "_chunks", "_error",
@@ -187,14 +187,6 @@ class NatsResponse:
                 self._waiter = None
                 if timer is not None:
                     timer.cancel()
-
-    async def read(self) -> bytes:
-        parts = []
-        while True:
-            chunk = await self.next_chunk()
-            if not chunk:
-                return b"".join(parts)
-            parts.append(chunk)
 
     def release(self) -> None:
         """Done with the reply; if it had not finished, the worker is told to cancel (the engine
