@@ -163,17 +163,22 @@ async def test_sglang_events_relayed_verbatim_and_decoded_as_sglang(make_server,
 
 # -- (e) the broker restarts: relay and subscriber resume, views keep converging ----------------------------
 
-async def test_broker_restart_relay_and_server_resume(make_server, spawn_worker, own_nats_server):
-    url = own_nats_server.url
+async def fed_view(make_server, spawn_worker, url: str, s: aiohttp.ClientSession, min_blocks: int):
+    """A NATS-fed server, a relaying worker, and one group's prefix in the server's view of it:
+    (server, worker, base URL, blocks in the view)."""
     server = await make_server(*kv_nats(url))
     w = await spawn_worker("--num-gpu-blocks", "2048", launcher_args=kv_nats(url))
     await wait_workers(server, {w.worker_id})
     base = f"http://127.0.0.1:{server.port}"
+    await wait_for(lambda: server.kv.stats(w.worker_id).get("connected"), 10, message="subscribed")
+    await post(s, base, chat(0, "before the broker goes"))
+    await wait_for(lambda: server.kv.index.block_count(w.worker_id) >= min_blocks, 10, message="view filled")
+    return server, w, base, server.kv.index.block_count(w.worker_id)
+
+
+async def test_broker_restart_relay_and_server_resume(make_server, spawn_worker, own_nats_server):
     async with aiohttp.ClientSession() as s:
-        await wait_for(lambda: server.kv.stats(w.worker_id).get("connected"), 10, message="subscribed")
-        await post(s, base, chat(0, "before the restart"))
-        await wait_for(lambda: server.kv.index.block_count(w.worker_id) >= 18, 10, message="view filled")
-        before = server.kv.index.block_count(w.worker_id)
+        server, w, base, before = await fed_view(make_server, spawn_worker, own_nats_server.url, s, 18)
 
         own_nats_server.restart()  # same port, same store: the stream survives, the consumers do not
         async with s.post(w.url + "/v1/chat/completions", json=chat(1, "during the restart")) as r:
@@ -193,16 +198,8 @@ async def test_broker_that_lost_its_store_gets_the_views_resent(make_server, spa
     """A broker back without its JetStream store: the stream is re-created, its sequence numbers start
     over. The relay resends the engine's buffer after a reset marker; the server starts its views over
     from the new stream -- and they hold what the engine cached before the loss."""
-    url = own_nats_server.url
-    server = await make_server(*kv_nats(url))
-    w = await spawn_worker("--num-gpu-blocks", "2048", launcher_args=kv_nats(url))
-    await wait_workers(server, {w.worker_id})
-    base = f"http://127.0.0.1:{server.port}"
     async with aiohttp.ClientSession() as s:
-        await wait_for(lambda: server.kv.stats(w.worker_id).get("connected"), 10, message="subscribed")
-        await post(s, base, chat(0, "before the loss"))
-        await wait_for(lambda: server.kv.index.block_count(w.worker_id) >= 10, 10, message="view filled")
-        before = server.kv.index.block_count(w.worker_id)
+        server, w, base, before = await fed_view(make_server, spawn_worker, own_nats_server.url, s, 10)
         resets = server.kv.stats(w.worker_id)["resets"]
 
         own_nats_server.stop()
