@@ -167,11 +167,12 @@ class NatsProcess:
     """A real nats-server with JetStream for the test session; restartable on the same port and
     store (sync, so it outlives every test's event loop)."""
 
-    def __init__(self, max_payload: int | None = None) -> None:
+    def __init__(self, max_payload: int | None = None, extra_conf: str = "") -> None:
         self.binary = find_nats_server()
         self.store_dir = tempfile.mkdtemp(prefix="infera-test-nats-")
         self.port = free_port()
         self.max_payload = max_payload
+        self.extra_conf = extra_conf  # more nats-server config, e.g. an authorization block
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -184,6 +185,8 @@ class NatsProcess:
             f.write(f"listen: 127.0.0.1:{self.port}\njetstream {{ store_dir: {json.dumps(self.store_dir)} }}\n")
             if self.max_payload:
                 f.write(f"max_payload: {self.max_payload}\n")
+            if self.extra_conf:
+                f.write(self.extra_conf + "\n")
         log = open(os.path.join(self.store_dir, "nats.log"), "ab")
         self.proc = subprocess.Popen([self.binary, "-c", conf], stdout=log, stderr=log)
         deadline = time.monotonic() + 20

@@ -1,4 +1,6 @@
-"""One NATS connection per process, shared by every NATS use (requests, KV events, replica sync).
+"""The process's NATS connections: nats-py for KV events and replica sync (JetStream), and a lean
+core client (``nats_core``) for requests, made on first use. Both share the servers and the
+background-connect behaviour.
 
 It comes up in the background: a server or worker starts while the broker is still down and
 keeps retrying, instead of failing its start (a Pod's NATS may start after it). After the first
@@ -15,6 +17,8 @@ from typing import Awaitable, Callable
 
 from nats.aio.client import Client
 from nats.js import JetStreamContext
+
+from infera.transport.nats_core import NatsCoreClient
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +50,8 @@ class NatsConnection:
         self._on_disconnect: list[Listener] = []
         self._on_reconnect: list[Listener] = []
         self._closing = False
-        self.disconnects = 0
+        self._disconnects = 0
+        self._core: NatsCoreClient | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -63,7 +68,20 @@ class NatsConnection:
 
     @property
     def connected(self) -> bool:
-        return self._connected.is_set() and self.nc.is_connected
+        return self._connected.is_set() and self.nc.is_connected and (self._core is None or self._core.connected)
+
+    @property
+    def disconnects(self) -> int:
+        return self._disconnects + (self._core.disconnects if self._core is not None else 0)
+
+    def core(self) -> NatsCoreClient:
+        """The request path's connection (its own TCP connection), started on first call."""
+        if self._core is None:
+            self._core = NatsCoreClient(self.servers, name=f"{self.name} (requests)",
+                                        reconnect_wait=self.reconnect_wait, connect_timeout=self.connect_timeout)
+            if not self._closing:
+                self._core.begin()
+        return self._core
 
     @property
     def js(self) -> JetStreamContext:
@@ -83,6 +101,8 @@ class NatsConnection:
 
     async def close(self) -> None:
         self._closing = True
+        if self._core is not None:
+            await self._core.close()
         if self._task is not None:
             self._task.cancel()
             try:
@@ -125,7 +145,7 @@ class NatsConnection:
     async def _disconnected(self) -> None:
         if self._closing:
             return
-        self.disconnects += 1
+        self._disconnects += 1
         log.warning("NATS connection lost; reconnecting")
         await self._fire(self._on_disconnect)
 

@@ -21,11 +21,10 @@ import logging
 import time
 from typing import Iterable
 
-from nats.aio.msg import Msg
-
 from infera.discovery.record import WorkerRecord
 from infera.transport.http import ChunkedReply, UpstreamError
 from infera.transport.nats_conn import NatsConnection, subject_token
+from infera.transport.nats_core import NatsError
 from infera.transport.nats_frames import (BUSY, ERROR, HEAD, FrameError, cancel_subject, decode_frame,
                                           encode_request, request_subject)
 
@@ -50,14 +49,14 @@ class AdmissionRefused(UpstreamError):
 class NatsResponse(ChunkedReply):
     """One request's reply, fed frame by frame by the client's inbox subscription."""
 
-    __slots__ = ("_client", "worker_id", "token", "inbox", "status", "content_type", "complete", "_chunks", "_error",
+    __slots__ = ("_client", "worker_id", "cancel_subject", "inbox", "status", "content_type", "complete", "_chunks", "_error",
                  "_waiter", "_headers", "_expected_seq", "_deadline", "_released", "_idle")
 
-    def __init__(self, client: "NatsRequestClient", worker_id: str, token: str, inbox: str,
+    def __init__(self, client: "NatsRequestClient", worker_id: str, cancel_subject: bytes, inbox: bytes,
                  idle_timeout: float, deadline: float | None) -> None:
         self._client = client
         self.worker_id = worker_id
-        self.token = token
+        self.cancel_subject = cancel_subject
         self.inbox = inbox
         self.status = 0
         self.content_type = "application/json"
@@ -72,12 +71,12 @@ class NatsResponse(ChunkedReply):
         self._released = False
 
     # -- fed by the subscription ---------------------------------------------------------------
-    def _on_frame(self, msg: Msg) -> None:
+    def _on_frame(self, data: bytes, status: int = 0) -> None:
+        """One reply message; ``status`` is its NATS header status (503: no responders)."""
         if self.complete or self._error is not None:
             return
         before = not self._headers.done()
-        data = msg.data
-        if not data and msg.headers and msg.headers.get("Status") == "503":
+        if not data and status == 503:
             # The broker itself: nobody subscribes the worker's subject (gone, or draining).
             self._fail(UpstreamError(f"worker {self.worker_id} is not serving its NATS subject (no responders)",
                                      before_response=True))
@@ -212,32 +211,41 @@ class NatsRequestClient:
         self.max_duration = max_duration
         self.max_pending = max_pending
         self.reconnect_grace = reconnect_grace
-        self._prefix = ""
-        self._sub = None
-        self._subscribing: asyncio.Future | None = None
+        self._prefix = b""
+        self._sid: bytes | None = None
         self._ids = itertools.count(1)
-        self._pending: dict[str, NatsResponse] = {}
+        self._pending: dict[bytes, NatsResponse] = {}
         self._inflight: dict[str, int] = {}  # worker id → this router's unfinished requests
-        self._tokens: dict[str, str] = {}
+        self._subjects: dict[str, tuple[bytes, bytes]] = {}  # worker id → (request, cancel) subjects
         self.sent = 0
         self.cancels_sent = 0
-        nats.on_disconnect(self._on_disconnect)
+        self._core = None
+
+    @property
+    def core(self):
+        """The lean request connection (``nats_core``), made and subscribed on first use."""
+        core = self._core
+        if core is None:
+            core = self._core = self.nats.core()
+            core.on_disconnect(self._on_disconnect)
+            self._prefix = core.new_inbox()
+            # One wildcard subscription for every reply, restored by the client on reconnect. It
+            # is queued before any request's PUB, so it is in place when the first reply comes.
+            self._sid = core.subscribe(self._prefix + b".*", self._on_reply)
+        return core
 
     async def start(self) -> None:
-        pass  # subscribes on first use: the broker may not be up yet
+        self.core.begin()  # connects in the background: the broker may not be up yet
 
     async def close(self) -> None:
         for resp in list(self._pending.values()):
             resp._fail(UpstreamError("server shutting down"))
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception:  # connection already closed
-                pass
-            self._sub = None
+        if self._sid is not None and self._core is not None:
+            self._core.unsubscribe(self._sid)
+            self._sid = None
 
     def forget(self, worker: WorkerRecord) -> None:
-        self._tokens.pop(worker.worker_id, None)
+        self._subjects.pop(worker.worker_id, None)
 
     def inflight(self, worker_id: str) -> int:
         return self._inflight.get(worker_id, 0)
@@ -251,51 +259,39 @@ class NatsRequestClient:
         if self.max_pending and self._inflight.get(wid, 0) >= self.max_pending:
             raise AdmissionRefused(f"worker {wid} request backlog over limit ({self.max_pending} in flight here)",
                                    before_response=True)
-        nc = self.nats.nc
-        if not self.nats.connected:
-            if not await self.nats.wait_connected(self.reconnect_grace) or not nc.is_connected:
+        core = self.core
+        if not core.connected:
+            if not await core.wait_connected(self.reconnect_grace):
                 raise UpstreamError(f"NATS is not connected ({','.join(self.nats.servers)}): cannot reach worker {wid}",
                                     before_response=True)
-            nc = self.nats.nc
-        if self._sub is None:
-            await self._subscribe()
-        if len(body) > self.nats.max_payload - 4096:  # room for the request's meta
+        if len(body) > core.max_payload - 4096:  # room for the request's meta
             # A client error the router can name, not a broken worker: 413 before anything is sent.
-            raise BodyTooLarge(len(body), self.nats.max_payload)
-        token = self._tokens.get(wid)
-        if token is None:
-            token = self._tokens[wid] = subject_token(wid)
-        inbox = f"{self._prefix}.{next(self._ids)}"
+            raise BodyTooLarge(len(body), core.max_payload)
+        subjects = self._subjects.get(wid)
+        if subjects is None:
+            token = subject_token(wid)
+            subjects = self._subjects[wid] = (request_subject(token).encode(), cancel_subject(token).encode())
+        inbox = b"%s.%d" % (self._prefix, next(self._ids))
         deadline = time.monotonic() + self.max_duration if self.max_duration > 0 else None
-        resp = NatsResponse(self, wid, token, inbox, self.idle_timeout, deadline)
+        resp = NatsResponse(self, wid, subjects[1], inbox, self.idle_timeout, deadline)
         self._pending[inbox] = resp
         self._inflight[wid] = self._inflight.get(wid, 0) + 1
         self.sent += 1
         try:
-            await nc.publish(request_subject(token), encode_request(path, stream, tuple(headers), body,
-                                                                    self.max_duration), reply=inbox)
+            try:
+                core.publish(subjects[0], encode_request(path, stream, tuple(headers), body, self.max_duration), inbox)
+            except NatsError as exc:  # lost between the check and now
+                raise UpstreamError(f"cannot reach worker {wid}: {exc}", before_response=True) from None
             await resp.wait_headers()
             return resp
         except BaseException:
             resp.release()
             raise
 
-    async def _subscribe(self) -> None:
-        if self._subscribing is None:
-            self._subscribing = asyncio.ensure_future(self._do_subscribe())
-        await asyncio.shield(self._subscribing)
-
-    async def _do_subscribe(self) -> None:
-        nc = self.nats.nc
-        self._prefix = nc.new_inbox()
-        # No pending limits beyond the client's defaults: a slow consumer drops messages, and the
-        # frame sequence numbers turn that into a failed request, never a corrupted one.
-        self._sub = await nc.subscribe(self._prefix + ".*", cb=self._on_reply)
-
-    async def _on_reply(self, msg: Msg) -> None:
-        resp = self._pending.get(msg.subject)
+    def _on_reply(self, subject: bytes, _reply: bytes, data: bytes, status: int) -> None:
+        resp = self._pending.get(subject)
         if resp is not None:
-            resp._on_frame(msg)
+            resp._on_frame(data, status)
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def _done(self, resp: NatsResponse) -> None:
@@ -307,18 +303,11 @@ class NatsRequestClient:
                 self._inflight.pop(resp.worker_id, None)
 
     def _cancel(self, resp: NatsResponse) -> None:
-        nc = self.nats.nc
-        if not nc.is_connected:
-            return  # the worker cancels its requests itself when it loses the broker
-        self.cancels_sent += 1
-        asyncio.ensure_future(self._publish_cancel(nc, resp.token, resp.inbox))
-
-    @staticmethod
-    async def _publish_cancel(nc, token: str, inbox: str) -> None:
         try:
-            await nc.publish(cancel_subject(token), inbox.encode())
-        except Exception as exc:  # best effort: the worker's idle timeout still bounds the request
-            log.debug("cancel of %s not sent: %s", inbox, exc)
+            self.core.publish(resp.cancel_subject, resp.inbox)
+            self.cancels_sent += 1
+        except NatsError:  # the worker cancels its requests itself when it loses the broker
+            log.debug("cancel of %r not sent: NATS is not connected", resp.inbox)
 
     def _on_disconnect(self) -> None:
         # Replies published while we are away are lost: fail what is in flight now (before its

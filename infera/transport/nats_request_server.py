@@ -14,10 +14,9 @@ import asyncio
 import logging
 import time
 
-from nats.aio.msg import Msg
-
 from infera.transport.http import HttpTransport, UpstreamError, UpstreamResponse, split_http_url
 from infera.transport.nats_conn import NatsConnection, subject_token
+from infera.transport.nats_core import NatsError
 from infera.transport.nats_frames import (BUSY, DATA, ERROR, HEAD, FrameError, cancel_subject, decode_request,
                                           encode_frame, request_subject, split_payload)
 
@@ -29,7 +28,7 @@ _ALLOWED_PATHS = ("/v1/chat/completions", "/v1/completions")
 class _Request:
     __slots__ = ("inbox", "seq", "task", "started")
 
-    def __init__(self, inbox: str) -> None:
+    def __init__(self, inbox: bytes) -> None:
         self.inbox = inbox
         self.seq = 0
         self.task: asyncio.Task | None = None
@@ -95,13 +94,14 @@ class NatsRequestServer:
         self.max_duration = max_duration
         self.max_pending = max_pending
         self.http = http or HttpTransport()
-        self._requests: dict[str, _Request] = {}
-        self._req_sub = None
-        self._cancel_sub = None
+        self.core = nats.core()
+        self._requests: dict[bytes, _Request] = {}
+        self._req_sub: bytes | None = None
+        self._cancel_sub: bytes | None = None
         self.served = 0
         self.refused = 0
         self.cancelled = 0
-        nats.on_disconnect(self._on_disconnect)
+        self.core.on_disconnect(self._on_disconnect)
 
     @property
     def inflight(self) -> int:
@@ -109,21 +109,28 @@ class NatsRequestServer:
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
-        nc = self.nats.nc
-        self._cancel_sub = await nc.subscribe(cancel_subject(self.token), cb=self._on_cancel)
-        self._req_sub = await nc.subscribe(request_subject(self.token), cb=self._on_request)
-        await nc.flush(timeout=5)  # subscribed on the broker before the record is registered
+        core = self.core
+        self._cancel_sub = core.subscribe(cancel_subject(self.token), self._on_cancel)
+        self._req_sub = core.subscribe(request_subject(self.token), self._on_request)
+        # Subscribed on the broker before the record is registered (when the broker is up; if not,
+        # the subscriptions go out with the connect, and routers see "no responders" till then).
+        if await core.wait_connected(5):
+            try:
+                await core.flush(timeout=5)
+            except (NatsError, asyncio.TimeoutError) as exc:
+                log.warning("NATS flush after subscribing: %s", exc)
         log.info("serving NATS subject %s for %s", request_subject(self.token), self.worker_id)
 
     async def drain(self, timeout: float) -> None:
         """Stop taking requests (routers get "no responders" and go elsewhere), then give those in
         flight up to ``timeout`` seconds; the rest are cancelled by ``stop``."""
         if self._req_sub is not None:
-            try:
-                await self._req_sub.unsubscribe()
-            except Exception as exc:
-                log.debug("unsubscribe: %s", exc)
+            self.core.unsubscribe(self._req_sub)
             self._req_sub = None
+            try:  # the broker has it before routers are told we are gone
+                await self.core.flush(timeout=2)
+            except (NatsError, asyncio.TimeoutError) as exc:
+                log.debug("flush after unsubscribe: %s", exc)
         tasks = [r.task for r in self._requests.values() if r.task is not None]
         if tasks and timeout > 0:
             log.info("draining %d NATS request(s) (up to %.0fs)", len(tasks), timeout)
@@ -132,12 +139,9 @@ class NatsRequestServer:
                 log.warning("%d NATS request(s) still running after the drain timeout", len(pending))
 
     async def stop(self) -> None:
-        for sub in (self._req_sub, self._cancel_sub):
-            if sub is not None:
-                try:
-                    await sub.unsubscribe()
-                except Exception:  # connection already gone
-                    pass
+        for sid in (self._req_sub, self._cancel_sub):
+            if sid is not None:
+                self.core.unsubscribe(sid)
         self._req_sub = self._cancel_sub = None
         tasks = [r.task for r in self._requests.values() if r.task is not None]
         for t in tasks:
@@ -147,21 +151,20 @@ class NatsRequestServer:
         await self.http.close()
 
     # -- subscriptions -------------------------------------------------------------------------------
-    async def _on_request(self, msg: Msg) -> None:
-        inbox = msg.reply
+    def _on_request(self, _subject: bytes, inbox: bytes, data: bytes, _status: int) -> None:
         if not inbox or inbox in self._requests:
             return
         req = _Request(inbox)
         if self.max_pending and len(self._requests) >= self.max_pending:
             self.refused += 1
-            await self._publish(req, BUSY, b"", status=429)
+            self._publish(req, BUSY, b"", status=429)
             return
         self._requests[inbox] = req
-        req.task = asyncio.ensure_future(self._serve(req, msg))
+        req.task = asyncio.ensure_future(self._serve(req, data))
         req.task.add_done_callback(lambda _t, inbox=inbox: self._requests.pop(inbox, None))
 
-    async def _on_cancel(self, msg: Msg) -> None:
-        req = self._requests.get(msg.data.decode("utf-8", "replace"))
+    def _on_cancel(self, _subject: bytes, _reply: bytes, data: bytes, _status: int) -> None:
+        req = self._requests.get(data)
         if req is not None and req.task is not None and not req.task.done():
             self.cancelled += 1
             req.task.cancel()
@@ -172,14 +175,14 @@ class NatsRequestServer:
                 req.task.cancel()
 
     # -- one request ------------------------------------------------------------------------------------
-    async def _serve(self, req: _Request, msg: Msg) -> None:
+    async def _serve(self, req: _Request, data: bytes) -> None:
         try:
-            path, _stream, asked, headers, body = decode_request(msg.data)
+            path, _stream, asked, headers, body = decode_request(data)
         except FrameError as exc:
-            await self._publish(req, ERROR, str(exc).encode(), status=400)
+            self._publish(req, ERROR, str(exc).encode(), status=400)
             return
         if path not in _ALLOWED_PATHS:
-            await self._publish(req, ERROR, f"unsupported path {path!r}".encode(), status=404)
+            self._publish(req, ERROR, f"unsupported path {path!r}".encode(), status=404)
             return
         cap = self.max_duration
         if asked > 0:
@@ -218,35 +221,37 @@ class NatsRequestServer:
                 watchdog.cancel()
         except asyncio.CancelledError:
             if not watchdog.fired:
-                if self.nats.connected:
-                    await asyncio.shield(self._publish(req, ERROR, b"request cancelled", status=499))
+                self._publish(req, ERROR, b"request cancelled", status=499)
                 raise
             uncancel = getattr(watchdog.task, "uncancel", None)  # 3.11+: this cancel is handled
             if uncancel is not None:
                 uncancel()
             what = "exceeded its max duration" if watchdog.capped else (
                 f"got nothing from the engine for {self.idle_timeout:g}s")
-            await self._publish(req, ERROR, f"request {what}".encode(), status=504)
+            self._publish(req, ERROR, f"request {what}".encode(), status=504)
         except UpstreamError as exc:
-            await self._publish(req, ERROR, f"engine request failed: {exc}".encode(), status=502)
+            self._publish(req, ERROR, f"engine request failed: {exc}".encode(), status=502)
         finally:
             if resp is not None:
                 resp.release()  # unfinished: the connection is closed and the engine aborts
 
     async def _send_body(self, req: _Request, data: bytes, resp: UpstreamResponse, *, head: bool, end: bool) -> None:
-        pieces = split_payload(data, self.nats.max_payload)
+        core = self.core
+        pieces = split_payload(data, core.max_payload)
         for i, piece in enumerate(pieces):
             last = end and i == len(pieces) - 1
             if head and i == 0:
-                await self._publish(req, HEAD, piece, status=resp.status, content_type=resp.content_type, end=last)
+                self._publish(req, HEAD, piece, status=resp.status, content_type=resp.content_type, end=last)
             else:
-                await self._publish(req, DATA, piece, end=last)
+                self._publish(req, DATA, piece, end=last)
+        if core.congested:  # a slow broker: hold the engine's stream back rather than buffer it all
+            await core.drain()
 
-    async def _publish(self, req: _Request, kind: int, payload: bytes, *, status: int | None = None,
-                       content_type: str | None = None, end: bool = False) -> None:
+    def _publish(self, req: _Request, kind: int, payload: bytes, *, status: int | None = None,
+                 content_type: str | None = None, end: bool = False) -> None:
         frame = encode_frame(kind, req.seq, payload, end=end, status=status, content_type=content_type)
         req.seq += 1
         try:
-            await self.nats.nc.publish(req.inbox, frame)
-        except Exception as exc:  # broker gone: the router fails this request on its side
-            log.debug("reply frame to %s not sent: %s", req.inbox, exc)
+            self.core.publish(req.inbox, frame)
+        except NatsError as exc:  # broker gone: the router fails this request on its side
+            log.debug("reply frame to %r not sent: %s", req.inbox, exc)

@@ -74,9 +74,8 @@ def test_split_payload(size, limit, pieces):
     assert len(out) == pieces and b"".join(out) == data
 
 
-class _Msg:
-    def __init__(self, data=b"", headers=None, subject="_INBOX.x.1"):
-        self.headers, self.data, self.subject = headers, data, subject
+class _NoResponders:
+    """The broker's own reply when nobody serves the subject: no payload, header status 503."""
 
 
 class _Client:
@@ -92,12 +91,12 @@ class _Client:
 
 def _response(idle=5.0, deadline=None):
     client = _Client()
-    return NatsResponse(client, "w1", "dzE", "_INBOX.x.1", idle, deadline), client
+    return NatsResponse(client, "w1", b"infera.cancel.dzE", b"_INBOX.x.1", idle, deadline), client
 
 
 async def test_unary_reply_in_one_frame():
     resp, client = _response()
-    resp._on_frame(_Msg(encode_frame(HEAD, 0, b'{"a":1}', end=True, status=200, content_type="application/json")))
+    resp._on_frame(encode_frame(HEAD, 0, b'{"a":1}', end=True, status=200, content_type="application/json"))
     await resp.wait_headers()
     assert (resp.status, resp.content_type) == (200, "application/json")
     assert await resp.read() == b'{"a":1}'
@@ -107,9 +106,9 @@ async def test_unary_reply_in_one_frame():
 
 async def test_stream_frames_in_order():
     resp, _ = _response()
-    resp._on_frame(_Msg(encode_frame(HEAD, 0, b"data: 1\n\n", status=200, content_type="text/event-stream")))
-    resp._on_frame(_Msg(encode_frame(DATA, 1, b"data: 2\n\n")))
-    resp._on_frame(_Msg(encode_frame(DATA, 2, end=True)))
+    resp._on_frame(encode_frame(HEAD, 0, b"data: 1\n\n", status=200, content_type="text/event-stream"))
+    resp._on_frame(encode_frame(DATA, 1, b"data: 2\n\n"))
+    resp._on_frame(encode_frame(DATA, 2, end=True))
     await resp.wait_headers()
     assert await resp.read() == b"data: 1\n\ndata: 2\n\n"
 
@@ -118,7 +117,7 @@ async def test_stream_frames_in_order():
     # a lost frame: never silently skipped
     ([encode_frame(HEAD, 0, b"x", status=200), encode_frame(DATA, 2, b"z")], "lost", False),
     # the broker saying nobody serves the subject
-    ([_Msg(b"", {"Status": "503"})], "no responders", True),
+    ([_NoResponders], "no responders", True),
     ([encode_frame(BUSY, 0)], "backlog", True),
     ([encode_frame(ERROR, 0, b"engine request failed: boom", status=502)], "boom", True),
     ([encode_frame(HEAD, 0, b"x", status=200), encode_frame(ERROR, 1, b"cut")], "cut", False),
@@ -128,7 +127,10 @@ async def test_stream_frames_in_order():
 async def test_failures(frames, error, before):
     resp, client = _response()
     for f in frames:
-        resp._on_frame(f if isinstance(f, _Msg) else _Msg(f))
+        if f is _NoResponders:
+            resp._on_frame(b"", 503)
+        else:
+            resp._on_frame(f)
     if before:
         with pytest.raises(UpstreamError, match=error) as exc:
             await resp.wait_headers()
@@ -156,7 +158,7 @@ async def test_total_cap_bounds_every_wait():
     import time
 
     resp, client = _response(idle=60, deadline=time.monotonic() + 0.05)
-    resp._on_frame(_Msg(encode_frame(HEAD, 0, b"x", status=200)))
+    resp._on_frame(encode_frame(HEAD, 0, b"x", status=200))
     await resp.wait_headers()
     assert await resp.next_chunk() == b"x"
     started = loop.time()
@@ -168,7 +170,7 @@ async def test_total_cap_bounds_every_wait():
 
 async def test_release_before_the_end_cancels_once():
     resp, client = _response()
-    resp._on_frame(_Msg(encode_frame(HEAD, 0, b"x", status=200)))
+    resp._on_frame(encode_frame(HEAD, 0, b"x", status=200))
     resp.release()
     resp.release()
     assert client.cancelled == [resp]
