@@ -17,7 +17,8 @@ router itself started anew for each window):
 * ``kv-aware-single`` (default with ``--router-replicas`` > 1): ONE kv-aware server, whatever
   ``--router-replicas`` says: what the replicas should match;
 * ``sglang``: ``sglang-router launch --policy cache_aware --worker-urls <the workers>`` from a
-  bench-only venv, ``bench/.venv-peers`` (created on first use: ``pip install sglang-router``);
+  bench-only venv, ``bench/.venv-peers`` (created on first use: ``pip install sglang-router==0.3.2``,
+  pinned: ``SGLANG_ROUTER_VERSION``);
 * ``oracle`` (default with ``--real``): no router; the client sends each prefix group to a fixed
   worker (group g → worker g mod N);
 * ``sglang-rr`` (only when named in ``--routers``): sglang-router with ``--policy round_robin``, a
@@ -76,6 +77,8 @@ from router_overhead import (FleetError, Proc, _f, _free_port, _git_commit, _med
 
 DEFAULT_OUT = os.path.join(BENCH_DIR, "results", "kv_routing.json")
 PEERS_VENV = os.path.join(BENCH_DIR, ".venv-peers")
+# The peer router the published tables were measured against (bench/published/*.json name it too).
+SGLANG_ROUTER_VERSION = "0.3.2"
 VLLM_PYTHON = os.path.join(REPO, ".venv-vllm", "bin", "python")
 ROUTERS = ("round-robin", "kv-aware", "kv-aware-nosync", "kv-aware-single", "sglang", "oracle", "sglang-rr")
 KV_ROUTERS = ("kv-aware", "kv-aware-nosync", "kv-aware-single")  # python -m infera.server --router-policy kv-aware
@@ -360,17 +363,28 @@ class Router:
                 await r.proc.stop(timeout)
 
 
+def _installed_version(venv: str, package: str) -> str | None:
+    try:
+        r = subprocess.run([os.path.join(venv, "bin", "python"), "-c",
+                            f"import importlib.metadata as m; print(m.version({package!r}))"],
+                           capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
 def ensure_peers_venv() -> tuple[str | None, str]:
-    """The ``sglang-router`` executable in bench/.venv-peers (created on first use), or (None, why)."""
+    """The ``sglang-router`` executable in bench/.venv-peers at the pinned version (created or
+    re-pinned on first use), or (None, why). Pinned so a published comparison names what it beat."""
     exe = os.path.join(PEERS_VENV, "bin", "sglang-router")
-    if os.path.exists(exe):
+    if os.path.exists(exe) and _installed_version(PEERS_VENV, "sglang-router") == SGLANG_ROUTER_VERSION:
         return exe, ""
-    print(f"  creating {PEERS_VENV} (python -m venv; pip install sglang-router)…", flush=True)
+    print(f"  preparing {PEERS_VENV} (python -m venv; pip install sglang-router=={SGLANG_ROUTER_VERSION})…", flush=True)
     try:
         if not os.path.exists(os.path.join(PEERS_VENV, "bin", "pip")):
             subprocess.run([sys.executable, "-m", "venv", PEERS_VENV], check=True, capture_output=True, timeout=120)
-        r = subprocess.run([os.path.join(PEERS_VENV, "bin", "pip"), "install", "-q", "sglang-router"],
-                           capture_output=True, text=True, timeout=600)
+        r = subprocess.run([os.path.join(PEERS_VENV, "bin", "pip"), "install", "-q",
+                            f"sglang-router=={SGLANG_ROUTER_VERSION}"], capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"could not create {PEERS_VENV}: {exc}"
     if r.returncode != 0 or not os.path.exists(exe):
