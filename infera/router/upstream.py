@@ -1,9 +1,10 @@
 """One request to one worker, up to its first byte, and the relay of the rest: shared by mixed
 dispatch and by each leg of a PD pair.
 
-Before the first byte a failure (5xx, connection refused or reset, a stream that ends empty) is a
-``LegFailure`` the caller may retry elsewhere; after it, a broken stream ends with an SSE error
-event, because bytes already reached the client.
+Before the first byte a failure (5xx, connection refused or reset, no first byte within the
+transport's first-byte timeout, a stream that ends empty) is a ``LegFailure`` the caller may retry
+elsewhere; after it, a broken or stalled stream ends with an SSE error event, because bytes already
+reached the client. A unary reply over the transport's byte cap is a non-retryable 502.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import AsyncIterator, Callable, Sequence
 from infera.api.errors import error_bytes, sse_error_event
 from infera.discovery.record import WorkerRecord
 from infera.server.metrics import ServerMetrics
-from infera.transport.http import UpstreamError
+from infera.transport.http import ReplyTooLarge, UpstreamError
 from infera.transport.request import RequestTransport, UpstreamReply
 
 log = logging.getLogger(__name__)
@@ -94,9 +95,15 @@ async def open_upstream(transport: RequestTransport, worker: WorkerRecord, route
         raise
     except UpstreamError as exc:
         if resp is not None:
-            resp.release()
+            resp.release()  # unfinished: the connection is closed, so the engine aborts
+        if isinstance(exc, ReplyTooLarge):  # as large on any worker: neither retried nor blamed
+            message = f"worker {wid} replied with more than {exc.limit} bytes (--max-upstream-reply-bytes)"
+            raise LegFailure(wid, 502, message, "upstream_reply_too_large",
+                             error_bytes(message, 502, "upstream_reply_too_large"), role=role,
+                             retryable=False) from None
         status = getattr(exc, "status", None)
-        if status is not None:  # NATS: backlog full (429), stalled (504), body over the broker's limit (413)
+        # No first byte in time (504, HTTP or NATS), NATS backlog full (429), body over the broker's limit (413)
+        if status is not None:
             reason = {429: "admission", 504: "timeout", 413: "body_too_large"}.get(status, "unreachable")
             raise LegFailure(wid, status, str(exc), reason, error_bytes(str(exc), status, reason), role=role,
                              retryable=status != 413) from None
@@ -105,6 +112,14 @@ async def open_upstream(transport: RequestTransport, worker: WorkerRecord, route
         if resp is not None:
             resp.release()
         raise
+
+
+def midstream_error_event(worker_id: str, exc: BaseException | None) -> bytes:
+    """The SSE event that ends a stream its worker broke (``exc``; None: it ended without
+    ``[DONE]``) or stalled past the idle timeout."""
+    if getattr(exc, "status", None) == 504:  # idle timeout: the connection is already closed
+        return sse_error_event(f"worker {worker_id} stalled mid-stream: {exc}", 504, "worker_timeout_midstream")
+    return sse_error_event(f"worker {worker_id} failed mid-stream", 502, "worker_failed_midstream")
 
 
 class Relay:
@@ -161,6 +176,6 @@ class Relay:
         except UpstreamError as exc:
             log.warning("worker %s failed mid-stream: %s", wid, exc)
             self._metrics.count_midstream_failure(wid)
-            yield sse_error_event(f"worker {wid} failed mid-stream", 502, "worker_failed_midstream")
+            yield midstream_error_event(wid, exc)
         finally:
             self._finish()

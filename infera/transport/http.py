@@ -5,6 +5,16 @@ showed its per-request machinery (request objects, header multidicts, pool bookk
 largest share of the server's CPU. Talking to a worker needs far less: one prebuilt request
 written in a single ``transport.write``, a C parser (httptools) for the reply, and a pool of
 idle connections per worker. Body bytes are handed over exactly as the engine sent them.
+
+Every wait on a worker is bounded (when the server configures it): ``first_byte_timeout`` from
+writing the request to the first body byte (a unary reply arrives whole, so for it this bounds the
+generation; a stream's headers come at once and its first chunk after the prefill), then
+``idle_timeout`` between body chunks while the router waits for one. Expiry fails the reply with
+``UpstreamTimeout`` (504) and closes the connection, so the engine aborts the request. The timers
+cost one ``call_later`` per request and phase, not one per chunk: a wait only stamps the loop
+clock, and the idle timer, when it fires, re-arms itself for the time still left (a stall is
+rare; a chunk is the hot path). A reply read whole into memory (``read``) is capped at
+``max_reply_bytes`` (``ReplyTooLarge``, 502).
 """
 from __future__ import annotations
 
@@ -28,6 +38,24 @@ class UpstreamError(Exception):
     def __init__(self, message: str, *, before_response: bool = False) -> None:
         super().__init__(message)
         self.before_response = before_response
+
+
+class UpstreamTimeout(UpstreamError):
+    """The worker sent no first byte within the first-byte timeout, or its body stalled past the
+    idle timeout."""
+
+    status = 504
+
+
+class ReplyTooLarge(UpstreamError):
+    """A reply read whole into memory is over the byte cap: failed instead of buffered. The same
+    request would be as large anywhere, so it is not retried, nor held against the worker."""
+
+    status = 502
+
+    def __init__(self, where: str, limit: int) -> None:
+        super().__init__(f"{where}: reply larger than {limit} bytes (--max-upstream-reply-bytes)")
+        self.limit = limit
 
 
 class UpstreamConnection(asyncio.Protocol):
@@ -72,8 +100,16 @@ class UpstreamConnection(asyncio.Protocol):
     # -- httptools callbacks ----------------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
         resp = self.response
-        if resp is not None and len(name) == 12 and name.lower() == b"content-type":
+        if resp is None:
+            return
+        n = len(name)
+        if n == 12 and name.lower() == b"content-type":
             resp.content_type = value.decode("latin-1")
+        elif n == 14 and name.lower() == b"content-length":
+            try:
+                resp.content_length = int(value)
+            except ValueError:  # httptools rejects it itself; the cap still applies while reading
+                pass
 
     def on_headers_complete(self) -> None:
         resp = self.response
@@ -111,34 +147,49 @@ class ChunkedReply:
 
     __slots__ = ()
 
-    async def read(self) -> bytes:
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole body; more than ``limit`` bytes (0/None: no cap) raises ``ReplyTooLarge``
+        (the caller releases the reply, which closes the connection)."""
         parts = []
+        size = 0
         while True:
             chunk = await self.next_chunk()  # type: ignore[attr-defined]  # the subclass's
             if not chunk:
                 return b"".join(parts)
+            size += len(chunk)
+            if limit and size > limit:
+                raise ReplyTooLarge(self._describe(), limit)
             parts.append(chunk)
+
+    def _describe(self) -> str:
+        return "worker"
 
 
 class UpstreamResponse(ChunkedReply):
     """A worker's reply: status and content type first, then the body as it arrives."""
 
-    __slots__ = ("_conn", "_pool", "status", "content_type", "complete", "_chunks", "_buffered", "_error",
-                 "_waiter", "_headers_future", "_keep_alive", "_released")
+    __slots__ = ("_conn", "_pool", "status", "content_type", "content_length", "complete", "_chunks", "_buffered",
+                 "_error", "_waiter", "_headers_future", "_keep_alive", "_released", "_loop", "_timer", "_got_body",
+                 "_wait_since")
 
     def __init__(self, conn: UpstreamConnection, pool: "HttpTransport") -> None:
         self._conn = conn
         self._pool = pool
         self.status = 0
         self.content_type = "application/json"
+        self.content_length = -1  # -1: not announced (chunked, or read to close)
         self.complete = False
         self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
-        self._error: str | None = None
+        self._error: UpstreamError | None = None
         self._waiter: asyncio.Future | None = None
-        self._headers_future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()
+        self._headers_future: asyncio.Future = self._loop.create_future()
         self._keep_alive = False
         self._released = False
+        self._timer: asyncio.TimerHandle | None = None  # first-byte timer, then the idle one
+        self._got_body = False
+        self._wait_since = 0.0  # loop time the consumer began its current wait for a chunk
 
     # -- fed by the connection -------------------------------------------------------------------------
     def _headers_done(self) -> None:
@@ -146,6 +197,8 @@ class UpstreamResponse(ChunkedReply):
             self._headers_future.set_result(None)
 
     def _feed(self, data: bytes) -> None:
+        if not self._got_body:
+            self._first_body()
         self._chunks.append(data)
         self._buffered += len(data)
         self._wake()
@@ -153,14 +206,19 @@ class UpstreamResponse(ChunkedReply):
     def _finish(self, keep_alive: bool) -> None:
         self.complete = True
         self._keep_alive = keep_alive
+        self._stop_timer()
         self._wake()
 
-    def _fail(self, message: str) -> None:
-        if self.complete or self._error:
+    def _fail(self, error: "str | UpstreamError") -> None:
+        if self.complete or self._error is not None:
             return
-        self._error = message
+        if isinstance(error, str):
+            error = UpstreamError(error, before_response=not self._headers_future.done())
+        self._error = error
+        self._stop_timer()
         if not self._headers_future.done():
-            self._headers_future.set_exception(UpstreamError(message, before_response=True))
+            self._headers_future.set_exception(error)
+            self._headers_future.exception()  # retrieved: no "never retrieved" warning if nobody waits
         self._wake()
 
     def _wake(self) -> None:
@@ -168,9 +226,69 @@ class UpstreamResponse(ChunkedReply):
         if w is not None and not w.done():
             w.set_result(None)
 
+    # -- timeouts ------------------------------------------------------------------------------------------
+    def _where(self) -> str:
+        host, port = self._conn.key
+        return f"worker {host}:{port}"
+
+    _describe = _where
+
+    def _start_clock(self) -> None:
+        """The request is written: the first-byte timeout starts."""
+        t = self._pool.first_byte_timeout
+        if t > 0:
+            self._timer = self._loop.call_later(t, self._first_byte_expired)
+
+    def _first_body(self) -> None:
+        """The first body byte: the first-byte timer gives way to the idle timer."""
+        self._got_body = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        idle = self._pool.idle_timeout
+        if idle > 0:
+            self._timer = self._loop.call_later(idle, self._idle_check)
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _first_byte_expired(self) -> None:
+        self._timer = None
+        self._expire(UpstreamTimeout(f"{self._where()} sent no reply within {self._pool.first_byte_timeout:g}s "
+                                     "(first-byte timeout)", before_response=True))
+
+    def _idle_check(self) -> None:
+        """Fires at most once per idle period. Only a wait the consumer is in counts: while it is
+        away (writing to a slow client, reading paused) the worker is not the one stalling."""
+        self._timer = None
+        if self.complete or self._error is not None or self._released:
+            return
+        idle = self._pool.idle_timeout
+        left = idle
+        if self._waiter is not None and not self._chunks:
+            left = self._wait_since + idle - self._loop.time()
+            if left <= 0.001:
+                self._expire(UpstreamTimeout(f"{self._where()} stalled: nothing received for {idle:g}s "
+                                             "(idle timeout)"))
+                return
+        self._timer = self._loop.call_later(left, self._idle_check)
+
+    def _expire(self, error: UpstreamTimeout) -> None:
+        if self.complete or self._error is not None or self._released:
+            return
+        self._fail(error)  # logged by whoever handles it (a retry, or the relay's mid-stream failure)
+        self._conn._abort()  # the engine sees the close and aborts the request
+
     # -- consumer side -------------------------------------------------------------------------------------
     async def wait_headers(self) -> None:
         await self._headers_future
+
+    @property
+    def ready(self) -> bool:
+        """Body bytes are waiting: ``next_chunk`` returns them without waiting."""
+        return bool(self._chunks)
 
     async def next_chunk(self) -> bytes:
         """Everything received since the last call (joined), waiting if nothing is there.
@@ -186,13 +304,24 @@ class UpstreamResponse(ChunkedReply):
                 return data
             if self.complete:
                 return b""
-            if self._error:
-                raise UpstreamError(self._error)
-            self._waiter = asyncio.get_running_loop().create_future()
+            if self._error is not None:
+                raise self._error
+            loop = self._loop
+            self._waiter = loop.create_future()
+            self._wait_since = loop.time()  # the idle timer reads it; no timer of its own per wait
             try:
                 await self._waiter
             finally:
                 self._waiter = None
+
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole body, capped at ``limit`` (default: the transport's ``max_reply_bytes``); an
+        announced Content-Length over the cap fails before any of it is read."""
+        if limit is None:
+            limit = self._pool.max_reply_bytes
+        if limit and self.content_length > limit:
+            raise ReplyTooLarge(self._where(), limit)
+        return await ChunkedReply.read(self, limit)
 
     def release(self) -> None:
         """Return the connection to the pool if the reply was fully read, else close it.
@@ -203,6 +332,7 @@ class UpstreamResponse(ChunkedReply):
         if self._released:
             return
         self._released = True
+        self._stop_timer()
         conn = self._conn
         conn.response = None
         if self.complete and self._keep_alive and not conn.closed and not self._chunks:
@@ -226,9 +356,15 @@ def split_http_url(url: str) -> tuple[str, int]:
 class HttpTransport:
     """Connection pools to workers, keyed by (host, port)."""
 
-    def __init__(self, connect_timeout: float = 10.0, max_idle_per_worker: int = 1024) -> None:
+    def __init__(self, connect_timeout: float = 10.0, max_idle_per_worker: int = 1024, *,
+                 first_byte_timeout: float = 0.0, idle_timeout: float = 0.0, max_reply_bytes: int = 0) -> None:
+        # 0 = off for all three: the server sets them from its flags (the NATS worker's proxy has
+        # its own watchdog).
         self.connect_timeout = connect_timeout
         self.max_idle_per_worker = max_idle_per_worker
+        self.first_byte_timeout = first_byte_timeout
+        self.idle_timeout = idle_timeout
+        self.max_reply_bytes = max_reply_bytes
         self._idle: dict[tuple[str, int], list[UpstreamConnection]] = {}
         self._request_heads: dict[tuple[str, int, str], bytes] = {}
         self._addresses: dict[str, tuple[str, int]] = {}
@@ -311,7 +447,8 @@ class HttpTransport:
 
         A reused idle connection the worker already closed fails before any reply byte; that
         attempt is transparently repeated once on a fresh connection (no request reached the
-        engine). Any other failure raises UpstreamError. The caller must ``release()``.
+        engine). Any other failure raises UpstreamError (``UpstreamTimeout`` past the first-byte
+        timeout, never repeated: the worker got the request). The caller must ``release()``.
         """
         key = (host, port)
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers)
@@ -326,11 +463,12 @@ class HttpTransport:
             try:
                 assert conn.transport is not None
                 conn.transport.write(request)
+                resp._start_clock()
                 await resp.wait_headers()
                 return resp
-            except UpstreamError:
+            except UpstreamError as exc:
                 resp.release()
-                if reused and attempt == 0:
+                if reused and attempt == 0 and not isinstance(exc, UpstreamTimeout):
                     conn = None  # stale keep-alive connection: one fresh try
                     continue
                 raise
