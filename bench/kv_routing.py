@@ -208,8 +208,12 @@ def parse_prom(text: str) -> dict[str, float]:
     return out
 
 
+ADMIN_TOKEN = "bench-admin-token"  # the routers' --admin-token: /v1/admin/cache-view needs it
+
+
 async def http_get(session: aiohttp.ClientSession, url: str, timeout: float = 5.0) -> tuple[int, str]:
-    async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout), headers=headers) as r:
         return r.status, await r.text()
 
 
@@ -426,7 +430,7 @@ class Bench:
             policy = "kv-aware" if name in KV_ROUTERS else name
             synced = name == "kv-aware" and a.router_replicas > 1
             cmd = [sys.executable, "-m", "infera.server", "--host", "127.0.0.1", "--port", str(port),
-                   "--etcd-endpoint", self.fleet.etcd.url, "--router-policy", policy,
+                   "--etcd-endpoint", self.fleet.etcd.url, "--router-policy", policy, "--admin-token", ADMIN_TOKEN,
                    # info: a synced replica logs its sync counters when it stops (read back below)
                    "--log-level", "info" if synced else "warning"]
             if policy == "kv-aware":

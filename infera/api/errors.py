@@ -6,6 +6,7 @@ import msgspec
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     413: "invalid_request_error",
     415: "invalid_request_error",

@@ -2,14 +2,26 @@
 
 Only the fields the router reads are typed strictly; everything else passes through to the
 engine untouched (the original bytes are forwarded, never re-encoded).
+
+Hostile input is stopped here, before anything recursive touches it: msgspec decodes nesting
+recursively (a body nested ~1000 deep raises RecursionError, and one nested 500 deep decodes but
+breaks the PD legs' ``copy.deepcopy`` later), so nesting depth and container count are checked
+first by ``json_structure_problem``, which never recurses and runs in C (bytes.translate, replace,
+split; itertools over builtins).
 """
 from __future__ import annotations
 
+import itertools
+import operator
+import re
 from typing import Any, Optional, Union
 
 import msgspec
 
 from infera.api.errors import ApiError
+
+# Deeper than any real request (a chat message with content parts and a tool schema is < 20).
+MAX_JSON_DEPTH = 64
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=False):
@@ -31,6 +43,9 @@ class _Common(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
     prompt_cache_key: Optional[str] = None
     prompt_cache_retention: Optional[str] = None
     images: Optional[list[Any]] = None
+    # PD handoff the engine acts on (vLLM's KV connectors pull KV from the host it names): the
+    # router writes it; a client's is refused unless the operator allows it (see parse_request).
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
@@ -53,19 +68,112 @@ _decoders = {
     "/v1/completions": msgspec.json.Decoder(CompletionRequest),
 }
 
+# -- nesting depth and size without recursion ---------------------------------------------------------
+# More arrays/objects than any real request holds (a long agent transcript has a few thousand); it
+# also bounds what a body can make msgspec allocate (32 MiB of "[[]]," in a list[Any] field took
+# seconds of event loop) and the exact depth pass below.
+MAX_JSON_CONTAINERS = 100_000
 
-def parse_request(route: str, body: bytes) -> ChatCompletionRequest | CompletionRequest:
-    """Decode + validate; any problem is a 400 in the OpenAI error shape."""
+_KEEP = b'[]{}"'
+_DROP = bytes(b for b in range(256) if b not in _KEEP)
+_SQUARE = bytes.maketrans(b"{}", b"[]")  # one bracket kind: nesting is all that matters here
+_DROP_ESC = bytes(b for b in range(256) if b not in _KEEP + b'\\/bfnrtu')  # + escapes: \\ \" \/ \b \f \n \r \t \u
+
+
+def json_structure_problem(body: bytes, max_depth: int = MAX_JSON_DEPTH,
+                           max_containers: int = MAX_JSON_CONTAINERS) -> str | None:
+    """Why ``body`` nests too deep or holds too many arrays/objects; None when it is fine.
+
+    Never recurses, and every pass runs in C. Exact for valid JSON; for invalid JSON it never
+    misses a deep prefix (what a recursive decoder would descend into before failing). Cost: one
+    ``bytes.translate`` of the body (~0.4 ns a byte) when the body holds at most ``max_depth``
+    brackets, the usual case; else a few more linear passes, the last over at most
+    ``2 * max_containers`` brackets.
+    """
+    s = body.translate(_SQUARE, _DROP)  # brackets (one kind) and quotes
+    if s.count(b"[") <= max_depth:
+        return None
+    escapes = body.translate(None, _DROP_ESC) if b"\\" in body else b""
+    if b'\\"' in escapes:
+        # An escaped quote is text: drop escaped backslashes first (so ``\\"`` still ends its
+        # string), then escaped quotes; no other escape hides a quote or a bracket. Done on the
+        # body less the bytes no escape involves (about a third of a text's are left): the letters
+        # escapes use are kept, so an escaped n before a closing quote is not an escaped quote.
+        s = escapes.replace(b"\\\\", b"").replace(b'\\"', b"").translate(_SQUARE, _DROP)
+    # Adjacent quotes end one string and start the next (or make an empty one): dropping them
+    # joins strings and keeps every quote's parity, and makes the split below small.
+    s = s.replace(b'""', b"")
+    quotes = s.count(b'"')
+    if quotes:
+        # Two strings left apart have an outer bracket between them, so there are at most ~2 quotes
+        # per bracket here; past that there are too many brackets anyway.
+        if quotes > 4 * max_containers + 2:
+            return f"JSON holds more than {max_containers} arrays/objects"
+        s = b"".join(s.split(b'"')[::2])  # brackets inside strings are text
+    opens = s.count(b"[")
+    if opens <= max_depth:
+        return None
+    if len(s) > 2 * max_containers:  # opens + closes: also bounds the pass below on unbalanced input
+        return f"JSON holds more than {max_containers} arrays/objects"
+    # Depth just before the i-th close = the opens so far - i (map/accumulate/any over builtins:
+    # no bytecode per bracket), stopping at the first level too deep.
+    depths = map(operator.sub, itertools.accumulate(map(len, s.split(b"]"))), itertools.count())
+    if any(map(operator.lt, itertools.repeat(max_depth), depths)):
+        return f"JSON nested deeper than {max_depth} levels"
+    return None
+
+
+# -- validation ---------------------------------------------------------------------------------------
+_AT_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
+_MISSING = re.compile(r"missing required field `([^`]+)`")
+
+
+def _param_of(message: str) -> str | None:
+    """The JSON path msgspec names (``messages[0].role``), or the missing field."""
+    m = _AT_PATH.search(message) or _MISSING.search(message)
+    return (m.group(1) or None) if m else None
+
+
+def _at_least_one(value: Any, name: str) -> None:
+    if value is not None and value < 1:
+        raise ApiError(400, f"{name} must be at least 1", "invalid_request", param=name)
+
+
+def parse_request(route: str, body: bytes, *, max_depth: int = MAX_JSON_DEPTH,
+                  max_containers: int = MAX_JSON_CONTAINERS,
+                  allow_kv_transfer_params: bool = False) -> ChatCompletionRequest | CompletionRequest:
+    """Decode + validate; any problem is a 400 in the OpenAI error shape (never another error).
+
+    ``allow_kv_transfer_params``: let a client's own ``kv_transfer_params`` through to the
+    engine (``--allow-client-kv-transfer-params``). Off, a request carrying one is refused: it
+    tells a vLLM KV connector which host to pull KV from, so it is the router's to write.
+    """
     if not body:
         raise ApiError(400, "request body is empty; expected a JSON object", "invalid_json")
+    problem = json_structure_problem(body, max_depth, max_containers)
+    if problem is not None:
+        raise ApiError(400, problem, "json_too_complex")
     try:
         req = _decoders[route].decode(body)
     except msgspec.ValidationError as exc:
-        raise ApiError(400, f"invalid request: {exc}", "invalid_request") from None
+        message = str(exc)
+        raise ApiError(400, f"invalid request: {message}", "invalid_request", param=_param_of(message)) from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"malformed JSON body: {exc}", "invalid_json") from None
-    if req.max_tokens is not None and req.max_tokens < 1:
-        raise ApiError(400, "max_tokens must be at least 1", "invalid_request", param="max_tokens")
+    except RecursionError:  # unreachable below max_depth; kept so no input is ever a 500
+        raise ApiError(400, "JSON nested too deep", "json_too_complex") from None
     if not req.model:
         raise ApiError(400, "'model' is required", "invalid_request", param="model")
+    _at_least_one(req.max_tokens, "max_tokens")
+    _at_least_one(req.n, "n")
+    if isinstance(req, ChatCompletionRequest):
+        _at_least_one(req.max_completion_tokens, "max_completion_tokens")
+        if not req.messages:
+            raise ApiError(400, "'messages' must hold at least one message", "invalid_request", param="messages")
+    elif isinstance(req.prompt, list) and not req.prompt:
+        raise ApiError(400, "'prompt' must not be an empty list", "invalid_request", param="prompt")
+    if req.kv_transfer_params is not None and not allow_kv_transfer_params:
+        raise ApiError(400, "kv_transfer_params is set by the router for PD transfers, not by clients (an operator "
+                       "can allow it with --allow-client-kv-transfer-params)", "kv_transfer_params_not_allowed",
+                       param="kv_transfer_params")
     return req

@@ -4,6 +4,9 @@ anything else is mixed. The choice is made per request, so PD and mixed models s
 
 ``--router-mode direct`` adds pinning by header: ``x-worker-instance-id`` alone pins a mixed
 worker; with ``x-prefill-instance-id`` too, the pair (prefill, decode) is used exactly as named.
+Roles are checked (400 otherwise): a decode worker pinned alone would run the client's body as
+its decode leg (a client-chosen KV handoff: the engine pulls KV from whatever host it names),
+and a prefill worker alone only ever prefills.
 """
 from __future__ import annotations
 
@@ -27,7 +30,9 @@ class AutoRouter:
     async def dispatch(self, req: RoutedRequest) -> Reply:
         if self.direct and req.direct_prefill is not None:
             return await self._direct_pair(req)
-        if not (self.direct and req.direct_worker is not None):
+        if self.direct and req.direct_worker is not None:
+            self._check_lone_worker(req.direct_worker)
+        else:
             model = req.model
             prefills = self.fleet.active(model, "prefill")
             decodes = self.fleet.active(model, "decode")
@@ -39,6 +44,19 @@ class AutoRouter:
                                f"worker, and no mixed worker serves it: PD needs both pools; retry when a "
                                f"{missing} worker registers", f"no_{missing}_worker", headers=_RETRY)
         return await self.mixed.dispatch(req)
+
+    def _check_lone_worker(self, worker_id: str) -> None:
+        """A worker pinned alone must be mixed (a missing one is MixedRouter's 503)."""
+        worker = self.fleet.get(worker_id)
+        if worker is None or not worker.is_active or worker.disagg_mode == "mixed":
+            return
+        if worker.disagg_mode == "decode":
+            raise ApiError(400, f"x-worker-instance-id: worker {worker_id!r} is a decode worker: it serves only the "
+                           "decode half of a PD pair; name its prefill worker with x-prefill-instance-id",
+                           "worker_role_mismatch")
+        raise ApiError(400, f"x-worker-instance-id: worker {worker_id!r} is a {worker.disagg_mode} worker: it "
+                       "cannot serve a request alone; pin a mixed worker, or a decode worker with its prefill in "
+                       "x-prefill-instance-id", "worker_role_mismatch")
 
     def _worker(self, worker_id: str, mode: str, header: str) -> WorkerRecord:
         worker = self.fleet.get(worker_id)

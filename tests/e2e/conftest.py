@@ -43,9 +43,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
+ADMIN_TOKEN = "e2e-admin-token"  # the servers' --admin-token: /v1/admin/* needs it
+
+
 def http_json(url: str, body: dict | None = None, timeout: float = 60) -> dict:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json",
+                                                          "Authorization": f"Bearer {ADMIN_TOKEN}"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
 
@@ -116,7 +120,7 @@ class VllmFleet:
             log = open(self.tmp / f"server-{port}.log", "wb")
             self.servers.append(subprocess.Popen([sys.executable, "-m", "infera.server", "--host", "127.0.0.1",
                                                   "--port", str(port), "--etcd-endpoint", self.etcd.endpoint,
-                                                  *self.nats_plane(), *policy],
+                                                  *self.nats_plane(), *policy, "--admin-token", ADMIN_TOKEN],
                                                  stdout=log, stderr=subprocess.STDOUT))
         for i, spec in enumerate(specs):
             port = free_port()

@@ -17,7 +17,7 @@ from infera.transport.kv_events_nats import (HDR_EPOCH, HDR_RESET, HDR_SEQ, STRE
 from infera.transport.nats_conn import NatsConnection, subject_token
 from tests.conftest import free_port, wait_for
 from tests.integration.conftest import Worker, wait_workers
-from tests.integration.test_kv_routing import cache_view, chat, post
+from tests.integration.test_kv_routing import ADMIN_TOKEN, cache_view, chat, post
 
 pytestmark = pytest.mark.integration
 
@@ -44,7 +44,7 @@ async def view_of(s: aiohttp.ClientSession, server, worker_id: str) -> dict:
 # -- (a) kv-aware picks driven by events that came over NATS only --------------------------------------
 
 async def test_kv_aware_picks_follow_events_relayed_over_nats(make_server, spawn_worker, nats_server):
-    server = await make_server(*kv_nats(nats_server.url))
+    server = await make_server(*kv_nats(nats_server.url), "--admin-token", ADMIN_TOKEN)
     workers = [await spawn_worker("--num-gpu-blocks", "2048", launcher_args=kv_nats(nats_server.url))
                for _ in range(2)]
     await wait_workers(server, {w.worker_id for w in workers})
@@ -74,8 +74,8 @@ async def test_kv_aware_picks_follow_events_relayed_over_nats(make_server, spawn
 async def test_mixed_planes_each_worker_on_its_transport(make_server, spawn_worker, nats_server):
     """A nats-relaying worker still publishes on ZMQ: a server without NATS follows it there, and a
     server with NATS follows a ZMQ-only worker on ZMQ."""
-    with_nats = await make_server(*kv_nats(nats_server.url))
-    without = await make_server()
+    with_nats = await make_server(*kv_nats(nats_server.url), "--admin-token", ADMIN_TOKEN)
+    without = await make_server("--admin-token", ADMIN_TOKEN)
     relayed = await spawn_worker(launcher_args=kv_nats(nats_server.url))
     plain = await spawn_worker()
     ids = {relayed.worker_id, plain.worker_id}
@@ -105,7 +105,7 @@ async def test_server_started_later_rebuilds_views_from_the_stream(make_server, 
                 assert r.status == 200
         await wait_for(lambda: _more_than(nats_server.url, w.worker_id, 3), 10, message="batches in the stream")
 
-        server = await make_server(*kv_nats(nats_server.url))
+        server = await make_server(*kv_nats(nats_server.url), "--admin-token", ADMIN_TOKEN)
         await wait_workers(server, {w.worker_id})
         await wait_for(lambda: server.kv.index.block_count(w.worker_id) >= 3 * 18, 10,
                        message="history replayed into the new server's view")
@@ -134,7 +134,7 @@ async def _more_than(url: str, worker_id: str, n: int) -> bool:
 # -- (d) SGLang-format events through the relay, decoded as SGLang ----------------------------------------
 
 async def test_sglang_events_relayed_verbatim_and_decoded_as_sglang(make_server, etcd, prefix, nats_server):
-    server = await make_server(*kv_nats(nats_server.url))
+    server = await make_server(*kv_nats(nats_server.url), "--admin-token", ADMIN_TOKEN)
     port = free_port()
     cmd = [sys.executable, "-m", "infera.engine.sglang", "--etcd-endpoint", etcd.endpoint, "--etcd-prefix", prefix,
            "--lease-ttl", "2", "--drain-settle", "0.3", "--log-level", "warning", *kv_nats(nats_server.url),
@@ -166,7 +166,7 @@ async def test_sglang_events_relayed_verbatim_and_decoded_as_sglang(make_server,
 async def fed_view(make_server, spawn_worker, url: str, s: aiohttp.ClientSession, min_blocks: int):
     """A NATS-fed server, a relaying worker, and one group's prefix in the server's view of it:
     (server, worker, base URL, blocks in the view)."""
-    server = await make_server(*kv_nats(url))
+    server = await make_server(*kv_nats(url), "--admin-token", ADMIN_TOKEN)
     w = await spawn_worker("--num-gpu-blocks", "2048", launcher_args=kv_nats(url))
     await wait_workers(server, {w.worker_id})
     base = f"http://127.0.0.1:{server.port}"

@@ -7,6 +7,9 @@ import aiohttp
 from tests.conftest import wait_for
 from tests.integration.conftest import wait_workers
 
+ADMIN_TOKEN = "kv-routing-test-admin"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}  # /v1/admin/* needs --admin-token
+
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa".split()
 
 
@@ -27,13 +30,13 @@ async def post(s: aiohttp.ClientSession, base: str, body: dict) -> tuple[str, di
 
 
 async def cache_view(s, base, worker_id) -> dict:
-    async with s.get(f"{base}/v1/admin/cache-view/{worker_id}") as r:
+    async with s.get(f"{base}/v1/admin/cache-view/{worker_id}", headers=ADMIN) as r:
         assert r.status == 200, await r.text()
         return await r.json()
 
 
 async def test_shared_prefixes_stick_to_the_worker_that_holds_them(make_server, spawn_worker):
-    server = await make_server()  # kv-aware is the default policy
+    server = await make_server("--admin-token", ADMIN_TOKEN)  # kv-aware is the default policy
     workers = [await spawn_worker("--num-gpu-blocks", "2048") for _ in range(3)]
     await wait_workers(server, {w.worker_id for w in workers})
     base = f"http://127.0.0.1:{server.port}"
@@ -67,7 +70,7 @@ async def test_shared_prefixes_stick_to_the_worker_that_holds_them(make_server, 
 
 
 async def test_streamed_replies_feed_the_self_check(make_server, spawn_worker):
-    server = await make_server()
+    server = await make_server("--admin-token", ADMIN_TOKEN)
     w = await spawn_worker()
     await wait_workers(server, {w.worker_id})
     base = f"http://127.0.0.1:{server.port}"
@@ -84,19 +87,19 @@ async def test_streamed_replies_feed_the_self_check(make_server, spawn_worker):
 
 
 async def test_cache_view_errors(make_server, spawn_worker):
-    server = await make_server()
-    rr = await make_server("--router-policy", "round-robin")
+    server = await make_server("--admin-token", ADMIN_TOKEN)
+    rr = await make_server("--router-policy", "round-robin", "--admin-token", ADMIN_TOKEN)
     async with aiohttp.ClientSession() as s:
-        async with s.get(f"http://127.0.0.1:{server.port}/v1/admin/cache-view/nope:1") as r:
+        async with s.get(f"http://127.0.0.1:{server.port}/v1/admin/cache-view/nope:1", headers=ADMIN) as r:
             assert r.status == 404 and (await r.json())["error"]["code"] == "worker_not_found"
-        async with s.get(f"http://127.0.0.1:{server.port}/v1/admin/cache-view/x?dp_rank=z") as r:
+        async with s.get(f"http://127.0.0.1:{server.port}/v1/admin/cache-view/x?dp_rank=z", headers=ADMIN) as r:
             assert r.status == 400
-        async with s.get(f"http://127.0.0.1:{rr.port}/v1/admin/cache-view/x") as r:
+        async with s.get(f"http://127.0.0.1:{rr.port}/v1/admin/cache-view/x", headers=ADMIN) as r:
             assert r.status == 503 and (await r.json())["error"]["code"] == "kv_aware_disabled"
 
 
 async def test_worker_without_events_is_routed_by_load_and_left_unsubscribed(make_server, spawn_worker):
-    server = await make_server()
+    server = await make_server("--admin-token", ADMIN_TOKEN)
     quiet = await spawn_worker(launcher_args=("--no-enable-kv-events",))
     await wait_workers(server, {quiet.worker_id})
     assert server.fleet.get(quiet.worker_id).kv_events_endpoint is None
@@ -108,7 +111,7 @@ async def test_worker_without_events_is_routed_by_load_and_left_unsubscribed(mak
 async def test_leaving_worker_drops_its_subscription_and_view(make_server, spawn_worker):
     import signal
 
-    server = await make_server()
+    server = await make_server("--admin-token", ADMIN_TOKEN)
     w = await spawn_worker()
     await wait_workers(server, {w.worker_id})
     await wait_for(lambda: w.worker_id in server.kv.targets, 5, message="subscribed")
@@ -121,7 +124,7 @@ async def test_leaving_worker_drops_its_subscription_and_view(make_server, spawn
 async def test_follow_up_sticks_to_its_worker_before_any_event_arrives(make_server, spawn_worker):
     """Events can trail the reply (vLLM's publisher thread on a busy host: up to 0.5 s seen): the
     blocks of a request just served count as cached where it ran. Here no events ever come."""
-    server = await make_server()
+    server = await make_server("--admin-token", ADMIN_TOKEN)
     quiet = [await spawn_worker("--num-gpu-blocks", "2048", launcher_args=("--no-enable-kv-events",))
              for _ in range(2)]
     await wait_workers(server, {w.worker_id for w in quiet})

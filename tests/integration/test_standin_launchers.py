@@ -110,7 +110,8 @@ async def test_sglang_worker_registers_serves_and_stops(make_server, spawn):
     argv = cmdline(await w.find_engine())
     assert argv[argv.index("--page-size") + 1] == "4" and "--enable-metrics" in argv
     kv_cfg = json.loads(argv[argv.index("--kv-events-config") + 1])
-    assert kv_cfg == {"publisher": "zmq", "endpoint": "tcp://*:" + rec.kv_events_endpoint.rsplit(":", 1)[1],
+    # bound to the advertise address only (libzmq's "src;addr" form, which the engine's "*" rule still binds)
+    assert kv_cfg == {"publisher": "zmq", "endpoint": "tcp://*:0;127.0.0.1:" + rec.kv_events_endpoint.rsplit(":", 1)[1],
                       "topic": "kv-events"}
 
     base = f"http://127.0.0.1:{server.port}"

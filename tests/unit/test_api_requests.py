@@ -56,3 +56,78 @@ def test_sse_error_event_framing():
     frame = sse_error_event("worker w failed mid-stream")
     assert frame.startswith(b"data: {") and frame.endswith(b"\n\n") and frame.count(b"\n") == 2
     assert b'"error":' in frame and b"mid-stream" in frame
+
+
+# -- hostile input (issue 11, item 4): every rejection a 400 with the field named ------------------------
+
+@pytest.mark.parametrize(
+    "route, body, param",
+    [
+        (CHAT, b'{"model":5,"messages":[{"role":"user"}]}', "model"),
+        (CHAT, b'{"model":"m","messages":"hi"}', "messages"),
+        (CHAT, b'{"model":"m","messages":[{"role":7,"content":"x"}]}', "messages[0].role"),
+        (CHAT, b'{"model":"m","messages":[{"role":"user","content":5}]}', "messages[0].content"),
+        (CHAT, b'{"model":"m"}', "messages"),  # missing
+        (CHAT, b'{"model":"m","messages":[{"role":"user"}],"stream":"yes"}', "stream"),
+        (CHAT, b'{"model":"m","messages":[{"role":"user"}],"n":"2"}', "n"),
+        (CHAT, b'{"model":"m","messages":[{"role":"user"}],"n":0}', "n"),
+        (CHAT, b'{"model":"m","messages":[{"role":"user"}],"max_tokens":1.5}', "max_tokens"),
+        (CHAT, b'{"model":"m","messages":[{"role":"user"}],"max_completion_tokens":0}', "max_completion_tokens"),
+        (CHAT, b'{"model":"m","messages":[{"role":"user"}],"temperature":1e999}', "temperature"),
+        (CHAT, b'{"model":"m","messages":[{"role":"user"}],"stream_options":[]}', "stream_options"),
+        (CHAT, b'{"model":"m","messages":[]}', "messages"),
+        (COMP, b'{"model":"m","prompt":[]}', "prompt"),
+        (COMP, b'{"model":"m","prompt":[1.5]}', "prompt[0]"),
+        (COMP, b'{"model":"m","prompt":"x","max_tokens":true}', "max_tokens"),
+    ],
+)
+def test_wrong_types_name_the_param(route, body, param):
+    with pytest.raises(ApiError) as info:
+        parse_request(route, body)
+    assert info.value.status == 400 and info.value.param == param, info.value.message
+    assert error_body(info.value.message, 400, info.value.code, info.value.param)["error"]["param"] == param
+
+
+@pytest.mark.parametrize("depth", [65, 500, 1000, 50_000])
+@pytest.mark.parametrize("where", ["content", "unknown", "images"])
+def test_deep_nesting_is_a_400_before_any_decode(depth, where):
+    # today: 1000 deep raised RecursionError (a 500); 500 deep passed and broke the PD legs' deepcopy
+    inner = b"[" * depth + b"]" * depth
+    body = {
+        "content": b'{"model":"m","messages":[{"role":"user","content":[{"type":"text","x":' + inner + b'}]}]}',
+        "unknown": b'{"model":"m","messages":[{"role":"user"}],"vendor":' + inner + b'}',
+        "images": b'{"model":"m","messages":[{"role":"user"}],"images":' + inner + b'}',
+    }[where]
+    with pytest.raises(ApiError) as info:
+        parse_request(CHAT, body)
+    assert info.value.status == 400 and info.value.code == "json_too_complex"
+    assert "deeper than 64" in info.value.message
+
+
+def test_nesting_up_to_the_limit_and_brackets_in_strings_pass():
+    inner = b"[" * 62 + b"]" * 62  # + the top-level object and the "vendor" value: 63 levels
+    assert parse_request(CHAT, b'{"model":"m","messages":[{"role":"user"}],"vendor":' + inner + b'}').model == "m"
+    text = b'"' + b"[{" * 5000 + b'\\"' + b"[" * 100 + b'"'  # brackets and an escaped quote inside a string
+    assert parse_request(CHAT, b'{"model":"m","messages":[{"role":"user","content":' + text + b'}]}').model == "m"
+
+
+def test_too_many_containers_is_a_400():
+    body = b'{"model":"m","messages":[{"role":"user"}],"vendor":[' + b",".join([b"[]"] * 100_001) + b"]}"
+    with pytest.raises(ApiError) as info:
+        parse_request(CHAT, body)
+    assert info.value.status == 400 and "more than 100000 arrays/objects" in info.value.message
+    assert parse_request(CHAT, body, max_containers=200_000).model == "m"
+
+
+def test_client_kv_transfer_params_need_the_operators_leave():
+    body = (b'{"model":"m","messages":[{"role":"user"}],'
+            b'"kv_transfer_params":{"do_remote_prefill":true,"remote_host":"10.9.9.9","remote_port":1}}')
+    with pytest.raises(ApiError) as info:
+        parse_request(CHAT, body)
+    assert info.value.status == 400 and info.value.param == "kv_transfer_params"
+    assert "--allow-client-kv-transfer-params" in info.value.message
+    assert parse_request(CHAT, body, allow_kv_transfer_params=True).kv_transfer_params["remote_host"] == "10.9.9.9"
+    # null is the engines' "absent"; a wrong type is a 400 either way
+    assert parse_request(COMP, b'{"model":"m","prompt":"x","kv_transfer_params":null}').model == "m"
+    with pytest.raises(ApiError):
+        parse_request(COMP, b'{"model":"m","prompt":"x","kv_transfer_params":"x"}', allow_kv_transfer_params=True)

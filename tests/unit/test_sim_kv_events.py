@@ -190,7 +190,8 @@ async def test_sim_launcher_injects_kv_events_and_registers_endpoints():
     cfg = json.loads(spec.argv[i + 1])
     assert cfg["enable_kv_cache_events"] and cfg["publisher"] == "zmq" and cfg["topic"] == "kv-events"
     pub, replay = a.kv_events
-    assert (cfg["endpoint"], cfg["replay_endpoint"]) == (f"tcp://*:{pub}", f"tcp://*:{replay}")
+    # bound to the advertise address (loopback for a wildcard --host), not every interface
+    assert (cfg["endpoint"], cfg["replay_endpoint"]) == (f"tcp://*:0;127.0.0.1:{pub}", f"tcp://*:0;127.0.0.1:{replay}")
     assert parse_args(spec.argv).kv_events_config.enabled  # the engine accepts what was injected
     fields = await a.describe(FakeSimSession(), "http://x", spec.argv, args)
     assert fields["kv_events_endpoint"] == f"tcp://127.0.0.1:{pub}"

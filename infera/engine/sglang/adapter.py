@@ -26,7 +26,7 @@ from infera.config import add_flag, parse_bool
 from infera.engine.base.engine_config import http_ready, parse_json_flag
 from infera.engine.base.argv import flag_value, has_flag
 from infera.engine.base.launcher import WILDCARD_HOSTS, EngineProcessSpec, default_advertise_host, engine_command
-from infera.engine.base.kv_events import free_port_block
+from infera.engine.base.kv_events import bind_kv_events, free_port_block
 from infera.engine.base.preflight import SGLANG_RDMA_BACKENDS, PdSetup
 from infera.engine.base.prom import sum_samples
 
@@ -157,6 +157,8 @@ class SglangAdapter:
                 self.kv_events = parse_kv_events_endpoint(user_cfg)
         bind = flag_value(argv, "--host", default=SGLANG_DEFAULT_HOST)
         reach = default_advertise_host(bind)
+        if self.kv_events is not None and flag_value(engine_argv, "--kv-events-config") is None:
+            argv = bind_kv_events(argv, args.advertise_host or reach)  # ours: bound where the router connects
         return EngineProcessSpec(cmd=engine_command(args, SGLANG_MODULE, argv), port=port, host=reach, argv=argv)
 
     async def ready(self, session: aiohttp.ClientSession, base_url: str) -> bool:

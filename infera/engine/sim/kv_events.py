@@ -110,7 +110,9 @@ parse_kv_events_config = json_config(KvEventsConfig.from_dict)
 
 
 def binds(endpoint: str) -> bool:
-    """vLLM's rule: wildcard, IPv6-any, ipc:// and inproc:// endpoints are bound, others connected."""
+    """vLLM's rule for the PUB socket: wildcard, IPv6-any, ipc:// and inproc:// endpoints are
+    bound, others connected. ``tcp://*:0;<ip>:<port>`` (libzmq's source;address form) passes it
+    and binds ``<ip>:<port>`` only: the launchers inject that to keep events off other interfaces."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
@@ -390,7 +392,7 @@ class KvEventPublisher:
                 rep.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full pipe waits instead of dropping replies
                 rep.setsockopt(zmq.SNDHWM, self.config.hwm)
                 self._replay = rep
-                self.replay_endpoint = _open(rep, self.config.replay_endpoint)
+                self.replay_endpoint = _open(rep, self.config.replay_endpoint, bind=True)  # always bound, as vLLM does
                 self._replay_task = asyncio.get_running_loop().create_task(self._serve_replay(),
                                                                            name="sim-kv-replay")
         except zmq.ZMQError as exc:
@@ -432,8 +434,8 @@ class KvEventPublisher:
                 log.info("KV-event replay from %d abandoned: %s", start, exc)
 
 
-def _open(sock: zmq.asyncio.Socket, endpoint: str) -> str:
-    if binds(endpoint):
+def _open(sock: zmq.asyncio.Socket, endpoint: str, bind: bool = False) -> str:
+    if bind or binds(endpoint):
         sock.bind(endpoint)
         return sock.getsockopt_string(zmq.LAST_ENDPOINT)
     sock.connect(endpoint)

@@ -16,7 +16,8 @@ from typing import Any
 import aiohttp
 
 from infera.engine.base.argv import flag_value, flag_values
-from infera.engine.base.kv_events import add_kv_events_flag, event_fields, free_port, with_kv_events
+from infera.engine.base.kv_events import (add_kv_events_flag, bind_kv_events, event_fields, free_port,
+                                          with_kv_events)
 from infera.engine.base.launcher import EngineProcessSpec, default_advertise_host, engine_command
 from infera.engine.base.prom import VLLM_INFLIGHT, info_labels, sum_samples
 from infera.engine.vllm.adapter import disaggregation, parse_kv_transfer_config, with_pinned_engine_id
@@ -44,10 +45,13 @@ class SimAdapter:
             engine_argv = [*engine_argv, "--port", str(port)]
         else:
             port = int(port_s)
+        own_kv_events = flag_value(engine_argv, "--kv-events-config") is None
         engine_argv, self.kv_events = with_kv_events(engine_argv, getattr(args, "enable_kv_events", False), "sim")
         engine_argv, _ = with_pinned_engine_id(engine_argv, PROG)
         bind = flag_value(engine_argv, "--host", default="0.0.0.0")
         reach = default_advertise_host(bind)
+        if own_kv_events:  # ours: bound where the router connects, not on every interface
+            engine_argv = bind_kv_events(engine_argv, getattr(args, "advertise_host", None) or reach)
         return EngineProcessSpec(cmd=engine_command(args, "infera.engine.sim.server", engine_argv), port=port, host=reach,
                                  argv=engine_argv)
 
