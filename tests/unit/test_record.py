@@ -43,3 +43,14 @@ def test_bad_records_are_rejected(raw):
 def test_record_to_dict_is_json_ready():
     d = record_to_dict(WorkerRecord(worker_id="a", url="http://a", model_name="m"))
     assert d["worker_id"] == "a" and d["status"] == "active" and d["schema"] == 1
+
+
+def test_tokenizer_fields_round_trip_and_old_records_still_decode():
+    rec = WorkerRecord(worker_id="a", url="http://a", model_name="m", engine="vllm", tokenizer="/models/llama",
+                       tokenizer_sha256="ab" * 32)
+    back = decode_record(encode_record(rec))
+    assert back == rec and (back.tokenizer, back.tokenizer_sha256) == ("/models/llama", "ab" * 32)
+    old = decode_record(b'{"worker_id":"a","url":"http://a","model_name":"m","engine":"vllm","schema":1}')
+    assert (old.tokenizer, old.tokenizer_sha256) == (None, None)
+    # A record from this launcher read by an older server: the new fields are just unknown ones.
+    assert msgspec.json.decode(encode_record(rec))["tokenizer"] == "/models/llama"

@@ -26,6 +26,7 @@ from infera.discovery import make_registration
 from infera.discovery.base import Registration
 from infera.discovery.record import WorkerRecord
 from infera.engine.base.preflight import PdSetup, pd_preflight
+from infera.engine.base.tokenizer_source import tokenizer_fields
 from infera.runtime import install_event_loop
 from infera.transport.nats_conn import NatsConnection
 
@@ -293,6 +294,7 @@ class Launcher:
                 assert self.spec is not None
                 fields = await self.adapter.describe(session, self.engine_url, self.spec.argv or self.engine_argv,
                                                      self.args)
+                fields = {**await self.tokenizer_fields(), **fields}  # an adapter's own say wins
                 self.record = self._make_record(fields)
                 await self.start_nats_plane()
                 await self.registration.register(self.record)
@@ -370,6 +372,21 @@ class Launcher:
         if self.nats is not None:
             await self.nats.close()
             self.nats = None
+
+    async def tokenizer_fields(self) -> dict:
+        """The record's ``tokenizer``/``tokenizer_sha256`` from the engine argv (hashes a file: in a
+        thread). Never fatal: a worker without them is still served, its server just can't tell."""
+        argv = (self.spec.argv if self.spec is not None else None) or self.engine_argv
+        try:
+            fields = await asyncio.to_thread(tokenizer_fields, self.adapter.engine, argv,
+                                             getattr(self.args, "engine_entrypoint", None))
+        except Exception as exc:
+            log.warning("cannot tell which tokenizer the engine uses (%s): the record names none", exc)
+            return {}
+        if fields:
+            log.info("engine tokenizer: %s (tokenizer.json sha256 %s)", fields["tokenizer"],
+                     fields["tokenizer_sha256"] or "unknown: not readable here")
+        return fields
 
     def _make_record(self, fields: dict) -> WorkerRecord:
         assert self.spec is not None

