@@ -3,6 +3,28 @@
 Chat: the model's chat template is rendered (``add_generation_prompt=True``) and the text is
 encoded without special tokens, as vLLM does for chat. Completions: a string prompt is encoded
 with the tokenizer's special-token handling; a token-id prompt is used as is.
+
+Routing only needs the prefix that could match a cache, so only the first ``prefix_chars``
+characters of the rendered prompt are tokenized (a token-id prompt: its first ``prefix_chars``
+ids). Block hashes are chained, so the hashes of a prefix are a prefix of the hashes: picks for
+prompts under the cap are unchanged, and a huge prompt costs a bounded tokenization. The cut is
+made at a word boundary (``prefix_cut``) and the last few tokens are dropped, so every block
+hashed is one the whole prompt's tokenization has too.
+
+Big prompts never hold the event loop. Measured on 2 cores (tokenizers 0.23, 1 MiB prompts;
+numbers in bench/README.md, ``loop_stall.py``):
+
+* HF ``Tokenizer.encode`` holds the GIL for the whole call, so a thread alone does not help (the
+  loop thread got 2 wake-ups in a 575 ms encode), but the batch encoders release it (its 1 ms
+  sleeps stayed at p50 1.1 ms). So a HF tokenizer runs in this object's own threads through
+  ``SimTokenizer.encode_many`` (``encode_batch_fast``);
+* the built-in tokenizer is pure Python. In a thread it takes the GIL back every 5 ms (the switch
+  interval), and the loop waited up to 5 ms at each of its steps: ``/health`` p99 ~40 ms under
+  1 MiB prompts. So it runs on the loop instead, a ~1 ms slice at a time with a yield between
+  slices (``iter_encode``): p99 ~13 ms, and no thread.
+
+Caches (whole prompts, and chat segments between special tokens) share one LRU bounded in bytes
+(token ids stored as 4-byte arrays), so memory stays flat whatever the prompts' sizes.
 """
 from __future__ import annotations
 
@@ -10,19 +32,100 @@ import asyncio
 import logging
 import os
 import re
+import sys
+import threading
+from array import array
 from collections import OrderedDict
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Generator, Sequence, TypeVar
 
 import msgspec
 import xxhash
 
-from infera.kv.tokenizer import SimTokenizer, load_tokenizer, normalize_messages
+from infera.kv.tokenizer import SimTokenizer, load_tokenizer, normalize_messages, prefix_cut
 
 log = logging.getLogger(__name__)
 
-# Above this many characters tokenization moves to a worker thread (it would stall the loop).
+# Above this many characters (of the request's messages as JSON, or of a text prompt) tokenization
+# moves off the loop (threads) or is sliced (on the loop); below it that costs more than it saves.
 _THREAD_THRESHOLD_CHARS = 4096
+# The longest rendered-prompt prefix tokenized for routing (``--router-prefix-chars``): 512 KiB is
+# ~128k tokens of ordinary text, the context of most long-context models, so no prompt an engine
+# accepts loses routing precision in practice, while a multi-MB prompt costs at most this.
+DEFAULT_PREFIX_CHARS = 512 * 1024
+# Token-id cache budget (``--router-tokenizer-cache-bytes``): whole prompts and chat segments.
+DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
+# Tokens dropped after a cut: a post-processor may append tokens (EOS) and a pre-tokenizer may look
+# a little ahead; a few tokens of a prompt of 100k+ cost at most one block of matching.
+_CUT_TAIL_TOKENS = 8
 _encode_json = msgspec.json.Encoder().encode
+_U32 = "I" if array("I").itemsize == 4 else "L"
+T = TypeVar("T")
+# A computation run a step at a time: on the event loop with yields between steps, or at once.
+Steps = Generator[None, None, T]
+
+
+def _ids_array(ids: Sequence[int]) -> array:
+    return array(_U32, ids)
+
+
+class ByteLRU:
+    """bytes → array of token ids, least recently used first out, bounded by accounted bytes.
+
+    An entry is accounted as its key and array objects (``sys.getsizeof``, buffers included) plus
+    ``ENTRY_OVERHEAD`` for its slot in the table; an entry larger than the whole budget is not
+    kept. Shared by the event loop and the tokenizer threads, hence the lock (held only around
+    table operations, never while encoding)."""
+
+    ENTRY_OVERHEAD = 160  # OrderedDict: hash-table slot + linked-list node (CPython 3.11, 64-bit)
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._table: OrderedDict[bytes, tuple[array, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def cost(cls, key: bytes, value: array) -> int:
+        return sys.getsizeof(key) + sys.getsizeof(value) + cls.ENTRY_OVERHEAD
+
+    def get(self, key: bytes) -> array | None:
+        with self._lock:
+            entry = self._table.get(key)
+            if entry is None:
+                return None
+            self._table.move_to_end(key)
+            return entry[0]
+
+    def put(self, key: bytes, value: array) -> None:
+        cost = self.cost(key, value)
+        with self._lock:
+            old = self._table.pop(key, None)
+            if old is not None:
+                self.bytes -= old[1]
+            if cost > self.max_bytes:
+                return
+            self._table[key] = (value, cost)
+            self.bytes += cost
+            self._evict()
+
+    def resize(self, max_bytes: int) -> None:
+        with self._lock:
+            self.max_bytes = max_bytes
+            self._evict()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._table.clear()
+            self.bytes = 0
+
+    def _evict(self) -> None:
+        while self.bytes > self.max_bytes:
+            _, (_, dropped) = self._table.popitem(last=False)
+            self.bytes -= dropped
+
+    def __len__(self) -> int:
+        return len(self._table)
 
 
 def resolve_tokenizer_path(path: str) -> str:
@@ -53,104 +156,202 @@ _VERIFY_EVERY = 64
 class PromptTokenizer:
     """Whole prompts are cached by content; chat prompts are also encoded piece by piece between
     special tokens, with each piece cached, so a shared system prompt or an earlier turn is not
-    re-tokenized when a conversation grows (every turn is a new prompt)."""
+    re-tokenized when a conversation grows (every turn is a new prompt).
 
-    def __init__(self, tokenizer: SimTokenizer, cache_size: int = 8192, segment_cache_size: int = 65536) -> None:
+    ``prefix_chars``: the longest prefix of the rendered prompt tokenized (see the module doc);
+    ``cache_bytes``: the budget of both caches together; ``threads``: tokenizer threads, for a
+    tokenizer that releases the GIL (others run on the loop, a slice at a time)."""
+
+    def __init__(self, tokenizer: SimTokenizer, *, prefix_chars: int = DEFAULT_PREFIX_CHARS,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES, threads: int = 2) -> None:
+        if prefix_chars <= 0 or cache_bytes < 0:
+            raise ValueError("prefix_chars must be > 0 and cache_bytes >= 0")
         self.tokenizer = tokenizer
-        self.cache_size = cache_size
-        self._cache: OrderedDict[bytes, list[int]] = OrderedDict()
+        self.prefix_chars = prefix_chars
+        self.cache = ByteLRU(cache_bytes)
         self.hits = 0
         self.misses = 0
-        separators = tokenizer.segment_separators()
+        self.truncated = 0  # prompts cut to prefix_chars
+        self._separators = tokenizer.segment_separators()
+        separators = self._separators
         self._splitter = re.compile("(" + "|".join(re.escape(t) for t in sorted(separators, key=len, reverse=True))
                                     + ")") if separators else None
-        self._segments: OrderedDict[bytes, list[int]] = OrderedDict()
-        self.segment_cache_size = segment_cache_size
         self.segment_hits = 0
         self._chat_prompts = 0
+        self.threads = threads
+        self._executor: ThreadPoolExecutor | None = None
+        if tokenizer.releases_gil:
+            # Our threads give the concurrency; HF tokenizers' own rayon pool on top took every core
+            # from the event loop: bench/loop_stall.py with a HF tokenizer, 1 MiB prompts, /health
+            # p99 165 ms with it, 21 ms with TOKENIZERS_PARALLELISM=false. (Read on every batch
+            # call; an operator's own setting wins.)
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     @classmethod
-    def from_path(cls, path: str | None) -> "PromptTokenizer":
+    def from_path(cls, path: str | None, **kwargs: Any) -> "PromptTokenizer":
         """``None``: the built-in tokenizer (matches simulated engines serving a model *name*)."""
-        return cls(load_tokenizer(resolve_tokenizer_path(path)) if path else load_tokenizer(""))
+        return cls(load_tokenizer(resolve_tokenizer_path(path)) if path else load_tokenizer(""), **kwargs)
 
-    def _key_and_work(self, route: str, parsed: Any) -> tuple[bytes | None, Any]:
+    def configure(self, *, prefix_chars: int | None = None, cache_bytes: int | None = None) -> None:
+        """Change the prefix cap or the cache budget (the server applies its flags here)."""
+        if prefix_chars is not None:
+            if prefix_chars <= 0:
+                raise ValueError("prefix_chars must be > 0")
+            if prefix_chars != self.prefix_chars:
+                self.prefix_chars = prefix_chars
+                self.cache.clear()  # cached ids were cut at the old cap
+        if cache_bytes is not None:
+            self.cache.resize(cache_bytes)
+
+    def close(self) -> None:
+        """Stop the tokenizer threads (a tokenization under way finishes; its result is dropped)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    def _key_and_work(self, route: str, parsed: Any) -> tuple[bytes | None, Any, int]:
+        """(cache key, work for ``_compute``, size in chars that decides inline vs thread)."""
         if route == "/v1/chat/completions":
             raw = _encode_json(parsed.messages)
-            return xxhash.xxh3_128_digest(raw) + b"c", ("chat", parsed.messages)
+            return xxhash.xxh3_128_digest(raw) + b"c", ("chat", parsed.messages), len(raw)
         prompt = parsed.prompt
         if isinstance(prompt, list):
             if prompt and all(isinstance(t, int) for t in prompt):
-                return None, ("ids", prompt)
+                return None, ("ids", prompt), 0
             if len(prompt) == 1 and isinstance(prompt[0], str):
                 prompt = prompt[0]
             else:
-                return None, ("none", None)  # batched prompts: not routed by prefix
-        return xxhash.xxh3_128_digest(prompt.encode("utf-8", "surrogatepass")) + b"p", ("text", prompt)
+                return None, ("none", None), 0  # batched prompts: not routed by prefix
+        return xxhash.xxh3_128_digest(prompt.encode("utf-8", "surrogatepass")) + b"p", ("text", prompt), len(prompt)
 
-    def _encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def _encode_steps(self, texts: list[str], add_special_tokens: bool, stepwise: bool) -> Steps[list[array]]:
+        """Each text's ids: in one call (one GIL release for HF tokenizers), or when ``stepwise``
+        part by part, a step between parts."""
         tok = self.tokenizer
-        text = tok.render_chat(normalize_messages(messages))
-        if self._splitter is None:
-            return tok.encode(text, add_special_tokens=False)
-        ids: list[int] = []
-        segments = self._segments
-        for piece in self._splitter.split(text):
-            if not piece:
-                continue
-            key = xxhash.xxh3_128_digest(piece.encode("utf-8", "surrogatepass"))
-            cached = segments.get(key)
-            if cached is None:
-                cached = segments[key] = tok.encode(piece, add_special_tokens=False)
-                if len(segments) > self.segment_cache_size:
-                    segments.popitem(last=False)
-            else:
-                segments.move_to_end(key)
-                self.segment_hits += 1
-            ids.extend(cached)
+        if not stepwise:
+            return [_ids_array(ids) for ids in tok.encode_many(texts, add_special_tokens=add_special_tokens)]
+        out = []
+        for text in texts:
+            ids = array(_U32)
+            for part in tok.iter_encode(text, add_special_tokens):
+                ids.extend(part)
+                yield
+            out.append(ids)
+        return out
+
+    def _pieces_steps(self, text: str, stepwise: bool) -> Steps[array]:
+        """``text`` encoded piece by piece between special tokens, each piece cached."""
+        assert self._splitter is not None
+        pieces = [p for p in self._splitter.split(text) if p]
+        keys = [xxhash.xxh3_128_digest(p.encode("utf-8", "surrogatepass")) + b"s" for p in pieces]
+        found = [self.cache.get(k) for k in keys]
+        missing = [i for i, ids in enumerate(found) if ids is None]
+        if missing:
+            encoded = yield from self._encode_steps([pieces[i] for i in missing], False, stepwise)
+            for i, arr in zip(missing, encoded):
+                found[i] = arr
+                self.cache.put(keys[i], arr)
+        self.segment_hits += len(pieces) - len(missing)
+        out = array(_U32)
+        for ids in found:
+            out.extend(ids)
         self._chat_prompts += 1
         if self._chat_prompts <= _VERIFY_FIRST or self._chat_prompts % _VERIFY_EVERY == 0:
-            whole = tok.encode(text, add_special_tokens=False)
-            if whole != ids:
+            whole = (yield from self._encode_steps([text], False, stepwise))[0]
+            if whole != out:
                 log.info("piecewise tokenization differs from whole-prompt tokenization for this tokenizer; "
                          "encoding whole prompts from now on")
                 self._splitter = None
                 return whole
-        return ids
+        return out
 
-    def _compute(self, work: Any) -> list[int]:
+    def _text_steps(self, text: str, add_special_tokens: bool, piecewise: bool, stepwise: bool) -> Steps[array]:
+        """Token ids of ``text``, or of its first ``prefix_chars`` chars cut at a safe boundary
+        (then minus the last few ids, and an odd count: see ``_cut_ids``)."""
+        cut = prefix_cut(text, self.prefix_chars, self._separators)
+        capped = cut < len(text)
+        if capped:
+            self.truncated += 1
+            text = text[:cut]
+        if piecewise and self._splitter is not None:
+            ids = yield from self._pieces_steps(text, stepwise)
+        else:
+            ids = (yield from self._encode_steps([text], add_special_tokens, stepwise))[0]
+        return _cut_ids(ids) if capped else ids
+
+    def _compute_steps(self, work: Any, stepwise: bool = False) -> Steps[array]:
         kind, value = work
         if kind == "chat":
             messages = [{"role": m.role, "content": m.content if m.content is not None else ""} for m in value]
-            return self._encode_chat(messages)
+            text = self.tokenizer.render_chat(normalize_messages(messages))
+            return (yield from self._text_steps(text, False, True, stepwise))
         if kind == "text":
-            return self.tokenizer.encode(value, add_special_tokens=True)
+            return (yield from self._text_steps(value, True, False, stepwise))
         if kind == "ids":
-            return list(value)
-        return []
+            return _ids_array(value[: self.prefix_chars])  # exact: no boundary to worry about
+        return array(_U32)
 
-    async def tokens(self, route: str, parsed: Any) -> list[int]:
-        """Token ids of the request's prompt; [] when it cannot be tokenized (routing then
-        degrades to load only, never an error)."""
-        key, work = self._key_and_work(route, parsed)
+    def _compute(self, work: Any) -> array:
+        """All steps at once (inline for a small prompt, or in a tokenizer thread)."""
+        steps = self._compute_steps(work)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    async def _compute_on_loop(self, work: Any) -> array:
+        """A step at a time, letting the loop run between steps (~1 ms each)."""
+        steps = self._compute_steps(work, stepwise=True)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+            await asyncio.sleep(0)
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="infera-tokenize")
+        return self._executor
+
+    async def token_ids(self, route: str, parsed: Any) -> array:
+        """Token ids of the request's prompt (its routing prefix) as an array, shared with the
+        cache: do not modify it. Empty when it cannot be tokenized (routing then degrades to
+        load only, never an error)."""
+        key, work, size = self._key_and_work(route, parsed)
         if key is not None:
-            cached = self._cache.get(key)
+            cached = self.cache.get(key)
             if cached is not None:
-                self._cache.move_to_end(key)
                 self.hits += 1
                 return cached
         self.misses += 1
         try:
-            size = len(work[1]) if work[0] == "text" else 0  # chat pieces are mostly cached: inline
-            if size > _THREAD_THRESHOLD_CHARS:
-                ids = await asyncio.to_thread(self._compute, work)
-            else:
+            if size <= _THREAD_THRESHOLD_CHARS:
                 ids = self._compute(work)
+            elif self.tokenizer.releases_gil:
+                ids = await asyncio.get_running_loop().run_in_executor(self._pool(), self._compute, work)
+            else:
+                ids = await self._compute_on_loop(work)
         except Exception as exc:  # template errors, odd content: route by load, let the engine answer
             log.debug("router tokenization failed: %s", exc)
-            ids = []
+            ids = array(_U32)
         if key is not None:
-            self._cache[key] = ids
-            if len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            self.cache.put(key, ids)
         return ids
+
+    async def tokens(self, route: str, parsed: Any) -> list[int]:
+        """``token_ids`` as a list."""
+        return (await self.token_ids(route, parsed)).tolist()
+
+
+def _cut_ids(ids: array) -> array:
+    """The ids of a cut prompt that are certainly the whole prompt's: all but the last
+    ``_CUT_TAIL_TOKENS``, and an odd count. Odd because the self-check's prediction
+    (``predicted_cached_tokens``) assumes the prompt ends here and takes one block back when its
+    length is a multiple of the block size; an odd length never is (block sizes are even), so a
+    cut prompt whose every block hits is predicted as such."""
+    n = max(0, len(ids) - _CUT_TAIL_TOKENS)
+    if n and n % 2 == 0:
+        n -= 1
+    return ids[:n]

@@ -12,7 +12,9 @@ that leaves before the first byte. The breaker never changes a worker's register
 turns a partial outage into a 503: when every candidate is open, ``filter`` returns them all.
 
 One event loop, so no locks; every call is O(1) except ``filter`` (one look-up per candidate), and
-the state held is one entry per worker that has failed, dropped by ``forget`` when it leaves.
+the state held is one entry per worker that has failed, dropped by ``forget`` when it leaves (and
+never made again for a worker that left: a request it still had in flight may fail afterwards,
+which ``is_member`` tells apart).
 """
 from __future__ import annotations
 
@@ -47,7 +49,8 @@ class BreakerEntry:
 
 class CircuitBreaker:
     def __init__(self, failure_threshold: int = 3, cooldown_s: float = 5.0, max_cooldown_s: float = 60.0,
-                 probe_timeout_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 probe_timeout_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
+                 is_member: Callable[[str], bool] | None = None) -> None:
         if failure_threshold > 0 and not 0 < cooldown_s <= max_cooldown_s:
             raise ValueError(f"breaker cooldown must satisfy 0 < cooldown ({cooldown_s:g}) <= max cooldown "
                              f"({max_cooldown_s:g})")
@@ -56,6 +59,9 @@ class CircuitBreaker:
         self.max_cooldown_s = max_cooldown_s
         self.probe_timeout_s = probe_timeout_s
         self._clock = clock
+        # Is the worker still in the fleet? (None: every worker is.) Its failures after it left
+        # create no entry, which nothing would ever drop.
+        self._is_member = is_member
         self._entries: dict[str, BreakerEntry] = {}
         # Workers not closed: while empty (the normal case) ``filter`` returns its input untouched.
         self._not_closed: set[str] = set()
@@ -121,6 +127,8 @@ class CircuitBreaker:
             return
         entry = self._entries.get(worker_id)
         if entry is None:
+            if self._is_member is not None and not self._is_member(worker_id):
+                return
             entry = self._entries[worker_id] = BreakerEntry(self.cooldown_s)
         entry.consecutive_failures += 1
         entry.probe_started_at = None

@@ -31,6 +31,7 @@ exactly like this replica's own.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import OrderedDict, deque
@@ -38,7 +39,7 @@ from typing import Callable, Protocol, Sequence
 
 from infera.api.cache_hints import LONG, NONE, RETENTION_NAMES, CacheHints, parse_cache_hints
 from infera.discovery.record import WorkerRecord
-from infera.kv.hashing import block_hashes
+from infera.kv.hashing import ROUTER_SEED, block_hashes
 from infera.kv.prompt import PromptTokenizer
 from infera.router.policy import RoutedRequest
 
@@ -54,6 +55,11 @@ LANDED_TTL_S = 2.0
 LANDED_CAP = 1 << 16  # blocks per target: bounded whatever the request rate
 MM_WEIGHT = 48.0
 MM_AFFINITY_CAP = 256
+# Prompts of at least this many tokens are hashed before the pick, a slice at a time (see
+# prepare()), for at most this many distinct block sizes (a fleet has one or two).
+HASH_AHEAD_TOKENS = 16384
+HASH_SLICE_BLOCKS = 1024  # ~1 ms of hashing
+MAX_BLOCK_SIZES_AHEAD = 4
 
 # Replica sync (see ReplicaShare). Every table is bounded: what does not fit is not shared, and
 # is counted.
@@ -64,6 +70,20 @@ PEER_TIMEOUT_S = 3.0  # a replica not heard from for this long is dropped, with 
 PEERS_CAP = 64
 PEER_REQUESTS_CAP = 8192  # in-flight requests kept per other replica
 REMOTE_BLOCKS_CAP = 1 << 20  # block references kept over all other replicas' requests
+
+
+async def hash_stepwise(tokens: Sequence[int], block_size: int) -> list[int]:
+    """``block_hashes(tokens, block_size)``, yielding to the event loop every
+    ``HASH_SLICE_BLOCKS`` blocks (the chain continues from the last hash of the slice before)."""
+    hashes: list[int] = []
+    step = block_size * HASH_SLICE_BLOCKS
+    for start in range(0, len(tokens), step):
+        part = block_hashes(tokens[start:start + step], block_size, hashes[-1] if hashes else ROUTER_SEED)
+        if not part:
+            break
+        hashes.extend(part)
+        await asyncio.sleep(0)
+    return hashes
 
 
 def route_key(worker_id: str, dp_rank: int | None) -> str:
@@ -106,6 +126,8 @@ class KvAwarePolicy:
         self.wall_clock = wall_clock  # compared with engine event timestamps
         self._events_made_until = getattr(index, "events_made_until", None)
         self.prompts = prompts
+        # The ids as an array when the tokenizer offers them so (no list of 100k ints per request).
+        self._tokenize = getattr(prompts, "token_ids", None) or prompts.tokens
         self.weights = {"mixed": overlap_weight,
                         "prefill": overlap_weight if prefill_overlap_weight is None else prefill_overlap_weight,
                         "decode": overlap_weight if decode_overlap_weight is None else decode_overlap_weight}
@@ -117,15 +139,22 @@ class KvAwarePolicy:
         self.mm_affinity: dict[str, OrderedDict[int, None]] = {}
         # route key → {block hash: (wall time it finished, monotonic expiry)}, in order of arrival
         self.landed: dict[str, OrderedDict[int, tuple[float, float]]] = {}
+        self._block_sizes: set[int] = set()  # of the targets picked among: hashed ahead for big prompts
+        self._next_sweep = 0.0  # landed claims of targets no pick looks at are swept from pick()
         self.replicas: ReplicaShare | None = None  # what the other server replicas share
         if replica_sync is not None:
             self.replicas = ReplicaShare(self)
             replica_sync.attach(self.replicas)
 
     async def prepare(self, request: RoutedRequest) -> None:
-        """Tokenize once per request (cached across requests), before any pick."""
-        request.state["tokens"] = await self.prompts.tokens(request.route, request.parsed)
+        """Tokenize once per request (cached across requests), before any pick: at most the
+        prompt's routing prefix, off the event loop when it is big (``PromptTokenizer``)."""
+        tokens = request.state["tokens"] = await self._tokenize(request.route, request.parsed)
         request.state["hints"] = parse_cache_hints(request.parsed)
+        if len(tokens) >= HASH_AHEAD_TOKENS and self._block_sizes:
+            # Hashing 100k+ tokens is tens of ms of Python: done here a slice at a time, yielding
+            # to the loop between slices, rather than in one go inside pick().
+            request.state["hashes"] = {bs: await hash_stepwise(tokens, bs) for bs in tuple(self._block_sizes)}
 
     def _hashes(self, request: RoutedRequest, block_size: int) -> list[int]:
         by_size = request.state.setdefault("hashes", {})
@@ -147,6 +176,8 @@ class KvAwarePolicy:
         for w in candidates:
             for rank, key in expand_targets(w):
                 (groups.setdefault(w.kv_block_size, []) if w.kv_block_size else unsized).append((w, rank, key))
+        if len(self._block_sizes) < MAX_BLOCK_SIZES_AHEAD:
+            self._block_sizes.update(groups)
 
         # Ties on (cost, load) — typically a cold prompt on an idle fleet — go to the target whose
         # cache holds the least (spreading new prefixes keeps the fleet's caches balanced), then
@@ -252,6 +283,13 @@ class KvAwarePolicy:
         charge = 1.0 if total == 0 else float(missed)
         if charge:
             recent[key] = recent.get(key, 0.0) + charge
+        if self.landed:
+            # A target no pick looks at (it left, or lost every pick) would keep its expired claims
+            # forever: a request still running on a worker that left lands after forget().
+            now = self.clock()
+            if now >= self._next_sweep:
+                self._next_sweep = now + LANDED_TTL_S
+                self.sweep_landed(now)
         return charge
 
     def on_started(self, worker: WorkerRecord, request: RoutedRequest) -> None:
@@ -304,6 +342,8 @@ class KvAwarePolicy:
                 counts[h] = n
             else:
                 counts.pop(h, None)
+        if not counts:  # bounded by what is in flight, not by every target ever seen
+            del self.active[key]
 
     def _land(self, key: str, blocks: Sequence[int], finished_at: float) -> None:
         """``blocks`` were computed on ``key`` by a request that finished at ``finished_at`` (wall

@@ -10,6 +10,10 @@ from typing import Sequence
 from infera.discovery.record import WorkerRecord
 from infera.router.policy import RoutedRequest
 
+# Distinct candidate sets kept: the breaker and retries make subsets of a model's workers, so the
+# map is bounded by the fleet's size only combinatorially; past this, rotation restarts from 0.
+COUNTERS_CAP = 4096
+
 
 class RoundRobinPolicy:
     name = "round-robin"
@@ -23,6 +27,8 @@ class RoundRobinPolicy:
             return candidates[0]
         key = tuple(w.worker_id for w in candidates)
         n = self._counters.get(key, 0)
+        if n == 0 and len(self._counters) >= COUNTERS_CAP:
+            self._counters.clear()
         self._counters[key] = n + 1
         return candidates[n % len(candidates)]
 
