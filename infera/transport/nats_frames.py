@@ -28,6 +28,11 @@ Reply: messages on that inbox. Payload::
 
 A unary reply is one ``HEAD`` frame with the last-frame flag. A cancel is the request's inbox,
 published to ``infera.cancel.<token>``.
+
+Liveness: each worker's request server publishes an empty message on ``infera.alive.<token>``
+every second. A TCP connection tells an HTTP router at once that its worker died; over NATS
+nothing would until the idle timeout (900 s), so routers fail a worker's requests after a few
+missed heartbeats instead (then they fail over, migrate, or end with an error event).
 """
 from __future__ import annotations
 
@@ -37,6 +42,9 @@ import msgspec
 
 REQUEST_SUBJECT = "infera.req."
 CANCEL_SUBJECT = "infera.cancel."
+ALIVE_SUBJECT = "infera.alive."
+HEARTBEAT_S = 1.0  # a worker's heartbeat period
+DEAD_AFTER_S = 3.5  # silence after which routers give up on a worker's requests
 
 HEAD, DATA, BUSY, ERROR = 1, 2, 3, 4
 KIND_NAMES = {HEAD: "head", DATA: "data", BUSY: "busy", ERROR: "error"}
@@ -63,6 +71,10 @@ def request_subject(token: str) -> str:
 
 def cancel_subject(token: str) -> str:
     return CANCEL_SUBJECT + token
+
+
+def alive_subject(token: str) -> str:
+    return ALIVE_SUBJECT + token
 
 
 # -- requests --------------------------------------------------------------------------------------

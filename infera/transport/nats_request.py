@@ -22,22 +22,16 @@ import time
 from typing import Iterable
 
 from infera.discovery.record import WorkerRecord
-from infera.transport.http import ChunkedReply, UpstreamError
+from infera.transport.http import ChunkedReply, UpstreamError, UpstreamTimeout
 from infera.transport.nats_conn import NatsConnection, subject_token
 from infera.transport.nats_core import NatsError
-from infera.transport.nats_frames import (BUSY, ERROR, HEAD, FrameError, cancel_subject, decode_frame,
-                                          encode_request, request_subject)
+from infera.transport.nats_frames import (ALIVE_SUBJECT, BUSY, DEAD_AFTER_S, ERROR, HEAD, FrameError,
+                                          cancel_subject, decode_frame, encode_request, request_subject)
 
 log = logging.getLogger(__name__)
 
 # How long a new request waits for a lost NATS connection to come back before failing.
 RECONNECT_GRACE_S = 10.0
-
-
-class UpstreamTimeout(UpstreamError):
-    """No reply frame within the idle timeout, or the request's total cap ran out."""
-
-    status = 504
 
 
 class AdmissionRefused(UpstreamError):
@@ -49,7 +43,7 @@ class AdmissionRefused(UpstreamError):
 class NatsResponse(ChunkedReply):
     """One request's reply, fed frame by frame by the client's inbox subscription."""
 
-    __slots__ = ("_client", "worker_id", "cancel_subject", "inbox", "status", "content_type", "complete", "_chunks", "_error",
+    __slots__ = ("_client", "worker_id", "cancel_subject", "token", "sent_at", "alive_at", "inbox", "status", "content_type", "complete", "_chunks", "_error",
                  "_waiter", "_headers", "_expected_seq", "_deadline", "_released", "_idle")
 
     def __init__(self, client: "NatsRequestClient", worker_id: str, cancel_subject: bytes, inbox: bytes,
@@ -57,6 +51,9 @@ class NatsResponse(ChunkedReply):
         self._client = client
         self.worker_id = worker_id
         self.cancel_subject = cancel_subject
+        self.token = b""  # the worker's subject token: its heartbeats are keyed by it
+        self.sent_at = 0.0
+        self.alive_at: float | None = None  # the worker's last heartbeat seen while this was pending
         self.inbox = inbox
         self.status = 0
         self.content_type = "application/json"
@@ -205,18 +202,23 @@ class NatsRequestClient:
     requests per worker (refused locally, without a round trip)."""
 
     def __init__(self, nats: NatsConnection, *, idle_timeout: float = 900.0, max_duration: float = 0.0,
-                 max_pending: int = 0, reconnect_grace: float = RECONNECT_GRACE_S) -> None:
+                 max_pending: int = 0, reconnect_grace: float = RECONNECT_GRACE_S,
+                 dead_after: float = DEAD_AFTER_S) -> None:
         self.nats = nats
         self.idle_timeout = idle_timeout
         self.max_duration = max_duration
         self.max_pending = max_pending
         self.reconnect_grace = reconnect_grace
+        self.dead_after = dead_after
+        self._alive: dict[bytes, float] = {}  # worker token → loop time of its last heartbeat
+        self._liveness: asyncio.TimerHandle | None = None
+        self.dead_workers_failed = 0
         self._prefix = b""
         self._sid: bytes | None = None
         self._ids = itertools.count(1)
         self._pending: dict[bytes, NatsResponse] = {}
         self._inflight: dict[str, int] = {}  # worker id → this router's unfinished requests
-        self._subjects: dict[str, tuple[bytes, bytes]] = {}  # worker id → (request, cancel) subjects
+        self._subjects: dict[str, tuple[bytes, bytes, bytes]] = {}  # worker id → (request, cancel subject, token)
         self.sent = 0
         self.cancels_sent = 0
         self._core = None
@@ -232,6 +234,7 @@ class NatsRequestClient:
             # One wildcard subscription for every reply, restored by the client on reconnect. It
             # is queued before any request's PUB, so it is in place when the first reply comes.
             self._sid = core.subscribe(self._prefix + b".*", self._on_reply)
+            core.subscribe(ALIVE_SUBJECT + "*", self._on_alive)
         return core
 
     async def start(self) -> None:
@@ -243,9 +246,14 @@ class NatsRequestClient:
         if self._sid is not None and self._core is not None:
             self._core.unsubscribe(self._sid)
             self._sid = None
+        if self._liveness is not None:
+            self._liveness.cancel()
+            self._liveness = None
 
     def forget(self, worker: WorkerRecord) -> None:
-        self._subjects.pop(worker.worker_id, None)
+        subjects = self._subjects.pop(worker.worker_id, None)
+        if subjects is not None:
+            self._alive.pop(subjects[2], None)
 
     def inflight(self, worker_id: str) -> int:
         return self._inflight.get(worker_id, 0)
@@ -270,11 +278,17 @@ class NatsRequestClient:
         subjects = self._subjects.get(wid)
         if subjects is None:
             token = subject_token(wid)
-            subjects = self._subjects[wid] = (request_subject(token).encode(), cancel_subject(token).encode())
+            subjects = self._subjects[wid] = (request_subject(token).encode(), cancel_subject(token).encode(),
+                                              token.encode())
         inbox = b"%s.%d" % (self._prefix, next(self._ids))
         deadline = time.monotonic() + self.max_duration if self.max_duration > 0 else None
         resp = NatsResponse(self, wid, subjects[1], inbox, self.idle_timeout, deadline)
+        resp.token = subjects[2]
+        resp.sent_at = asyncio.get_running_loop().time()
+        resp.alive_at = self._alive.get(subjects[2])
         self._pending[inbox] = resp
+        if self._liveness is None and self.dead_after > 0:
+            self._liveness = asyncio.get_running_loop().call_later(1.0, self._check_liveness)
         self._inflight[wid] = self._inflight.get(wid, 0) + 1
         self.sent += 1
         try:
@@ -287,6 +301,32 @@ class NatsRequestClient:
         except BaseException:
             resp.release()
             raise
+
+    def _on_alive(self, subject: bytes, _reply: bytes, _data: bytes, _status: int) -> None:
+        self._alive[subject[len(ALIVE_SUBJECT):]] = asyncio.get_running_loop().time()
+
+    def _check_liveness(self) -> None:
+        """Once a second while requests are pending: fail those whose worker's heartbeat stopped
+        (the process is gone; nothing else would tell us before the idle timeout). Workers never
+        heard from (older launchers without heartbeats) are left to the idle timeout."""
+        self._liveness = None
+        if not self._pending:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if self._core is not None and self._core.connected:  # (a lost broker is handled on its own)
+            alive, limit = self._alive, self.dead_after
+            for resp in list(self._pending.values()):
+                last = alive.get(resp.token)
+                if last is None:  # never heard from, or it left the fleet: its last beat we saw
+                    last = resp.alive_at
+                else:
+                    resp.alive_at = last
+                if last is not None and now - max(last, resp.sent_at) > limit:
+                    self.dead_workers_failed += 1
+                    resp._fail(UpstreamError(f"worker {resp.worker_id} stopped answering over NATS (no heartbeat "
+                                             f"for {now - last:.1f}s)", before_response=not resp._headers.done()))
+        self._liveness = loop.call_later(1.0, self._check_liveness)
 
     def _on_reply(self, subject: bytes, _reply: bytes, data: bytes, status: int) -> None:
         resp = self._pending.get(subject)

@@ -17,8 +17,9 @@ import time
 from infera.transport.http import HttpTransport, UpstreamError, UpstreamResponse, split_http_url
 from infera.transport.nats_conn import NatsConnection, subject_token
 from infera.transport.nats_core import NatsError
-from infera.transport.nats_frames import (BUSY, DATA, ERROR, HEAD, FrameError, cancel_subject, decode_request,
-                                          encode_frame, request_subject, split_payload)
+from infera.transport.nats_frames import (BUSY, DATA, ERROR, HEAD, HEARTBEAT_S, FrameError, alive_subject,
+                                          cancel_subject, decode_request, encode_frame, request_subject,
+                                          split_payload)
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,9 @@ class NatsRequestServer:
         self.served = 0
         self.refused = 0
         self.cancelled = 0
+        self.heartbeat_s = HEARTBEAT_S
+        self._alive_subject = alive_subject(self.token).encode()
+        self._heartbeat: asyncio.TimerHandle | None = None
         self.core.on_disconnect(self._on_disconnect)
 
     @property
@@ -119,7 +123,17 @@ class NatsRequestServer:
                 await core.flush(timeout=5)
             except (NatsError, asyncio.TimeoutError) as exc:
                 log.warning("NATS flush after subscribing: %s", exc)
+        self._beat()
         log.info("serving NATS subject %s for %s", request_subject(self.token), self.worker_id)
+
+    def _beat(self) -> None:
+        """Routers give up on this worker's requests when these stop (the process died)."""
+        if self.core.connected:
+            try:
+                self.core.publish(self._alive_subject, b"")
+            except NatsError:
+                pass
+        self._heartbeat = asyncio.get_running_loop().call_later(self.heartbeat_s, self._beat)
 
     async def drain(self, timeout: float) -> None:
         """Stop taking requests (routers get "no responders" and go elsewhere), then give those in
@@ -139,6 +153,9 @@ class NatsRequestServer:
                 log.warning("%d NATS request(s) still running after the drain timeout", len(pending))
 
     async def stop(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            self._heartbeat = None
         for sid in (self._req_sub, self._cancel_sub):
             if sid is not None:
                 self.core.unsubscribe(sid)
