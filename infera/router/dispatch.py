@@ -17,10 +17,13 @@ from typing import Callable, Sequence
 from infera.api.errors import ApiError
 from infera.discovery.fleet import Fleet
 from infera.discovery.record import WorkerRecord
+import msgspec
+
 from infera.router.breaker import CircuitBreaker
+from infera.router.migration import MigratingRelay, StreamTracker, request_for_migration
 from infera.router.policy import Policy, RoutedRequest
 from infera.server.metrics import ServerMetrics
-from infera.router.upstream import LegFailure, Relay, open_upstream, request_headers
+from infera.router.upstream import LegFailure, Opened, Relay, open_upstream, request_headers
 from infera.transport.request import RequestTransport
 
 log = logging.getLogger(__name__)
@@ -43,7 +46,7 @@ class Reply:
     content_type: str
     worker_id: str
     body: bytes | None = None  # unary reply
-    stream: "Relay | None" = None  # streaming reply (first chunk included); aclose() it when done
+    stream: "Relay | MigratingRelay | None" = None  # a stream (first chunk included); aclose() it when done
     first_byte_at: float | None = None
 
 
@@ -52,7 +55,8 @@ class MixedRouter:
 
     def __init__(self, fleet: Fleet, policy: Policy, transport: RequestTransport, metrics: ServerMetrics,
                  *, max_retries: int = 1, direct: bool = False, clock: Callable[[], float] = time.perf_counter,
-                 usage_observer: UsageObserver | None = None, breaker: CircuitBreaker | None = None) -> None:
+                 usage_observer: UsageObserver | None = None, breaker: CircuitBreaker | None = None,
+                 migration_limit: int = 0) -> None:
         self.fleet = fleet
         self.policy = policy
         self._prepare = getattr(policy, "prepare", None)  # async per-request setup (tokenize once)
@@ -64,6 +68,8 @@ class MixedRouter:
         self._clock = clock
         # Shared with the PD router (one verdict per worker whatever it serves); disabled by default.
         self.breaker = breaker or CircuitBreaker(failure_threshold=0)
+        # --migration-limit: moves of a broken stream to another worker (0: a break ends the stream).
+        self.migration_limit = migration_limit
 
     # -- candidate selection ---------------------------------------------------------------------
     def candidates(self, model: str) -> Sequence[WorkerRecord]:
@@ -119,6 +125,71 @@ class MixedRouter:
     async def _attempt(self, worker: WorkerRecord, req: RoutedRequest) -> Reply:
         """One worker; ``LegFailure`` if it failed before the first byte. A 4xx is the client's
         fault: returned as is, never retried elsewhere. The breaker hears the outcome either way."""
+        tracker = None
+        route, body = req.route, req.body
+        if self.migration_limit > 0 and req.stream and req.direct_worker is None:
+            route, body, tracker = self._tracked(worker, req)
+        opened, release = await self._open(worker, req, route, body)
+        observer = self.usage_observer
+        if opened.resp is None:
+            release()
+            if opened.status == 200 and observer is not None:
+                observer(worker, req, reported_cached_tokens(opened.body or b""))
+            return Reply(opened.status, opened.content_type, worker.worker_id, body=opened.body)
+        on_tail = None if observer is None else (lambda tail: observer(worker, req, reported_cached_tokens(tail)))
+        if tracker is not None:
+            stream = MigratingRelay(opened, worker, tracker, lambda t, tried: self._migrate(req, t, tried),
+                                    self.metrics, release, on_tail, self.migration_limit)
+        else:
+            stream = Relay(opened, worker, self.metrics, release, on_tail)
+        return Reply(200, opened.content_type, worker.worker_id, stream=stream, first_byte_at=self._clock())
+
+    def _tracked(self, worker: WorkerRecord, req: RoutedRequest) -> tuple[str, bytes, StreamTracker | None]:
+        """The body a migratable stream starts with (token ids asked for where the engine
+        reports them) and its tracker; the request's own body when it cannot be tracked."""
+        original = req.state.get("migration_body")
+        if original is None:
+            try:
+                original = req.state["migration_body"] = msgspec.json.decode(req.body)
+            except msgspec.DecodeError:
+                return req.route, req.body, None
+        if not isinstance(original, dict):
+            return req.route, req.body, None
+        first, strip = request_for_migration(req.route, original, worker.engine)
+        body = req.body if first is original else msgspec.json.encode(first)
+        return req.route, body, StreamTracker(req.route, original, strip_ids=strip)
+
+    async def _migrate(self, req: RoutedRequest, tracker: StreamTracker,
+                       tried: set[str]) -> tuple[WorkerRecord, Opened, Callable[[], None]]:
+        """Open the continuation of a broken stream on another mixed worker (never one already
+        tried), failing over before its first byte like a new request."""
+        failure: LegFailure | None = None
+        for _ in range(1 + self.max_retries):
+            pool = [w for w in self.fleet.active(req.model, "mixed") if w.worker_id not in tried]
+            if not pool:
+                break
+            worker = self.policy.pick(self.breaker.filter(pool), req)
+            tried.add(worker.worker_id)
+            route, body = tracker.continuation(worker.engine)
+            try:
+                opened, release = await self._open(worker, req, route, body)
+            except LegFailure as exc:
+                failure = exc
+                continue
+            if opened.resp is None:  # refused (4xx) or unary: no stream to continue with
+                release()
+                failure = LegFailure(worker.worker_id, opened.status, f"worker {worker.worker_id} answered "
+                                     f"{opened.status} to the continuation", "continuation_refused")
+                continue
+            return worker, opened, release
+        if failure is not None:
+            raise failure
+        raise LegFailure("", 503, "no other worker to continue the stream on", "no_candidate")
+
+    async def _open(self, worker: WorkerRecord, req: RoutedRequest, route: str,
+                    body: bytes) -> tuple[Opened, Callable[[], None]]:
+        """Send to one worker up to its first byte, with the policy, in-flight and breaker
+        accounting; returns the answer and the release to call when done with it."""
         policy = self.policy
         breaker = self.breaker
         inflight = self.metrics.inflight_gauge(worker.worker_id)
@@ -138,7 +209,7 @@ class MixedRouter:
 
         headers = request_headers(req.request_id, req.state.get("dp_rank"))
         try:
-            opened = await open_upstream(self.transport, worker, req.route, req.body, headers, req.stream)
+            opened = await open_upstream(self.transport, worker, route, body, headers, req.stream)
         except LegFailure as exc:  # 5xx or transport error before the first byte: the worker's fault
             release()
             if exc.blames_worker:
@@ -156,12 +227,4 @@ class MixedRouter:
             req.state["served"] = True  # the engine computed the prompt: the policy may count it cached
         else:
             breaker.record_neutral(worker.worker_id)  # 4xx/429: the client's error
-        observer = self.usage_observer
-        if opened.resp is None:
-            release()
-            if opened.status == 200 and observer is not None:
-                observer(worker, req, reported_cached_tokens(opened.body or b""))
-            return Reply(opened.status, opened.content_type, worker.worker_id, body=opened.body)
-        on_tail = None if observer is None else (lambda tail: observer(worker, req, reported_cached_tokens(tail)))
-        return Reply(200, opened.content_type, worker.worker_id,
-                     stream=Relay(opened, worker, self.metrics, release, on_tail), first_byte_at=self._clock())
+        return opened, release

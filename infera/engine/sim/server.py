@@ -319,6 +319,8 @@ class _SamplingRequest(msgspec.Struct, kw_only=True):
     seed: int | None = None
     n: int | None = 1
     user: str | None = None
+    # vLLM >= 0.10.2: the prompt's and each output token's ids in the reply (request migration reads them).
+    return_token_ids: bool | None = False
     # P/D legs: vLLM's NixlConnector hand-off, SGLang's bootstrap room (see pd.py).
     kv_transfer_params: dict[str, Any] | None = None
     bootstrap_host: str | None = None
@@ -617,8 +619,11 @@ async def _full_response(engine: SimEngine, req: _SamplingRequest, seq: Sequence
                 "message": {"role": "assistant", "content": text.text, "refusal": None, "tool_calls": [],
                             "reasoning_content": None},
                 "logprobs": None, "finish_reason": finish_reason, "stop_reason": text.matched,
+                "token_ids": list(seq.output_token_ids) if req.return_token_ids else None,
             }],
-            "usage": _usage(seq), "prompt_logprobs": None, "kv_transfer_params": kv_transfer_params,
+            "usage": _usage(seq), "prompt_logprobs": None,
+            "prompt_token_ids": list(seq.prompt_token_ids) if req.return_token_ids else None,
+            "kv_transfer_params": kv_transfer_params,
         }
     else:
         body = {
@@ -626,6 +631,8 @@ async def _full_response(engine: SimEngine, req: _SamplingRequest, seq: Sequence
             "choices": [{
                 "index": 0, "text": text.text, "logprobs": None, "finish_reason": finish_reason,
                 "stop_reason": text.matched, "prompt_logprobs": None,
+                "prompt_token_ids": list(seq.prompt_token_ids) if req.return_token_ids else None,
+                "token_ids": list(seq.output_token_ids) if req.return_token_ids else None,
             }],
             "usage": _usage(seq), "kv_transfer_params": kv_transfer_params,
         }
@@ -641,27 +648,42 @@ async def _stream_response(request: web.Request, engine: SimEngine, req: _Sampli
     obj = "chat.completion.chunk" if chat else "text_completion"
     text = StopStringMatcher(_stop_strings(req.stop), hold_back=True)
 
-    def frame(choices: list[dict], usage: dict | None = None) -> bytes:
+    def frame(choices: list[dict], usage: dict | None = None, extra: dict | None = None) -> bytes:
         chunk: dict[str, Any] = {"id": request_id, "object": obj, "created": created, "model": model,
                                  "choices": choices}
         if usage is not None:
             chunk["usage"] = usage
+        if extra:
+            chunk.update(extra)
         return b"data: " + _json_encode(chunk) + b"\n\n"
 
-    def choice(delta: str, finish_reason: str | None, stop_reason: str | None) -> dict:
+    # vLLM's return_token_ids placement: chat puts the prompt's ids on the role chunk (top level),
+    # completions in the first chunk's choice; every content choice carries its tokens' ids.
+    ids = bool(req.return_token_ids)
+    first_choice = True
+
+    def choice(delta: str, finish_reason: str | None, stop_reason: str | None, token_ids: list[int]) -> dict:
+        nonlocal first_choice
         if chat:
             c: dict[str, Any] = {"index": 0, "delta": {"content": delta}, "logprobs": None,
                                  "finish_reason": finish_reason}
             if finish_reason is not None:
                 c["stop_reason"] = stop_reason
-            return c
-        return {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason,
-                "stop_reason": stop_reason}
+        else:
+            c = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason,
+                 "stop_reason": stop_reason}
+            if ids:
+                c["prompt_token_ids"] = list(seq.prompt_token_ids) if first_choice else None
+        if ids:
+            c["token_ids"] = token_ids
+        first_choice = False
+        return c
 
     resp: web.StreamResponse | None = None
     try:
         async for token_id, finish_reason in seq.stream():
             delta = ""
+            token_ids = [token_id] if token_id is not None else []
             if token_id is not None:
                 delta = text.add(engine.tokenizer.output_text(token_id))
                 if text.matched is not None:
@@ -674,11 +696,13 @@ async def _stream_response(request: web.Request, engine: SimEngine, req: _Sampli
                 resp = web.StreamResponse(headers=SSE_HEADERS)
                 await resp.prepare(request)
                 if chat:
-                    await resp.write(frame([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}],
-                                           _usage(seq) if continuous_usage else None))
-            if delta or finish_reason is not None:
-                await resp.write(frame([choice(delta, finish_reason, text.matched)],
+                    role = frame([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                   "logprobs": None, "finish_reason": None}],
+                                 _usage(seq) if continuous_usage else None,
+                                 {"prompt_token_ids": list(seq.prompt_token_ids), "prompt_text": None} if ids else None)
+                    await resp.write(role)
+            if delta or finish_reason is not None or (ids and token_ids):
+                await resp.write(frame([choice(delta, finish_reason, text.matched, token_ids)],
                                        _usage(seq) if continuous_usage else None))
             if finish_reason is not None:
                 break
