@@ -5,9 +5,11 @@ No routing logic lives here: handlers parse, call ``router.dispatch`` and write 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -41,6 +43,9 @@ class ServerState:
     request_ids: "RequestIds" = field(default_factory=lambda: RequestIds())
     kv: Any = None  # KvEventsBridge under the kv-aware policy
     nats: Any = None  # NatsConnection on the NATS plane
+    tokenizers: Any = None  # RouterTokenizers under the kv-aware policy
+    admin_token: str | None = None  # --admin-token: /v1/admin/* needs it as a Bearer token; None: they are off
+    allow_client_kv_transfer_params: bool = False  # --allow-client-kv-transfer-params
 
 
 STATE_KEY = web.AppKey("state", ServerState)
@@ -60,8 +65,26 @@ class RequestIds:
         return f"{self._prefix}{next(self._counter):016x}"
 
 
+# A client's request id reaches our logs, our reply headers and every engine (X-Request-Id): only
+# a plain token is taken. Anything else is a 400 rather than silently replaced, so a client that
+# correlates by its own id learns why it was not used.
+_CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
 def _request_id(request: web.Request) -> str:
-    return request.headers.get(REQUEST_ID_HEADER) or request.app[STATE_KEY].request_ids.next()
+    """The client's X-Infera-Request-Id when well-formed, else a fresh one (never raises: error
+    replies carry it too, and a malformed one would not even encode as a header)."""
+    raw = request.headers.get(REQUEST_ID_HEADER)
+    if raw and _CLIENT_REQUEST_ID.fullmatch(raw):
+        return raw
+    return request.app[STATE_KEY].request_ids.next()
+
+
+def _check_client_request_id(request: web.Request) -> None:
+    raw = request.headers.get(REQUEST_ID_HEADER)
+    if raw and not _CLIENT_REQUEST_ID.fullmatch(raw):
+        raise ApiError(400, f"{REQUEST_ID_HEADER} must be 1 to 128 characters from A-Z a-z 0-9 . _ : - "
+                       "(or absent: the server then assigns one)", "invalid_request_id")
 
 
 def _error_response(exc: ApiError, request_id: str) -> web.Response:
@@ -86,16 +109,42 @@ async def _errors_middleware(request: web.Request, handler: Callable[[web.Reques
         return _error_response(ApiError(exc.status, message, code), request.get(REQUEST_ID_KEY) or _request_id(request))
 
 
+ADMIN_PREFIX = "/v1/admin"
+
+
+@web.middleware
+async def _admin_auth_middleware(request: web.Request,
+                                 handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+    """``/v1/admin/*`` (unknown paths under it included): off without ``--admin-token``, else
+    ``Authorization: Bearer <token>``, compared in constant time."""
+    path = request.path
+    resource = request.match_info.route.resource  # the route matched, whatever spelling reached it
+    canonical = resource.canonical if resource is not None else ""
+    if path == ADMIN_PREFIX or path.startswith(ADMIN_PREFIX + "/") or canonical.startswith(ADMIN_PREFIX + "/"):
+        token = request.app[STATE_KEY].admin_token
+        if not token:
+            raise ApiError(403, "admin endpoints are disabled: start the server with --admin-token (or "
+                           "INFERA_ADMIN_TOKEN) and send 'Authorization: Bearer <token>'", "admin_disabled")
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        # bytes: compare_digest refuses non-ASCII str, and header values may hold any byte
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"),
+                                                                 token.encode("utf-8")):
+            raise ApiError(401, "admin endpoints need 'Authorization: Bearer <the --admin-token>'",
+                           "invalid_admin_token", headers={"WWW-Authenticate": 'Bearer realm="infera-admin"'})
+    return await handler(request)
+
+
 def _make_inference_handler(route: str):
     async def handler(request: web.Request) -> web.StreamResponse:
         state: ServerState = request.app[STATE_KEY]
         started = time.perf_counter()
         request_id = _request_id(request)
         request[REQUEST_ID_KEY] = request_id
+        _check_client_request_id(request)  # the 400 goes out under the fresh id
         if request.content_length is not None and request.content_length > state.max_request_bytes:
             raise web.HTTPRequestEntityTooLarge(max_size=state.max_request_bytes, actual_size=request.content_length)
         body = await request.read()  # aiohttp enforces client_max_size for chunked bodies too
-        parsed = parse_request(route, body)
+        parsed = parse_request(route, body, allow_kv_transfer_params=state.allow_client_kv_transfer_params)
         stream = bool(parsed.stream)
         routed = RoutedRequest(route=route, body=body, parsed=parsed, model=parsed.model, stream=stream,
                                request_id=request_id, direct_worker=request.headers.get(DIRECT_WORKER_HEADER),
@@ -154,6 +203,10 @@ async def _workers(request: web.Request) -> web.Response:
         d["routable"] = reason is None and r.is_active
         if reason is not None:
             d["unroutable_reason"] = f"it {reason}"
+        if state.tokenizers is not None:  # kv-aware: can its prompts be hashed as its engine does?
+            d["kv_routing"], why = state.tokenizers.worker_status(r)
+            if why is not None:
+                d["kv_routing_reason"] = why
         workers.append(d)
     return web.Response(body=_json.encode({"workers": workers}), content_type="application/json")
 
@@ -163,6 +216,8 @@ async def _health(request: web.Request) -> web.Response:
     body = {"status": "ok", "active_workers": len(state.fleet.active()), "workers": len(state.fleet)}
     if state.nats is not None:  # still "ok": HTTP workers are served while the broker is away
         body["nats"] = "connected" if state.nats.connected else "disconnected"
+    if state.tokenizers is not None:  # still "ok": a degraded model is served, routed by load
+        body["kv_routing"] = state.tokenizers.health()
     return web.Response(body=_json.encode(body), content_type="application/json")
 
 
@@ -189,7 +244,8 @@ async def _cache_view(request: web.Request) -> web.Response:
 
 
 def build_app(state: ServerState) -> web.Application:
-    app = web.Application(middlewares=[_errors_middleware], client_max_size=state.max_request_bytes)
+    app = web.Application(middlewares=[_errors_middleware, _admin_auth_middleware],
+                          client_max_size=state.max_request_bytes)
     app[STATE_KEY] = state
     app.router.add_post("/v1/chat/completions", _make_inference_handler("/v1/chat/completions"))
     app.router.add_post("/v1/completions", _make_inference_handler("/v1/completions"))

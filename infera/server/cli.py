@@ -6,9 +6,15 @@ from typing import Mapping, Sequence
 
 from infera.config import (add_flag, add_plane_flags, choice_of, non_negative_float, non_negative_int, port_number,
                            positive_float, positive_int)
+from infera.kv.prompt import DEFAULT_CACHE_BYTES, DEFAULT_PREFIX_CHARS
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 DEFAULT_KV_OVERLAP_WEIGHT = 16.0
+# Upstream (HTTP) bounds per leg: a worker that accepts and never answers, or stops mid-stream
+# (SIGSTOP, a wedged engine), must not hold a request forever.
+DEFAULT_REQUEST_FIRST_BYTE_TIMEOUT = 300.0
+DEFAULT_REQUEST_IDLE_TIMEOUT = 120.0
+DEFAULT_MAX_UPSTREAM_REPLY_BYTES = 64 * 1024 * 1024
 
 
 def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
@@ -28,8 +34,16 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     f("--router-policy", env="INFERA_ROUTER_POLICY", default="kv-aware", type=choice_of("kv-aware", "round-robin"),
       help="kv-aware: the worker already holding the longest prefix of the prompt, balanced against load")
     f("--router-tokenizer-path", env="INFERA_ROUTER_TOKENIZER_PATH", default=None,
-      help="kv-aware: the model's tokenizer (a folder with tokenizer.json + chat template, or the file); "
-           "default: the simulator's built-in tokenizer")
+      help="kv-aware: the model's tokenizer (a folder with tokenizer.json + chat template, or the file), for "
+           "every model; default: per model, the tokenizer its workers' records name (kv-aware routing of a "
+           "model is marked degraded in /health when that cannot be loaded here)")
+    f("--router-prefix-chars", env="INFERA_ROUTER_PREFIX_CHARS", default=DEFAULT_PREFIX_CHARS, type=positive_int,
+      help="kv-aware: only this many characters of the rendered prompt (of a token-id prompt: ids) are tokenized "
+           "and hashed for routing; picks for shorter prompts are unchanged, a huge prompt costs no more "
+           "(default 512 KiB, ~128k tokens)")
+    f("--router-tokenizer-cache-bytes", env="INFERA_ROUTER_TOKENIZER_CACHE_BYTES", default=DEFAULT_CACHE_BYTES,
+      type=non_negative_int, help="kv-aware: memory budget of the router's token-id caches (repeated prompts and "
+                                  "chat segments), in bytes (0: no cache)")
     # 16, not upstream's 1.0: with in-flight blocks as the load term, a weight of 1 lets one or two
     # running requests outweigh a whole cached prefix, so conversations scatter and caches hold
     # duplicates (bench/kv_routing.py: hit rate 64.8 % at 1, 77.8 % at 16 uniform; 74.9 → 86.2 %
@@ -42,6 +56,26 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
       help="kv-aware: the weight for decode picks of PD pairs (default: --kv-overlap-weight)")
     f("--request-max-retries", env="INFERA_REQUEST_MAX_RETRIES", default=1, type=non_negative_int,
       help="other workers tried when one fails before the first byte")
+    f("--request-first-byte-timeout", env="INFERA_REQUEST_FIRST_BYTE_TIMEOUT",
+      default=DEFAULT_REQUEST_FIRST_BYTE_TIMEOUT, type=non_negative_float,
+      help="HTTP workers, per leg (mixed, PD prefill, PD decode): seconds from sending the request to the "
+           "first body byte; then the connection is closed (the engine aborts), the request fails over and "
+           "the breaker counts it (504 when no worker is left). Generous by default: a loaded engine may queue "
+           "and prefill a long prompt for minutes, and a unary reply only arrives once fully generated, so "
+           "this also bounds a unary generation (raise it for long unary outputs). 0 = off")
+    f("--request-idle-timeout", env="INFERA_REQUEST_IDLE_TIMEOUT", default=DEFAULT_REQUEST_IDLE_TIMEOUT,
+      type=non_negative_float,
+      help="HTTP workers, per leg: longest gap between body chunks after the first (like "
+           "--nats-req-idle-timeout); then the connection is closed and a stream ends with an SSE error event "
+           "(a unary reply, not yet relayed, fails over; 504 when no worker is left). Decoding sends a chunk "
+           "per token, so minutes of silence mean a stalled engine, not a slow one. 0 = off")
+    f("--max-upstream-reply-bytes", env="INFERA_MAX_UPSTREAM_REPLY_BYTES", default=DEFAULT_MAX_UPSTREAM_REPLY_BYTES,
+      type=positive_int, help="largest worker reply read whole into memory (unary replies, errors); "
+                              "a larger one fails the request with 502 instead of exhausting memory")
+    f("--migration-limit", env="INFERA_MIGRATION_LIMIT", default=0, type=non_negative_int,
+      help="times a streamed generation whose worker dies or stalls mid-stream moves to another mixed worker "
+           "and continues there (exactly from token ids on vLLM, else from the text so far); 0: off, the "
+           "stream ends with an SSE error event. On, every streamed event is parsed (~10 µs each)")
     f("--pd-prefill-timeout", env="INFERA_PD_PREFILL_TIMEOUT", default=120.0, type=positive_float,
       help="PD: seconds a prefill leg may take before it is aborted and the pair retried")
     f("--breaker-failure-threshold", env="INFERA_BREAKER_FAILURE_THRESHOLD", default=3, type=non_negative_int,
@@ -53,10 +87,22 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
       help="cap of the cooldown, which doubles each time a probe fails")
     f("--max-request-bytes", env="INFERA_MAX_REQUEST_BYTES", default=DEFAULT_MAX_REQUEST_BYTES,
       type=positive_int, help="largest accepted request body (413 above)")
+    f("--admin-token", env="INFERA_ADMIN_TOKEN", default=None, type=optional_secret,
+      help="enables the /v1/admin/ endpoints, which then need 'Authorization: Bearer <token>'; off (403) "
+           "without it. Prefer the env variable: a flag shows in the process list")
+    f("--allow-client-kv-transfer-params", env="INFERA_ALLOW_CLIENT_KV_TRANSFER_PARAMS", default=False,
+      action="store_true",
+      help="pass a client's own kv_transfer_params to the engines (they tell a vLLM KV connector which host to "
+           "pull KV from); off: such a request gets a 400")
     f("--log-level", env="INFERA_LOG_LEVEL", default="info", type=choice_of("debug", "info", "warning", "error"))
     f("--access-log", env="INFERA_ACCESS_LOG", default=False, action="store_true",
       help="log every request (off by default: it costs on the hot path)")
     return p
+
+
+def optional_secret(value: str) -> str | None:
+    """A token flag: surrounding blanks dropped, empty = unset (an empty env variable turns it off)."""
+    return value.strip() or None
 
 
 def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> argparse.Namespace:

@@ -20,11 +20,11 @@ from infera.router.pd import protocol_registry
 from infera.router.policy import make_policy
 from infera.server.app import ServerState, build_app
 from infera.kv.index import KvIndex
-from infera.kv.prompt import PromptTokenizer
 from infera.runtime import install_event_loop, wait_for_shutdown_signal
 from infera.server.cli import parse_args
 from infera.server.kv import KvEventsBridge
-from infera.server.metrics import NatsMetrics, ServerMetrics
+from infera.server.tokenizers import RouterTokenizers
+from infera.server.metrics import NatsMetrics, ServerMetrics, drop_worker_keys
 from infera.transport.http import HttpTransport
 from infera.transport.nats_conn import NatsConnection
 from infera.transport.nats_request import NatsRequestClient
@@ -45,7 +45,8 @@ class InferaServer:
                                                      k8s_label_selector=args.k8s_label_selector)
         # One breaker for mixed and PD dispatch: a worker's verdict holds whichever router sent to it.
         self.breaker = CircuitBreaker(failure_threshold=args.breaker_failure_threshold,
-                                      cooldown_s=args.breaker_cooldown_s, max_cooldown_s=args.breaker_max_cooldown_s)
+                                      cooldown_s=args.breaker_cooldown_s, max_cooldown_s=args.breaker_max_cooldown_s,
+                                      is_member=lambda worker_id: self.fleet.get(worker_id) is not None)
         self.metrics = ServerMetrics(self.fleet, breaker=self.breaker)
         # One NATS connection for every NATS use, opened only when a flag asks for the broker plane.
         self.nats: NatsConnection | None = None
@@ -57,8 +58,12 @@ class InferaServer:
             nats_requests = NatsRequestClient(self.nats, idle_timeout=args.nats_req_idle_timeout,
                                               max_duration=args.nats_req_max_duration,
                                               max_pending=args.nats_req_max_pending)
-        self.transport = RequestTransports(HttpTransport(), nats_requests)
+        self.transport = RequestTransports(HttpTransport(first_byte_timeout=args.request_first_byte_timeout,
+                                                         idle_timeout=args.request_idle_timeout,
+                                                         max_reply_bytes=args.max_upstream_reply_bytes),
+                                           nats_requests)
         self.kv: KvEventsBridge | None = None
+        self.tokenizers: RouterTokenizers | None = None  # kv-aware only
         usage_observer = None
         self.replica_sync = None  # NatsReplicaSync: kv-aware replicas share what only each one knows
         if args.router_policy == "kv-aware":
@@ -70,7 +75,13 @@ class InferaServer:
             index = KvIndex()
             self.kv = KvEventsBridge(self.fleet, index, nats=self.nats if args.kv_event_transport == "nats" else None)
             self.metrics.registry.register(self.kv)
-            self.policy = make_policy("kv-aware", index=index, prompts=PromptTokenizer.from_path(args.router_tokenizer_path),
+            # The tokenizer per model: --router-tokenizer-path, else the one the model's workers name.
+            self.tokenizers = RouterTokenizers(self.fleet, args.router_tokenizer_path, self_check=self.kv)
+            self.metrics.registry.register(self.tokenizers)
+            # Routing prefix cap and token-cache budget (infera/kv/prompt.py) of every router tokenizer.
+            self.tokenizers.configure(prefix_chars=args.router_prefix_chars,
+                                      cache_bytes=args.router_tokenizer_cache_bytes)
+            self.policy = make_policy("kv-aware", index=index, prompts=self.tokenizers,
                                       overlap_weight=args.kv_overlap_weight,
                                       prefill_overlap_weight=args.kv_prefill_overlap_weight,
                                       decode_overlap_weight=args.kv_decode_overlap_weight, observer=self.kv,
@@ -81,7 +92,7 @@ class InferaServer:
         direct = args.router_mode == "direct"
         mixed = MixedRouter(self.fleet, self.policy, self.transport, self.metrics,
                             max_retries=args.request_max_retries, direct=direct, usage_observer=usage_observer,
-                            breaker=self.breaker)
+                            breaker=self.breaker, migration_limit=args.migration_limit)
         disagg = DisaggRouter(self.fleet, self.policy, self.transport, self.metrics, protocol_registry(),
                               max_retries=args.request_max_retries, prefill_timeout=args.pd_prefill_timeout,
                               breaker=self.breaker)
@@ -99,6 +110,8 @@ class InferaServer:
             self.breaker.forget(worker_id)
             self.metrics.forget_worker(worker_id)
         if record is None:
+            if self.kv is not None:  # its kv-aware pick counters (the metrics drop their own series)
+                drop_worker_keys(self.kv.picks, worker_id, 1)
             old = self._workers.pop(worker_id, None)
             if old is not None:
                 self.transport.forget(old)
@@ -115,7 +128,9 @@ class InferaServer:
             await self.replica_sync.start()
         await self.discovery.start(self.fleet)  # returns at once; converges in the background
         app = build_app(ServerState(self.fleet, self.router, self.metrics, self.args.max_request_bytes, kv=self.kv,
-                                    nats=self.nats))
+                                    nats=self.nats, tokenizers=self.tokenizers,
+                                    admin_token=self.args.admin_token,
+                                    allow_client_kv_transfer_params=self.args.allow_client_kv_transfer_params))
         # handler_cancellation: a client that disconnects cancels its handler, which closes the
         # upstream connection, which makes the engine abort the request and free its slot.
         self._runner = web.AppRunner(app, handler_cancellation=True,
@@ -138,6 +153,8 @@ class InferaServer:
             await self.replica_sync.stop()
         if self.kv is not None:
             await self.kv.stop()
+        if self.tokenizers is not None:
+            self.tokenizers.close()
         await self.transport.close()
         if self.nats is not None:
             await self.nats.close()

@@ -8,12 +8,14 @@ measurable share of the router's CPU under load.)
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections import OrderedDict
 from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from infera.discovery.fleet import Fleet
+from infera.discovery.record import WorkerRecord
 from infera.router.breaker import STATE_CODES, CircuitBreaker
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -43,6 +45,25 @@ def _fmt(x: float) -> str:
     return repr(float(x))
 
 
+def holds_worker(label: str, worker_id: str) -> bool:
+    """Is ``label`` (a worker id, or a route key ``<worker_id>#dp<rank>``) one of ``worker_id``'s?"""
+    return label == worker_id or (label.startswith(worker_id) and label.startswith("#dp", len(worker_id)))
+
+
+def drop_worker_keys(table: dict, worker_id: str, position: int | None = None) -> int:
+    """Delete ``table``'s entries of ``worker_id`` (keys are worker ids or route keys, or tuples
+    holding one at ``position``); returns how many went."""
+    gone = [k for k in table if holds_worker(k if position is None else k[position], worker_id)]
+    for k in gone:
+        del table[k]
+    return len(gone)
+
+
+# Workers that left, remembered so that the requests they still had in flight, finishing after the
+# leave, do not bring their series back. Bounded: enough for any burst of departures.
+_DEPARTED_CAP = 4096
+
+
 class Gauge:
     __slots__ = ("value",)
 
@@ -67,11 +88,18 @@ class ServerMetrics:
         self.retries: dict[tuple[str, str], int] = {}
         self.midstream_failures: dict[str, int] = {}
         self.client_disconnects: dict[str, int] = {}
+        self.migrations: dict[str, int] = {}  # reason → streams moved to another worker
+        self.migrations_failed: dict[str, int] = {}  # reason → breaks that could not move
+        self.migration_seconds = Histogram()  # break → the continuation's first byte
+        self._departed: OrderedDict[str, None] = OrderedDict()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
+        fleet.subscribe(self._on_fleet_change)
 
     # -- hot path ----------------------------------------------------------------------------------
     def count_request(self, route: str, status: int, worker: str) -> None:
+        if worker in self._departed:
+            return
         key = (route, str(status), worker)
         self.requests[key] = self.requests.get(key, 0) + 1
 
@@ -91,14 +119,25 @@ class ServerMetrics:
     def inflight_gauge(self, worker: str) -> Gauge:
         g = self.inflight.get(worker)
         if g is None:
-            g = self.inflight[worker] = Gauge()
+            g = Gauge()
+            if worker not in self._departed:  # (a PD leg looks its gauge up again to release it)
+                self.inflight[worker] = g
         return g
 
     def count_retry(self, route: str, reason: str) -> None:
         self.retries[(route, reason)] = self.retries.get((route, reason), 0) + 1
 
     def count_midstream_failure(self, worker: str) -> None:
+        if worker in self._departed:
+            return
         self.midstream_failures[worker] = self.midstream_failures.get(worker, 0) + 1
+
+    def count_migration(self, reason: str, seconds: float) -> None:
+        self.migrations[reason] = self.migrations.get(reason, 0) + 1
+        self.migration_seconds.observe(seconds)
+
+    def count_migration_failed(self, reason: str) -> None:
+        self.migrations_failed[reason] = self.migrations_failed.get(reason, 0) + 1
 
     def count_disconnect(self, route: str) -> None:
         self.client_disconnects[route] = self.client_disconnects.get(route, 0) + 1
@@ -110,6 +149,19 @@ class ServerMetrics:
         longer exported.)
         """
         self.inflight.pop(worker_id, None)
+
+    def _on_fleet_change(self, worker_id: str, record: WorkerRecord | None) -> None:
+        """A worker that left the fleet takes every series labelled with it along (the breaker's
+        are read from the fleet at scrape time; the kv-aware ones go with their targets)."""
+        if record is not None:
+            self._departed.pop(worker_id, None)  # back (same id): counted again
+            return
+        self._departed[worker_id] = None
+        while len(self._departed) > _DEPARTED_CAP:
+            self._departed.popitem(last=False)
+        self.inflight.pop(worker_id, None)
+        self.midstream_failures.pop(worker_id, None)
+        drop_worker_keys(self.requests, worker_id, 2)
 
     # -- scrape ------------------------------------------------------------------------------------
     def collect(self) -> Iterator[Metric]:
@@ -147,6 +199,21 @@ class ServerMetrics:
         for route, n in sorted(self.client_disconnects.items()):
             fam.add_metric([route], n)
         yield fam
+        fam = CounterMetricFamily("infera_migrations", "Broken streams moved to another worker (--migration-limit)",
+                                  labels=["reason"])
+        for reason, n in sorted(self.migrations.items()):
+            fam.add_metric([reason], n)
+        yield fam
+        fam = CounterMetricFamily("infera_migrations_failed", "Broken streams that could not move: poisoned "
+                                  "(n>1, tool calls, …), limit, no_candidate, no_first_byte, finished",
+                                  labels=["reason"])
+        for reason, n in sorted(self.migrations_failed.items()):
+            fam.add_metric([reason], n)
+        yield fam
+        hist = HistogramMetricFamily("infera_migration_duration_seconds", "From a stream's break to the first byte "
+                                     "of its continuation on another worker")
+        hist.add_metric([], self.migration_seconds.cumulative(), self.migration_seconds.total)
+        yield hist
         workers = GaugeMetricFamily("infera_workers", "Workers known to this server", labels=["status", "disagg_mode"])
         counts: dict[tuple[str, str], int] = {("active", "mixed"): 0, ("draining", "mixed"): 0}
         for r in self._fleet.all():
