@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 
 
@@ -29,7 +30,8 @@ async def wait_for_shutdown_signal() -> None:
 
 
 async def cancel_and_wait(task: "asyncio.Task | None") -> None:
-    """Cancel a background task and wait until it has unwound."""
+    """Cancel a background task and wait until it has unwound (an error it had already ended
+    with is of no interest to whoever stops it)."""
     if task is None:
         return
     task.cancel()
@@ -37,3 +39,5 @@ async def cancel_and_wait(task: "asyncio.Task | None") -> None:
         await task
     except asyncio.CancelledError:
         pass
+    except Exception as exc:
+        logging.getLogger(__name__).debug("task %s had failed: %r", task.get_name(), exc)

@@ -29,7 +29,7 @@ import msgspec
 
 from infera.api.errors import ApiError
 from infera.discovery.record import WorkerRecord
-from infera.router.upstream import TAIL_BYTES, LegFailure, Opened, midstream_error_event
+from infera.router.upstream import TAIL_BYTES, LegFailure, Opened, Relay, midstream_error_event
 from infera.transport.http import UpstreamError
 
 log = logging.getLogger(__name__)
@@ -325,38 +325,20 @@ class StreamTracker:
 Reopen = Callable[[StreamTracker, set], Awaitable["tuple[WorkerRecord, Opened, Callable[[], None]]"]]
 
 
-class MigratingRelay:
+class MigratingRelay(Relay):
     """A worker's stream relayed through a ``StreamTracker``: when it breaks (the connection dies,
-    the worker stalls past the idle timeout, or it ends without ``[DONE]``) the generation moves
-    to another worker, up to ``limit`` times, and the client reads on. ``reopen`` picks and opens
-    the next worker (``MixedRouter._migrate``). Released exactly once per worker, like ``Relay``."""
+    the worker stalls past the idle timeout, or aborts the request) the generation moves to
+    another worker, up to ``limit`` times, and the client reads on. ``reopen`` picks and opens the
+    next worker (``MixedRouter._migrate``). Like ``Relay``, each worker's reply and slot are
+    released exactly once."""
 
-    __slots__ = ("_opened", "_worker", "_tracker", "_reopen", "_metrics", "_done", "_on_tail", "_limit", "_gen",
-                 "_finished", "_tried")
+    __slots__ = ("_tracker", "_reopen", "_limit", "_tried")
 
     def __init__(self, opened: Opened, worker: WorkerRecord, tracker: StreamTracker, reopen: Reopen,
                  metrics: Any, done: Callable[[], None], on_tail: Callable[[bytes], None] | None, limit: int) -> None:
-        assert opened.resp is not None
-        self._opened, self._worker, self._tracker, self._reopen = opened, worker, tracker, reopen
-        self._metrics, self._done, self._on_tail, self._limit = metrics, done, on_tail, limit
-        self._gen = self._chunks()
-        self._finished = False
+        self._tracker, self._reopen, self._limit = tracker, reopen, limit
         self._tried = {worker.worker_id}
-
-    def __aiter__(self) -> AsyncIterator[bytes]:
-        return self._gen
-
-    async def aclose(self) -> None:
-        try:
-            await self._gen.aclose()
-        finally:
-            self._finish()
-
-    def _finish(self) -> None:
-        if not self._finished:
-            self._finished = True
-            self._opened.resp.release()  # type: ignore[union-attr]
-            self._done()
+        super().__init__(opened, worker, metrics, done, on_tail)
 
     async def _chunks(self) -> AsyncIterator[bytes]:
         tracker, on_tail = self._tracker, self._on_tail

@@ -13,18 +13,16 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-from typing import Awaitable, Callable
 
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from infera.transport.nats_core import NatsCoreClient
+from infera.runtime import cancel_and_wait
+from infera.transport.nats_core import ConnectionEvents, NatsCoreClient
 
 log = logging.getLogger(__name__)
 
 DEFAULT_NATS_SERVER = "nats://127.0.0.1:4222"
-
-Listener = Callable[[], "Awaitable[None] | None"]
 
 
 def subject_token(worker_id: str) -> str:
@@ -36,7 +34,7 @@ def token_to_worker_id(token: str) -> str:
     return base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
 
 
-class NatsConnection:
+class NatsConnection(ConnectionEvents):
     def __init__(self, servers: str = DEFAULT_NATS_SERVER, *, name: str = "infera",
                  reconnect_wait: float = 0.5, connect_timeout: float = 2.0) -> None:
         self.servers = [s.strip() for s in servers.split(",") if s.strip()]
@@ -45,10 +43,8 @@ class NatsConnection:
         self.connect_timeout = connect_timeout
         self.nc: Client = Client()
         self._js: JetStreamContext | None = None
-        self._connected = asyncio.Event()
+        self._init_events()
         self._task: asyncio.Task | None = None
-        self._on_disconnect: list[Listener] = []
-        self._on_reconnect: list[Listener] = []
         self._closing = False
         self._disconnects = 0
         self._core: NatsCoreClient | None = None
@@ -58,13 +54,6 @@ class NatsConnection:
         """Returns at once; the first connect is retried in the background until it succeeds."""
         if self._task is None:
             self._task = asyncio.ensure_future(self._connect_loop())
-
-    async def wait_connected(self, timeout: float | None = None) -> bool:
-        try:
-            await asyncio.wait_for(self._connected.wait(), timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
 
     @property
     def connected(self) -> bool:
@@ -93,23 +82,12 @@ class NatsConnection:
     def max_payload(self) -> int:
         return self.nc.max_payload if self.nc.is_connected else 1024 * 1024
 
-    def on_disconnect(self, listener: Listener) -> None:
-        self._on_disconnect.append(listener)
-
-    def on_reconnect(self, listener: Listener) -> None:
-        self._on_reconnect.append(listener)
-
     async def close(self) -> None:
         self._closing = True
         if self._core is not None:
             await self._core.close()
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if not self.nc.is_closed:
             try:
                 await asyncio.wait_for(self.nc.close(), 5.0)
@@ -152,12 +130,3 @@ class NatsConnection:
     async def _reconnected(self) -> None:
         log.info("NATS connection restored")
         await self._fire(self._on_reconnect)
-
-    async def _fire(self, listeners: list[Listener]) -> None:
-        for listener in listeners:
-            try:
-                result = listener()
-                if asyncio.iscoroutine(result):
-                    await result
-            except Exception:
-                log.exception("NATS connection listener failed")

@@ -31,6 +31,8 @@ import ssl
 from typing import Awaitable, Callable
 from urllib.parse import unquote, urlsplit
 
+from infera.runtime import cancel_and_wait
+
 log = logging.getLogger(__name__)
 
 # (subject, reply, payload, status): status is the header block's status code (503 "no
@@ -183,7 +185,39 @@ class _Protocol(asyncio.Protocol):
         # +OK: only in verbose mode, which we do not ask for
 
 
-class NatsCoreClient:
+class ConnectionEvents:
+    """What a NATS connection tells its users: the first connect can be awaited, and listeners
+    hear of a loss and of the connection coming back (shared by this client and nats-py's)."""
+
+    def _init_events(self) -> None:
+        self._connected = asyncio.Event()
+        self._on_disconnect: list[Listener] = []
+        self._on_reconnect: list[Listener] = []
+
+    async def wait_connected(self, timeout: float | None = None) -> bool:
+        try:
+            await asyncio.wait_for(self._connected.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def on_disconnect(self, listener: Listener) -> None:
+        self._on_disconnect.append(listener)
+
+    def on_reconnect(self, listener: Listener) -> None:
+        self._on_reconnect.append(listener)
+
+    async def _fire(self, listeners: list[Listener]) -> None:
+        for listener in listeners:
+            try:
+                result = listener()
+                if asyncio.iscoroutine(result):
+                    await result
+            except Exception:
+                log.exception("NATS connection listener failed")
+
+
+class NatsCoreClient(ConnectionEvents):
     def __init__(self, servers: str | list[str], *, name: str = "infera", reconnect_wait: float = 0.5,
                  connect_timeout: float = 2.0, ping_interval: float = 5.0, max_outstanding_pings: int = 2) -> None:
         urls = servers.split(",") if isinstance(servers, str) else servers
@@ -199,7 +233,7 @@ class NatsCoreClient:
         self.connected_url: str | None = None
         self.disconnects = 0
         self._proto: _Protocol | None = None
-        self._connected = asyncio.Event()
+        self._init_events()
         self._subs: dict[bytes, MsgCallback] = {}
         self._sub_lines: dict[bytes, bytes] = {}  # sid → the SUB line, re-sent on reconnect
         self._sids = itertools.count(1)
@@ -211,8 +245,6 @@ class NatsCoreClient:
         self._task: asyncio.Task | None = None
         self._ping_timer: asyncio.TimerHandle | None = None
         self._closing = False
-        self._on_disconnect: list[Listener] = []
-        self._on_reconnect: list[Listener] = []
         self._ever_connected = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._inbox_prefix = b"_INBOX." + os.urandom(11).hex().encode()
@@ -227,32 +259,14 @@ class NatsCoreClient:
             self._loop = asyncio.get_running_loop()
             self._task = asyncio.ensure_future(self._run())
 
-    async def wait_connected(self, timeout: float | None = None) -> bool:
-        try:
-            await asyncio.wait_for(self._connected.wait(), timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
-
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
 
-    def on_disconnect(self, listener: Listener) -> None:
-        self._on_disconnect.append(listener)
-
-    def on_reconnect(self, listener: Listener) -> None:
-        self._on_reconnect.append(listener)
-
     async def close(self) -> None:
         self._closing = True
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         proto = self._proto
         if proto is not None and proto.transport is not None:
             self._write_out()
@@ -454,12 +468,3 @@ class NatsCoreClient:
     def _server_error(self, message: str) -> None:
         # Authorization and protocol errors are followed by the server closing the connection.
         log.error("NATS server %s: %s", self.connected_url, message)
-
-    async def _fire(self, listeners: list[Listener]) -> None:
-        for listener in listeners:
-            try:
-                result = listener()
-                if asyncio.iscoroutine(result):
-                    await result
-            except Exception:
-                log.exception("NATS connection listener failed")

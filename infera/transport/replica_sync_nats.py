@@ -42,6 +42,7 @@ from typing import Callable, Sequence
 
 import msgspec
 
+from infera.runtime import cancel_and_wait
 from infera.router.kv_aware import PEER_TIMEOUT_S, SYNC_BLOCKS_PER_REQUEST, ReplicaShare
 from infera.transport.nats_conn import NatsConnection, subject_token, token_to_worker_id
 
@@ -167,13 +168,8 @@ class NatsReplicaSync:
         if self._beat_timer is not None:
             self._beat_timer.cancel()
             self._beat_timer = None
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self.nats.connected:
             for model in list(self._models):  # the others drop our state now, not after a timeout
                 await self._publish(model, ReplicaMsg(VERSION, self.replica_id, self._next_seq(model), bye=True))
