@@ -72,13 +72,14 @@ from infera.discovery.embedded_etcd import EmbeddedEtcd  # noqa: E402
 
 import _kv_workload as wl  # noqa: E402
 from infera.engine.base.prom import samples as prom_samples  # noqa: E402
+import _peers  # noqa: E402
 from router_overhead import (FleetError, Proc, _f, _free_port, _git_commit, _median,  # noqa: E402
                              tree_cpu_seconds)
 
 DEFAULT_OUT = os.path.join(BENCH_DIR, "results", "kv_routing.json")
-PEERS_VENV = os.path.join(BENCH_DIR, ".venv-peers")
-# The peer router the published tables were measured against (bench/published/*.json name it too).
-SGLANG_ROUTER_VERSION = "0.3.2"
+# The peer router the published tables were measured against (bench/published/*.json name it too);
+# pinned, with the venv it lives in, in bench/_peers.py.
+SGLANG_ROUTER_VERSION = _peers.PEERS["sglang-router"].version
 VLLM_PYTHON = os.path.join(REPO, ".venv-vllm", "bin", "python")
 ROUTERS = ("round-robin", "kv-aware", "kv-aware-nosync", "kv-aware-single", "sglang", "oracle", "sglang-rr")
 KV_ROUTERS = ("kv-aware", "kv-aware-nosync", "kv-aware-single")  # python -m infera.server --router-policy kv-aware
@@ -367,35 +368,6 @@ class Router:
                 await r.proc.stop(timeout)
 
 
-def _installed_version(venv: str, package: str) -> str | None:
-    try:
-        r = subprocess.run([os.path.join(venv, "bin", "python"), "-c",
-                            f"import importlib.metadata as m; print(m.version({package!r}))"],
-                           capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return r.stdout.strip() if r.returncode == 0 else None
-
-
-def ensure_peers_venv() -> tuple[str | None, str]:
-    """The ``sglang-router`` executable in bench/.venv-peers at the pinned version (created or
-    re-pinned on first use), or (None, why). Pinned so a published comparison names what it beat."""
-    exe = os.path.join(PEERS_VENV, "bin", "sglang-router")
-    if os.path.exists(exe) and _installed_version(PEERS_VENV, "sglang-router") == SGLANG_ROUTER_VERSION:
-        return exe, ""
-    print(f"  preparing {PEERS_VENV} (python -m venv; pip install sglang-router=={SGLANG_ROUTER_VERSION})…", flush=True)
-    try:
-        if not os.path.exists(os.path.join(PEERS_VENV, "bin", "pip")):
-            subprocess.run([sys.executable, "-m", "venv", PEERS_VENV], check=True, capture_output=True, timeout=120)
-        r = subprocess.run([os.path.join(PEERS_VENV, "bin", "pip"), "install", "-q",
-                            f"sglang-router=={SGLANG_ROUTER_VERSION}"], capture_output=True, text=True, timeout=600)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return None, f"could not create {PEERS_VENV}: {exc}"
-    if r.returncode != 0 or not os.path.exists(exe):
-        return None, f"pip install sglang-router failed (rc {r.returncode}): {r.stderr[-500:]}"
-    return exe, ""
-
-
 class Bench:
     def __init__(self, args: argparse.Namespace, fleet: Fleet, logs_dir: str) -> None:
         self.args = args
@@ -443,21 +415,16 @@ class Bench:
                 cmd += shlex.split(a.kv_server_args)
         else:  # sglang (cache_aware), sglang-rr (its round_robin: what the peer router itself adds)
             if self.sglang_exe is None:
-                exe, why = ensure_peers_venv()
+                exe, why = await asyncio.to_thread(_peers.ensure_peer, "sglang-router",
+                                                   log=lambda m: print(m, flush=True))
                 if exe is None:
                     raise RouterUnavailable(why)
                 self.sglang_exe = exe
-                try:
-                    self.sglang_version = subprocess.run(
-                        [os.path.join(PEERS_VENV, "bin", "pip"), "show", "sglang-router"], capture_output=True,
-                        text=True, timeout=60).stdout.split("Version:")[1].split()[0]
-                except (OSError, subprocess.SubprocessError, IndexError):
-                    self.sglang_version = None
-            cmd = [self.sglang_exe, "launch", "--host", "127.0.0.1", "--port", str(port),
-                   "--worker-urls", *self.fleet.worker_urls,
-                   "--policy", "cache_aware" if name == "sglang" else "round_robin",
-                   "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()),
-                   "--log-level", "warn", "--request-timeout-secs", str(int(a.request_timeout))]
+                self.sglang_version = await asyncio.to_thread(_peers.installed_version, "sglang-router")
+            cmd = _peers.launch_cmd("sglang-router", self.sglang_exe, host="127.0.0.1", port=port,
+                                    worker_urls=self.fleet.worker_urls,
+                                    policy="cache_aware" if name == "sglang" else "round_robin",
+                                    prometheus_port=_free_port(), request_timeout_s=int(a.request_timeout))
         router = Router(name, Proc(name, cmd, log_path), f"http://127.0.0.1:{port}")
         await router.proc.start()
         try:
