@@ -115,7 +115,10 @@ class VllmFleet:
         self.nats.start()
         specs = self.specs or [WorkerSpec(launcher=self.nats_plane() if i % 2 else []) for i in range(n)]
         n = len(specs)
-        for port, policy in ((self.port, ["--router-policy", "round-robin"]),
+        # The round-robin replica also migrates streams (exactly, from vLLM's token ids) off a
+        # worker that stalls for 10 s mid-stream (HTTP and NATS idle timeouts).
+        migration = ["--migration-limit", "2", "--request-idle-timeout", "10", "--nats-req-idle-timeout", "10"]
+        for port, policy in ((self.port, ["--router-policy", "round-robin", *migration]),
                              (self.kv_port, ["--router-policy", "kv-aware", "--router-tokenizer-path", str(self.model)])):
             log = open(self.tmp / f"server-{port}.log", "wb")
             self.servers.append(subprocess.Popen([sys.executable, "-m", "infera.server", "--host", "127.0.0.1",
