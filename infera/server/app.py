@@ -46,6 +46,8 @@ class ServerState:
     tokenizers: Any = None  # RouterTokenizers under the kv-aware policy
     admin_token: str | None = None  # --admin-token: /v1/admin/* needs it as a Bearer token; None: they are off
     allow_client_kv_transfer_params: bool = False  # --allow-client-kv-transfer-params
+    process: dict | None = None  # a --workers N child: which one answers /health (index, count, pid, restarts)
+    metrics_gather: Any = None  # a --workers N child: ProcessMetrics, /metrics of every process
 
 
 STATE_KEY = web.AppKey("state", ServerState)
@@ -218,12 +220,16 @@ async def _health(request: web.Request) -> web.Response:
         body["nats"] = "connected" if state.nats.connected else "disconnected"
     if state.tokenizers is not None:  # still "ok": a degraded model is served, routed by load
         body["kv_routing"] = state.tokenizers.health()
+    if state.process is not None:  # one of a --workers N server's processes: which one answered
+        body["process"] = state.process
     return web.Response(body=_json.encode(body), content_type="application/json")
 
 
 async def _metrics(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE_KEY]
-    return web.Response(body=state.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+    # a --workers N child answers for every process (each series labelled process="<i>")
+    body = await state.metrics_gather.render() if state.metrics_gather is not None else state.metrics.render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
 async def _cache_view(request: web.Request) -> web.Response:

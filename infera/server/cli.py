@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 from typing import Mapping, Sequence
 
 from infera.config import (add_flag, add_plane_flags, choice_of, non_negative_float, non_negative_int, port_number,
@@ -15,6 +17,61 @@ DEFAULT_KV_OVERLAP_WEIGHT = 16.0
 DEFAULT_REQUEST_FIRST_BYTE_TIMEOUT = 300.0
 DEFAULT_REQUEST_IDLE_TIMEOUT = 120.0
 DEFAULT_MAX_UPSTREAM_REPLY_BYTES = 64 * 1024 * 1024
+MAX_SERVER_WORKERS = 1024  # a typo (10000) must not fork a process per unit
+
+
+def default_server_workers(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int:
+    """One server process per core this process may run on: its CPU affinity (as taskset or a
+    cpuset leaves it; not the machine's count), capped by a cgroup CPU quota (a container limited
+    to 2 CPUs on a 64-core node sees 64 cores in its affinity, and would fork 64 processes)."""
+    try:
+        cores = max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no sched_getaffinity (macOS)
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpu_quota(cgroup_root, proc_cgroup)
+    return max(1, min(cores, math.ceil(quota))) if quota else cores
+
+
+def cgroup_cpu_quota(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> float | None:
+    """CPUs this process's cgroup quota allows (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` /
+    ``cpu.cfs_period_us``); None without a quota or where it cannot be read."""
+    v2_path, v1_path = "/", "/"
+    try:
+        with open(proc_cgroup) as f:
+            for line in f:
+                hid, controllers, path = line.rstrip("\n").split(":", 2)
+                if hid == "0" and not controllers:
+                    v2_path = path
+                elif "cpu" in controllers.split(","):
+                    v1_path = path
+    except (OSError, ValueError):
+        pass
+    # v2: the process's own cgroup, else the root of the (container's) hierarchy
+    for folder in (os.path.join(root, v2_path.lstrip("/")), root):
+        try:
+            with open(os.path.join(folder, "cpu.max")) as f:
+                quota, period = f.read().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        except (OSError, ValueError):
+            continue
+    for mount in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+        for folder in (os.path.join(root, mount, v1_path.lstrip("/")), os.path.join(root, mount)):
+            try:
+                with open(os.path.join(folder, "cpu.cfs_quota_us")) as f:
+                    quota_us = int(f.read())
+                with open(os.path.join(folder, "cpu.cfs_period_us")) as f:
+                    period_us = int(f.read())
+            except (OSError, ValueError):
+                continue
+            return quota_us / period_us if quota_us > 0 and period_us > 0 else None
+    return None
+
+
+def server_workers(value: str) -> int:
+    n = int(value)
+    if not 1 <= n <= MAX_SERVER_WORKERS:
+        raise argparse.ArgumentTypeError(f"must be between 1 and {MAX_SERVER_WORKERS}: {value!r}")
+    return n
 
 
 def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
@@ -23,12 +80,18 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     f = lambda *a, **k: add_flag(p, *a, environ=environ, **k)  # noqa: E731
     f("--host", env="INFERA_HOST", default="0.0.0.0", help="bind address")
     f("--port", env="INFERA_PORT", default=8000, type=port_number, help="bind port (0: any free port)")
+    f("--workers", env="INFERA_SERVER_WORKERS", default=None, type=server_workers,
+      help="server processes sharing the port (SO_REUSEPORT), each a full replica fed by the engines' events; "
+           "1: a single process (default: one per core this process may use: its CPU affinity, capped by a "
+           "cgroup CPU quota)")
     add_plane_flags(p, environ)
     f("--k8s-label-selector", env="INFERA_K8S_LABEL_SELECTOR", default=None,
       help="kubernetes discovery: label selector of the worker Pods (required there)")
-    f("--replica-sync", env="INFERA_REPLICA_SYNC", default=None, type=choice_of("nats", "off"),
-      help="kv-aware: share in-flight requests and just-served prefixes with the other server replicas over "
-           "NATS, so replicas route as one (default: nats when this server uses NATS, else off)")
+    f("--replica-sync", env="INFERA_REPLICA_SYNC", default=None, type=choice_of("nats", "local", "off"),
+      help="kv-aware: share in-flight requests and just-served prefixes with the other server replicas, so "
+           "replicas route as one; nats: over NATS, with every replica; local: among this server's --workers "
+           "processes only, no broker (default: nats when this server uses NATS, else local with --workers > 1, "
+           "else off)")
     f("--router-mode", env="INFERA_ROUTER_MODE", default="auto", type=choice_of("auto", "direct"),
       help="auto: the router picks; direct: honour the x-worker-instance-id header")
     f("--router-policy", env="INFERA_ROUTER_POLICY", default="kv-aware", type=choice_of("kv-aware", "round-robin"),
@@ -113,8 +176,16 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
     if args.discovery_backend == "kubernetes" and not args.k8s_label_selector:
         parser.error("--k8s-label-selector (or INFERA_K8S_LABEL_SELECTOR) is required with --discovery-backend "
                      "kubernetes: it names the worker Pods to route to")
+    if args.workers is None:
+        args.workers = default_server_workers()
     if args.replica_sync is None:
-        args.replica_sync = "nats" if "nats" in (args.request_transport, args.kv_event_transport) else "off"
+        if "nats" in (args.request_transport, args.kv_event_transport):
+            args.replica_sync = "nats"
+        else:
+            args.replica_sync = "local" if args.workers > 1 else "off"
+    elif args.replica_sync == "local" and args.workers == 1:
+        parser.error("--replica-sync local shares among the processes of one server: it needs --workers > 1 "
+                     "(or INFERA_SERVER_WORKERS); use nats to share with other server replicas")
     if args.breaker_max_cooldown_s < args.breaker_cooldown_s:
         parser.error(f"--breaker-max-cooldown-s ({args.breaker_max_cooldown_s:g}) must be >= --breaker-cooldown-s "
                      f"({args.breaker_cooldown_s:g})")

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import sys
 from typing import Sequence
 
 from aiohttp import web
@@ -24,7 +26,8 @@ from infera.runtime import install_event_loop, wait_for_shutdown_signal
 from infera.server.cli import parse_args
 from infera.server.kv import KvEventsBridge
 from infera.server.tokenizers import RouterTokenizers
-from infera.server.metrics import NatsMetrics, ServerMetrics, drop_worker_keys
+from infera.server.metrics import NatsMetrics, ProcessMetrics, ReplicaSyncMetrics, ServerMetrics, drop_worker_keys
+from infera.server.supervisor import ChildContext, Supervisor
 from infera.transport.http import HttpTransport
 from infera.transport.nats_conn import NatsConnection
 from infera.transport.nats_request import NatsRequestClient
@@ -32,12 +35,21 @@ from infera.transport.request import RequestTransports
 
 log = logging.getLogger("infera.server")
 
+CHILD_REGISTRY_WAIT_S = 10.0
+CHILD_SYNC_WAIT_S = 5.0
+
 
 class InferaServer:
-    """One server replica. Tests build it in-process; ``main`` runs it from the CLI."""
+    """One server replica. Tests build it in-process; ``main`` runs it from the CLI, or one per
+    child of a ``--workers N`` supervisor (``process``: its place among them)."""
 
-    def __init__(self, args: argparse.Namespace, discovery: Discovery | None = None) -> None:
+    def __init__(self, args: argparse.Namespace, discovery: Discovery | None = None,
+                 process: ChildContext | None = None) -> None:
+        if args.replica_sync == "local" and process is None:
+            # A server built in-process is one process: there are no siblings to share with.
+            args = argparse.Namespace(**{**vars(args), "replica_sync": "off"})
         self.args = args
+        self.process = process
         # A worker this server cannot reach (NATS-only, no NATS here) stays listed but never routed.
         self.fleet = Fleet(unroutable=lambda record: self.transport.unreachable_reason(record))
         self.discovery = discovery or make_discovery(args.discovery_backend, etcd_endpoint=args.etcd_endpoint,
@@ -65,13 +77,20 @@ class InferaServer:
         self.kv: KvEventsBridge | None = None
         self.tokenizers: RouterTokenizers | None = None  # kv-aware only
         usage_observer = None
-        self.replica_sync = None  # NatsReplicaSync: kv-aware replicas share what only each one knows
+        self.replica_sync = None  # a ReplicaSync: kv-aware replicas share what only each one knows
         if args.router_policy == "kv-aware":
+            replica_id = (process.replica_id or None) if process is not None else None
             if args.replica_sync == "nats":
                 from infera.transport.replica_sync_nats import NatsReplicaSync
 
                 assert self.nats is not None
-                self.replica_sync = NatsReplicaSync(self.nats)
+                self.replica_sync = NatsReplicaSync(self.nats, replica_id=replica_id)
+            elif args.replica_sync == "local":
+                from infera.transport.replica_sync_local import LocalReplicaSync
+
+                assert process is not None
+                self.replica_sync = LocalReplicaSync(process.runtime_dir, process.index, process.count,
+                                                     replica_id=replica_id)
             index = KvIndex()
             self.kv = KvEventsBridge(self.fleet, index, nats=self.nats if args.kv_event_transport == "nats" else None)
             self.metrics.registry.register(self.kv)
@@ -98,7 +117,15 @@ class InferaServer:
                               breaker=self.breaker)
         self.router = AutoRouter(self.fleet, mixed, disagg, direct=direct)
         if self.nats is not None:
-            self.metrics.registry.register(NatsMetrics(self.nats, nats_requests, self.replica_sync))
+            self.metrics.registry.register(NatsMetrics(self.nats, nats_requests))
+        if self.replica_sync is not None:
+            self.metrics.registry.register(ReplicaSyncMetrics(self.replica_sync))
+        # One /metrics for all the processes of a --workers N server, gathered over a private channel.
+        self.process_metrics: ProcessMetrics | None = None
+        if process is not None:
+            self.process_metrics = ProcessMetrics(self.metrics.registry, index=process.index, count=process.count,
+                                                  socket_path=process.metrics_socket, restarts=process.generation)
+            self.metrics.registry.register(self.process_metrics)
         self._workers: dict[str, WorkerRecord] = {}
         self.fleet.subscribe(self._on_fleet_change)
         self._runner: web.AppRunner | None = None
@@ -127,26 +154,56 @@ class InferaServer:
         if self.replica_sync is not None:
             await self.replica_sync.start()
         await self.discovery.start(self.fleet)  # returns at once; converges in the background
+        if self.process_metrics is not None:
+            await self.process_metrics.start()
+        if self.process is not None:
+            await self._wait_for_registry()
+            wait_siblings = getattr(self.replica_sync, "wait_siblings", None)
+            if wait_siblings is not None and not await wait_siblings(CHILD_SYNC_WAIT_S):
+                log.warning("replica sync: not connected to every sibling after %.0f s: listening anyway",
+                            CHILD_SYNC_WAIT_S)
         app = build_app(ServerState(self.fleet, self.router, self.metrics, self.args.max_request_bytes, kv=self.kv,
                                     nats=self.nats, tokenizers=self.tokenizers,
                                     admin_token=self.args.admin_token,
-                                    allow_client_kv_transfer_params=self.args.allow_client_kv_transfer_params))
+                                    allow_client_kv_transfer_params=self.args.allow_client_kv_transfer_params,
+                                    process=self.process.info() if self.process is not None else None,
+                                    metrics_gather=self.process_metrics))
         # handler_cancellation: a client that disconnects cancels its handler, which closes the
         # upstream connection, which makes the engine abort the request and free its slot.
         self._runner = web.AppRunner(app, handler_cancellation=True,
                                      access_log=logging.getLogger("infera.access") if self.args.access_log else None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.args.host, self.args.port, backlog=2048, reuse_address=True)
+        # The children of a --workers N server share the port: the kernel spreads connections over them.
+        site = web.TCPSite(self._runner, self.args.host, self.args.port, backlog=2048, reuse_address=True,
+                           reuse_port=self.process is not None)
         await site.start()
         server = site._server  # bound socket: the real port when --port 0 was asked for
         self.port = server.sockets[0].getsockname()[1] if server and server.sockets else self.args.port
-        log.info("infera server listening on %s:%s (discovery=%s, policy=%s, mode=%s)", self.args.host, self.port,
-                 self.args.discovery_backend, self.args.router_policy, self.args.router_mode)
+        if self.process is not None:
+            log.info("server process %d/%d listening on %s:%s (pid %d)", self.process.index, self.process.count,
+                     self.args.host, self.port, os.getpid())
+        else:
+            log.info("infera server listening on %s:%s (discovery=%s, policy=%s, mode=%s)", self.args.host,
+                     self.port, self.args.discovery_backend, self.args.router_policy, self.args.router_mode)
+
+    async def _wait_for_registry(self, timeout: float = CHILD_REGISTRY_WAIT_S) -> None:
+        """A child of a --workers N server takes its share of the port's connections the moment it
+        listens: it first lists the registry (bounded), so that a child restarted under load does
+        not answer 503 for a fleet its siblings serve."""
+        ready = getattr(self.discovery, "ready", None)
+        if ready is None:
+            return
+        try:
+            await asyncio.wait_for(ready.wait(), timeout)
+        except asyncio.TimeoutError:
+            log.warning("the worker registry did not answer in %.0f s: listening anyway", timeout)
 
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self.process_metrics is not None:
+            await self.process_metrics.stop()
         await self.router.close()
         await self.discovery.stop()
         if self.replica_sync is not None:
@@ -160,18 +217,32 @@ class InferaServer:
             await self.nats.close()
 
 
-async def serve(args: argparse.Namespace) -> None:
-    server = InferaServer(args)
+async def serve(args: argparse.Namespace, process: ChildContext | None = None) -> None:
+    server = InferaServer(args, process=process)
     await server.start()
+    if process is not None:
+        process.notify_ready()
     try:
         await wait_for_shutdown_signal()
     finally:
         log.info("shutting down")
         await server.stop()
+        if process is not None:
+            process.leave()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    child = ChildContext.take(os.environ)  # set by a --workers N supervisor: this is one of its processes
+    where = f" [{child.index}]" if child is not None else ""
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s %(name)s{where}: %(message)s")
     install_event_loop()
-    asyncio.run(serve(args))
+    if child is not None:
+        args.port = child.port  # the one port every child binds (--port 0 resolved by the supervisor)
+        asyncio.run(serve(args, child))
+    elif args.workers > 1:
+        sys.exit(asyncio.run(Supervisor(args, argv).run()))
+    else:
+        asyncio.run(serve(args))

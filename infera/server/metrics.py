@@ -7,12 +7,17 @@ measurable share of the router's CPU under load.)
 """
 from __future__ import annotations
 
+import asyncio
+import os
 from bisect import bisect_left
 from collections import OrderedDict
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
+import aiohttp
+from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from infera.discovery.fleet import Fleet
 from infera.discovery.record import WorkerRecord
@@ -247,17 +252,19 @@ _SYNC_GAUGES = {"peers": "Other server replicas heard from", "remote_in_flight":
 _SYNC_COUNTERS = {"messages_sent": "Messages published", "messages_received": "Messages received",
                   "bytes_sent": "Bytes published", "deltas_dropped": "Deltas not shared (NATS down or outbox full)",
                   "gaps": "Sequence gaps in other replicas' messages (full state asked for)",
+                  "remote_started": "Other replicas' requests heard of (started)",
+                  "remote_finished": "Other replicas' requests heard finishing",
                   "remote_expired": "Other replicas' requests dropped without a finish (heartbeat or timeout)"}
 
 
 class NatsMetrics:
-    """The NATS plane seen from this server: the broker connection, requests over NATS, and the
-    replica sync."""
+    """The NATS plane seen from this server: the broker connection, requests over NATS, and (when
+    given) the replica sync."""
 
     def __init__(self, connection: Any, requests: Any = None, replica_sync: Any = None) -> None:
         self.connection = connection  # infera.transport.nats_conn.NatsConnection
         self.requests = requests  # infera.transport.nats_request.NatsRequestClient, if any
-        self.replica_sync = replica_sync  # infera.transport.replica_sync_nats.NatsReplicaSync, if any
+        self.replica_sync = ReplicaSyncMetrics(replica_sync) if replica_sync is not None else None
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("infera_nats_connected", "1 while this server is connected to NATS",
@@ -270,8 +277,143 @@ class NatsMetrics:
             yield CounterMetricFamily("infera_nats_cancels", "Cancels published for requests left unfinished "
                                       "(client gone, timeout, failure)", value=self.requests.cancels_sent)
         if self.replica_sync is not None:
-            stats = self.replica_sync.stats()
-            for key, doc in _SYNC_GAUGES.items():
-                yield GaugeMetricFamily(f"infera_replica_sync_{key}", doc, value=stats.get(key, 0))
-            for key, doc in _SYNC_COUNTERS.items():
-                yield CounterMetricFamily(f"infera_replica_sync_{key}", doc, value=stats.get(key, 0))
+            yield from self.replica_sync.collect()
+
+
+class ReplicaSyncMetrics:
+    """The replica sync, whatever its transport (infera.transport.replica_sync.ReplicaSync)."""
+
+    def __init__(self, replica_sync: Any) -> None:
+        self.replica_sync = replica_sync
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.replica_sync.stats()
+        for key, doc in _SYNC_GAUGES.items():
+            yield GaugeMetricFamily(f"infera_replica_sync_{key}", doc, value=stats.get(key, 0))
+        for key, doc in _SYNC_COUNTERS.items():
+            yield CounterMetricFamily(f"infera_replica_sync_{key}", doc, value=stats.get(key, 0))
+
+
+# -- one /metrics for the processes of one server (--workers N) -------------------------------------
+
+GATHER_TIMEOUT_S = 1.0  # longest wait for a sibling's series; a scrape is never held longer
+PROCESS_LABEL = "process"
+
+
+class _Families:
+    """A collector over ready-made families (generate_latest takes anything with collect())."""
+
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families
+
+
+def merge_process_families(parts: Iterable[tuple[str, Iterable[Metric]]]) -> bytes:
+    """One exposition of every process's families: each sample labelled ``process="<index>"``,
+    the samples of a family from every process under one HELP/TYPE."""
+    merged: dict[str, Metric] = {}
+    for process, families in parts:
+        for fam in families:
+            out = merged.get(fam.name)
+            if out is None:
+                out = merged[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            out.samples.extend(s._replace(labels={**s.labels, PROCESS_LABEL: process}) for s in fam.samples)
+    return generate_latest(_Families(merged.values()))  # type: ignore[arg-type]
+
+
+class ProcessMetrics:
+    """``/metrics`` of one child of a ``--workers N`` server: its own series and its siblings',
+    each labelled ``process="<i>"``.
+
+    Per process, not summed: most of the series are per-process views that do not add up (the
+    fleet each process sees, breaker states, KV views, NATS connections, replica peers), and a sum
+    would hide a process that lags or is stuck; counters add up in PromQL
+    (``sum without (process) (...)``). Each child serves its raw series on a Unix socket in the
+    server's private runtime folder; a scrape asks every sibling at once, waits at most
+    ``timeout_s``, and skips (and counts, ``infera_server_metrics_siblings_skipped_total``) one
+    that does not answer: restarting, stopped, or too busy."""
+
+    def __init__(self, registry: CollectorRegistry, *, index: int, count: int, socket_path: Callable[[int], str],
+                 restarts: int = 0, timeout_s: float = GATHER_TIMEOUT_S) -> None:
+        self.registry = registry
+        self.index = index
+        self.count = count
+        self.socket_path = socket_path
+        self.restarts = restarts
+        self.timeout_s = timeout_s
+        self.skipped: dict[int, int] = {}
+        self.gathers = 0
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", self._own)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        path = self.socket_path(self.index)
+        try:
+            os.unlink(path)  # left by the process this one replaces
+        except FileNotFoundError:
+            pass
+        await web.UnixSite(self._runner, path).start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+            try:
+                os.unlink(self.socket_path(self.index))
+            except OSError:
+                pass
+
+    async def _own(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry), content_type="text/plain")
+
+    async def _sibling(self, index: int) -> str | None:
+        # A fresh connection each time: a sibling may have been restarted since the last scrape.
+        try:
+            async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=self.socket_path(index)),
+                                             timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as session:
+                async with session.get("http://localhost/metrics") as resp:
+                    if resp.status == 200:
+                        return await resp.text()
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            pass
+        return None
+
+    async def render(self) -> bytes:
+        siblings = [i for i in range(self.count) if i != self.index]
+        texts = await asyncio.gather(*(self._sibling(i) for i in siblings))
+        self.gathers += 1
+        answered = []
+        for i, text in zip(siblings, texts):
+            if text is None:
+                self.skipped[i] = self.skipped.get(i, 0) + 1
+            else:
+                answered.append((str(i), text))
+        own = list(self.registry.collect())  # on the loop (the collectors read live state); after the skips
+        # Parsing the siblings' text is the big part with a large fleet: in a thread, so the loop
+        # keeps its turns (the GIL is handed back every few ms).
+        return await asyncio.to_thread(self._merge, own, answered)
+
+    def _merge(self, own: list[Metric], answered: list[tuple[str, str]]) -> bytes:
+        parts: list[tuple[str, Iterable[Metric]]] = [(str(self.index), own)]
+        for process, text in answered:
+            try:
+                parts.append((process, list(text_string_to_metric_families(text))))
+            except ValueError:  # not exposition text: counted as not answered (next scrape)
+                i = int(process)
+                self.skipped[i] = self.skipped.get(i, 0) + 1
+        return merge_process_families(parts)
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("infera_server_processes", "Processes of this server (--workers)", value=self.count)
+        yield CounterMetricFamily("infera_server_process_restarts", "Times this process's slot was restarted "
+                                  "after its process died", value=self.restarts)
+        fam = CounterMetricFamily("infera_server_metrics_siblings_skipped", "Scrapes of this process that left a "
+                                  "sibling's series out (it did not answer in time)", labels=["sibling"])
+        for i, n in sorted(self.skipped.items()):
+            fam.add_metric([str(i)], n)
+        yield fam
