@@ -401,7 +401,7 @@ class Bench:
         if name == "round-robin" or name in KV_ROUTERS:
             policy = "kv-aware" if name in KV_ROUTERS else name
             synced = name == "kv-aware" and a.router_replicas > 1
-            cmd = [sys.executable, "-m", "infera.server", "--host", "127.0.0.1", "--port", str(port),
+            cmd = [sys.executable, "-m", "infera.server", "--workers", "1", "--host", "127.0.0.1", "--port", str(port),
                    "--etcd-endpoint", self.fleet.etcd.url, "--router-policy", policy, "--admin-token", ADMIN_TOKEN,
                    # info: a synced replica logs its sync counters when it stops (read back below)
                    "--log-level", "info" if synced else "warning"]

@@ -134,7 +134,7 @@ class Fleet:
         await self.etcd.start()
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
-        cmd = [py, "-m", "infera.server", "--host", "127.0.0.1", "--port", str(port), "--etcd-endpoint",
+        cmd = [py, "-m", "infera.server", "--workers", "1", "--host", "127.0.0.1", "--port", str(port), "--etcd-endpoint",
                self.etcd.url, "--router-policy", "kv-aware", "--log-level", "warning"]
         if a.router_tokenizer_path:
             cmd += ["--router-tokenizer-path", a.router_tokenizer_path]

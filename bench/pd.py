@@ -185,7 +185,7 @@ class PdRig(Bench):
 
     def server_command(self, port: int) -> list[str]:
         # Both fleets share this server, so they share its flags by construction.
-        return [sys.executable, "-m", "infera.server", "--host", "127.0.0.1", "--port", str(port),
+        return [sys.executable, "-m", "infera.server", "--workers", "1", "--host", "127.0.0.1", "--port", str(port),
                 "--etcd-endpoint", self.etcd.url, "--router-policy", "round-robin", "--log-level", "warning"]
 
     async def start(self) -> None:

@@ -420,7 +420,7 @@ class Bench:
         return extra
 
     def _server_proc(self, plane: Plane, policy: str, port: int, name: str) -> Proc:
-        cmd = [sys.executable, "-m", "infera.server", "--host", "127.0.0.1", "--port", str(port),
+        cmd = [sys.executable, "-m", "infera.server", "--workers", "1", "--host", "127.0.0.1", "--port", str(port),
                "--etcd-endpoint", self.etcd.url, "--router-policy", policy, "--log-level", "warning",
                *self._plane_flags(plane)]
         if policy == "kv-aware":  # one replica: nothing to sync; the token lets us see its views catch up

@@ -272,7 +272,7 @@ class Soak:
         self.etcd = EmbeddedEtcd(unsafe_no_fsync=True)
         await self.etcd.start()
         self.server_port = _free_port()
-        self.server = Proc("server", [py, "-m", "infera.server", "--host", "127.0.0.1", "--port", str(self.server_port),
+        self.server = Proc("server", [py, "-m", "infera.server", "--workers", "1", "--host", "127.0.0.1", "--port", str(self.server_port),
                                       "--etcd-endpoint", self.etcd.url, "--router-policy", a.router_policy,
                                       "--log-level", "warning", *a.server_arg],
                            os.path.join(self.logs_dir, "server.log"))

@@ -121,7 +121,7 @@ class VllmFleet:
         for port, policy in ((self.port, ["--router-policy", "round-robin", *migration]),
                              (self.kv_port, ["--router-policy", "kv-aware", "--router-tokenizer-path", str(self.model)])):
             log = open(self.tmp / f"server-{port}.log", "wb")
-            self.servers.append(subprocess.Popen([sys.executable, "-m", "infera.server", "--host", "127.0.0.1",
+            self.servers.append(subprocess.Popen([sys.executable, "-m", "infera.server", "--workers", "1", "--host", "127.0.0.1",
                                                   "--port", str(port), "--etcd-endpoint", self.etcd.endpoint,
                                                   *self.nats_plane(), *policy, "--admin-token", ADMIN_TOKEN],
                                                  stdout=log, stderr=subprocess.STDOUT))
