@@ -28,6 +28,7 @@ import struct
 import sys
 import time
 from array import array
+from itertools import islice
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
@@ -167,6 +168,17 @@ class KvIndex:
 
     def __iter__(self) -> Iterator[str]:
         return iter(list(self._targets))
+
+    def first_unheld(self, hashes: Sequence[int], start: int = 0) -> int:
+        """The position of the first of ``hashes[start:]`` that no target's view holds (``len``
+        when all are held)."""
+        holders = self._holders
+        i = start
+        for h in islice(hashes, start, None):
+            if h not in holders:
+                return i
+            i += 1
+        return i
 
     def holds(self, key: str, router_hash: int) -> bool:
         t = self._targets.get(key)

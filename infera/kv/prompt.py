@@ -24,7 +24,14 @@ numbers in bench/README.md, ``loop_stall.py``):
   slices (``iter_encode``): p99 ~13 ms, and no thread.
 
 Caches (whole prompts, and chat segments between special tokens) share one LRU bounded in bytes
-(token ids stored as 4-byte arrays), so memory stays flat whatever the prompts' sizes.
+(token ids stored as 4-byte arrays), so memory stays flat whatever the prompts' sizes. Piecewise
+encoding is checked against whole-prompt encoding on a sample, except for a tokenizer that is exact
+by construction (the built-in one: ``exact_segments``).
+
+With a ``horizon`` (the kv-aware router's, ``token_ids``), a chat prompt is tokenized only as far
+as its blocks could match some worker's cache: pieces in order, a new piece's first words first,
+stopping at the first block no worker holds. A new document or a new turn then costs a block's
+worth of tokens, not its length (bench/kv_path.py, "rag").
 """
 from __future__ import annotations
 
@@ -34,10 +41,11 @@ import os
 import re
 import sys
 import threading
+import time
 from array import array
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Generator, Sequence, TypeVar
+from typing import Any, Callable, Generator, Sequence, TypeVar
 
 import msgspec
 import xxhash
@@ -49,6 +57,10 @@ log = logging.getLogger(__name__)
 # Above this many characters (of the request's messages as JSON, or of a text prompt) tokenization
 # moves off the loop (threads) or is sliced (on the loop); below it that costs more than it saves.
 _THREAD_THRESHOLD_CHARS = 4096
+# Pieces remembered as probed (see _pieces_steps): 16-byte keys, ~1.6 MB at most.
+_PROBED_CAP = 8192
+# On the loop, steps run back to back for up to this long before the loop gets a turn.
+_LOOP_TURN_S = 0.001
 # The longest rendered-prompt prefix tokenized for routing (``--router-prefix-chars``): 512 KiB is
 # ~128k tokens of ordinary text, the context of most long-context models, so no prompt an engine
 # accepts loses routing precision in practice, while a multi-MB prompt costs at most this.
@@ -178,6 +190,10 @@ class PromptTokenizer:
                                     + ")") if separators else None
         self.segment_hits = 0
         self._chat_prompts = 0
+        self.horizon_cuts = 0  # chat prompts whose encoding stopped at the horizon (see token_ids)
+        self.horizon_chars_skipped = 0  # characters of those prompts never encoded
+        self._chars_per_token = 4.0
+        self._probed: OrderedDict[bytes, None] = OrderedDict()  # pieces whose first words were probed
         self.threads = threads
         self._executor: ThreadPoolExecutor | None = None
         if tokenizer.releases_gil:
@@ -239,24 +255,55 @@ class PromptTokenizer:
             out.append(ids)
         return out
 
-    def _pieces_steps(self, text: str, stepwise: bool) -> Steps[array]:
-        """``text`` encoded piece by piece between special tokens, each piece cached."""
+    def _pieces_steps(self, text: str, stepwise: bool, horizon: Any = None) -> Steps[array]:
+        """``text`` encoded piece by piece between special tokens, each piece cached. With a
+        ``horizon`` (see ``token_ids``), the pieces are taken in order and encoding stops where it
+        says nothing further can matter."""
         assert self._splitter is not None
         pieces = [p for p in self._splitter.split(text) if p]
         keys = [xxhash.xxh3_128_digest(p.encode("utf-8", "surrogatepass")) + b"s" for p in pieces]
         found = [self.cache.get(k) for k in keys]
         missing = [i for i, ids in enumerate(found) if ids is None]
-        if missing:
-            encoded = yield from self._encode_steps([pieces[i] for i in missing], False, stepwise)
-            for i, arr in zip(missing, encoded):
-                found[i] = arr
-                self.cache.put(keys[i], arr)
         self.segment_hits += len(pieces) - len(missing)
         out = array(_U32)
-        for ids in found:
-            out.extend(ids)
+        if missing and horizon is not None:
+            done = chars = 0  # pieces appended to out, and their characters
+            for i in missing:
+                for j in range(done, i):
+                    out.extend(found[j])
+                    chars += len(pieces[j])
+                done = i
+                if horizon.reached(out):
+                    return self._stopped(horizon, out, chars, len(text))
+                probe = None
+                if keys[i] not in self._probed:
+                    probe = yield from self._probe_steps(pieces[i], len(out), horizon, stepwise)
+                if probe is not None:
+                    ids, probe_chars = probe
+                    if horizon.reached(out + ids):
+                        # Probed once: a conversation's new turn ends here now, and next turn it is
+                        # history that some worker holds, encoded whole without a second probe.
+                        self._probed[keys[i]] = None
+                        if len(self._probed) > _PROBED_CAP:
+                            self._probed.popitem(last=False)
+                        return self._stopped(horizon, out + ids, chars + probe_chars, len(text))
+                arr = (yield from self._encode_steps([pieces[i]], False, stepwise))[0]
+                self._learn(len(pieces[i]), len(arr))
+                found[i] = arr
+                self.cache.put(keys[i], arr)
+            for j in range(done, len(pieces)):
+                out.extend(found[j])
+        else:
+            if missing:
+                encoded = yield from self._encode_steps([pieces[i] for i in missing], False, stepwise)
+                for i, arr in zip(missing, encoded):
+                    found[i] = arr
+                    self.cache.put(keys[i], arr)
+            for ids in found:
+                out.extend(ids)
         self._chat_prompts += 1
-        if self._chat_prompts <= _VERIFY_FIRST or self._chat_prompts % _VERIFY_EVERY == 0:
+        if not self.tokenizer.exact_segments and (
+                self._chat_prompts <= _VERIFY_FIRST or self._chat_prompts % _VERIFY_EVERY == 0):
             whole = (yield from self._encode_steps([text], False, stepwise))[0]
             if whole != out:
                 log.info("piecewise tokenization differs from whole-prompt tokenization for this tokenizer; "
@@ -265,7 +312,33 @@ class PromptTokenizer:
                 return whole
         return out
 
-    def _text_steps(self, text: str, add_special_tokens: bool, piecewise: bool, stepwise: bool) -> Steps[array]:
+    def _probe_steps(self, piece: str, n_ids: int, horizon: Any, stepwise: bool) -> Steps[tuple[array, int] | None]:
+        """The ids of a prefix of ``piece`` long enough to complete the next block after ``n_ids``
+        tokens, and the characters they cover; None when the piece is short enough to encode whole.
+        Cut at a word boundary and minus the last few ids, so they are the whole piece's first ids."""
+        need = horizon.needed(n_ids) + _CUT_TAIL_TOKENS + 2
+        limit = int(need * self._chars_per_token * 1.25) + 8
+        if 3 * limit >= len(piece):  # the probe would cost a third of the piece: encode it whole
+            return None
+        cut = prefix_cut(piece, limit, self._separators)
+        if cut == 0:
+            return None
+        ids = (yield from self._encode_steps([piece[:cut]], False, stepwise))[0]
+        return ids[:max(0, len(ids) - _CUT_TAIL_TOKENS)], cut
+
+    def _learn(self, chars: int, tokens: int) -> None:
+        """Characters per token, as encoded lately (sizes the horizon's probes)."""
+        if tokens:
+            self._chars_per_token += 0.1 * (chars / tokens - self._chars_per_token)
+
+    def _stopped(self, horizon: Any, ids: array, chars: int, total_chars: int) -> array:
+        self.horizon_cuts += 1
+        self.horizon_chars_skipped += max(0, total_chars - chars)
+        horizon.stop(len(ids), chars, total_chars)
+        return ids
+
+    def _text_steps(self, text: str, add_special_tokens: bool, piecewise: bool, stepwise: bool,
+                    horizon: Any = None) -> Steps[array]:
         """Token ids of ``text``, or of its first ``prefix_chars`` chars cut at a safe boundary
         (then minus the last few ids, and an odd count: see ``_cut_ids``)."""
         cut = prefix_cut(text, self.prefix_chars, self._separators)
@@ -274,51 +347,64 @@ class PromptTokenizer:
             self.truncated += 1
             text = text[:cut]
         if piecewise and self._splitter is not None:
-            ids = yield from self._pieces_steps(text, stepwise)
+            ids = yield from self._pieces_steps(text, stepwise, horizon)
         else:
             ids = (yield from self._encode_steps([text], add_special_tokens, stepwise))[0]
         return _cut_ids(ids) if capped else ids
 
-    def _compute_steps(self, work: Any, stepwise: bool = False) -> Steps[array]:
+    def _compute_steps(self, work: Any, stepwise: bool = False, horizon: Any = None) -> Steps[array]:
         kind, value = work
         if kind == "chat":
             messages = [{"role": m.role, "content": m.content if m.content is not None else ""} for m in value]
             text = self.tokenizer.render_chat(normalize_messages(messages))
-            return (yield from self._text_steps(text, False, True, stepwise))
+            return (yield from self._text_steps(text, False, True, stepwise, horizon))
         if kind == "text":
             return (yield from self._text_steps(value, True, False, stepwise))
         if kind == "ids":
             return _ids_array(value[: self.prefix_chars])  # exact: no boundary to worry about
         return array(_U32)
 
-    def _compute(self, work: Any) -> array:
+    def _compute(self, work: Any, horizon: Any = None) -> array:
         """All steps at once (inline for a small prompt, or in a tokenizer thread)."""
-        steps = self._compute_steps(work)
+        steps = self._compute_steps(work, False, horizon)
         while True:
             try:
                 next(steps)
             except StopIteration as done:
                 return done.value
 
-    async def _compute_on_loop(self, work: Any) -> array:
-        """A step at a time, letting the loop run between steps (~1 ms each)."""
-        steps = self._compute_steps(work, stepwise=True)
+    async def _compute_on_loop(self, work: Any, horizon: Any = None) -> array:
+        """A step at a time (~1 ms each at most), letting the loop run once a turn's worth of time
+        has gone: a chat whose pieces are mostly cached costs no loop turn at all."""
+        steps = self._compute_steps(work, True, horizon)
+        clock = time.perf_counter
+        turn_ends = clock() + _LOOP_TURN_S
         while True:
             try:
                 next(steps)
             except StopIteration as done:
                 return done.value
-            await asyncio.sleep(0)
+            if clock() >= turn_ends:
+                await asyncio.sleep(0)
+                turn_ends = clock() + _LOOP_TURN_S
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="infera-tokenize")
         return self._executor
 
-    async def token_ids(self, route: str, parsed: Any) -> array:
+    async def token_ids(self, route: str, parsed: Any, horizon: Callable[[], Any] | None = None) -> array:
         """Token ids of the request's prompt (its routing prefix) as an array, shared with the
         cache: do not modify it. Empty when it cannot be tokenized (routing then degrades to
-        load only, never an error)."""
+        load only, never an error).
+
+        ``horizon``: for a chat prompt with pieces not cached yet, called once for an object that
+        says where further tokens cannot matter (the router's ``Horizon``): ``reached(ids)``, True
+        when every block that could match any worker's cache lies within ``ids``; ``needed(n)``,
+        the tokens after ``n`` that complete the next block; ``stop(tokens, chars, total_chars)``,
+        told where the encoding stopped. Pieces are then encoded in order, a new piece's first
+        words first, and the ids end where it is reached: a prefix of the prompt's ids, not cached
+        as the whole prompt's."""
         key, work, size = self._key_and_work(route, parsed)
         if key is not None:
             cached = self.cache.get(key)
@@ -326,23 +412,50 @@ class PromptTokenizer:
                 self.hits += 1
                 return cached
         self.misses += 1
+        lazy = _LazyHorizon(horizon) if horizon is not None and work[0] == "chat" else None
         try:
             if size <= _THREAD_THRESHOLD_CHARS:
-                ids = self._compute(work)
+                ids = self._compute(work, lazy)
             elif self.tokenizer.releases_gil:
-                ids = await asyncio.get_running_loop().run_in_executor(self._pool(), self._compute, work)
+                ids = await asyncio.get_running_loop().run_in_executor(self._pool(), self._compute, work, lazy)
             else:
-                ids = await self._compute_on_loop(work)
+                ids = await self._compute_on_loop(work, lazy)
         except Exception as exc:  # template errors, odd content: route by load, let the engine answer
             log.debug("router tokenization failed: %s", exc)
             ids = array(_U32)
-        if key is not None:
+        if key is not None and (lazy is None or not lazy.stopped):
             self.cache.put(key, ids)
         return ids
 
     async def tokens(self, route: str, parsed: Any) -> list[int]:
         """``token_ids`` as a list."""
         return (await self.token_ids(route, parsed)).tolist()
+
+
+class _LazyHorizon:
+    """The caller's horizon, made only when a piece is missing (a cached prompt needs none)."""
+
+    __slots__ = ("_make", "_made", "stopped")
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make = make
+        self._made: Any = None
+        self.stopped = False
+
+    def _get(self) -> Any:
+        if self._made is None:
+            self._made = self._make()
+        return self._made
+
+    def reached(self, ids: array) -> bool:
+        return self._get().reached(ids)
+
+    def needed(self, n_ids: int) -> int:
+        return self._get().needed(n_ids)
+
+    def stop(self, tokens: int, chars: int, total_chars: int) -> None:
+        self.stopped = True
+        self._get().stop(tokens, chars, total_chars)
 
 
 def _cut_ids(ids: array) -> array:

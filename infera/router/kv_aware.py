@@ -28,20 +28,37 @@ each replica tells the others (:class:`ReplicaShare`): their requests in flight 
 in_flight_blocks, in recent_misses (the charge of their pick, until they finish) and in the
 in-flight rule of missed_blocks, and their served requests in the not-yet-caught-up extension,
 exactly like this replica's own.
+
+The hot path is kept to what can change the pick (bench/kv_path.py measures each step): a prompt is
+tokenized only up to its ``Horizon`` (past the first block that no target holds, nothing can), the
+hashes of shared prefixes come from a ``BlockHashCache``, the grouping of the candidates is kept
+while the fleet hands out the same tuple, and a served request claims as landed only the blocks its
+target's view does not already hold.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from array import array
 from collections import OrderedDict, deque
 from typing import Callable, Protocol, Sequence
 
+import xxhash
+
 from infera.api.cache_hints import LONG, NONE, RETENTION_NAMES, CacheHints, parse_cache_hints
 from infera.discovery.record import WorkerRecord
-from infera.kv.hashing import ROUTER_SEED, block_hashes
-from infera.kv.prompt import PromptTokenizer
+from infera.kv.hashing import ROUTER_SEED, block_hashes, tokens_le_bytes
+from infera.kv.prompt import ByteLRU, PromptTokenizer
 from infera.router.policy import RoutedRequest
+
+try:
+    from _collections import _count_elements  # CPython's C loop behind Counter.update
+except ImportError:  # pragma: no cover - other interpreters
+    def _count_elements(mapping: dict, iterable) -> None:  # type: ignore[misc]
+        get = mapping.get
+        for elem in iterable:
+            mapping[elem] = get(elem, 0) + 1
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +89,79 @@ PEER_REQUESTS_CAP = 8192  # in-flight requests kept per other replica
 REMOTE_BLOCKS_CAP = 1 << 20  # block references kept over all other replicas' requests
 
 
+# Hashes of prompt prefixes are cached (see BlockHashCache) at every multiple of this many blocks.
+HASH_CACHE_STEP = 16
+DEFAULT_HASH_CACHE_BYTES = 16 * 1024 * 1024
+_U64 = "Q"
+
+
+class BlockHashCache:
+    """Chained block hashes of prompt prefixes, so that a prefix many prompts share (a system
+    prompt, an agent's tool list, a conversation's earlier turns) is hashed once per block size,
+    not once per request: a kv_routing.py prompt hashed 137 blocks, 128 of them its group's system
+    prompt (bench/kv_path.py, "hash").
+
+    Keyed by block size + XXH3-128 of the prefix's token bytes, at every ``HASH_CACHE_STEP``
+    blocks: a prompt is digested once, in one pass with a snapshot at each step, its longest cached
+    step is looked up, and only the blocks after it are hashed. Values are ``array('Q')``; the
+    entries share one LRU bounded in bytes (``ByteLRU``).
+    ``hits``/``misses`` count prompts; ``blocks_reused``/``blocks_hashed`` count blocks."""
+
+    def __init__(self, max_bytes: int = DEFAULT_HASH_CACHE_BYTES, step: int = HASH_CACHE_STEP) -> None:
+        self.lru = ByteLRU(max_bytes)
+        self.step = step
+        self.hits = self.misses = 0
+        self.blocks_reused = self.blocks_hashed = 0
+
+    def hashes(self, tokens: Sequence[int], block_size: int) -> list[int]:
+        """``block_hashes(tokens, block_size)``."""
+        n = len(tokens) // block_size if block_size > 0 else 0
+        step = self.step
+        if n < step or not self.lru.max_bytes:
+            self.blocks_hashed += n
+            return block_hashes(tokens, block_size)
+        if isinstance(tokens, array) and tokens.itemsize == 4:
+            data = memoryview(tokens).cast("B")[:n * block_size * 4]
+        else:
+            data = memoryview(tokens_le_bytes(tokens[:n * block_size]))
+        stride = step * block_size * 4
+        digest = xxhash.xxh3_128()
+        tag = block_size.to_bytes(4, "little")
+        keys = []
+        for end in range(stride, len(data) + 1, stride):
+            digest.update(data[end - stride:end])
+            keys.append(tag + digest.digest())
+        get = self.lru.get
+        found = None
+        for i in range(len(keys) - 1, -1, -1):
+            found = get(keys[i])
+            if found is not None:
+                break
+        if found is not None:
+            self.hits += 1
+            out = found.tolist()
+            self.blocks_reused += len(out)
+            if len(out) < n:
+                start = len(out) * block_size
+                out += block_hashes(data[start * 4:].cast("I") if isinstance(tokens, array) and tokens.itemsize == 4
+                                    else tokens[start:n * block_size], block_size, out[-1])
+        else:
+            self.misses += 1
+            out = block_hashes(tokens, block_size)
+        self.blocks_hashed += n - (len(found) if found is not None else 0)
+        # Stored: this prompt's longest step, and on a miss its steps at 1, 2, 4, 8… steps too, so
+        # that a later prompt sharing only a shorter prefix (a system prompt before a document)
+        # finds one (log2 entries, half of them small).
+        have = len(found) if found is not None else 0
+        k = 1
+        while found is None and k < len(keys):
+            self.lru.put(keys[k - 1], array(_U64, out[:k * step]))
+            k *= 2
+        if have < len(keys) * step:
+            self.lru.put(keys[-1], array(_U64, out[:len(keys) * step]))
+        return out
+
+
 async def hash_stepwise(tokens: Sequence[int], block_size: int) -> list[int]:
     """``block_hashes(tokens, block_size)``, yielding to the event loop every
     ``HASH_SLICE_BLOCKS`` blocks (the chain continues from the last hash of the slice before)."""
@@ -97,6 +187,63 @@ def expand_targets(worker: WorkerRecord) -> list[tuple[int | None, str]]:
     return [(None, worker.worker_id)]
 
 
+_NO_HINTS = CacheHints()
+_NO_BLOCKS: list[int] = []  # (never appended to)
+
+
+class Horizon:
+    """How far a prompt's tokens can matter to its pick, for ``PromptTokenizer.token_ids``.
+
+    Every target's hit is the longest prefix of the prompt's blocks it holds (in its view, or
+    extended by blocks in flight or served there: ``pick``). So once a block is held by no target
+    at all, for every block size in use, no hit can reach past it: the blocks after it cannot
+    change which target wins, only add the same cost to every target. The tokenizer checks after
+    each cached piece and after the first words of each new piece, and stops there: a long new
+    turn, a document no worker has seen, costs a block's worth of tokenizing and hashing.
+
+    ``chains``: per block size, the hashes of the full blocks checked (the pick's, when the ids
+    stop at the last check); ``cut``: (tokens, characters encoded, characters in all), where the
+    tokenizer stopped. The charge, the blocks in flight and the metrics then count the rest of
+    the prompt by an estimate (``more_tokens``)."""
+
+    __slots__ = ("_policy", "_open", "chains", "cut")
+
+    def __init__(self, policy: "KvAwarePolicy", sizes: tuple[int, ...]) -> None:
+        self._policy = policy
+        self._open = set(sizes)  # block sizes whose horizon is not reached yet
+        self.chains: dict[int, list[int]] = {}
+        self.cut: tuple[int, int, int] | None = None
+
+    def needed(self, n_ids: int) -> int:
+        """Tokens after the first ``n_ids`` that complete the next block of every open size."""
+        return max((bs - n_ids % bs for bs in self._open), default=0)
+
+    def reached(self, ids: Sequence[int]) -> bool:
+        held = self._policy._held_anywhere
+        first_unheld = self._policy._first_unheld
+        for bs in tuple(self._open):
+            n = len(ids) // bs
+            chain = self.chains.get(bs)
+            if chain is None:
+                chain = self.chains[bs] = self._policy.hash_cache.hashes(ids, bs)
+                start = 0
+            elif n > len(chain):
+                start = len(chain)
+                chain += block_hashes(ids[start * bs:n * bs], bs, chain[-1] if chain else ROUTER_SEED)
+            else:
+                continue
+            i = first_unheld(chain, start)  # most blocks are in some view: one dict lookup each
+            while i < len(chain):
+                if not held(chain[i]):
+                    self._open.discard(bs)
+                    break
+                i = first_unheld(chain, i + 1)
+        return not self._open
+
+    def stop(self, tokens: int, chars: int, total_chars: int) -> None:
+        self.cut = (tokens, chars, total_chars)
+
+
 class PrefixIndex(Protocol):
     def match(self, hashes: list[int], keys: Sequence[str]) -> list[int]: ...
 
@@ -120,12 +267,21 @@ class KvAwarePolicy:
     def __init__(self, index: PrefixIndex, prompts: PromptTokenizer, *, overlap_weight: float = 1.0,
                  prefill_overlap_weight: float | None = None, decode_overlap_weight: float | None = None,
                  observer: KvPickObserver | None = None, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time, replica_sync: ReplicaSyncLink | None = None) -> None:
+                 wall_clock: Callable[[], float] = time.time, replica_sync: ReplicaSyncLink | None = None,
+                 hash_cache_bytes: int = DEFAULT_HASH_CACHE_BYTES, horizon: bool = True) -> None:
         self.index = index
         self.clock = clock
         self.wall_clock = wall_clock  # compared with engine event timestamps
         self._events_made_until = getattr(index, "events_made_until", None)
+        self._block_count = getattr(index, "block_count", None)
+        self._match_one = getattr(index, "match_one", None)
+        self.hash_cache = BlockHashCache(hash_cache_bytes)
         self.prompts = prompts
+        # Per model (RouterTokenizers) or one for all; the PromptTokenizer itself is called, so that
+        # it can stop at the Horizon.
+        self._prompts_for = getattr(prompts, "prompts_for", None)
+        self._first_unheld = getattr(index, "first_unheld", None)
+        self.horizon = horizon and self._first_unheld is not None  # see Horizon
         # The ids as an array when the tokenizer offers them so (no list of 100k ints per request).
         self._tokenize = getattr(prompts, "token_ids", None) or prompts.tokens
         self.weights = {"mixed": overlap_weight,
@@ -134,12 +290,16 @@ class KvAwarePolicy:
         self.observer = observer
         # route key → {block hash: requests in flight}, this replica's and (with a sync) the others'
         self.active: dict[str, dict[int, int]] = {}
+        # route key → blocks in flight there beyond their prompts' horizons (estimated, not hashed)
+        self.unhashed: dict[str, int] = {}
         self.recent: dict[str, float] = {}
         self._picks = 0  # decay clock: remaining charge = charge × RECENT_DECAY^(picks since)
         self.mm_affinity: dict[str, OrderedDict[int, None]] = {}
         # route key → {block hash: (wall time it finished, monotonic expiry)}, in order of arrival
         self.landed: dict[str, OrderedDict[int, tuple[float, float]]] = {}
         self._block_sizes: set[int] = set()  # of the targets picked among: hashed ahead for big prompts
+        self._layout_of: object = None  # the candidates _layout was made for
+        self._layout: tuple[list, int] = ([], 0)
         self._next_sweep = 0.0  # landed claims of targets no pick looks at are swept from pick()
         self.replicas: ReplicaShare | None = None  # what the other server replicas share
         if replica_sync is not None:
@@ -148,29 +308,66 @@ class KvAwarePolicy:
 
     async def prepare(self, request: RoutedRequest) -> None:
         """Tokenize once per request (cached across requests), before any pick: at most the
-        prompt's routing prefix, off the event loop when it is big (``PromptTokenizer``)."""
-        tokens = request.state["tokens"] = await self._tokenize(request.route, request.parsed)
-        request.state["hints"] = parse_cache_hints(request.parsed)
+        prompt's routing prefix, off the event loop when it is big (``PromptTokenizer``), and
+        only as far as it can matter (``Horizon``)."""
+        st = request.state
+        parsed = request.parsed
+        prompts = self._prompts_for(getattr(parsed, "model", None)) if self._prompts_for is not None else self.prompts
+        if prompts is None:  # its tokenizer is loading: routed by load for that moment
+            tokens: Sequence[int] = ()
+        elif self.horizon and self._block_sizes and isinstance(prompts, PromptTokenizer):
+            made: list[Horizon] = []
+            sizes = tuple(self._block_sizes)
+
+            def horizon() -> Horizon:
+                made.append(Horizon(self, sizes))
+                return made[-1]
+
+            tokens = await prompts.token_ids(request.route, parsed, horizon=horizon)
+            if made:
+                st["chains"] = made[0].chains  # hashes of a prefix of the ids: the pick goes on from them
+                if made[0].cut is not None:
+                    n, chars, total_chars = made[0].cut
+                    # The prompt goes on: its blocks count as missed and in flight as before, by an
+                    # estimate from the characters not encoded.
+                    st["more_tokens"] = int(n * (total_chars - chars) / chars) if chars else 0
+        elif prompts is self.prompts:
+            tokens = await self._tokenize(request.route, parsed)
+        else:
+            tokens = await prompts.token_ids(request.route, parsed)
+        st["tokens"] = tokens
+        st["hints"] = parse_cache_hints(parsed)
         if len(tokens) >= HASH_AHEAD_TOKENS and self._block_sizes:
             # Hashing 100k+ tokens is tens of ms of Python: done here a slice at a time, yielding
             # to the loop between slices, rather than in one go inside pick().
             request.state["hashes"] = {bs: await hash_stepwise(tokens, bs) for bs in tuple(self._block_sizes)}
 
     def _hashes(self, request: RoutedRequest, block_size: int) -> list[int]:
-        by_size = request.state.setdefault("hashes", {})
+        st = request.state
+        by_size = st.get("hashes")
+        if by_size is None:
+            by_size = st["hashes"] = {}
         hashes = by_size.get(block_size)
         if hashes is None:
-            hashes = by_size[block_size] = block_hashes(request.state.get("tokens") or [], block_size)
+            tokens = st.get("tokens") or ()
+            chain = st["chains"].get(block_size) if "chains" in st else None
+            if chain:  # the Horizon's, of a prefix of these tokens (or a little more: see _cut_ids)
+                n = len(tokens) // block_size
+                hashes = chain[:n] if len(chain) >= n else chain + block_hashes(
+                    tokens[len(chain) * block_size:n * block_size], block_size, chain[-1])
+            elif len(tokens) >= block_size:
+                hashes = self.hash_cache.hashes(tokens, block_size)
+            else:
+                hashes = []
+            by_size[block_size] = hashes
         return hashes
 
-    def pick(self, candidates: Sequence[WorkerRecord], request: RoutedRequest, role: str = "mixed") -> WorkerRecord:
-        hints: CacheHints = request.state.get("hints") or CacheHints()
-        amplified = self.weights.get(role, self.weights["mixed"]) * (
-            2.0 if hints.retention == LONG else 0.1 if (hints.retention == NONE and hints.explicit) else 1.0)
-        w_overlap, w_mm = (0.0, amplified * MM_WEIGHT) if hints.multimodal else (amplified, 0.0)
-        mm_keys = hints.image_keys
-
-        # Group targets by block size: one hash chain and one index walk per group.
+    def _layout_for(self, candidates: Sequence[WorkerRecord]) -> tuple[list, int]:
+        """The candidates' targets grouped by block size (one hash chain and one index walk per
+        group; block size 0: unsized, last), and their count. The fleet hands out the same tuple
+        while it is unchanged, so this is kept for the last candidates object seen."""
+        if candidates is self._layout_of:  # (a tuple: lists are not kept, a caller may change one)
+            return self._layout
         groups: dict[int, list[tuple[WorkerRecord, int | None, str]]] = {}
         unsized: list[tuple[WorkerRecord, int | None, str]] = []
         for w in candidates:
@@ -178,57 +375,92 @@ class KvAwarePolicy:
                 (groups.setdefault(w.kv_block_size, []) if w.kv_block_size else unsized).append((w, rank, key))
         if len(self._block_sizes) < MAX_BLOCK_SIZES_AHEAD:
             self._block_sizes.update(groups)
+        layout = [(bs, targets, [t[2] for t in targets]) for bs, targets in groups.items()]
+        if unsized:
+            layout.append((0, unsized, [t[2] for t in unsized]))
+        out = (layout, sum(len(t) for _, t, _ in layout))
+        if type(candidates) is tuple:
+            self._layout_of, self._layout = candidates, out
+        return out
+
+    def pick(self, candidates: Sequence[WorkerRecord], request: RoutedRequest, role: str = "mixed") -> WorkerRecord:
+        st = request.state
+        hints: CacheHints = st.get("hints") or _NO_HINTS
+        amplified = self.weights.get(role, self.weights["mixed"]) * (
+            2.0 if hints.retention == LONG else 0.1 if (hints.retention == NONE and hints.explicit) else 1.0)
+        w_overlap, w_mm = (0.0, amplified * MM_WEIGHT) if hints.multimodal else (amplified, 0.0)
+        mm_keys = hints.image_keys
+        layout, n_targets = self._layout_for(candidates)
 
         # Ties on (cost, load) — typically a cold prompt on an idle fleet — go to the target whose
         # cache holds the least (spreading new prefixes keeps the fleet's caches balanced), then
         # rotate, so sequential cold traffic never piles onto the first worker.
-        n_targets = sum(len(t) for t in groups.values()) + len(unsized)
         offset = self._picks % n_targets if n_targets else 0
-        block_count = getattr(self.index, "block_count", None)
-        best = None
+        best = None  # (cost, load)
+        tied: list[tuple] = []  # (position, w, rank, key, hit, total, block_size) of every target at best
         position = 0
         most_blocks = 0
-        scored: list[str] | None = [] if log.isEnabledFor(logging.DEBUG) else None  # why this target
-        for block_size, targets in [*groups.items(), (0, unsized)]:
-            if not targets:
-                continue
+        debug = log.isEnabledFor(logging.DEBUG)
+        scored: list[str] | None = [] if debug else None  # why this target
+        active_of, recent, landed_of, unhashed = self.active.get, self.recent.get, self.landed, self.unhashed
+        more = st.get("more_tokens", 0)
+        n_tokens = len(st.get("tokens") or ())
+        for block_size, targets, keys in layout:
             if block_size:
-                hashes = self._hashes(request, block_size)
+                hashes = self._hashes(request, block_size) if n_tokens >= block_size else _NO_BLOCKS
                 total = len(hashes)
-                most_blocks = max(most_blocks, total)
-                hits = self.index.match(hashes, [t[2] for t in targets]) if total else [0] * len(targets)
+                if more:  # cut at the horizon (prepare): the rest of the prompt, estimated
+                    total = max(total, (len(st["tokens"]) + more) // block_size)
+                if total > most_blocks:
+                    most_blocks = total
+                hits = self.index.match(hashes, keys) if hashes else [0] * len(targets)
             else:
                 # No block size registered: nothing can be known cached there, so it pays for every
                 # block (upstream charged it nothing, making it look like a perfect cache hit).
                 total, hits, hashes = most_blocks, [0] * len(targets), []
             # Served there, events still on the way: as good as cached (see LANDED_TTL_S).
-            if self.landed and hashes:
+            if landed_of and hashes:
                 now = self.clock()
-                hits = [self._with_landed(key, hashes, hit, now) for (_, _, key), hit in zip(targets, hits)]
+                hits = [self._with_landed(key, hashes, hit, now) if key in landed_of else hit
+                        for key, hit in zip(keys, hits)]
             # A prefix cached nowhere yet but being prefilled somewhere counts as held there: a
             # second conversation of it starting before the first one's events arrive follows it
             # instead of computing a duplicate. Only then: where a copy is already cached, the
             # cache decides, and a prefill in flight elsewhere must not outbid it.
             pending = hashes and not any(hits)
             for (w, rank, key), hit in zip(targets, hits):
-                active = self.active.get(key)
-                if pending and active and hashes[0] in active:
-                    while hit < len(hashes) and hashes[hit] in active:
-                        hit += 1
-                load = len(active or ()) + self.recent.get(key, 0.0)
+                active = active_of(key)
+                if active:
+                    if pending and hashes[0] in active:
+                        while hit < len(hashes) and hashes[hit] in active:
+                            hit += 1
+                    load = len(active) + recent(key, 0.0)
+                else:
+                    load = recent(key, 0.0)
+                if unhashed:
+                    load += unhashed.get(key, 0)
                 cost = w_overlap * (total - hit) + load
                 if w_mm:
                     affinity = self.mm_affinity.get(key)
                     cost += w_mm * sum(1 for k in mm_keys if not affinity or k not in affinity)
-                held = block_count(key) if block_count is not None else 0
-                score = (cost, load, held, (position - offset) % n_targets)
-                position += 1
                 if scored is not None:
-                    scored.append(f"{key}:hit={hit},load={load:.1f},held={held},cost={cost:.1f}")
-                if best is None or score < best[0]:
-                    best = (score, w, rank, key, hit, total, block_size)
-        assert best is not None, "pick() needs at least one candidate"
-        _, worker, rank, key, hit, total, block_size = best
+                    scored.append(f"{key}:hit={hit},load={load:.1f},held={self._held(key)},cost={cost:.1f}")
+                score = (cost, load)
+                if best is None or score < best:
+                    best = score
+                    tied = [(position, w, rank, key, hit, total, block_size)]
+                elif score == best:
+                    tied.append((position, w, rank, key, hit, total, block_size))
+                position += 1
+        assert tied, "pick() needs at least one candidate"
+        chosen = tied[0]
+        if len(tied) > 1:  # (cached blocks held, rotation): computed for the tied targets only
+            least = None
+            for t in tied:
+                rank_key = (self._held(t[3]), (t[0] - offset) % n_targets)
+                if least is None or rank_key < least:
+                    least, chosen = rank_key, t
+        _, worker, rank, key, hit, total, block_size = chosen
 
         if mm_keys:
             affinity = self.mm_affinity.setdefault(key, OrderedDict())
@@ -237,18 +469,21 @@ class KvAwarePolicy:
                 affinity.move_to_end(k)
             while len(affinity) > MM_AFFINITY_CAP:
                 affinity.popitem(last=False)
-        st = request.state
         st["charge"] = (self._charge(key, total - hit, total), self._picks)
         st["route_key"], st["dp_rank"], st["block_size"] = key, rank, block_size
-        st["blocks"] = self._hashes(request, block_size) if block_size else []
+        st["blocks"] = blocks = self._hashes(request, block_size) if block_size and n_tokens >= block_size else []
+        st["unhashed"] = total - len(blocks) if more and block_size else 0
         st["predicted_hit_blocks"] = hit
         if self.observer is not None:
             self.observer.record_pick(role, key, hit, total)
-        if log.isEnabledFor(logging.DEBUG):
+        if debug:
             log.debug("pick policy=kv-aware role=%s retention=%s request_id=%s picked=%s cache_hits=%d "
                       "request_blocks=%d active_blocks=%d targets=[%s]", role, RETENTION_NAMES[hints.retention],
                       request.request_id, key, hit, total, len(self.active.get(key, ())), " ".join(scored or ()))
         return worker
+
+    def _held(self, key: str) -> int:
+        return self._block_count(key) if self._block_count is not None else 0
 
     def _with_landed(self, key: str, hashes: list[int], hit: int, now: float) -> int:
         """``hit`` extended by blocks served on ``key`` that its events have not caught up with."""
@@ -298,6 +533,9 @@ class KvAwarePolicy:
             return
         blocks = request.state.get("blocks", ())
         self._count_in(key, blocks)
+        extra = request.state.get("unhashed")
+        if extra:
+            self.unhashed[key] = self.unhashed.get(key, 0) + extra
         if self.replicas is not None and blocks:
             charge = request.state.get("charge", (0.0, 0))[0]
             request.state["sync_rid"] = self.replicas.started(request.model, key, blocks, charge)
@@ -317,6 +555,13 @@ class KvAwarePolicy:
             if rid is not None:
                 self.replicas.finished(rid, finished_at)
         self._count_out(key, blocks)
+        extra = request.state.pop("unhashed", 0)
+        if extra and key in self.unhashed:
+            left = self.unhashed[key] - extra
+            if left > 0:
+                self.unhashed[key] = left
+            else:
+                del self.unhashed[key]
 
     def _release_charge(self, key: str, charge: float, at: int) -> None:
         """A request charged ``charge`` at pick ``at`` finished: what is left of it goes."""
@@ -328,13 +573,17 @@ class KvAwarePolicy:
                 self.recent[key] = left
 
     def _count_in(self, key: str, blocks: Sequence[int]) -> None:
-        counts = self.active.setdefault(key, {})
-        for h in blocks:
-            counts[h] = counts.get(h, 0) + 1
+        if not blocks:
+            return
+        counts = self.active.get(key)
+        if counts is None:
+            self.active[key] = dict.fromkeys(blocks, 1)  # a request's blocks are distinct (chained)
+        else:
+            _count_elements(counts, blocks)
 
     def _count_out(self, key: str, blocks: Sequence[int]) -> None:
         counts = self.active.get(key)
-        if counts is None:
+        if counts is None or not blocks:
             return
         for h in blocks:
             n = counts.get(h, 0) - 1
@@ -347,7 +596,15 @@ class KvAwarePolicy:
 
     def _land(self, key: str, blocks: Sequence[int], finished_at: float) -> None:
         """``blocks`` were computed on ``key`` by a request that finished at ``finished_at`` (wall
-        clock, compared with the engine's event timestamps): cached there until the events catch up."""
+        clock, compared with the engine's event timestamps): cached there until the events catch up.
+        The leading blocks its view already holds need no claim (a shared prefix: most of them):
+        the events already said so, and a later eviction event is what happened to them after."""
+        if self._match_one is not None:
+            held = self._match_one(blocks, key)
+            if held:
+                blocks = blocks[held:]
+                if not blocks:
+                    return
         landed = self.landed.setdefault(key, OrderedDict())
         stamp = (finished_at, self.clock() + LANDED_TTL_S)
         for h in blocks:
@@ -367,13 +624,27 @@ class KvAwarePolicy:
                 del self.landed[key]
 
     def active_blocks(self, key: str) -> int:
+        """Distinct hashed blocks in flight on ``key`` (what replicas share; the pick's load also
+        counts ``unhashed``, the estimated blocks past prompts' horizons)."""
         return len(self.active.get(key, ()))
+
+    def _held_anywhere(self, block: int) -> bool:
+        """Whether some target holds ``block``: in its view, in flight there, or served there and
+        not yet in its events (a claim past its time counts too: erring long). May run in a
+        tokenizer thread (``Horizon``): the tables are read through snapshots of their values."""
+        if self._first_unheld is not None and self._first_unheld((block,)):  # 1: not unheld at 0
+            return True
+        try:
+            return (any(block in counts for counts in tuple(self.active.values()))
+                    or any(block in claims for claims in tuple(self.landed.values())))
+        except RuntimeError:  # changed under a tokenizer thread's snapshot: err long
+            return True
 
     def forget(self, worker_id: str) -> None:
         prefix = worker_id + "#dp"
         if self.replicas is not None:
             self.replicas.forget(worker_id)
-        for table in (self.active, self.recent, self.mm_affinity, self.landed):
+        for table in (self.active, self.recent, self.mm_affinity, self.landed, self.unhashed):
             for k in [k for k in table if k == worker_id or k.startswith(prefix)]:
                 del table[k]
 

@@ -22,7 +22,9 @@ is tracked, and a caller's view of a worker is never allowed to drift silently:
 payload is handed over undecoded (the caller picks the vLLM or SGLang decoder). Two-frame
 messages ``[topic, payload]`` (no sequence number: ATOM's hook) are passed through with seq -1 and
 no tracking. Callback exceptions are logged and counted, never kill a reader. All I/O is
-``zmq.asyncio`` on the caller's loop.
+``zmq.asyncio`` on the caller's loop. Live batches in sequence are drained straight from a reader
+callback on the socket's FD (``_drain``): an engine sends one batch per scheduler step, ten or more
+per request, and an awaited receive per batch cost several times the batch itself.
 
 Replay protocol (vLLM): the DEALER sends ``[b"", start_seq (8-byte BE)]`` and receives
 ``[b"", (topic,) seq, payload]`` per buffered batch with seq >= start_seq, then an end marker whose
@@ -50,6 +52,8 @@ _END_SEQ = -1
 # of silence.
 _FIRST_PROBE_S = 0.5
 _IDLE_PROBE_S = 5.0
+# A burst of queued batches is applied for at most this long before the loop gets a turn.
+_DRAIN_TURN_S = 0.002
 
 OnBatch = Callable[[str, int, bytes], None]
 OnReset = Callable[[str], None]
@@ -63,6 +67,17 @@ def endpoint_for_rank(endpoint: str, rank: int | None) -> str:
     return f"{host}:{int(port) + rank}"
 
 
+def _recv(sock: zmq.Socket) -> list[bytes]:
+    """One queued message's frames, or ``zmq.Again``. ``recv_multipart`` asks the socket for
+    RCVMORE after each frame (a getsockopt, 0.8 us); a frame knows whether more follow."""
+    frame = sock.recv(zmq.NOBLOCK, copy=False)
+    frames = [frame.bytes]
+    while frame.more:
+        frame = sock.recv(zmq.NOBLOCK, copy=False)
+        frames.append(frame.bytes)
+    return frames
+
+
 def _digest(payload: bytes) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
@@ -74,6 +89,14 @@ class _KeyState:
     replay_endpoint: str | None
     sock: zmq.asyncio.Socket | None = None
     task: asyncio.Task | None = None
+    # Live batches are drained by a reader callback on the socket's FD (``_drain``); the task does
+    # what must wait (first contact, gap repair, idle probes). See ``_reader``.
+    raw: zmq.Socket | None = None  # ``sock``, synchronous
+    fd: int | None = None  # registered with ``loop``'s reader
+    loop: asyncio.AbstractEventLoop | None = None
+    live: bool = False  # the reader callback may deliver (first contact done, no slow path running)
+    slow: list[bytes] | None = None  # a message the callback left to the task
+    wake: asyncio.Event | None = None
     last_seq: int | None = None  # last seq delivered (None: nothing since the last reset)
     last_digest: int = 0  # of the payload delivered as last_seq
     # seq -> payload digest of batches delivered by replay and not yet seen live: a live copy of
@@ -229,8 +252,12 @@ class ZmqKvEventSubscriber(KvCallbacks):
         sock.setsockopt(zmq.RCVHWM, 100000)
         sock.setsockopt(zmq.SUBSCRIBE, self.topic)
         sock.connect(st.endpoint)
-        st.sock = sock
-        st.task = asyncio.get_running_loop().create_task(self._reader(st), name=f"kv-events-sub:{st.key}")
+        loop = asyncio.get_running_loop()
+        st.sock, st.raw, st.loop = sock, zmq.Socket.shadow(sock.underlying), loop
+        st.live, st.slow, st.wake = False, None, asyncio.Event()
+        st.fd = st.raw.FD
+        loop.add_reader(st.fd, self._drain, st)
+        st.task = loop.create_task(self._reader(st), name=f"kv-events-sub:{st.key}")
 
     def _close(self, st: _KeyState) -> None:
         task, st.task = st.task, None
@@ -238,6 +265,11 @@ class ZmqKvEventSubscriber(KvCallbacks):
             task.cancel()
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
+        st.live = False
+        if st.fd is not None and st.loop is not None:
+            # Now, not when the task unwinds: a socket opened meanwhile may get the same FD number.
+            st.loop.remove_reader(st.fd)
+        st.fd, st.raw, st.slow = None, None, None
         sock, st.sock = st.sock, None
         if sock is not None and not sock.closed:
             sock.close(linger=0)
@@ -245,40 +277,108 @@ class ZmqKvEventSubscriber(KvCallbacks):
     # ------------------------------------------------------------------ reader
 
     async def _reader(self, st: _KeyState) -> None:
-        sock = st.sock
-        assert sock is not None
+        """First contact, then whatever the reader callback cannot do without waiting (a gap to
+        repair, a restart, a first batch to catch up to) and the idle replay probes. Live batches
+        in sequence never come here: ``_drain`` applies them from the FD callback, without a
+        future, a poller or a task step each (an awaited recv per batch cost ~40 us of CPU;
+        bench/kv_path.py, "zmq")."""
+        assert st.sock is not None and st.wake is not None
         try:
             if st.replay_endpoint:
                 await self._catch_up(st, 0, None)  # blocks stored before we subscribed
             st.caught_up = True
             probe_after = _FIRST_PROBE_S
             while True:
+                frames, st.slow = st.slow, None
+                if frames is not None:
+                    await self._on_message(st, frames)
+                st.live = True
+                self._drain(st)  # what queued meanwhile; hands a message back via st.slow if it must
+                if st.slow is not None:
+                    continue
+                seen = st.batches
+                st.wake.clear()
                 try:
-                    if st.replay_endpoint and not await sock.poll(int(probe_after * 1000)):
+                    await asyncio.wait_for(st.wake.wait(), probe_after if st.replay_endpoint else None)
+                except asyncio.TimeoutError:
+                    if st.batches == seen and st.slow is None:
                         # Quiet: batches published while the SUB was still joining (ZMQ drops them
                         # silently) would otherwise stay unknown until the next live batch.
+                        st.live = False
                         await self._probe(st)
                         probe_after = _IDLE_PROBE_S
-                        continue
-                    frames = await sock.recv_multipart()
-                except asyncio.CancelledError:
-                    raise
-                except zmq.ZMQError as exc:
-                    if sock.closed:
-                        return
-                    log.warning("KV events %s: receive failed: %s", st.key, exc)
-                    await asyncio.sleep(0.1)
-                    continue
-                await self._on_message(st, frames)
         except asyncio.CancelledError:
             raise
         except Exception:  # a bug here must not silently end the subscription
-            log.exception("KV events %s: reader failed; resetting the view", st.key)
-            st.last_seq = None
-            st.forget_replayed()
-            self._reset(st)
-            if self._keys.get(st.key) is st and st.task is asyncio.current_task():
-                st.task = asyncio.get_running_loop().create_task(self._reader(st), name=f"kv-events-sub:{st.key}")
+            self._recover(st)
+
+    def _recover(self, st: _KeyState) -> None:
+        log.exception("KV events %s: reader failed; resetting the view", st.key)
+        st.last_seq = None
+        st.forget_replayed()
+        self._reset(st)
+        st.slow = None
+        if self._keys.get(st.key) is st and st.sock is not None:
+            st.live = False
+            st.task = asyncio.get_running_loop().create_task(self._reader(st), name=f"kv-events-sub:{st.key}")
+
+    def _drain(self, st: _KeyState) -> None:
+        """The FD callback (and the task's resume): every queued batch that is next in sequence is
+        delivered now; anything else stops the drain and goes to the task (``st.slow``). The FD is
+        edge-triggered: draining until EAGAIN re-arms it."""
+        raw = st.raw
+        if raw is None:
+            return
+        if not st.live or st.slow is not None:
+            # The task drains later. Reading EVENTS resets the FD, which a level-triggered loop
+            # would otherwise report readable again and again meanwhile.
+            try:
+                raw.get(zmq.EVENTS)
+            except zmq.ZMQError:
+                pass
+            return
+        turn_ends = time.perf_counter() + _DRAIN_TURN_S
+        try:
+            while True:
+                try:
+                    frames = _recv(raw)
+                except zmq.Again:
+                    return
+                if not self._in_order(st, frames):
+                    st.live = False
+                    st.slow = frames
+                    if st.wake is not None:
+                        st.wake.set()
+                    return
+                # Queue empty? (Reading EVENTS also re-arms the FD; a recv that finds nothing raises
+                # zmq.Again, which costs twice as much.)
+                if not raw.get(zmq.EVENTS) & zmq.POLLIN:
+                    return
+                if time.perf_counter() >= turn_ends and st.loop is not None:
+                    st.loop.call_soon(self._drain, st)  # a long burst: the loop runs in between
+                    return
+        except zmq.ZMQError as exc:
+            if raw.closed or st.raw is not raw:
+                return
+            log.warning("KV events %s: receive failed: %s", st.key, exc)
+        except Exception:
+            if st.task is not None:
+                st.task.cancel()
+            self._recover(st)
+
+    def _in_order(self, st: _KeyState, frames: list[bytes]) -> bool:
+        """The common case: the next batch in sequence, nothing replayed to check against; delivered
+        here. False: ``_on_message`` decides."""
+        if len(frames) == 2:  # [topic, payload]: no sequence to track
+            self._deliver(st, NO_SEQ, frames[1], track=False)
+            return True
+        if len(frames) != 3 or st.last_seq is None or st.replayed or len(frames[1]) != 8:
+            return False
+        seq = int.from_bytes(frames[1], "big")
+        if seq != st.last_seq + 1:
+            return False
+        self._deliver(st, seq, frames[2])
+        return True
 
     async def _on_message(self, st: _KeyState, frames: list[bytes]) -> None:
         if len(frames) == 2:  # [topic, payload]: no sequence to track
