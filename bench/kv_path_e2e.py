@@ -117,7 +117,10 @@ class E2E:
         if self.a.code:  # another infera package for the server only
             launch = ["-c", f"import runpy, sys; sys.path.insert(0, {os.path.abspath(self.a.code)!r}); "
                             "runpy.run_module('infera.server', run_name='__main__', alter_sys=True)"]
-        proc = Proc(f"server-{tag}", [self.py, *launch, "--host", "127.0.0.1", "--port", str(port),
+        # One process (the default is one per core): this measures a server, not a supervisor. Older
+        # code given by --code has no --workers flag and is one process anyway.
+        single = [] if self.a.code else ["--workers", "1"]
+        proc = Proc(f"server-{tag}", [self.py, *launch, *single, "--host", "127.0.0.1", "--port", str(port),
                                       "--etcd-endpoint", self.etcd.url, "--router-policy", policy,
                                       "--log-level", "warning", *self.a.server_args.split()],
                     os.path.join(self.logs, f"server-{tag}.log"))
