@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import re
 import shutil
 import socket
@@ -19,9 +20,23 @@ from infera.engine.base.prom import samples
 import pytest
 
 
+# The tests' own ports come from below the launchers' range (10000 up to the ephemeral range), so
+# a port a test hands to a server can never be one a launcher just chose for its engine and is
+# about to bind (CI once lost a 1P1D test to exactly that: "Address already in use").
+_TEST_PORTS = (2000, 10000)
+
+
 def free_port() -> int:
     """A free port below the ephemeral range (engines bind theirs seconds later; an outgoing
-    connection must not take it meanwhile): the launchers' own allocator."""
+    connection must not take it meanwhile) and below the launchers' own range."""
+    for _ in range(512):
+        port = random.randint(*_TEST_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
     return free_port_block(1, "127.0.0.1")
 
 
