@@ -17,6 +17,7 @@ from typing import Any, Awaitable, Callable
 import msgspec
 from aiohttp import web
 
+from infera.api import anthropic as _anthropic
 from infera.api.errors import ApiError, error_bytes
 from infera.api.requests import parse_request
 from infera.discovery.fleet import Fleet
@@ -249,6 +250,123 @@ async def _cache_view(request: web.Request) -> web.Response:
     return web.Response(body=_json.encode(view), content_type="application/json")
 
 
+# -- Anthropic Messages API (POST /v1/messages, /v1/messages/count_tokens) --------------------------------
+# Translation lives in infera.api.anthropic; these handlers feed the translated body to the same
+# router.dispatch as /v1/chat/completions and write the answer back in Anthropic's shapes.
+def _anthropic_error(status: int, message: str, request_id: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=_anthropic.anthropic_error_body(status, message),
+                        content_type="application/json", headers={REQUEST_ID_HEADER: request_id, **(headers or {})})
+
+
+async def _anthropic_body(request: web.Request, state: ServerState) -> bytes:
+    version = request.headers.get("anthropic-version")
+    if version is not None and version != _anthropic.ANTHROPIC_VERSION:
+        log.debug("anthropic-version %r (served as %s)", version, _anthropic.ANTHROPIC_VERSION)
+    _check_client_request_id(request)
+    if request.content_length is not None and request.content_length > state.max_request_bytes:
+        raise web.HTTPRequestEntityTooLarge(max_size=state.max_request_bytes, actual_size=request.content_length)
+    return await request.read()
+
+
+async def _anthropic_messages(request: web.Request) -> web.StreamResponse:
+    state: ServerState = request.app[STATE_KEY]
+    route = _anthropic.MESSAGES_ROUTE
+    started = time.perf_counter()
+    request_id = _request_id(request)
+    request[REQUEST_ID_KEY] = request_id
+    metrics = state.metrics
+    try:
+        translated = _anthropic.translate_request(await _anthropic_body(request, state))
+        body = _json.encode(translated.body)
+        parsed = parse_request(_anthropic.CHAT_ROUTE, body,
+                               allow_kv_transfer_params=state.allow_client_kv_transfer_params)
+        routed = RoutedRequest(route=_anthropic.CHAT_ROUTE, body=body, parsed=parsed, model=translated.model,
+                               stream=translated.stream, request_id=request_id,
+                               direct_worker=request.headers.get(DIRECT_WORKER_HEADER),
+                               direct_prefill=request.headers.get(DIRECT_PREFILL_HEADER))
+        reply = await state.router.dispatch(routed)
+    except ApiError as exc:
+        metrics.count_request(route, exc.status, "none")
+        return _anthropic_error(exc.status, exc.message, request_id, exc.headers)
+    except web.HTTPRequestEntityTooLarge:
+        metrics.count_request(route, 413, "none")
+        return _anthropic_error(413, f"request body larger than the {state.max_request_bytes}-byte limit", request_id)
+    except asyncio.CancelledError:
+        metrics.count_disconnect(route)
+        raise
+    msg_id = _anthropic.message_id(request_id)
+    headers = {REQUEST_ID_HEADER: request_id}
+    if reply.stream is None:
+        metrics.count_request(route, reply.status, reply.worker_id)
+        metrics.observe_e2e(route, False, time.perf_counter() - started)
+        if reply.status >= 400:  # the engine refused it: its message, in Anthropic's shape
+            return _anthropic_error(reply.status, _anthropic.error_message_of(reply.body, reply.status), request_id)
+        try:
+            answer = msgspec.json.decode(reply.body or b"")
+        except msgspec.DecodeError:
+            return _anthropic_error(502, f"worker {reply.worker_id} returned a body that is not JSON", request_id)
+        message = _anthropic.translate_response(answer if isinstance(answer, dict) else {}, translated, msg_id)
+        return web.Response(body=_json.encode(message), content_type="application/json", headers=headers)
+    metrics.observe_ttft(route, (reply.first_byte_at or time.perf_counter()) - started)
+    headers["Content-Type"] = "text/event-stream"
+    headers["Cache-Control"] = "no-cache"
+    resp = web.StreamResponse(status=200, headers=headers)
+    chunks = reply.stream
+    events = _anthropic.StreamTranslator(translated.model, msg_id, translated.stop_sequences)
+    try:
+        await resp.prepare(request)
+        async for chunk in chunks:  # read to the end even after [DONE]: the relay's usage tail feeds kv-aware
+            out = events.feed(chunk)
+            if out:
+                await resp.write(out)
+        out = events.finish()
+        if out:
+            await resp.write(out)
+        await resp.write_eof()
+    except (ConnectionResetError, asyncio.CancelledError):
+        metrics.count_disconnect(route)
+        raise
+    finally:
+        await chunks.aclose()  # releases upstream on any exit, even before the first chunk
+        metrics.count_request(route, 200, reply.worker_id)
+        metrics.observe_e2e(route, True, time.perf_counter() - started)
+    return resp
+
+
+async def _anthropic_count_tokens(request: web.Request) -> web.Response:
+    """``{"input_tokens": N}`` with the model's tokenizer, where the router keeps one (kv-aware)."""
+    state: ServerState = request.app[STATE_KEY]
+    request_id = _request_id(request)
+    request[REQUEST_ID_KEY] = request_id
+    try:
+        translated = _anthropic.translate_request(await _anthropic_body(request, state), count_only=True)
+        if not state.fleet.knows_model(translated.model):
+            raise ApiError(404, f"The model `{translated.model}` does not exist. Available: "
+                           f"{', '.join(state.fleet.models())}", "model_not_found")
+        if state.tokenizers is None:
+            raise ApiError(501, "count_tokens needs the router's tokenizer, which this server keeps only under "
+                           "--router-policy kv-aware", "count_tokens_unavailable")
+        status = state.tokenizers.model_status(translated.model)
+        if status["status"] == "degraded":  # the router's tokenizer may not be the engine's: no guess
+            raise ApiError(501, f"count_tokens is unavailable for model {translated.model!r}: its router tokenizer "
+                           f"is degraded ({'; '.join(status.get('reasons', []))})", "count_tokens_unavailable")
+        prompts = state.tokenizers.prompts_for(translated.model)
+        if prompts is None:
+            raise ApiError(503, f"the tokenizer of model {translated.model!r} is still loading; retry shortly",
+                           "tokenizer_loading", headers={"Retry-After": "1"})
+        # big prompts off the loop (a HF tokenizer releases the GIL; see infera/kv/prompt.py)
+        if (request.content_length or 0) > 16 * 1024:
+            count = await asyncio.to_thread(_anthropic.count_prompt_tokens, prompts.tokenizer, translated)
+        else:
+            count = _anthropic.count_prompt_tokens(prompts.tokenizer, translated)
+    except ApiError as exc:
+        return _anthropic_error(exc.status, exc.message, request_id, exc.headers)
+    except web.HTTPRequestEntityTooLarge:
+        return _anthropic_error(413, f"request body larger than the {state.max_request_bytes}-byte limit", request_id)
+    return web.Response(body=_json.encode({"input_tokens": count}), content_type="application/json",
+                        headers={REQUEST_ID_HEADER: request_id})
+
+
 def build_app(state: ServerState) -> web.Application:
     app = web.Application(middlewares=[_errors_middleware, _admin_auth_middleware],
                           client_max_size=state.max_request_bytes)
@@ -260,6 +378,8 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/v1/admin/cache-view/{worker_id}", _cache_view)
+    app.router.add_post(_anthropic.MESSAGES_ROUTE, _anthropic_messages)  # Anthropic Messages API
+    app.router.add_post(_anthropic.COUNT_TOKENS_ROUTE, _anthropic_count_tokens)
     return app
 
 
