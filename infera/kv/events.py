@@ -1,28 +1,36 @@
 """Decoders for engine KV-cache event payloads (no engine imports; msgspec only).
 
-One ZMQ message from an engine's PUB socket is ``[topic, seq, payload]`` (vLLM, SGLang) or
-``[topic, payload]`` (ATOM hook); the payload is always the **last** frame and is what these
-decoders take. Every payload is a msgpack batch array ``[ts: float, events: [...], dp_rank?]``.
+One ZMQ message from an engine's PUB socket is ``[topic, seq, payload]`` (vLLM, SGLang),
+``[topic, payload]`` or ``[payload]`` (ATOM: no sequence frame; no topic frame when its topic is
+empty); the payload is always the **last** frame and is what these decoders take. Every payload is
+a msgpack batch array ``[ts: float, events: [...], dp_rank?]``.
 
-Events come in two encodings of the same three tagged types:
+Events come in two encodings of the same three tagged types (checked against each engine's own
+msgspec structs; versions and files in ``tests/fixtures/kv_events/README.md``):
 
-* **map form** (vLLM ≥ 0.10, ATOM, the simulator): ``{"type": "BlockStored", "block_hashes": [...],
-  "parent_block_hash": ..., "token_ids": [...], "block_size": n, "lora_id": ..., ...}``,
-  ``{"type": "BlockRemoved", "block_hashes": [...], ...}``, ``{"type": "AllBlocksCleared"}``;
-* **array form** (msgspec ``array_like`` tagged structs; SGLang, older vLLM):
+* **map form** (vLLM >= 0.10, SGLang >= 0.5.22, the simulator): ``{"type": "BlockStored",
+  "block_hashes": [...], "parent_block_hash": ..., "token_ids": [...], "block_size": n,
+  "lora_id": ..., "medium": ..., ...}``, ``{"type": "BlockRemoved", "block_hashes": [...], ...}``,
+  ``{"type": "AllBlocksCleared"}``;
+* **array form** (msgspec ``array_like`` tagged structs; SGLang <= 0.5.19, ATOM, the first vLLM):
   ``["BlockStored", block_hashes, parent, token_ids, block_size, lora_id?, medium?, ...]``,
-  ``["BlockRemoved", hashes, medium?, ...]``, ``["AllBlocksCleared"]``. Items after ``medium``
-  differ between engines (SGLang's ``BlockStoredWithMetadata`` appends a metadata struct) and are
+  ``["BlockRemoved", hashes, medium?, ...]``, ``["AllBlocksCleared", medium?]`` (ATOM scopes a
+  clear to one medium). Items after ``medium`` differ between engines (SGLang 0.5.19's
+  ``BlockStoredWithMetadata`` appends a metadata struct, ATOM a ``lora_name``...) and are
   ignored; array-form events carry no ``kv_cache_spec_kind`` (``spec_kind`` is None).
 
-Default-valued fields may be omitted (map) or trailing ones dropped (array); unknown map keys and
-extra trailing array items are ignored. SGLang's EAGLE/MTP bigram tokens (``[t_i, t_i+1]`` pairs)
-are flattened to their first element. Events whose type tag is unknown (a newer engine) are
-skipped; anything else that does not fit raises :class:`KvEventDecodeError`.
+Default-valued keys may be omitted (map form; msgspec's ``omit_defaults``) and trailing items may
+be missing (array form: msgspec itself writes every field of an ``array_like`` struct, but older
+and hand-written publishers may not); unknown map keys and extra trailing array items are ignored. SGLang's EAGLE/MTP bigram tokens (``[t_i, t_i+1]`` pairs,
+in either form) are flattened to their first element. ``medium`` (the tier: vLLM "GPU"/"CPU",
+SGLang "GPU"/"CPU_PINNED"/..., ATOM "GPU"/"CPU"/"DISK"/"REMOTE") is kept as sent, None when the
+engine left it out. Events whose type tag is unknown (a newer engine, ATOM's
+``BlockTransferred``) are skipped; anything else that does not fit raises
+:class:`KvEventDecodeError`.
 
 The output is normalized: :class:`EventBatch` holding :class:`Stored`, :class:`Removed` and
 :class:`Cleared` (always exactly these classes). Engine block hashes stay opaque hashable keys: an
-``int`` (vLLM's default 64-bit ints, SGLang) or ``bytes`` (vLLM full digests with
+``int`` (vLLM's default 64-bit ints, SGLang, ATOM) or ``bytes`` (vLLM full digests with
 ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``).
 
 Fast path: the common map-form payload is decoded by one typed msgspec decoder straight into the
@@ -55,15 +63,18 @@ class Stored(msgspec.Struct, tag_field="type", tag="BlockStored", omit_defaults=
     token_ids: list[int]
     block_size: int
     spec_kind: Optional[str] = msgspec.field(default=None, name="kv_cache_spec_kind")
+    medium: Optional[str] = None  # the tier the blocks entered; None: not said (GPU by convention)
 
 
 class Removed(msgspec.Struct, tag_field="type", tag="BlockRemoved", omit_defaults=True, gc=False):
     """Blocks evicted by the engine (engine hashes)."""
     block_hashes: list[BlockHash]
+    medium: Optional[str] = None  # the tier they left; None: not said
 
 
 class Cleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared", omit_defaults=True, gc=False):
-    """The engine dropped its whole prefix cache."""
+    """The engine dropped its whole prefix cache (``medium`` set: only that tier's, as ATOM can say)."""
+    medium: Optional[str] = None
 
 
 KvEvent = Union[Stored, Removed, Cleared]
@@ -76,17 +87,35 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     dp_rank: Optional[int] = None
 
 
+# --- map form with bigram tokens (SGLang >= 0.5.22 under EAGLE/MTP; private) ------------------
+
+class _StoredBigramM(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
+    block_hashes: list[BlockHash]
+    parent: Optional[BlockHash] = msgspec.field(name="parent_block_hash")
+    token_ids: list[Union[int, tuple[int, int]]]
+    block_size: int
+    spec_kind: Optional[str] = msgspec.field(default=None, name="kv_cache_spec_kind")
+    medium: Optional[str] = None
+
+
+class _BatchBigramM(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[Union[_StoredBigramM, Removed, Cleared]]
+    dp_rank: Optional[int] = None
+
+
 # --- array-form wire schema (private; converted to the public types) --------------------------
 
 class _StoredA(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
-    # Positions 0-5 are common to SGLang and array-form vLLM; anything after ``medium`` differs
-    # between them (SGLang's ``BlockStoredWithMetadata`` appends a struct) and is ignored.
+    # Positions 0-5 are common to SGLang, ATOM and array-form vLLM; anything after ``medium``
+    # differs between them (SGLang 0.5.19's ``BlockStoredWithMetadata`` appends a struct, ATOM
+    # ``lora_name``, ``extra_keys``...) and is ignored.
     block_hashes: list[BlockHash]
     parent: Optional[BlockHash]
     token_ids: list[int]
     block_size: int
     lora_id: Any = None
-    medium: Any = None
+    medium: Optional[str] = None
 
 
 class _StoredBigramA(_StoredA, tag="BlockStored"):
@@ -95,11 +124,11 @@ class _StoredBigramA(_StoredA, tag="BlockStored"):
 
 class _RemovedA(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
     block_hashes: list[BlockHash]
-    medium: Any = None
+    medium: Optional[str] = None
 
 
 class _ClearedA(msgspec.Struct, tag="AllBlocksCleared", array_like=True, gc=False):
-    pass
+    medium: Optional[str] = None  # ATOM's medium-scoped clear; SGLang and vLLM send none
 
 
 class _BatchA(msgspec.Struct, array_like=True, gc=False):
@@ -122,10 +151,12 @@ class _BatchRaw(msgspec.Struct, array_like=True, gc=False):
 
 _KNOWN_TAGS = frozenset(("BlockStored", "BlockRemoved", "AllBlocksCleared"))
 _map_batch = msgspec.msgpack.Decoder(EventBatch).decode
+_map_bigram_batch = msgspec.msgpack.Decoder(_BatchBigramM).decode
 _array_batch = msgspec.msgpack.Decoder(_BatchA).decode
 _bigram_batch = msgspec.msgpack.Decoder(_BatchBigramA).decode
 _raw_batch = msgspec.msgpack.Decoder(_BatchRaw).decode
 _map_event = msgspec.msgpack.Decoder(KvEvent).decode
+_map_bigram_event = msgspec.msgpack.Decoder(Union[_StoredBigramM, Removed, Cleared]).decode
 _array_event = msgspec.msgpack.Decoder(Union[_StoredA, _RemovedA, _ClearedA]).decode
 _bigram_event = msgspec.msgpack.Decoder(Union[_StoredBigramA, _RemovedA, _ClearedA]).decode
 _any = msgspec.msgpack.Decoder().decode
@@ -138,11 +169,15 @@ def _flatten(tokens: list) -> list[int]:
 
 def _from_array(ev: Any) -> KvEvent:
     if type(ev) is _RemovedA:
-        return Removed(ev.block_hashes)
+        return Removed(ev.block_hashes, ev.medium)
     if type(ev) is _ClearedA:
-        return Cleared()
+        return Cleared(ev.medium)
+    if type(ev) in (Stored, Removed, Cleared):
+        return ev
+    if type(ev) is _StoredBigramM:
+        return Stored(ev.block_hashes, ev.parent, _flatten(ev.token_ids), ev.block_size, ev.spec_kind, ev.medium)
     tokens = ev.token_ids if type(ev) is _StoredA else _flatten(ev.token_ids)
-    return Stored(ev.block_hashes, ev.parent, tokens, ev.block_size)
+    return Stored(ev.block_hashes, ev.parent, tokens, ev.block_size, None, ev.medium)
 
 
 def _unknown_tag(raw: msgspec.Raw) -> bool:
@@ -175,7 +210,7 @@ def _per_event(payload: bytes, forms: tuple[Callable[[Any], Any], ...]) -> Event
             except _DecodeErrors as exc:
                 why = why or exc  # the engine's own form first: its error is the useful one
                 continue
-            events.append(ev if type(ev) in (Stored, Removed, Cleared) else _from_array(ev))
+            events.append(_from_array(ev))
             break
         else:
             if not _unknown_tag(item):
@@ -183,40 +218,49 @@ def _per_event(payload: bytes, forms: tuple[Callable[[Any], Any], ...]) -> Event
     return EventBatch(raw.ts, events, raw.dp_rank)
 
 
+def _converted(decode: Callable[[bytes], Any], payload: bytes) -> EventBatch:
+    b = decode(payload)
+    return EventBatch(b.ts, [_from_array(e) for e in b.events], b.dp_rank)
+
+
 def decode_map_form(payload: bytes) -> EventBatch:
-    """vLLM / ATOM / simulator payload: map-form events (array-form events also accepted)."""
+    """vLLM / simulator payload: map-form events first (array-form and bigram events also accepted)."""
     try:
         return _map_batch(payload)
     except _DecodeErrors:
         pass
     try:
-        b = _array_batch(payload)
-        return EventBatch(b.ts, [_from_array(e) for e in b.events], b.dp_rank)
+        return _converted(_array_batch, payload)
     except _DecodeErrors:
         pass
-    return _per_event(payload, (_map_event, _array_event, _bigram_event))
+    return _per_event(payload, (_map_event, _array_event, _map_bigram_event, _bigram_event))
 
 
 def decode_array_form(payload: bytes) -> EventBatch:
-    """SGLang / older-vLLM payload: array-form events (bigram tokens flattened; map form also accepted)."""
+    """SGLang / ATOM payload, whichever form the release writes: SGLang <= 0.5.19 and ATOM send
+    array-form events, SGLang >= 0.5.22 map-form ones; either may carry bigram token pairs
+    (flattened)."""
     try:
-        b = _array_batch(payload)
-        return EventBatch(b.ts, [_from_array(e) for e in b.events], b.dp_rank)
+        return _converted(_array_batch, payload)
     except _DecodeErrors:
         pass
     try:
-        b = _bigram_batch(payload)
-        return EventBatch(b.ts, [_from_array(e) for e in b.events], b.dp_rank)
+        return _map_batch(payload)
     except _DecodeErrors:
         pass
-    return _per_event(payload, (_array_event, _bigram_event, _map_event))
+    for decode in (_map_bigram_batch, _bigram_batch):
+        try:
+            return _converted(decode, payload)
+        except _DecodeErrors:
+            pass
+    return _per_event(payload, (_array_event, _map_event, _map_bigram_event, _bigram_event))
 
 
 decode_sglang = decode_array_form
 
 ENGINES: dict[str, Callable[[bytes], EventBatch]] = {
     "vllm": decode_map_form,
-    "atom": decode_map_form,
+    "atom": decode_array_form,
     "sim": decode_map_form,
     "sglang": decode_array_form,
 }

@@ -1,5 +1,6 @@
-"""KV-event payload decoders: golden wire fixtures (real vLLM captures, synthesized SGLang & co.),
-map and array forms, bigram flattening, unknown event types, malformed payloads."""
+"""KV-event payload decoders: golden wire fixtures (real vLLM captures; SGLang and ATOM payloads
+encoded with their releases' own schemas, see tests/fixtures/kv_events/README.md), map and array
+forms, bigram flattening, media, unknown event types, malformed payloads."""
 from __future__ import annotations
 
 import json
@@ -34,9 +35,9 @@ def _vllm_cases():
 def _normalize_vllm(ev: dict):
     if ev["type"] == "BlockStored":
         return Stored([_key(h) for h in ev["block_hashes"]], _key(ev["parent_block_hash"]), ev["token_ids"],
-                      ev["block_size"], ev["kv_cache_spec_kind"])
+                      ev["block_size"], ev["kv_cache_spec_kind"], ev["medium"])
     if ev["type"] == "BlockRemoved":
-        return Removed([_key(h) for h in ev["block_hashes"]])
+        return Removed([_key(h) for h in ev["block_hashes"]], ev["medium"])
     assert ev["type"] == "AllBlocksCleared"
     return Cleared()
 
@@ -44,10 +45,10 @@ def _normalize_vllm(ev: dict):
 def _normalize_synthetic(ev: dict):
     if ev["type"] == "Stored":
         return Stored([_key(h) for h in ev["block_hashes"]], _key(ev["parent"]), ev["token_ids"], ev["block_size"],
-                      ev["spec_kind"])
+                      ev["spec_kind"], ev["medium"])
     if ev["type"] == "Removed":
-        return Removed([_key(h) for h in ev["block_hashes"]])
-    return Cleared()
+        return Removed([_key(h) for h in ev["block_hashes"]], ev["medium"])
+    return Cleared(ev["medium"])
 
 
 @pytest.mark.parametrize("batch", list(_vllm_cases()))
@@ -118,8 +119,10 @@ def test_both_decoders_accept_every_form(name):
 
 
 def test_decoder_for_engines():
-    assert decoder_for("vllm") is decoder_for("atom") is decoder_for("sim") is decode_map_form
-    assert decoder_for("sglang") is decode_array_form
+    assert decoder_for("vllm") is decoder_for("sim") is decode_map_form
+    # SGLang switched to map-form events in 0.5.22, ATOM v0.1.5 publishes arrays: one decoder
+    # that tries both, arrays first.
+    assert decoder_for("sglang") is decoder_for("atom") is decode_array_form
     with pytest.raises(ValueError, match="trtllm"):
         decoder_for("trtllm")
 
@@ -134,15 +137,17 @@ WANT_STORED = Stored([1, 2], None, [5, 6, 7, 8], 2, None)
     ([MAP_STORED], [WANT_STORED]),
     ([{**MAP_STORED, "medium": "GPU", "group_idx": 3, "kv_cache_spec_kind": "mla_attention", "extra_keys": [None, None],
        "lora_name": None, "locality": "LOCAL", "brand_new_field": {"x": [1]}}],
-     [Stored([1, 2], None, [5, 6, 7, 8], 2, "mla_attention")]),
+     [Stored([1, 2], None, [5, 6, 7, 8], 2, "mla_attention", "GPU")]),
     ([{"type": "BlockStored", "block_hashes": [b"\x01" * 32], "parent_block_hash": b"\x02" * 32, "token_ids": [1, 2],
        "block_size": 2}], [Stored([b"\x01" * 32], b"\x02" * 32, [1, 2], 2)]),  # lora_id omitted
     ([{"type": "BlockRemoved", "block_hashes": [9]}, {"type": "BlockRemoved", "block_hashes": [8], "medium": "CPU"},
-      {"type": "AllBlocksCleared"}], [Removed([9]), Removed([8]), Cleared()]),
+      {"type": "AllBlocksCleared"}], [Removed([9]), Removed([8], "CPU"), Cleared()]),
     ([ARRAY_STORED], [WANT_STORED]),
     ([["BlockStored", [1, 2], None, [5, 6, 7, 8], 2]], [WANT_STORED]),  # lora_id omitted
-    ([ARRAY_STORED + ["GPU", None, [None], 0, "full_attention", "extra"]], [WANT_STORED]),  # trailing items ignored
-    ([["BlockRemoved", [3]], ["BlockRemoved", [4], "GPU"], ["AllBlocksCleared"]], [Removed([3]), Removed([4]), Cleared()]),
+    ([ARRAY_STORED + ["GPU", None, [None], 0, "full_attention", "extra"]],  # trailing items ignored
+     [Stored([1, 2], None, [5, 6, 7, 8], 2, None, "GPU")]),
+    ([["BlockRemoved", [3]], ["BlockRemoved", [4], "GPU"], ["AllBlocksCleared"], ["AllBlocksCleared", "CPU"]],
+     [Removed([3]), Removed([4], "GPU"), Cleared(), Cleared("CPU")]),
     ([MAP_STORED, ARRAY_STORED, ["AllBlocksCleared"], {"type": "AllBlocksCleared"}],  # mixed forms in one batch
      [WANT_STORED, WANT_STORED, Cleared(), Cleared()]),
     ([], []),
@@ -165,7 +170,12 @@ def test_batch_without_rank_and_with_null_rank(engine):
 def test_sglang_bigram_tokens_take_first_element(engine):
     pairs = [[10, 11], [11, 12], [12, 13], [13, 14]]
     got = decoder_for(engine)(pack([1.0, [["BlockStored", [7, 8], 6, pairs, 2, None, "GPU"], ["BlockRemoved", [5]]], 0]))
-    assert got.events == [Stored([7, 8], 6, [10, 11, 12, 13], 2), Removed([5])]
+    assert got.events == [Stored([7, 8], 6, [10, 11, 12, 13], 2, None, "GPU"), Removed([5])]
+    # SGLang >= 0.5.22 sends the same pairs inside a map-form event
+    as_map = {**MAP_STORED, "block_hashes": [7, 8], "parent_block_hash": 6, "token_ids": pairs, "medium": "GPU",
+              "cache_salt": "s"}
+    got = decoder_for(engine)(pack([1.0, [as_map, {"type": "BlockRemoved", "block_hashes": [5]}], 0]))
+    assert got.events == [Stored([7, 8], 6, [10, 11, 12, 13], 2, None, "GPU"), Removed([5])]
     mixed = [10, [11, 12], 12, [13, 14]]  # a mix of ints and pairs flattens too
     got = decoder_for(engine)(pack([1.0, [["BlockStored", [7, 8], None, mixed, 2, None]]]))
     assert got.events[0].token_ids == [10, 11, 12, 13]

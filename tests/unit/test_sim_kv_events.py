@@ -1,9 +1,10 @@
-"""The simulator's KV-event encoding: vLLM maps, SGLang arrays, engine hashes, seq, replay buffer,
-and the sim launcher's KV-event flags."""
+"""The simulator's KV-event encoding: vLLM 0.32 and SGLang 0.5.23 maps (checked against those
+engines' own schemas), engine hashes, seq, replay buffer, and the sim launcher's KV-event flags."""
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -13,7 +14,10 @@ from infera.engine.sim.kv_events import (ClearedEvent, KvEventPublisher, KvEvent
                                          binds, encode_batch, engine_root_hash, parse_kv_events_config)
 from infera.engine.sim.scheduler import Scheduler
 from infera.engine.sim.server import parse_args
+from tests.fixtures.kv_events import wire_schemas
 from tests.unit.sim_launcher_fakes import FakeSimSession, prepare
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kv_events"
 
 BS = 4
 
@@ -54,6 +58,15 @@ def test_config_sglang_schema():
     cfg = KvEventsConfig.from_dict({"publisher": "zmq", "endpoint": "tcp://*:9", "topic": "kv-events"}, sglang=True)
     assert cfg.enabled and cfg.replay_endpoint is None
     assert not KvEventsConfig.from_dict({"endpoint": "tcp://*:9"}, sglang=True).enabled
+    # SGLang 0.5.23's own fields: bind (force bind/connect) and format
+    cfg = KvEventsConfig.from_dict({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:9", "bind": True,
+                                    "format": "dynamo"}, sglang=True)
+    assert (cfg.bind, cfg.format) == (True, "dynamo")
+    for bad in ({"bind": "yes"}, {"format": "msgpack"}):
+        with pytest.raises(ValueError):
+            KvEventsConfig.from_dict({"publisher": "zmq", **bad}, sglang=True)
+    with pytest.raises(ValueError, match="unknown field"):  # not vLLM's
+        KvEventsConfig.from_dict({"enable_kv_cache_events": True, "bind": True})
 
 
 def test_sim_server_flag():
@@ -68,6 +81,13 @@ def test_sim_server_flag():
                                              ("inproc://x", True), ("tcp://10.0.0.1:5557", False)])
 def test_bind_or_connect(endpoint, bound):
     assert binds(endpoint) is bound
+    assert binds(endpoint, "sglang") is bound
+
+
+def test_sglang_binds_0_0_0_0_and_obeys_bind():
+    assert binds("tcp://0.0.0.0:5557", "sglang") and not binds("tcp://0.0.0.0:5557", "vllm")
+    assert binds("tcp://127.0.0.1:5557", "sglang", bind=True)
+    assert not binds("tcp://*:5557", "sglang", bind=False)
 
 
 # -- encoding -------------------------------------------------------------------------------------------
@@ -77,23 +97,50 @@ def test_vllm_batch_is_array_of_ts_events_rank_with_tagged_maps():
               StoredEvent([13], 12, [1, 2, 3, 4], BS)]
     batch = decode(encode_batch(events, "vllm", ts=12.5, dp_rank=3))
     assert batch[0] == 12.5 and batch[2] == 3
+    # Key for key what vLLM 0.32 writes for a full-attention model (its real captures in
+    # tests/fixtures/kv_events/vllm_seq*.msgpack have these keys).
+    stored = {"type": "BlockStored", "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 0,
+              "kv_cache_spec_kind": "full_attention", "block_size": BS}
     assert batch[1] == [
-        {"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": None, "token_ids": list(range(8)),
-         "block_size": BS, "lora_id": None, "medium": "GPU"},
-        {"type": "BlockRemoved", "block_hashes": [11], "medium": "GPU"},
+        {**stored, "block_hashes": [11, 12], "parent_block_hash": None, "token_ids": list(range(8)),
+         "extra_keys": [None, None]},
+        {"type": "BlockRemoved", "block_hashes": [11], "medium": "GPU", "group_idx": 0},
         {"type": "AllBlocksCleared"},
-        {"type": "BlockStored", "block_hashes": [13], "parent_block_hash": 12, "token_ids": [1, 2, 3, 4],
-         "block_size": BS, "lora_id": None, "medium": "GPU"},
+        {**stored, "block_hashes": [13], "parent_block_hash": 12, "token_ids": [1, 2, 3, 4], "extra_keys": [None]},
     ]
 
 
-def test_sglang_batch_uses_tagged_arrays():
+def test_vllm_batch_has_the_keys_of_a_real_vllm_capture():
+    real = decode((FIXTURES / "vllm_seq006.msgpack").read_bytes())
+    real_kinds = {e["type"]: set(e) for e in real[1]}
+    ours = decode(encode_batch([StoredEvent([1], None, [1, 2, 3, 4], BS), ClearedEvent()], "vllm", ts=1.0))
+    assert {e["type"]: set(e) for e in ours[1]} == real_kinds
+    removed_real = decode((FIXTURES / "vllm_seq004.msgpack").read_bytes())[1][0]
+    removed_ours = decode(encode_batch([RemovedEvent([1])], "vllm", ts=1.0))[1][0]
+    assert set(removed_ours) == set(removed_real) and removed_real["type"] == "BlockRemoved"
+
+
+def test_sglang_batch_uses_sglang_0_5_23_tagged_maps_and_signed_hashes():
     events = [StoredEvent([2**64 - 1], 7, [1, 2, 3, 4], BS), RemovedEvent([2**64 - 1]), ClearedEvent()]
     batch = decode(encode_batch(events, "sglang", ts=1.0))
-    assert batch == [1.0, [["BlockStored", [2**64 - 1], 7, [1, 2, 3, 4], BS, None, "GPU"],
-                           ["BlockRemoved", [2**64 - 1], "GPU"], ["AllBlocksCleared"]], 0]
+    assert batch == [1.0, [{"type": "BlockStored", "block_hashes": [-1], "parent_block_hash": 7,
+                            "token_ids": [1, 2, 3, 4], "block_size": BS, "lora_id": None, "medium": "GPU"},
+                           {"type": "BlockRemoved", "block_hashes": [-1], "medium": "GPU"},
+                           {"type": "AllBlocksCleared"}], 0]
     with pytest.raises(ValueError):
         encode_batch(events, "trt")
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+def test_both_formats_decode_with_the_engines_own_schema(fmt):
+    """The engines' structs (mirrored field for field by the fixture generator) accept the sim's bytes."""
+    schema = wire_schemas.VLLM_0_32 if fmt == "vllm" else wire_schemas.SGLANG_0_5_23
+    events = [StoredEvent([2**63 + 5, 3], None, list(range(8)), BS), RemovedEvent([3]), ClearedEvent()]
+    got = msgspec.msgpack.decode(encode_batch(events, fmt, ts=2.0, dp_rank=1), type=schema.KVEventBatch)
+    stored, removed, cleared = got.events
+    assert type(stored) is schema.BlockStored and type(removed) is schema.BlockRemoved
+    assert type(cleared) is schema.AllBlocksCleared
+    assert stored.token_ids == list(range(8)) and stored.block_size == BS and stored.medium == "GPU"
 
 
 # -- the publisher over a real cache --------------------------------------------------------------------
@@ -146,8 +193,9 @@ def test_sglang_publisher_over_a_cache():
     cache.allocate("a", list(range(10, 10 + BS)))
     pub.flush()
     [ev] = events_of(pub, 0)
-    assert ev[0] == "BlockStored" and ev[2] is None and ev[3] == list(range(10, 10 + BS)) and ev[4:] == [BS, None,
-                                                                                                         "GPU"]
+    assert ev["type"] == "BlockStored" and ev["parent_block_hash"] is None
+    assert ev["token_ids"] == list(range(10, 10 + BS)) and (ev["block_size"], ev["lora_id"], ev["medium"]) == (BS, None, "GPU")
+    assert all(-(1 << 63) <= h < (1 << 63) for h in ev["block_hashes"])  # SGLang's signed int64 hashes
 
 
 def test_replay_buffer_is_bounded():

@@ -6,15 +6,31 @@ enter the cache, when a cached block is evicted and when the whole cache is rese
 scheduler step that produced any, publishes them as ONE batch on a ZMQ PUB socket:
 
 * multipart ``[topic, seq (8-byte big-endian), payload]``; ``seq`` starts at 0, +1 per batch;
-* payload: msgpack ``[ts, [events...], dp_rank]``. vLLM events are maps tagged ``"type"``
-  (``{"type": "BlockStored", "block_hashes": [...], "parent_block_hash": int|None,
-  "token_ids": [...], "block_size": N, "lora_id": None, "medium": "GPU"}``, ``BlockRemoved``,
-  ``AllBlocksCleared``); SGLang events are arrays tagged by their first element
-  (``["BlockStored", hashes, parent, token_ids, block_size, lora_id, "GPU"]``,
-  ``["BlockRemoved", hashes, "GPU"]``, ``["AllBlocksCleared"]``).
+* payload: msgpack ``[ts, [events...], dp_rank]``; events are maps tagged ``"type"`` in both
+  formats, field for field what each engine writes for a plain full-attention model (checked
+  against the engines' own msgspec structs, see ``tests/fixtures/kv_events/README.md``):
+
+  - vLLM 0.32 (``vllm/distributed/kv_events.py``): ``{"type": "BlockStored", "block_hashes": [...],
+    "parent_block_hash": int|None, "token_ids": [...], "block_size": N, "lora_id": None,
+    "medium": "GPU", "lora_name": None, "extra_keys": [None per block], "group_idx": 0,
+    "kv_cache_spec_kind": "full_attention"}``, ``{"type": "BlockRemoved", "block_hashes": [...],
+    "medium": "GPU", "group_idx": 0}``, ``{"type": "AllBlocksCleared"}``;
+  - SGLang 0.5.23 (``sglang/srt/disaggregation/kv_events.py``): ``{"type": "BlockStored",
+    "block_hashes": [...], "parent_block_hash": ..., "token_ids": [...], "block_size": N,
+    "lora_id": None, "medium": "GPU"}``, ``{"type": "BlockRemoved", "block_hashes": [...],
+    "medium": "GPU"}``, ``{"type": "AllBlocksCleared"}``, with block hashes as signed 64-bit
+    integers (SGLang's ``hash_str_to_int64``). SGLang up to 0.5.19 sent tagged arrays instead;
+    the simulator speaks the current release.
+* ATOM v0.1.5 (``atom/distributed/kv_events.py``, format ``"atom"``) differs on the wire: events
+  are tagged **arrays** with every field written (``["BlockStored", hashes, parent, token_ids,
+  block_size, None, "GPU", None, None, None, None, None]``, ``["BlockRemoved", hashes, "GPU",
+  None]``, ``["AllBlocksCleared", None]``), each message is ``[topic, payload]`` or just
+  ``[payload]`` when the topic is empty (no sequence frame), the endpoint is always bound and
+  there is no replay socket.
 * Replay (``replay_endpoint``): a ROUTER socket. A DEALER sends ``[b"", start_seq (8-byte BE)]``
   and gets ``[b"", topic, seq, payload]`` for each buffered batch (the last ``buffer_steps``) with
-  ``seq >= start_seq``, then the end marker ``[b"", b"", (-1 as 8-byte signed BE), b""]``.
+  ``seq >= start_seq``, then the end marker ``[b"", b"", (-1 as 8-byte signed BE), b""]``
+  (vLLM 0.32 and SGLang 0.5.23 alike).
 
 Engine hashes are NOT the router's hashes. The cache chains XXH3 from parent 0 -- the router's own
 hash space -- so announcing those would let a router "work" while trusting engine hashes. Events
@@ -45,7 +61,7 @@ from .cache import KVCache, hash_chunk
 
 log = logging.getLogger("infera.engine.sim.kv_events")
 
-FORMATS = ("vllm", "sglang")
+FORMATS = ("vllm", "sglang", "atom")
 MEDIUM = "GPU"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _U64 = (1 << 64) - 1
@@ -54,9 +70,17 @@ _U64 = (1 << 64) - 1
 # ================================================================================ config
 
 
+# SGLang 0.5.23's KVEventsConfig adds these two to vLLM's fields (and has no enable_kv_cache_events).
+SGLANG_ONLY_FIELDS = frozenset({"bind", "format"})
+SGLANG_EVENT_FORMATS = ("default", "dynamo")
+
+
 @dataclass(frozen=True)
 class KvEventsConfig:
-    """vLLM's ``KVEventsConfig`` (SGLang's has the same fields minus ``enable_kv_cache_events``)."""
+    """vLLM 0.32's ``KVEventsConfig``; SGLang 0.5.23's has the same fields minus
+    ``enable_kv_cache_events``, plus ``bind`` (true/false forces bind/connect, null infers it from
+    the endpoint) and ``format`` ("dynamo" namespaces hashes by LoRA/salt, which the simulator
+    never has, so both formats are the same bytes here)."""
 
     enable_kv_cache_events: bool = False
     publisher: str = "null"
@@ -66,6 +90,8 @@ class KvEventsConfig:
     hwm: int = 100000
     max_queue_size: int = 100000
     topic: str = ""
+    bind: bool | None = None
+    format: str = "default"
 
     @property
     def enabled(self) -> bool:
@@ -77,7 +103,7 @@ class KvEventsConfig:
         publisher defaults to "zmq" when enabled. SGLang: a "zmq" publisher alone enables them."""
         if not isinstance(obj, dict):
             raise ValueError("must be a JSON object")
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - (set() if sglang else SGLANG_ONLY_FIELDS)
         unknown = sorted(set(obj) - known)
         if unknown:
             raise ValueError(f"unknown field(s): {', '.join(unknown)}")
@@ -102,6 +128,10 @@ class KvEventsConfig:
                 raise ValueError(f"{name} must be an integer >= 1")
         if not isinstance(cfg.topic, str):
             raise ValueError("topic must be a string")
+        if cfg.bind is not None and not isinstance(cfg.bind, bool):
+            raise ValueError("bind must be a boolean or null")
+        if cfg.format not in SGLANG_EVENT_FORMATS:
+            raise ValueError(f"format must be one of {', '.join(SGLANG_EVENT_FORMATS)}, got {cfg.format!r}")
         return cfg
 
 
@@ -109,10 +139,18 @@ class KvEventsConfig:
 parse_kv_events_config = json_config(KvEventsConfig.from_dict)
 
 
-def binds(endpoint: str) -> bool:
-    """vLLM's rule for the PUB socket: wildcard, IPv6-any, ipc:// and inproc:// endpoints are
-    bound, others connected. ``tcp://*:0;<ip>:<port>`` (libzmq's source;address form) passes it
-    and binds ``<ip>:<port>`` only: the launchers inject that to keep events off other interfaces."""
+def binds(endpoint: str, fmt: str = "vllm", bind: bool | None = None) -> bool:
+    """The engine's rule for the PUB socket: wildcard, IPv6-any, ipc:// and inproc:// endpoints are
+    bound, others connected; SGLang 0.5.23 also binds ``0.0.0.0`` and lets ``bind`` decide
+    outright. ``tcp://*:0;<ip>:<port>`` (libzmq's source;address form) passes the rule and binds
+    ``<ip>:<port>`` only: the launchers inject that to keep events off other interfaces."""
+    if fmt == "atom":
+        return True  # ATOM's ZmqEventPublisher always binds
+    if fmt == "sglang":
+        if bind is not None:
+            return bind
+        if "0.0.0.0" in endpoint:
+            return True
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
@@ -120,24 +158,33 @@ def binds(endpoint: str) -> bool:
 
 
 class VllmBlockStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
+    # vLLM 0.32 BlockStored: lora_id, medium and lora_name have no default (always written); the
+    # rest is what it writes for a full-attention model's only KV-cache group.
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
     medium: str
+    lora_name: str | None
+    extra_keys: list[None]
+    group_idx: int
+    kv_cache_spec_kind: str
 
 
 class VllmBlockRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved"):
     block_hashes: list[int]
     medium: str
+    group_idx: int
 
 
 class VllmAllBlocksCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared"):
     pass
 
 
-class SglangBlockStored(msgspec.Struct, array_like=True, tag="BlockStored"):
+class SglangBlockStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
+    # SGLang 0.5.23 BlockStored (omit_defaults): lora_id has no default (written as None); medium
+    # is set; cache_salt, session_id and lora_name are None for plain requests, so omitted.
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
@@ -146,26 +193,102 @@ class SglangBlockStored(msgspec.Struct, array_like=True, tag="BlockStored"):
     medium: str
 
 
-class SglangBlockRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
+class SglangBlockRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved"):
     block_hashes: list[int]
     medium: str
 
 
-class SglangAllBlocksCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
+class SglangAllBlocksCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared"):
     pass
+
+
+class AtomBlockStored(msgspec.Struct, array_like=True, tag="BlockStored"):
+    # ATOM v0.1.5 BlockStored: array_like, so its defaulted fields are written too
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = MEDIUM
+    lora_name: str | None = None
+    extra_keys: list | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class AtomBlockRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None = MEDIUM
+    group_idx: int | None = None
+
+
+class AtomAllBlocksCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
+    medium: str | None = None  # None: every medium
 
 
 class EventBatch(msgspec.Struct, array_like=True):
     ts: float
     events: list[Any]
-    data_parallel_rank: int
+    data_parallel_rank: int  # SGLang calls it attn_dp_rank; the same third slot
 
 
-_STRUCTS = {
-    "vllm": (VllmBlockStored, VllmBlockRemoved, VllmAllBlocksCleared),
-    "sglang": (SglangBlockStored, SglangBlockRemoved, SglangAllBlocksCleared),
-}
+VLLM_GROUP_IDX = 0
+VLLM_SPEC_KIND = "full_attention"
 _encode = msgspec.msgpack.Encoder().encode
+
+
+def _signed64(h: int) -> int:
+    """SGLang publishes block hashes as signed 64-bit integers."""
+    return h - (1 << 64) if h >= (1 << 63) else h
+
+
+def _vllm_events(events: Iterable["SimEvent"]) -> list[Any]:
+    out: list[Any] = []
+    for ev in events:
+        if isinstance(ev, StoredEvent):
+            out.append(VllmBlockStored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, None,
+                                       MEDIUM, None, [None] * len(ev.block_hashes), VLLM_GROUP_IDX, VLLM_SPEC_KIND))
+        elif isinstance(ev, RemovedEvent):
+            out.append(VllmBlockRemoved(ev.block_hashes, MEDIUM, VLLM_GROUP_IDX))
+        elif isinstance(ev, ClearedEvent):
+            out.append(VllmAllBlocksCleared())
+        else:
+            raise TypeError(f"not a KV event: {ev!r}")
+    return out
+
+
+def _sglang_events(events: Iterable["SimEvent"]) -> list[Any]:
+    out: list[Any] = []
+    for ev in events:
+        if isinstance(ev, StoredEvent):
+            parent = None if ev.parent_block_hash is None else _signed64(ev.parent_block_hash)
+            out.append(SglangBlockStored([_signed64(h) for h in ev.block_hashes], parent, ev.token_ids,
+                                         ev.block_size, None, MEDIUM))
+        elif isinstance(ev, RemovedEvent):
+            out.append(SglangBlockRemoved([_signed64(h) for h in ev.block_hashes], MEDIUM))
+        elif isinstance(ev, ClearedEvent):
+            out.append(SglangAllBlocksCleared())
+        else:
+            raise TypeError(f"not a KV event: {ev!r}")
+    return out
+
+
+def _atom_events(events: Iterable["SimEvent"]) -> list[Any]:
+    out: list[Any] = []
+    for ev in events:
+        if isinstance(ev, StoredEvent):
+            out.append(AtomBlockStored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size))
+        elif isinstance(ev, RemovedEvent):
+            out.append(AtomBlockRemoved(ev.block_hashes))
+        elif isinstance(ev, ClearedEvent):
+            out.append(AtomAllBlocksCleared())
+        else:
+            raise TypeError(f"not a KV event: {ev!r}")
+    return out
+
+
+_FORMATS = {"vllm": _vllm_events, "sglang": _sglang_events, "atom": _atom_events}
 
 
 @dataclass
@@ -192,22 +315,13 @@ SimEvent = StoredEvent | RemovedEvent | ClearedEvent
 
 def encode_batch(events: Iterable[SimEvent], fmt: str = "vllm", *, ts: float | None = None,
                  dp_rank: int = 0) -> bytes:
-    """msgpack ``[ts, [events], dp_rank]`` with vLLM (tagged maps) or SGLang (tagged arrays) events."""
+    """msgpack ``[ts, [events], dp_rank]`` with vLLM 0.32 / SGLang 0.5.23 events (tagged maps) or
+    ATOM v0.1.5 ones (tagged arrays)."""
     try:
-        stored, removed, cleared = _STRUCTS[fmt]
+        to_wire = _FORMATS[fmt]
     except KeyError:
         raise ValueError(f"unknown KV-event format {fmt!r} (choose from {', '.join(FORMATS)})") from None
-    out: list[Any] = []
-    for ev in events:
-        if isinstance(ev, StoredEvent):
-            out.append(stored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, None, MEDIUM))
-        elif isinstance(ev, RemovedEvent):
-            out.append(removed(ev.block_hashes, MEDIUM))
-        elif isinstance(ev, ClearedEvent):
-            out.append(cleared())
-        else:
-            raise TypeError(f"not a KV event: {ev!r}")
-    return _encode(EventBatch(time.time() if ts is None else ts, out, dp_rank))
+    return _encode(EventBatch(time.time() if ts is None else ts, to_wire(events), dp_rank))
 
 
 # ================================================================================ engine hashes
@@ -360,7 +474,11 @@ class KvEventPublisher:
         self._buffer.append((seq, payload))
         pub = self._pub
         if pub is not None and not pub.closed:
-            fut = pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload], copy=False)
+            if self.fmt == "atom":  # no sequence frame, and no topic frame for an empty topic
+                frames = [self.topic, payload] if self.topic else [payload]
+            else:
+                frames = [self.topic, seq.to_bytes(8, "big"), payload]
+            fut = pub.send_multipart(frames, copy=False)
             fut.add_done_callback(self._sent)
         return seq
 
@@ -385,8 +503,9 @@ class KvEventPublisher:
             pub.setsockopt(zmq.LINGER, 0)
             pub.setsockopt(zmq.SNDHWM, self.config.hwm)
             self._pub = pub
-            self.endpoint = _open(pub, self.config.endpoint)
-            if self.config.replay_endpoint:
+            self.endpoint = _open(pub, self.config.endpoint,
+                                  bind=binds(self.config.endpoint, self.fmt, self.config.bind))
+            if self.config.replay_endpoint and self.fmt != "atom":  # ATOM has no replay socket
                 rep = self._ctx.socket(zmq.ROUTER)
                 rep.setsockopt(zmq.LINGER, 0)
                 rep.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full pipe waits instead of dropping replies
@@ -434,8 +553,8 @@ class KvEventPublisher:
                 log.info("KV-event replay from %d abandoned: %s", start, exc)
 
 
-def _open(sock: zmq.asyncio.Socket, endpoint: str, bind: bool = False) -> str:
-    if bind or binds(endpoint):
+def _open(sock: zmq.asyncio.Socket, endpoint: str, bind: bool) -> str:
+    if bind:
         sock.bind(endpoint)
         return sock.getsockopt_string(zmq.LAST_ENDPOINT)
     sock.connect(endpoint)
