@@ -235,6 +235,10 @@ async def test_aborting_a_waiting_decode_releases_its_imported_kv():
     (["--disaggregation-mode", "null"], None, None, None),
     (["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", "9100"], "prefill", 9100, "mooncake"),
     (["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "nixl"], "decode", 8998, "nixl"),
+    # SGLang 0.5.23 added these two to its choices
+    (["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mooncake_tcp"], "decode", 8998,
+     "mooncake_tcp"),
+    (["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "fake"], "prefill", 8998, "fake"),
 ])
 def test_standin_pd_flags(argv, mode, port, backend):
     args, flavor = sglang_standin.parse_standin_args(["--model-path", "m", *argv])

@@ -57,14 +57,18 @@ KV_TRANSFER_CONFIG_FIELDS = frozenset({
     "enable_permute_local_kv", "kv_load_failure_policy",
 })
 SGLANG_DISAGGREGATION_MODES = ("null", "prefill", "decode")
-SGLANG_TRANSFER_BACKENDS = ("mooncake", "nixl", "mori", "ascend")
+# SGLang 0.5.23's DISAGG_TRANSFER_BACKEND_CHOICES (sglang/srt/arg_groups/choices.py).
+SGLANG_TRANSFER_BACKENDS = ("mooncake", "nixl", "ascend", "fake", "mori", "mooncake_tcp")
 
 KV_PULL_PATH = "/sim/kv/pull"
 KV_FETCH_PATH = "/sim/kv/fetch"
 
 DEFAULT_KV_TRANSFER_BANDWIDTH_GBPS = 25.0
 DEFAULT_KV_BYTES_PER_TOKEN = 131072  # Llama-3-8B, bf16: 32 layers x 8 KV heads x 128 dims x 2 (K,V) x 2 bytes
-VLLM_KV_HOLD_TIMEOUT_S = 480.0  # VLLM_NIXL_ABORT_REQUEST_TIMEOUT
+# vLLM 0.32's NIXL prefill keeps blocks under a 30 s lease (kv_lease_duration) that the decode's
+# heartbeats renew; the simulator has no heartbeats, so it holds them a fixed time: the 480 s of
+# the older VLLM_NIXL_ABORT_REQUEST_TIMEOUT (and of 0.32's decoder_kv_blocks_ttl).
+VLLM_KV_HOLD_TIMEOUT_S = 480.0
 VLLM_KV_TRANSFER_TIMEOUT_S = 30.0
 SGLANG_KV_HOLD_TIMEOUT_S = 300.0  # SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT
 SGLANG_KV_TRANSFER_TIMEOUT_S = 300.0  # SGLANG_DISAGGREGATION_WAITING_TIMEOUT

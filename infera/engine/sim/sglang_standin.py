@@ -16,8 +16,9 @@ KV there; a decode fetches it (``--kv-transfer-timeout``) before decoding. Both 
 ``bootstrap_host``/``bootstrap_port``/``bootstrap_room`` in every request (else 400).
 ``--disaggregation-transfer-backend`` is validated and otherwise ignored; the transfer is modelled
 by ``--kv-transfer-bandwidth`` and ``--kv-bytes-per-token``. ``--kv-events-config`` with a
-``"zmq"`` publisher publishes the simulated cache's real KV events in SGLang's format (events as
-tagged arrays, batch ``[ts, events, dp_rank]``) on ``endpoint``. The stand-in runs one engine, so
+``"zmq"`` publisher publishes the simulated cache's real KV events in SGLang 0.5.23's format (events
+as ``"type"``-tagged maps, signed 64-bit block hashes, batch ``[ts, events, dp_rank]``; see
+``kv_events.py``) on ``endpoint``. The stand-in runs one engine, so
 with ``--dp-size N`` only rank 0 publishes (on the endpoint's port itself).
 """
 from __future__ import annotations
@@ -77,6 +78,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-config", type=json_object, default=None)
     p.add_argument("--mem-fraction-static", type=float, default=None)
     p.add_argument("--trust-remote-code", action="store_true")
+    # Flags the launcher adds or passes through (SGLang's own; the stand-in has one node, one cache
+    # format and a radix cache on decode workers either way).
+    p.add_argument("--disaggregation-decode-enable-radix-cache", action="store_true")
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--nnodes", type=positive_int, default=1)
     add_sim_knobs(p)
     return p
 

@@ -4,6 +4,14 @@ The prefill leg is told where the decode engine listens (its host, HTTP and hand
 parallelism); its reply carries the handoff (with the ``transfer_id``) that the decode leg gets back
 verbatim, plus the prefill's parallelism and the DP rank that served it. The decode engine
 produces every output token, so its body keeps the client's limits.
+
+Checked against ATOM v0.1.5 (``atom/kv_transfer/disaggregation/mooncake/mooncake_connector.py``
+``request_finished``, ``types.py`` ``ConnectorMetadata._build_req_meta``): the prefill reply's
+``kv_transfer_params`` carry ``remote_host``, ``remote_handshake_port``, ``tp_size`` (the
+prefill's) and the prefill's ``dp_rank`` *inside* them; the decode engine reads ``tp_size`` (else
+``remote_tp_size``) as the prefill's TP degree and ``remote_dp_rank`` (default 0) to pick the
+prefill rank's handshake port. ATOM v0.1.5 also serves PD on ``/v1/chat/completions``; the chat
+refusal is kept until the router's tests move with it.
 """
 from __future__ import annotations
 
@@ -76,18 +84,23 @@ class AtomMooncakeProtocol:
     def decode_body(self, body: dict[str, Any], pair: PdPair,
                     prefill_reply: dict[str, Any] | None) -> dict[str, Any]:
         prefill = AtomWorkerParams.of(self.name, pair.prefill)
-        decode = AtomWorkerParams.of(self.name, pair.decode)
+        AtomWorkerParams.of(self.name, pair.decode)  # a decode record that cannot drive ATOM is refused here too
         handoff = reply_kv_transfer_params(self.name, prefill_reply)
         if handoff.get("transfer_id") is None:
             raise PdError(502, f"PD protocol {self.name}: the prefill reply's kv_transfer_params carry no "
                           "transfer_id", "handoff_missing")
         handoff["remote_dp_size"] = prefill.dp_size
         handoff["remote_tp_size"] = prefill.tp_size
-        if handoff.get("tp_size") is None:
-            handoff["tp_size"] = decode.tp_size
-        dp_rank = prefill_reply.get("dp_rank") if isinstance(prefill_reply, dict) else None
-        if is_int(dp_rank):
-            handoff["remote_dp_rank"] = dp_rank
+        if handoff.get("tp_size") is None:  # read before remote_tp_size: the prefill's, never the decode's
+            handoff["tp_size"] = prefill.tp_size
+        if not is_int(handoff.get("remote_dp_rank")):
+            # ATOM puts the serving rank inside kv_transfer_params; the reference's layout had it
+            # at the reply's top level.
+            dp_rank = handoff.get("dp_rank")
+            if not is_int(dp_rank) and isinstance(prefill_reply, dict):
+                dp_rank = prefill_reply.get("dp_rank")
+            if is_int(dp_rank):
+                handoff["remote_dp_rank"] = dp_rank
         out = copy.deepcopy(body)
         out["kv_transfer_params"] = handoff
         return out

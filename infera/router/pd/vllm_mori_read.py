@@ -1,8 +1,9 @@
 """``vllm-mori-read``: vLLM's MoRIIOConnector in read mode, serial.
 
-The prefill leg runs first and answers with the engine id and block ids holding the prompt's KV;
-the decode engine reads them from there. The transfer id is minted for the prefill leg and kept
-in ``pair.state`` for the decode leg.
+The prefill leg runs first and answers with the engine id and block ids holding the prompt's KV
+(and its host, ports and DP rank); the decode leg carries that handoff on and the decode engine
+reads the blocks from there. The transfer id is minted for the prefill leg and kept in
+``pair.state`` for the decode leg.
 """
 from __future__ import annotations
 
@@ -44,6 +45,5 @@ class VllmMoriReadProtocol(ProtocolDefaults):
             raise PdError(502, f"PD protocol {self.name}: the prefill reply's kv_transfer_params lack "
                           "remote_engine_id or a remote_block_ids list", "handoff_missing")
         out = decode_remaining(body)
-        out["kv_transfer_params"] = _mori.decode_kv_transfer_params(
-            self.name, pair, transfer_id, remote_engine_id, remote_block_ids)
+        out["kv_transfer_params"] = _mori.decode_kv_transfer_params_from_handoff(self.name, pair, transfer_id, handoff)
         return out
