@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from infera.engine.sglang import adapter as sglang_adapter
 from infera.engine.sglang.adapter import SglangAdapter
 from tests.unit import launcher_helpers
 
@@ -9,6 +10,8 @@ from tests.unit import launcher_helpers
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
     monkeypatch.delenv("INFERA_ENABLE_KV_EVENTS", raising=False)
+    monkeypatch.delenv("INFERA_DEFAULT_KV_FP8", raising=False)
+    monkeypatch.setattr(sglang_adapter, "has_gpu", lambda: False)  # the GPU-host default: test_sglang_defaults.py
 
 
 def prepare(argv, *launcher_flags):

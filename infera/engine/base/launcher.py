@@ -5,6 +5,10 @@ keep alive → on SIGTERM/SIGINT: deregister first (stop receiving), drain in-fl
 stop the engine (SIGTERM, then SIGKILL after a grace), exit 0. If the engine dies on its own:
 deregister and exit with its code. The engine also gets PDEATHSIG so even a SIGKILLed launcher
 leaves no orphan.
+
+A follower (node rank > 0 of a multi-node engine, see ``follower.py``) runs the same engine
+command but only keeps the engine alive: no readiness wait (its node serves no API), no
+registration, no NATS plane; SIGTERM/SIGINT stops the engine, and its death ends the launcher.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from infera.config import add_flag, add_plane_flags, choice_of, non_negative_flo
 from infera.discovery import make_registration
 from infera.discovery.base import Registration
 from infera.discovery.record import WorkerRecord
+from infera.engine.base.follower import NodeRankError, is_follower, node_rank
 from infera.engine.base.preflight import PdSetup, pd_preflight
 from infera.engine.base.tokenizer_source import tokenizer_fields
 from infera.runtime import install_event_loop
@@ -66,6 +71,10 @@ class EngineAdapter(Protocol):
 
     def inflight(self, metrics_text: str) -> int | None:
         """Requests running + waiting, from the engine's /metrics; None if unreadable."""
+
+    # Optional: ``node_rank_flags``, the engine's own node-rank flags (SGLang: ("--node-rank",)).
+    # An adapter that has the attribute (even empty) takes part in the multinode follower gate
+    # (``LWS_WORKER_INDEX`` too); one without it (ATOM, sim) is never a follower.
 
 
 def build_launcher_parser(adapter: EngineAdapter, prog: str, environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
@@ -133,11 +142,12 @@ def default_advertise_host(engine_host: str | None) -> str:
 
 class Launcher:
     def __init__(self, adapter: EngineAdapter, args: argparse.Namespace, engine_argv: list[str],
-                 registration: Registration | None = None) -> None:
+                 registration: Registration | None = None, node_rank: int = 0) -> None:
         self.adapter = adapter
         self.args = args
         self.engine_argv = engine_argv
         self.registration = registration
+        self.node_rank = node_rank  # > 0: a follower (see follower.py)
         self.proc: asyncio.subprocess.Process | None = None
         self.spec: EngineProcessSpec | None = None
         self.record: WorkerRecord | None = None
@@ -261,7 +271,9 @@ class Launcher:
     def _on_signal(self, sig: int) -> None:
         self._signals += 1
         if self._signals == 1:
-            log.info("received %s: deregistering, draining, then stopping the engine", signal.Signals(sig).name)
+            what = "stopping the engine" if is_follower(self.node_rank) else \
+                "deregistering, draining, then stopping the engine"
+            log.info("received %s: %s", signal.Signals(sig).name, what)
             self._stop.set()
         else:
             log.warning("second signal: stopping the engine now")
@@ -273,6 +285,8 @@ class Launcher:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        if is_follower(self.node_rank):
+            return await self.run_follower()
         if self.registration is None:
             a = self.args
             self.registration = make_registration(a.discovery_backend, etcd_endpoint=a.etcd_endpoint,
@@ -334,6 +348,33 @@ class Launcher:
                 await self.stop_nats_plane()
                 await self.stop_engine()
                 await self.registration.close()
+
+    async def run_follower(self) -> int:
+        """Node rank > 0: start the engine, keep it alive until signalled, then stop it (§7.4).
+
+        The engine command is the leader's translation (same defaults), so every node runs the
+        engine with the same settings; the engine's API, if any, is never registered here.
+        """
+        log.info("node rank %d: follower of a multi-node %s engine; it is not registered and serves no "
+                 "routed traffic (the node-0 launcher does)", self.node_rank, self.adapter.engine)
+        try:
+            await self.start_engine()
+            assert self.proc is not None
+            engine_exit = asyncio.ensure_future(self.proc.wait())
+            stop_wait = asyncio.ensure_future(self._stop.wait())
+            await asyncio.wait({engine_exit, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+            if engine_exit.done():
+                stop_wait.cancel()
+                log.error("engine exited on its own with code %s", self.proc.returncode)
+                return _exit_code(self.proc.returncode)
+            engine_exit.cancel()
+            await self.stop_engine()
+            return 0
+        except Exception as exc:
+            log.error("follower launcher failed: %s", exc)
+            return 1
+        finally:
+            await self.stop_engine()
 
     # -- NATS plane --------------------------------------------------------------------------------------
     async def start_nats_plane(self) -> None:
@@ -423,19 +464,34 @@ def pd_preflight_problems(adapter: EngineAdapter, args: argparse.Namespace, engi
     return pd_preflight(setup, advertise, allow_tcp=args.disaggregation_allow_tcp, rdma_devices=rdma_devices)
 
 
+def launcher_node_rank(adapter: EngineAdapter, engine_argv: list[str], environ: Mapping[str, str],
+                       parser: argparse.ArgumentParser) -> int:
+    """This launcher's node rank for the follower gate (0 for engines outside it); a malformed
+    one is a usage error."""
+    flags = getattr(adapter, "node_rank_flags", None)
+    if flags is None:
+        return 0
+    try:
+        return node_rank(engine_argv, flags, environ)[0]
+    except NodeRankError as exc:
+        parser.error(str(exc))
+
+
 def launch(adapter: EngineAdapter, prog: str, argv: Sequence[str] | None = None) -> None:
     """Entry point body of ``python -m infera.engine.<engine>``."""
     parser = build_launcher_parser(adapter, prog)
     args, engine_argv = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
-    if args.discovery_backend == "etcd" and not args.etcd_endpoint:
-        parser.error("--etcd-endpoint (or INFERA_ETCD_ENDPOINT) is required with --discovery-backend etcd")
-    if args.discovery_backend == "kubernetes" and not args.k8s_pod_name:
-        parser.error("--k8s-pod-name (or POD_NAME, set from the Downward API) is required with --discovery-backend "
-                     "kubernetes: the worker's record goes on its own Pod")
+    rank = launcher_node_rank(adapter, engine_argv, os.environ, parser)
+    if not is_follower(rank):  # a follower never registers: it needs no discovery settings
+        if args.discovery_backend == "etcd" and not args.etcd_endpoint:
+            parser.error("--etcd-endpoint (or INFERA_ETCD_ENDPOINT) is required with --discovery-backend etcd")
+        if args.discovery_backend == "kubernetes" and not args.k8s_pod_name:
+            parser.error("--k8s-pod-name (or POD_NAME, set from the Downward API) is required with "
+                         "--discovery-backend kubernetes: the worker's record goes on its own Pod")
     problems = pd_preflight_problems(adapter, args, engine_argv)
     if problems:
         parser.error("PD preflight refused this worker:\n  - " + "\n  - ".join(problems))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_event_loop()
-    code = asyncio.run(Launcher(adapter, args, engine_argv).run())
+    code = asyncio.run(Launcher(adapter, args, engine_argv, node_rank=rank).run())
     sys.exit(code)

@@ -3,11 +3,21 @@
 Every flag the user gives goes to ``python -m sglang.launch_server`` verbatim and in order; Infera
 only appends what is missing:
 
-* ``--enable-metrics`` (the drain reads ``/metrics``; SGLang serves none without it), and
+* ``--enable-metrics`` (the drain reads ``/metrics``; SGLang serves none without it),
 * with KV events on (the default) and no user ``--kv-events-config``:
   ``--kv-events-config '{"publisher":"zmq","endpoint":"tcp://*:<free port>","topic":"kv-events"}'``.
   With ``--dp-size N`` (N > 1) a block of N consecutive free ports is reserved, because SGLang's
-  publisher of attention-DP rank r binds the configured port + r.
+  publisher of attention-DP rank r binds the configured port + r,
+* on a GPU host ``--kv-cache-dtype fp8_e4m3`` (``kv_dtype.py``: not over the user's own dtype,
+  not with ``INFERA_DEFAULT_KV_FP8=0``), and
+* for a decode worker on the mooncake transfer backend with KV events on:
+  ``--disaggregation-decode-enable-radix-cache``. SGLang's decode otherwise runs a chunk cache: it
+  keeps no prefixes, so it would publish no KV events and a KV-aware router would have nothing to
+  route decodes by. Not with a speculative algorithm (SGLang refuses the pair), nor over the
+  user's ``--disable-radix-cache`` or ``--enable-hisparse`` (also refused with it).
+
+A launcher with ``--node-rank`` > 0 (or ``LWS_WORKER_INDEX`` > 0) is a multinode follower: it
+runs the same engine command and never registers (``infera/engine/base/follower.py``).
 
 The record: ``model_name`` = ``--served-model-name`` or ``--model-path``; ``kv_block_size`` =
 ``--page-size`` (SGLang's default 1); ``dp_size`` when > 1; the PD role from
@@ -18,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from typing import Any, Sequence
 
 import aiohttp
@@ -26,6 +37,7 @@ from infera.config import add_flag, parse_bool
 from infera.engine.base.engine_config import http_ready, parse_json_flag
 from infera.engine.base.argv import flag_value, has_flag
 from infera.engine.base.launcher import WILDCARD_HOSTS, EngineProcessSpec, default_advertise_host, engine_command
+from infera.engine.base.kv_dtype import has_gpu, with_kv_fp8_default
 from infera.engine.base.kv_events import bind_kv_events, free_port_block
 from infera.engine.base.preflight import SGLANG_RDMA_BACKENDS, PdSetup
 from infera.engine.base.prom import sum_samples
@@ -49,6 +61,12 @@ DP_FLAGS = ("--dp-size", "--data-parallel-size", "--dp")
 DISAGG_MODES = {"null": "mixed", "prefill": "prefill", "decode": "decode"}
 PROTOCOL = "sglang-bootstrap"
 SGLANG_DEFAULT_TRANSFER_BACKEND = "mooncake"
+DECODE_RADIX_CACHE_FLAG = "--disaggregation-decode-enable-radix-cache"
+# SGLang's parser allows abbreviations; "--speculative-al…" is the shortest unambiguous prefix.
+SPECULATIVE_ALGORITHM_FLAG = "--speculative-algorithm"
+SPECULATIVE_ALGORITHM_MIN_PREFIX = "--speculative-al"
+# Flags SGLang refuses (or that say "no radix cache") together with the decode radix cache.
+DECODE_RADIX_CACHE_CONFLICTS = ("--disable-radix-cache", "--enable-hisparse")
 
 SGLANG_INFLIGHT = ("sglang:num_running_reqs", "sglang:num_queue_reqs")
 # PD queues: requests a disaggregated worker holds outside running/queued (bootstrap handshakes,
@@ -89,6 +107,38 @@ def int_flag(argv: Sequence[str], names: Sequence[str], default: int, prog: str)
         raise SystemExit(f"{prog}: {names[0]} must be an integer, got {raw!r}") from None
 
 
+def speculative_algorithm(argv: Sequence[str]) -> str | None:
+    """The ``--speculative-algorithm`` value the engine will see, abbreviations included (SGLang's
+    argparse takes any unambiguous prefix, e.g. ``--speculative-algo NEXTN``)."""
+    found: str | None = None
+    for i, tok in enumerate(argv):
+        name, eq, value = tok.partition("=")
+        if name.startswith(SPECULATIVE_ALGORITHM_MIN_PREFIX) and SPECULATIVE_ALGORITHM_FLAG.startswith(name):
+            found = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+    return found
+
+
+def decode_radix_cache_decision(argv: Sequence[str], kv_events_on: bool) -> str | None:
+    """None: append ``--disaggregation-decode-enable-radix-cache``; "": not a decode worker (nothing
+    to decide); otherwise the reason the default is skipped (logged by the caller)."""
+    if flag_value(argv, "--disaggregation-mode", default="null") != "decode":
+        return ""
+    backend = flag_value(argv, "--disaggregation-transfer-backend", default=SGLANG_DEFAULT_TRANSFER_BACKEND)
+    if backend != "mooncake":
+        return f"transfer backend {backend!r} (only mooncake's decode radix cache is used)"
+    if not kv_events_on:
+        return "KV events are off"
+    if has_flag(argv, DECODE_RADIX_CACHE_FLAG):
+        return "the user passed it"
+    spec = speculative_algorithm(argv)
+    if spec is not None:
+        return f"speculative algorithm {spec!r} (SGLang refuses the decode radix cache with it)"
+    for flag in DECODE_RADIX_CACHE_CONFLICTS:
+        if has_flag(argv, flag):
+            return f"the user's {flag}"
+    return None
+
+
 def parse_kv_events_endpoint(raw: str) -> tuple[str | None, int] | None:
     """(bind host or None for a wildcard, port) of a user's ``--kv-events-config``; None if it
     publishes nothing a router could subscribe to (no zmq publisher, or not a TCP endpoint)."""
@@ -110,6 +160,7 @@ def parse_kv_events_endpoint(raw: str) -> tuple[str | None, int] | None:
 
 class SglangAdapter:
     engine = "sglang"
+    node_rank_flags = ("--node-rank",)  # the follower gate (also LWS_WORKER_INDEX)
 
     def __init__(self) -> None:
         self.kv_events: tuple[str | None, int] | None = None  # (bind host, port) of the publisher
@@ -155,6 +206,13 @@ class SglangAdapter:
                 self.kv_events = (None, kv_port)
             else:
                 self.kv_events = parse_kv_events_endpoint(user_cfg)
+        argv = with_kv_fp8_default(argv, has_gpu(), os.environ, "SGLang", PROG, log)
+        why_not = decode_radix_cache_decision(argv, kv_events_enabled(args, PROG))
+        if why_not is None:
+            argv.append(DECODE_RADIX_CACHE_FLAG)
+            log.info("decode worker: %s (its prefixes become KV events the router can use)", DECODE_RADIX_CACHE_FLAG)
+        elif why_not:
+            log.info("decode worker: not adding %s: %s", DECODE_RADIX_CACHE_FLAG, why_not)
         bind = flag_value(argv, "--host", default=SGLANG_DEFAULT_HOST)
         reach = default_advertise_host(bind)
         if self.kv_events is not None and flag_value(engine_argv, "--kv-events-config") is None:

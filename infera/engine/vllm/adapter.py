@@ -32,6 +32,7 @@ import aiohttp
 
 from infera.engine.base.argv import flag_value, flag_values, has_flag
 from infera.engine.base.engine_config import http_ready, parse_json_flag
+from infera.engine.base.kv_dtype import has_gpu, with_kv_fp8_default
 from infera.engine.base.kv_events import add_kv_events_flag, bind_kv_events, event_fields, with_kv_events
 from infera.engine.base.launcher import EngineProcessSpec, default_advertise_host, engine_command
 from infera.engine.base.ports import free_port_blocks
@@ -52,11 +53,6 @@ CONNECTOR_PROTOCOLS = {
     "SharedStorageConnector": "vllm-example",
 }
 ROLE_MODES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "mixed"}
-
-
-def has_gpu() -> bool:
-    """NVIDIA or ROCm device nodes: cheap, and no torch import in the launcher."""
-    return os.path.exists("/dev/nvidia0") or os.path.exists("/dev/kfd")
 
 
 def vllm_entry_module() -> str:
@@ -237,6 +233,8 @@ def vllm_pd_setup(engine_argv: list[str]) -> PdSetup:
 
 class VllmAdapter:
     engine = "vllm"
+    # vLLM's own --node-rank (mp multi-node) is not read: a follower is one with LWS_WORKER_INDEX > 0.
+    node_rank_flags: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self.kv_events: tuple[int, int | None] | None = None  # (publisher, replay) ports, set by prepare
@@ -256,11 +254,7 @@ class VllmAdapter:
             env["PYTHONHASHSEED"] = "0"  # vLLM's builtin block hashing must agree across restarts
         if not has_flag(argv, "--enable-prompt-tokens-details"):
             argv.append("--enable-prompt-tokens-details")
-        if not has_flag(argv, "--kv-cache-dtype") and os.environ.get("INFERA_DEFAULT_KV_FP8", "1") != "0":
-            if has_gpu():
-                argv += ["--kv-cache-dtype", "fp8_e4m3"]
-            else:
-                log.info("no GPU found: leaving vLLM's KV-cache dtype at its default (fp8_e4m3 is a GPU default)")
+        argv = with_kv_fp8_default(argv, has_gpu(), os.environ, "vLLM", "infera.engine.vllm", log)
         layout = dp_layout(argv)
         argv, self.kv_events = kv_event_ports(argv, args.enable_kv_events, layout)
         argv, transfer = with_pinned_engine_id(argv)
