@@ -1,16 +1,26 @@
+import asyncio
 import json
+import logging
+from typing import Optional, Union
 
+import msgspec
 import pytest
+import zmq
+import zmq.asyncio
 
 from infera.engine.atom.adapter import AtomAdapter
 from infera.engine.base.launcher import Launcher
+from infera.kv.events import Cleared, Removed, Stored, decoder_for
+from infera.transport.kv_events_zmq import ZmqKvEventSubscriber
 from tests.unit import launcher_helpers
+
+ATOM_KV_ENV = ("ATOM_KV_EVENTS_ENABLE", "ATOM_KV_EVENTS_PUBLISHER", "ATOM_KV_EVENTS_ENDPOINT", "ATOM_KV_EVENTS_TOPIC")
 
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
     for name in ("INFERA_ENABLE_KV_EVENTS", "INFERA_ENGINE_STOP_TIMEOUT", "INFERA_ATOM_READY_TIMEOUT",
-                 "INFERA_ENGINE_READY_TIMEOUT"):
+                 "INFERA_ENGINE_READY_TIMEOUT", *ATOM_KV_ENV):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -72,7 +82,6 @@ def test_entrypoint_override():
     "argv, launcher_flags, message",
     [
         (["--server-port", "1"], (), "--model is required"),
-        (["--model", "/m"], ("--enable-kv-events",), "--enable-kv-events is not supported for ATOM"),
         (["--model", "/m", "-tp", "two"], (), "-tp must be an integer"),
         (["--model", "/m", "--kv-transfer-config", "{nope"], (), "--kv-transfer-config is not valid JSON"),
         (["--model", "/m", *kv("kv_producer", "MooncakeConnector")], (), "kv_connector 'MooncakeConnector'"),
@@ -84,12 +93,149 @@ def test_errors(argv, launcher_flags, message):
         prepare(argv, *launcher_flags)
 
 
-def test_kv_events_from_env_is_refused_too(monkeypatch):
+# -- KV events: ATOM's own publisher, configured through its environment ------------------------------
+
+async def test_kv_events_turn_on_atom_s_publisher():
+    user = ["--model", "/m", "--block-size", "32"]
+    a, spec, rec = await launcher_helpers.record(AtomAdapter(), user, "--enable-kv-events")
+    assert spec.argv[:len(user)] == user and spec.argv[len(user)] == "--port" and len(spec.argv) == len(user) + 2
+    host, port = a.kv_events
+    assert host == "127.0.0.1" and port > 0  # bound on the advertise address, not every interface
+    assert spec.env == {"ATOM_KV_EVENTS_ENABLE": "1", "ATOM_KV_EVENTS_PUBLISHER": "zmq",
+                        "ATOM_KV_EVENTS_TOPIC": "kv-events", "ATOM_KV_EVENTS_ENDPOINT": f"tcp://127.0.0.1:{port}"}
+    assert rec.kv_events_endpoint == f"tcp://127.0.0.1:{port}"
+
+
+async def test_kv_events_default_off_env_on_flag_wins(monkeypatch):
+    a, spec, rec = await launcher_helpers.record(AtomAdapter(), ["--model", "/m"])
+    assert (a.kv_events, spec.env, rec.kv_events_endpoint) == (None, {}, None)  # AMD Infera's default: off
     monkeypatch.setenv("INFERA_ENABLE_KV_EVENTS", "1")
-    with pytest.raises(SystemExit, match="not supported for ATOM"):
-        prepare(["--model", "/m"])
-    _, args, spec = prepare(["--model", "/m"], "--no-enable-kv-events")  # explicit off beats the env
-    assert "--kv-events-config" not in spec.argv
+    a, spec, rec = await launcher_helpers.record(AtomAdapter(), ["--model", "/m"])
+    assert spec.env["ATOM_KV_EVENTS_ENABLE"] == "1" and rec.kv_events_endpoint is not None
+    a, spec, rec = await launcher_helpers.record(AtomAdapter(), ["--model", "/m"], "--no-enable-kv-events")
+    assert (a.kv_events, spec.env, rec.kv_events_endpoint) == (None, {}, None)
+
+
+@pytest.mark.parametrize("endpoint, launcher_flags, advertised", [
+    ("tcp://*:6100", ("--advertise-host", "10.1.2.3"), "tcp://10.1.2.3:6100"),
+    ("tcp://0.0.0.0:6100", (), "tcp://127.0.0.1:6100"),
+    ("tcp://10.9.9.9:6101", (), "tcp://10.9.9.9:6101"),
+])
+async def test_a_users_own_endpoint_is_kept_and_advertised(monkeypatch, endpoint, launcher_flags, advertised):
+    monkeypatch.setenv("ATOM_KV_EVENTS_ENDPOINT", endpoint)
+    monkeypatch.setenv("ATOM_KV_EVENTS_TOPIC", "kv-events")  # the router's own topic is fine
+    _, spec, rec = await launcher_helpers.record(AtomAdapter(), ["--model", "/m"], "--enable-kv-events", *launcher_flags)
+    assert "ATOM_KV_EVENTS_ENDPOINT" not in spec.env  # inherited from the launcher's environment as set
+    assert rec.kv_events_endpoint == advertised
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    (["-dp", "2"], {}, "with -dp 2 every rank's engine core binds the same ATOM_KV_EVENTS_ENDPOINT"),
+    (["--data-parallel-size=4"], {}, "with -dp 4"),
+    (["-dp", "two"], {}, "-dp must be an integer"),
+    ([], {"ATOM_KV_EVENTS_PUBLISHER": "null"}, "needs ATOM's zmq publisher"),
+    ([], {"ATOM_KV_EVENTS_TOPIC": "mine"}, "the router subscribes to topic 'kv-events'"),
+    ([], {"ATOM_KV_EVENTS_ENDPOINT": "ipc:///tmp/atom-kv"}, "is not tcp://host:port"),
+])
+def test_kv_event_settings_the_router_cannot_use_are_refused(monkeypatch, argv, env, message):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit, match=message):
+        prepare(["--model", "/m", *argv], "--enable-kv-events")
+
+
+def test_dp_without_kv_events_is_fine():
+    _, _, spec = prepare(["--model", "/m", "-dp", "2"])
+    assert spec.env == {}
+
+
+def test_atom_publishing_unadvertised_is_warned(monkeypatch, caplog):
+    monkeypatch.setenv("ATOM_KV_EVENTS_ENABLE", "1")
+    a, _, spec = prepare(["--model", "/m"])
+    assert a.kv_events is None and spec.env == {}
+    assert any("ATOM_KV_EVENTS_ENABLE=1" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+
+
+# ATOM's event schema, written from atom/distributed/kv_events.py (ROCm/ATOM v0.1.5, de2d85de): msgspec
+# array_like tagged structs with omit_defaults, batch [ts, events, data_parallel_rank?], and an
+# ATOM-only BlockTransferred the router must skip.
+class _AtomStored(msgspec.Struct, array_like=True, omit_defaults=True, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: Optional[int]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Optional[int] = None
+    medium: Optional[str] = "GPU"
+    lora_name: Optional[str] = None
+    extra_keys: Optional[list] = None
+    group_idx: Optional[int] = None
+    kv_cache_spec_kind: Optional[str] = None
+    kv_cache_spec_sliding_window: Optional[int] = None
+
+
+class _AtomRemoved(msgspec.Struct, array_like=True, omit_defaults=True, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: Optional[str] = "GPU"
+    group_idx: Optional[int] = None
+
+
+class _AtomCleared(msgspec.Struct, array_like=True, omit_defaults=True, tag="AllBlocksCleared"):
+    medium: Optional[str] = None
+
+
+class _AtomTransferred(msgspec.Struct, array_like=True, omit_defaults=True, tag="BlockTransferred"):
+    block_hashes: list[int]
+    from_medium: str
+    to_medium: str
+    group_idx: Optional[int] = None
+
+
+class _AtomBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    ts: float
+    events: list[Union[_AtomStored, _AtomRemoved, _AtomCleared, _AtomTransferred]]
+    data_parallel_rank: Optional[int] = None
+
+
+async def test_atom_s_wire_reaches_the_router_from_the_launcher_s_endpoint():
+    """ATOM's publisher as it behaves (binds ATOM_KV_EVENTS_ENDPOINT, sends [topic, payload]) over real
+    ZMQ, read by the router's subscriber at the advertised endpoint and decoded as an ATOM worker's."""
+    _, spec, rec = await launcher_helpers.record(AtomAdapter(), ["--model", "/m"], "--enable-kv-events")
+    payload = msgspec.msgpack.encode(_AtomBatch(1.5, [
+        _AtomStored([11, 12], None, list(range(32)), 16),
+        _AtomStored([13], 12, list(range(32, 48)), 16, medium="REMOTE"),  # lora_id written: medium is not last
+        _AtomTransferred([11], "GPU", "CPU"),
+        _AtomRemoved([11]),
+        _AtomCleared(),
+    ], 0))
+    got: list[bytes] = []
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(spec.env["ATOM_KV_EVENTS_ENDPOINT"])
+    sub = ZmqKvEventSubscriber(lambda key, seq, data: got.append(data), lambda key: None, context=ctx)
+    sub.add("atom-worker", rec.kv_events_endpoint)
+    await sub.start()
+    try:
+        deadline = asyncio.get_running_loop().time() + 10
+        while not got:  # PUB/SUB's slow joiner: publish until the subscription has reached the socket
+            assert asyncio.get_running_loop().time() < deadline, "no ATOM batch reached the subscriber"
+            await pub.send_multipart([spec.env["ATOM_KV_EVENTS_TOPIC"].encode(), payload])
+            await asyncio.sleep(0.05)
+    finally:
+        await sub.stop()
+        pub.close(linger=0)
+        ctx.destroy(linger=0)
+    batch = decoder_for(rec.engine)(got[0])
+    assert batch.dp_rank == 0
+
+    def essence(ev):  # what routing uses (the decoder may carry more, e.g. the medium)
+        if isinstance(ev, Stored):
+            return ("stored", ev.block_hashes, ev.parent, ev.token_ids, ev.block_size)
+        return ("removed", ev.block_hashes) if isinstance(ev, Removed) else ("cleared",) if isinstance(ev, Cleared) else ev
+
+    assert [essence(e) for e in batch.events] == [("stored", [11, 12], None, list(range(32)), 16),
+                                                   ("stored", [13], 12, list(range(32, 48)), 16),
+                                                   ("removed", [11]), ("cleared",)]
 
 
 def test_every_plane_is_the_launcher_s_not_the_engine_s():
