@@ -87,7 +87,8 @@ SIM_MODEL = "kv-bench-sim"
 REAL_MODEL = "tiny"
 MEDIAN_METRICS = ("hit_rate", "worker_hit_rate", "hit_rate_turn1", "hit_rate_later_turns", "ttft_p50_ms",
                   "ttft_p90_ms", "ttft_p50_warm_ms", "ttft_p50_cold_ms", "lat_p50_ms", "rps", "out_tok_s",
-                  "router_cpu_ms_per_req")
+                  "router_cpu_ms_per_req", "router_cpu_ms_per_req_ex_events", "block_events_per_req",
+                  "router_event_cpu_us_per_event")
 TIE_POINTS = 1.0  # real: kv-aware "ties" the oracle within this many hit-rate points
 
 
@@ -123,6 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV blocks per worker (sim --num-gpu-blocks, vLLM --num-gpu-blocks-override) "
                         "[from --cache-fraction]")
     p.add_argument("--speedup", type=float, default=4.0, help="sim engine --speedup")
+    p.add_argument("--router-cpus", default=None,
+                   help="pin every router to these CPUs (taskset list, e.g. 0) and the workers and the load "
+                        "generator to the others: the engines then no longer take the router's cores, as on "
+                        "a real fleet where they run on GPUs (2 cores: one for the router, one for the rest)")
+    p.add_argument("--sim-tokenizer", choices=("builtin", "hf"), default="builtin",
+                   help="sims: builtin = the simulator's pure-Python tokenizer (serving a model name); hf = the "
+                        "tests' tiny model folder (a HF tokenizer.json + chat template, as a real model has), "
+                        "also given to the kv-aware router (--router-tokenizer-path)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="engine --max-num-seqs [sim 64; --real 8]")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="sim engine --max-num-batched-tokens")
     p.add_argument("--router-replicas", type=int, default=1,
@@ -237,7 +246,8 @@ class Fleet:
         launcher = ["--etcd-endpoint", self.etcd.url, "--log-level", "warning", "--drain-timeout", "5",
                     "--drain-settle", "0.2", "--engine-stop-timeout", "10"]
         if not a.real:
-            return ([sys.executable, "-m", "infera.engine.sim", *launcher, "--model", a.model, "--host", "127.0.0.1",
+            model = ["--model", self.model_dir, "--served-model-name", a.model] if self.model_dir else ["--model", a.model]
+            return ([sys.executable, "-m", "infera.engine.sim", *launcher, *model, "--host", "127.0.0.1",
                      "--port", str(port), "--speedup", repr(a.speedup), "--block-size", str(a.block_size),
                      "--num-gpu-blocks", str(blocks), "--max-num-seqs", str(a.max_num_seqs),
                      "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--max-model-len", str(max_model_len)],
@@ -263,6 +273,8 @@ class Fleet:
         for i in range(self.args.workers):
             port = _free_port()
             cmd, env = self.engine_cmd(i, port, blocks, max_model_len)
+            if self.args.router_cpus:  # the fleet keeps off the routers' cores (this process is too: main)
+                cmd = ["taskset", "-c", fleet_cpus(self.args.router_cpus), *cmd]
             proc = EnvProc(f"worker{i}", cmd, os.path.join(self.logs_dir, f"worker{i}.log"), env)
             await proc.start()
             self.workers.append(proc)
@@ -425,6 +437,8 @@ class Bench:
                                     worker_urls=self.fleet.worker_urls,
                                     policy="cache_aware" if name == "sglang" else "round_robin",
                                     prometheus_port=_free_port(), request_timeout_s=int(a.request_timeout))
+        if a.router_cpus:
+            cmd = ["taskset", "-c", a.router_cpus, *cmd]
         router = Router(name, Proc(name, cmd, log_path), f"http://127.0.0.1:{port}")
         await router.proc.start()
         try:
@@ -524,6 +538,7 @@ class Bench:
             roles = {w.proc.pid: f"worker{i}" for i, w in enumerate(self.fleet.workers)}
             for replica in router.replicas:
                 roles[replica.proc.proc.pid] = "router"  # summed over replicas
+            events_before = await event_counters(session, router) if name in KV_ROUTERS else None
             cpu_before = tree_cpu_seconds(roles)
             client_before = resource.getrusage(resource.RUSAGE_SELF)
             load = await wl.run_load(workload, self.url_for(router), model=a.model, concurrency=a.concurrency,
@@ -531,6 +546,7 @@ class Bench:
                                      request_timeout=a.request_timeout)
             client_after = resource.getrusage(resource.RUSAGE_SELF)
             cpu_after = tree_cpu_seconds(roles)
+            events_after = await event_counters(session, router) if name in KV_ROUTERS else None
             after = await self.fleet.scrape(session)
             if name in KV_ROUTERS:
                 diag = await kv_diagnostics(session, router.url, os.path.join(self.logs_dir, f"{name}-{tag}"))
@@ -563,6 +579,16 @@ class Bench:
                                             if "router" in used and res["completed"] else None)
         else:
             res["router_cpu_ms_per_req"] = None
+        # What KV events cost the router (its own accounting of decoding + applying batches), so
+        # that per request and per event can be told apart (a socket read per batch is not in it).
+        if events_before is not None and events_after is not None and res["completed"]:
+            n_events = events_after[1] - events_before[1]
+            event_cpu = events_after[0] - events_before[0]
+            res["block_events_per_req"] = round(n_events / res["completed"], 2)
+            res["router_event_cpu_us_per_event"] = round(event_cpu / n_events * 1e6, 3) if n_events else None
+            if res.get("router_cpu_ms_per_req") is not None:
+                res["router_cpu_ms_per_req_ex_events"] = round(
+                    (res["cpu_s"]["router"] - event_cpu) / res["completed"] * 1000, 3)
         if diag is not None:
             res["kv_diagnostics"] = diag
         return res
@@ -600,6 +626,41 @@ async def kv_diagnostics(session: aiohttp.ClientSession, base: str, path_prefix:
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError, KeyError) as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
     return out
+
+
+async def event_counters(session: aiohttp.ClientSession, router: Router) -> tuple[float, float] | None:
+    """(KV-event CPU seconds, block events applied) summed over a kv-aware router's replicas, from
+    ``infera_kv_event_cpu_seconds_total`` and ``infera_kv_block_events_total``; None if unreadable."""
+    cpu = events = 0.0
+    try:
+        for r in router.replicas or [router]:
+            _, text = await http_get(session, r.url + "/metrics", 10)
+            for ln in text.splitlines():
+                if ln.startswith("infera_kv_event_cpu_seconds_total{"):
+                    cpu += float(ln.rsplit(" ", 1)[1])
+                elif ln.startswith("infera_kv_block_events_total{"):
+                    events += float(ln.rsplit(" ", 1)[1])
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:
+        print(f"  (KV-event counters unreadable: {type(exc).__name__}: {exc})", flush=True)
+        return None
+    return cpu, events
+
+
+def parse_cpu_list(spec: str) -> set[int]:
+    """A taskset CPU list (``0``, ``0,2``, ``0-3``) as a set."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def fleet_cpus(router_cpus: str) -> str:
+    """The CPUs left to the fleet and the load generator when routers take ``router_cpus``."""
+    rest = sorted(set(os.sched_getaffinity(0)) - parse_cpu_list(router_cpus))
+    if not rest:
+        raise SystemExit(f"--router-cpus {router_cpus} leaves no CPU for the workers and the load generator")
+    return ",".join(map(str, rest))
 
 
 def replica_sync_stats(log_path: str) -> dict[str, Any] | None:
@@ -725,7 +786,7 @@ def pct(v: float | None) -> str:
 def render_table(med: dict[str, dict]) -> str:
     head = (f"{'router':<15} | {'hit % (usage)':>13} {'hit % (workers)':>15} {'turn 1':>7} {'turns 2+':>8} | "
             f"{'TTFT p50':>8} {'TTFT p90':>8} {'warm p50':>8} {'cold p50':>8} {'lat p50':>8} | {'req/s':>7} {'out tok/s':>9} | {'errors':>6} | "
-            f"{'router CPU ms/req':>17} | requests per worker")
+            f"{'router CPU ms/req':>17} {'ex events':>9} {'ev/req':>6} {'µs/ev':>6} | requests per worker")
     lines = [head, "-" * len(head)]
     for name, m in med.items():
         lines.append(f"{name:<15} | {pct(m['hit_rate']):>13} {pct(m['worker_hit_rate']):>15} "
@@ -733,7 +794,8 @@ def render_table(med: dict[str, dict]) -> str:
                      f"{_f(m['ttft_p50_ms'], '.1f'):>8} {_f(m['ttft_p90_ms'], '.1f'):>8} "
                      f"{_f(m['ttft_p50_warm_ms'], '.1f'):>8} {_f(m['ttft_p50_cold_ms'], '.1f'):>8} {_f(m['lat_p50_ms'], '.1f'):>8} | "
                      f"{_f(m['rps'], '.1f'):>7} {_f(m['out_tok_s'], '.0f'):>9} | {m['errors']:>6} | "
-                     f"{_f(m['router_cpu_ms_per_req'], '.2f'):>17} | "
+                     f"{_f(m['router_cpu_ms_per_req'], '.2f'):>17} {_f(m.get('router_cpu_ms_per_req_ex_events'), '.2f'):>9} "
+                     f"{_f(m.get('block_events_per_req'), '.0f'):>6} {_f(m.get('router_event_cpu_us_per_event'), '.2f'):>6} | "
                      + " ".join(_f(x, ".0f") for x in m["worker_requests"]))
     return "\n".join(lines)
 
@@ -849,9 +911,11 @@ async def run(args: argparse.Namespace) -> int:
     started = time.time()
     load_before = os.getloadavg()
     commit_at_start, dirty_at_start = _git_commit(), _git_dirty()
+    if args.router_cpus:  # the load generator (this process) and what it starts: off the routers' cores
+        os.sched_setaffinity(0, parse_cpu_list(fleet_cpus(args.router_cpus)))
     fleet = Fleet(args, logs_dir)
-    if args.real:
-        if not os.path.exists(VLLM_PYTHON):
+    if args.real or args.sim_tokenizer == "hf":
+        if args.real and not os.path.exists(VLLM_PYTHON):
             print(f"kv_routing: --real needs {VLLM_PYTHON} (make setup-vllm)", file=sys.stderr)
             return 2
         from tests.e2e.tiny_model import build_tiny_model
@@ -859,7 +923,8 @@ async def run(args: argparse.Namespace) -> int:
         fleet.model_dir = str(build_tiny_model(os.path.join(logs_dir, "tiny-llama")))
     print(f"kv_routing: {'real vLLM-CPU' if args.real else 'sim'} × {args.workers} workers, routers {args.routers}, "
           f"concurrency {args.concurrency}, {args.requests} requests × {args.runs} run(s) per router"
-          + ("" if args.real else f", speedup {args.speedup:g}")
+          + ("" if args.real else f", speedup {args.speedup:g}, {args.sim_tokenizer} tokenizer")
+          + (f", routers on CPU {args.router_cpus}, the rest on {fleet_cpus(args.router_cpus)}" if args.router_cpus else "")
           + f"; cpus={os.cpu_count()}, loadavg={load_before[0]:.2f}; logs in {logs_dir}", flush=True)
     workload, sizing = plan(args, fleet.model_dir)
     print_sizing(args, sizing)

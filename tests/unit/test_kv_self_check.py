@@ -124,3 +124,18 @@ def test_replayed_history_is_not_counted_as_event_delay():
     b._on_batch("w", 0, encode_batch(EventBatch(1000.0, [])))  # an hour old: history, not lag
     view = b.cache_view("w", None)
     assert view["delay_ms"] is None and view["batches"] == 1
+
+
+def test_event_cpu_is_accounted_per_worker_even_for_a_batch_that_fails_to_decode():
+    from infera.kv.events import Stored
+    b = bridge()
+    cpu = lambda: {s.labels["worker"]: s.value for f in b.collect()  # noqa: E731
+                   if f.name == "infera_kv_event_cpu_seconds" for s in f.samples}
+    assert cpu() == {"w": 0.0}
+    stored = [Stored(block_hashes=[i], parent=i - 1 if i else None, token_ids=list(range(BS)),
+                     block_size=BS) for i in range(200)]
+    b._on_batch("w", 0, encode_batch(EventBatch(0.0, stored)))
+    first = cpu()["w"]
+    assert first > 0 and b.index.block_count("w") == 200
+    b._on_batch("w", 1, b"\xc1 not msgpack")
+    assert cpu()["w"] > first and b.targets["w"].decode_errors == 1
