@@ -33,6 +33,11 @@ _SPECIAL_SPLIT = re.compile("(" + "|".join(re.escape(t) for t in BUILTIN_SPECIAL
 # GPT-2 style pieces: contractions, letters, single digits, punctuation runs and underscores
 # (each optionally with one leading space), then whitespace runs. Covers every character.
 _PIECE_RE = re.compile(r"'(?:[sdmt]|ll|ve|re)| ?[^\W\d_]+| ?\d| ?[^\s\w]+| ?_+|\s+(?!\S)|\s+")
+# The same pieces over ASCII bytes, ~2x faster (no per-piece str.encode, a bytes scan): the classes
+# agree on ASCII except \x1c-\x1f, which str's \s counts as whitespace and bytes' does not, so
+# text holding one of those takes the str pattern (``BuiltinTokenizer.iter_encode``).
+_PIECE_RE_ASCII = re.compile(rb"'(?:[sdmt]|ll|ve|re)| ?[A-Za-z]+| ?[0-9]| ?[^\s\w]+| ?_+|\s+(?!\S)|\s+")
+_STR_ONLY_SPACE = re.compile("[\x1c-\x1f]")
 
 # Text that non-text content parts contribute to the prompt.
 IMAGE_MARKER = "<image>"
@@ -294,7 +299,7 @@ class BuiltinTokenizer(SimTokenizer):
     def iter_encode(self, text: str, add_special_tokens: bool = False) -> Iterator[list[int]]:
         # No BOS in this vocabulary, so add_special_tokens changes nothing; literal special-token
         # strings (the ChatML markers) always map to their reserved ids.
-        xxh, findall = xxhash.xxh3_64_intdigest, _PIECE_RE.findall
+        xxh, findall, ascii_findall = xxhash.xxh3_64_intdigest, _PIECE_RE.findall, _PIECE_RE_ASCII.findall
         for chunk in _SPECIAL_SPLIT.split(text):
             if not chunk:
                 continue
@@ -316,8 +321,12 @@ class BuiltinTokenizer(SimTokenizer):
                         found = _CUT_RE.search(chunk, end)
                         cut = found.end() if found else n
                     end = cut
-                # _piece_hash_id, inlined (a call per token is a third of the cost)
-                yield [xxh(p.encode("utf-8")) % 50_000 + NUM_RESERVED_IDS for p in findall(chunk, start, end)]
+                part = chunk[start:end] if start or end < n else chunk
+                if part.isascii() and not _STR_ONLY_SPACE.search(part):
+                    yield [xxh(p) % 50_000 + NUM_RESERVED_IDS for p in ascii_findall(part.encode("ascii"))]
+                else:
+                    # _piece_hash_id, inlined (a call per token is a third of the cost)
+                    yield [xxh(p.encode("utf-8")) % 50_000 + NUM_RESERVED_IDS for p in findall(part)]
                 start = end
 
 

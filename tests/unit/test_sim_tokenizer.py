@@ -145,3 +145,42 @@ def test_hf_dir_without_template_falls_back_to_chatml(tmp_path):
 def test_model_name_or_dir_without_tokenizer_is_builtin(tmp_path):
     assert isinstance(load_tokenizer("meta-llama/Llama-3-8B"), BuiltinTokenizer)
     assert isinstance(load_tokenizer(str(tmp_path)), BuiltinTokenizer)
+
+
+# -- the ASCII fast path gives the str pattern's ids ---------------------------------------------------
+from hypothesis import given, settings, strategies as st  # noqa: E402
+import itertools  # noqa: E402
+import xxhash  # noqa: E402
+
+from infera.kv.tokenizer import _PIECE_RE, BuiltinTokenizer, NUM_RESERVED_IDS  # noqa: E402
+
+
+def _str_path_ids(text: str) -> list[int]:
+    """The ids by the str pattern alone (what the tokenizer did before the ASCII fast path)."""
+    return [xxhash.xxh3_64_intdigest(p.encode("utf-8")) % 50_000 + NUM_RESERVED_IDS for p in _PIECE_RE.findall(text)]
+
+
+_ASCII_EDGES = "a Z0_'\t\n\r\x0b\x0c\x1c\x1f\x00!-s"
+
+
+def test_ascii_fast_path_matches_the_str_pattern_on_every_short_string_of_edge_characters():
+    tok = BuiltinTokenizer()
+    for n in (1, 2, 3):
+        for chars in itertools.product(_ASCII_EDGES, repeat=n):
+            text = "".join(chars)
+            assert tok.encode(text) == _str_path_ids(text), repr(text)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.text(alphabet=st.characters(max_codepoint=127), max_size=200))
+def test_ascii_fast_path_matches_the_str_pattern_on_any_ascii_text(text):
+    assert BuiltinTokenizer().encode(text) == _str_path_ids(text)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=120))
+def test_mixed_text_matches_the_str_pattern(text):
+    for special in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"):
+        if special in text:
+            return
+    assert BuiltinTokenizer().encode(text) == _str_path_ids(text)
