@@ -490,11 +490,11 @@ class Bench:
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline:
                 _, text = await http_get(session, router.url + "/metrics", 5)
-                if sum(1 for line in text.splitlines() if line.startswith("infera_kv_view_blocks{")) >= n:
+                if sum(1 for line in text.splitlines() if line.startswith("infera_policy_cache_view_size{")) >= n:
                     break
                 await asyncio.sleep(0.2)
             else:
-                print("  warning: the kv-aware server lists no infera_kv_view_blocks for every worker after 5 s "
+                print("  warning: the kv-aware server lists no infera_policy_cache_view_size for every worker after 5 s "
                       "(KV-event subscriptions missing?)", flush=True)
             # Its views must also have replayed each engine's history (the engines ran earlier
             # windows): until then early follow-up turns are routed on a partial view.

@@ -112,7 +112,7 @@ class EtcdProcess:
         shutil.rmtree(self.data_dir, ignore_errors=True)
 
 
-_WORKER_LABEL = re.compile(r'worker="([^"]*)"')
+_WORKER_LABEL = re.compile(r'worker_id="([^"]*)"')
 
 
 def requests_by_worker(metrics_text: str) -> dict[str, float]:

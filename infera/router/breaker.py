@@ -27,7 +27,7 @@ from infera.discovery.record import WorkerRecord
 log = logging.getLogger(__name__)
 
 CLOSED, HALF_OPEN, OPEN = "closed", "half_open", "open"
-# The Prometheus encoding of the states (``infera_breaker_state``).
+# The Prometheus encoding of the states (``infera_router_worker_breaker_state``).
 STATE_CODES = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}
 
 W = TypeVar("W", bound=WorkerRecord)

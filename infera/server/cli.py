@@ -160,6 +160,13 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     f("--log-level", env="INFERA_LOG_LEVEL", default="info", type=choice_of("debug", "info", "warning", "error"))
     f("--access-log", env="INFERA_ACCESS_LOG", default=False, action="store_true",
       help="log every request (off by default: it costs on the hot path)")
+    # -- the KV self-check over a window (infera/server/engine_scrape.py) --
+    f("--engine-scrape-interval", env="INFERA_ENGINE_SCRAPE_INTERVAL", default=10.0, type=non_negative_float,
+      help="kv-aware: seconds between scrapes of every worker's /metrics, whose prefix-cache counters are "
+           "compared with the router's predicted hits over --engine-scrape-window (0: off)")
+    f("--engine-scrape-window", env="INFERA_ENGINE_SCRAPE_WINDOW", default=300.0, type=positive_float,
+      help="kv-aware: seconds over which the predicted and the engine-measured hit rates are compared (at "
+           "least two scrape intervals)")
     return p
 
 

@@ -54,7 +54,8 @@ _endpoint_for_rank = endpoint_for_rank  # engines publish rank r on port + r
 class _TargetState:
     __slots__ = ("worker_id", "engine", "batches", "events", "decode_errors", "last_batch_at", "last_seq",
                  "unconfirmed_since", "silent", "errors", "abs_error_sum", "observations", "exact", "verdicts",
-                 "wrong", "over", "under", "delays", "delay_ewma", "cpu_s")
+                 "wrong", "over", "under", "delays", "delay_ewma", "cpu_s", "prompt_tokens", "predicted_tokens",
+                 "reported_prompt_tokens", "reported_cached_tokens")
 
     def __init__(self, worker_id: str, engine: str) -> None:
         self.worker_id = worker_id
@@ -82,6 +83,13 @@ class _TargetState:
         self.delay_ewma: float | None = None
         self.verdicts: deque[bool] = deque()  # recent informative replies: off by more than one block?
         self.wrong = 0
+        # Hit-rate counters (tokens), over every completed 200 reply routed here, with or without usage:
+        # the router's prompt tokens and its predicted cached share; and, of the replies whose usage
+        # carried ``cached_tokens``, the same prompt tokens and the engine's reported cached tokens.
+        self.prompt_tokens = 0
+        self.predicted_tokens = 0
+        self.reported_prompt_tokens = 0
+        self.reported_cached_tokens = 0
 
 
 class KvEventsBridge:
@@ -106,6 +114,9 @@ class KvEventsBridge:
         self.pick_blocks: dict[str, Histogram] = {}
         self.picks: dict[tuple[str, str], int] = {}
         self.prediction_error = Histogram(ERROR_BUCKETS)
+        # The policy's distinct blocks in flight per route key (KvAwarePolicy.active_blocks), set by
+        # the server once the policy exists: exported as infera_policy_active_blocks.
+        self.active_blocks: Callable[[str], int] | None = None
         self._watchdog: asyncio.Task | None = None
         fleet.subscribe(self._on_fleet_change)
 
@@ -258,14 +269,25 @@ class KvEventsBridge:
             state.unconfirmed_since = self.clock()  # it must store new blocks: expect events
 
     def observe_usage(self, worker: WorkerRecord, request: RoutedRequest, cached_tokens: int | None) -> None:
+        """A completed 200 reply (``cached_tokens`` None: it carried no usage, e.g. a stream without
+        ``stream_options.include_usage``, which is what the SDKs send by default)."""
         st = request.state
         key = st.get("route_key")
         state = self.targets.get(key) if key else None
-        if state is None or cached_tokens is None:
+        if state is None:
             return
         block_size = st.get("block_size") or 0
-        predicted = predicted_cached_tokens(st.get("predicted_hit_blocks", 0), block_size,
-                                            len(st.get("tokens") or ()))
+        # The whole prompt: past the tokenization horizon its length is estimated (kv_aware.prepare).
+        prompt_tokens = len(st.get("tokens") or ()) + st.get("more_tokens", 0)
+        predicted = predicted_cached_tokens(st.get("predicted_hit_blocks", 0), block_size, prompt_tokens)
+        # Counted for every reply, usage or not: engine_scrape.py compares these with the engine's
+        # own prefix-cache counters, which see every request too.
+        state.prompt_tokens += prompt_tokens
+        state.predicted_tokens += predicted
+        if cached_tokens is None:
+            return
+        state.reported_prompt_tokens += prompt_tokens
+        state.reported_cached_tokens += cached_tokens
         error = abs(cached_tokens - predicted)
         self.prediction_error.observe(error)
         blocks_off = error // block_size if block_size else 0
@@ -332,11 +354,13 @@ class KvEventsBridge:
                                "mean_error_blocks": (state.abs_error_sum / len(state.errors)) if state.errors else None}}
 
     def collect(self) -> Iterator[Metric]:
-        fam = CounterMetricFamily("infera_router_picks", "KV-aware picks", labels=["role", "worker"])
+        # Names and labels follow the reference (AMD Infera) where it has the series: worker_id
+        # carries the route key (``<worker_id>#dp<rank>`` for a rank of a DP-attention worker).
+        fam = CounterMetricFamily("infera_router_picks", "KV-aware picks", labels=["role", "worker_id"])
         for (role, key), n in sorted(self.picks.items()):
             fam.add_metric([role, key], n)
         yield fam
-        for name, table, doc in (("infera_router_pick_hit_blocks", self.pick_hits, "Predicted cached blocks per pick"),
+        for name, table, doc in (("infera_router_pick_cache_hits", self.pick_hits, "Predicted cached blocks per pick"),
                                  ("infera_router_pick_request_blocks", self.pick_blocks, "Full blocks per request")):
             hist = HistogramMetricFamily(name, doc, labels=["role"])
             for role, h in sorted(table.items()):
@@ -346,22 +370,33 @@ class KvEventsBridge:
                                      "cached prompt tokens per reply")
         hist.add_metric([], self.prediction_error.cumulative(), self.prediction_error.total)
         yield hist
-        batches = CounterMetricFamily("infera_kv_event_batches", "KV-event batches applied", labels=["worker"])
-        events = CounterMetricFamily("infera_kv_block_events", "Block events applied", labels=["worker"])
-        gaps = CounterMetricFamily("infera_kv_event_gaps", "Sequence gaps (replayed or reset)", labels=["worker"])
-        resets = CounterMetricFamily("infera_kv_view_resets", "Cache views reset after lost continuity",
-                                     labels=["worker"])
-        silent = GaugeMetricFamily("infera_kv_events_silent", "1 when a worker's KV events fell silent",
-                                   labels=["worker"])
-        blocks = GaugeMetricFamily("infera_kv_view_blocks", "Blocks in the router's view of a worker",
-                                   labels=["worker"])
+        label = ["worker_id"]
+        batches = CounterMetricFamily("infera_kv_event_batches", "KV-event batches applied", labels=label)
+        events = CounterMetricFamily("infera_kv_block_events", "Block events applied", labels=label)
+        gaps = CounterMetricFamily("infera_kv_event_gaps", "Sequence gaps (replayed or reset)", labels=label)
+        resets = CounterMetricFamily("infera_kv_view_resets", "Cache views reset after lost continuity", labels=label)
+        silent = GaugeMetricFamily("infera_kv_events_silent", "1 when a worker's KV events fell silent", labels=label)
+        blocks = GaugeMetricFamily("infera_policy_cache_view_size", "Blocks in the router's view of a worker's cache",
+                                   labels=label)
         delay = HistogramMetricFamily("infera_kv_event_delay_seconds", "Engine batch timestamp to applied here",
-                                      labels=["worker"])
+                                      labels=label)
         cpu = CounterMetricFamily("infera_kv_event_cpu_seconds", "Router CPU spent decoding and applying a "
-                                  "worker's KV-event batches (the socket read excluded)", labels=["worker"])
+                                  "worker's KV-event batches (the socket read excluded)", labels=label)
         off = CounterMetricFamily("infera_kv_predictions_off", "Replies whose cached tokens the router predicted "
                                   "wrong by more than one block: over (predicted more) or under (fewer)",
-                                  labels=["worker", "direction"])
+                                  labels=["worker_id", "direction"])
+        prompt = CounterMetricFamily("infera_kv_prompt_tokens", "Prompt tokens (router's tokenizer) of the completed "
+                                     "replies routed to a worker, with or without usage", labels=label)
+        predicted = CounterMetricFamily("infera_kv_predicted_cached_tokens", "Of those, the tokens the router "
+                                        "predicted cached when it picked the worker", labels=label)
+        reported_prompt = CounterMetricFamily("infera_kv_reported_prompt_tokens", "Prompt tokens (router's "
+                                              "tokenizer) of the replies whose usage reported cached tokens",
+                                              labels=label)
+        reported = CounterMetricFamily("infera_kv_reported_cached_tokens", "Cached prompt tokens the engine "
+                                       "reported in those replies' usage", labels=label)
+        active = GaugeMetricFamily("infera_policy_active_blocks", "Distinct prompt blocks of the requests in flight "
+                                   "on a worker (the kv-aware policy's load term)", labels=label)
+        active_blocks = self.active_blocks
         for key, state in sorted(self.targets.items()):
             sub = self.stats(key)
             batches.add_metric([key], state.batches)
@@ -374,5 +409,24 @@ class KvEventsBridge:
             delay.add_metric([key], state.delays.cumulative(), state.delays.total)
             off.add_metric([key, "over"], state.over)
             off.add_metric([key, "under"], state.under)
-        yield from (batches, events, cpu, gaps, resets, silent, blocks, delay, off)
+            prompt.add_metric([key], state.prompt_tokens)
+            predicted.add_metric([key], state.predicted_tokens)
+            reported_prompt.add_metric([key], state.reported_prompt_tokens)
+            reported.add_metric([key], state.reported_cached_tokens)
+            if active_blocks is not None:
+                active.add_metric([key], active_blocks(key))
+        yield from (batches, events, cpu, gaps, resets, silent, blocks, delay, off, prompt, predicted,
+                    reported_prompt, reported)
+        if active_blocks is not None:
+            yield active
 
+    def hit_totals(self, worker_id: str) -> tuple[int, int]:
+        """(predicted cached tokens, prompt tokens) so far over ``worker_id``'s route keys (every
+        DP rank): what engine_scrape.py compares with the engine's own prefix-cache counters."""
+        predicted = prompt = 0
+        for key in self._worker_keys.get(worker_id, ()):
+            state = self.targets.get(key)
+            if state is not None:
+                predicted += state.predicted_tokens
+                prompt += state.prompt_tokens
+        return predicted, prompt

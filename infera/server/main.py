@@ -25,6 +25,7 @@ from infera.kv.index import KvIndex
 from infera.runtime import install_event_loop, wait_for_shutdown_signal
 from infera.server.cli import parse_args
 from infera.server.kv import KvEventsBridge
+from infera.server.engine_scrape import EngineHitWindow
 from infera.server.tokenizers import RouterTokenizers
 from infera.server.metrics import NatsMetrics, ProcessMetrics, ReplicaSyncMetrics, ServerMetrics, drop_worker_keys
 from infera.server.supervisor import ChildContext, Supervisor
@@ -106,6 +107,7 @@ class InferaServer:
                                       decode_overlap_weight=args.kv_decode_overlap_weight, observer=self.kv,
                                       replica_sync=self.replica_sync)
             usage_observer = self.kv.observe_usage
+            self.kv.active_blocks = getattr(self.policy, "active_blocks", None)  # infera_policy_active_blocks
         else:
             self.policy = make_policy(args.router_policy)
         direct = args.router_mode == "direct"
@@ -126,6 +128,13 @@ class InferaServer:
             self.process_metrics = ProcessMetrics(self.metrics.registry, index=process.index, count=process.count,
                                                   socket_path=process.metrics_socket, restarts=process.generation)
             self.metrics.registry.register(self.process_metrics)
+        # The KV self-check over a window: engines' prefix-cache counters against the predictions.
+        self.engine_window: EngineHitWindow | None = None
+        if self.kv is not None and args.engine_scrape_interval > 0:
+            self.engine_window = EngineHitWindow(self.fleet, self.kv.hit_totals,
+                                                 interval_s=args.engine_scrape_interval,
+                                                 window_s=args.engine_scrape_window)
+            self.metrics.registry.register(self.engine_window)
         self._workers: dict[str, WorkerRecord] = {}
         self.fleet.subscribe(self._on_fleet_change)
         self._runner: web.AppRunner | None = None
@@ -151,6 +160,8 @@ class InferaServer:
         await self.transport.start()
         if self.kv is not None:
             await self.kv.start()
+        if self.engine_window is not None:
+            await self.engine_window.start()
         if self.replica_sync is not None:
             await self.replica_sync.start()
         await self.discovery.start(self.fleet)  # returns at once; converges in the background
@@ -208,6 +219,8 @@ class InferaServer:
         await self.discovery.stop()
         if self.replica_sync is not None:
             await self.replica_sync.stop()
+        if self.engine_window is not None:
+            await self.engine_window.stop()
         if self.kv is not None:
             await self.kv.stop()
         if self.tokenizers is not None:

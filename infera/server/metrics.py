@@ -171,7 +171,7 @@ class ServerMetrics:
     # -- scrape ------------------------------------------------------------------------------------
     def collect(self) -> Iterator[Metric]:
         fam = CounterMetricFamily("infera_requests", "Requests by route, status and worker",
-                                  labels=["route", "status", "worker"])
+                                  labels=["route", "status", "worker_id"])
         for labels, n in sorted(self.requests.items()):
             fam.add_metric(list(labels), n)
         yield fam
@@ -185,7 +185,8 @@ class ServerMetrics:
         for route, h in sorted(self.ttft.items()):
             hist.add_metric([route], h.cumulative(), h.total)
         yield hist
-        g = GaugeMetricFamily("infera_worker_inflight_requests", "Requests in flight per worker", labels=["worker"])
+        g = GaugeMetricFamily("infera_worker_inflight_requests", "Requests in flight per worker",
+                              labels=["worker_id"])
         for worker, gauge in sorted(self.inflight.items()):
             g.add_metric([worker], gauge.value)
         yield g
@@ -195,7 +196,7 @@ class ServerMetrics:
             fam.add_metric(list(labels), n)
         yield fam
         fam = CounterMetricFamily("infera_midstream_failures", "Streams that broke after the first byte",
-                                  labels=["worker"])
+                                  labels=["worker_id"])
         for worker, n in sorted(self.midstream_failures.items()):
             fam.add_metric([worker], n)
         yield fam
@@ -232,11 +233,11 @@ class ServerMetrics:
     def _collect_breaker(self, breaker: CircuitBreaker) -> Iterator[Metric]:
         # Read from the breaker at scrape time, for the workers in the fleet (the breaker forgets
         # departed ones), so routing pays nothing for these series.
-        state = GaugeMetricFamily("infera_breaker_state", "Circuit breaker state per worker: 0 closed, 1 half-open "
-                                  "(one probe at a time), 2 open (no requests until the cooldown ends)",
-                                  labels=["worker"])
-        trips = CounterMetricFamily("infera_breaker_trips", "Times the circuit breaker opened for a worker",
-                                    labels=["worker"])
+        state = GaugeMetricFamily("infera_router_worker_breaker_state", "Circuit breaker state per worker: 0 closed, "
+                                  "1 half-open (one probe at a time), 2 open (no requests until the cooldown ends)",
+                                  labels=["worker_id"])
+        trips = CounterMetricFamily("infera_router_worker_breaker_trips", "Times the circuit breaker opened for a "
+                                    "worker", labels=["worker_id"])
         for r in self._fleet.all():
             state.add_metric([r.worker_id], STATE_CODES[breaker.state(r.worker_id)])
             trips.add_metric([r.worker_id], breaker.trips(r.worker_id))

@@ -69,8 +69,8 @@ async def env(fed_server):
 async def breaker_metrics(session: aiohttp.ClientSession, base: str, worker_id: str) -> tuple[float, float]:
     async with session.get(base + "/metrics") as r:
         text = await r.text()
-    label = f'worker="{worker_id}"'
-    return sample_sum(text, "infera_breaker_state", label), sample_sum(text, "infera_breaker_trips_total", label)
+    label = f'worker_id="{worker_id}"'
+    return sample_sum(text, "infera_router_worker_breaker_state", label), sample_sum(text, "infera_router_worker_breaker_trips_total", label)
 
 
 async def chat_ok(session: aiohttp.ClientSession, base: str, stream: bool) -> None:

@@ -283,8 +283,8 @@ async def metrics(s: aiohttp.ClientSession, base: str) -> str:
 
 
 def breaker(text: str, worker_id: str) -> tuple[float, float]:
-    label = f'worker="{worker_id}"'
-    return sample_sum(text, "infera_breaker_state", label), sample_sum(text, "infera_breaker_trips_total", label)
+    label = f'worker_id="{worker_id}"'
+    return sample_sum(text, "infera_router_worker_breaker_state", label), sample_sum(text, "infera_router_worker_breaker_trips_total", label)
 
 
 async def timed_chat(s: aiohttp.ClientSession, base: str, stream: bool, body: dict | None = None):
@@ -354,7 +354,7 @@ async def test_a_stream_that_stalls_ends_with_an_sse_error_event(env):
     assert err["code"] == "worker_timeout_midstream" and "idle timeout" in err["message"]
     await wait_for(lambda: w.cancelled == 1, 5, message="the router closing the stalled connection")
     text = await metrics(s, base)
-    assert sample_sum(text, "infera_midstream_failures_total", f'worker="{w.record().worker_id}"') == 1
+    assert sample_sum(text, "infera_midstream_failures_total", f'worker_id="{w.record().worker_id}"') == 1
 
 
 async def test_a_unary_reply_that_stalls_is_a_504(env):

@@ -66,7 +66,7 @@ async def test_shared_prefixes_stick_to_the_worker_that_holds_them(make_server, 
         async with s.get(base + "/metrics") as r:
             metrics = await r.text()
         assert "infera_router_picks_total" in metrics and "infera_kv_prediction_error_tokens_bucket" in metrics
-        assert 'infera_kv_events_silent{worker="' in metrics
+        assert 'infera_kv_events_silent{worker_id="' in metrics
 
 
 async def test_streamed_replies_feed_the_self_check(make_server, spawn_worker):

@@ -265,7 +265,7 @@ async def test_models_workers_health_metrics(env):
         await r.read()
     async with s.get(base + "/metrics") as r:
         text = await r.text()
-    for needle in ('infera_requests_total{route="/v1/chat/completions",status="200",worker="' + a.record().worker_id,
+    for needle in ('infera_requests_total{route="/v1/chat/completions",status="200",worker_id="' + a.record().worker_id,
                    "infera_request_duration_seconds_bucket", "infera_time_to_first_token_seconds_bucket",
                    "infera_worker_inflight_requests", 'infera_workers{disagg_mode="mixed",status="active"} 2.0'):
         assert needle in text, needle

@@ -194,4 +194,4 @@ def test_stalled_stream_ends_with_a_timeout_event(exc, status, code):
     if status == 504:
         assert "idle timeout" in err["message"]
     assert done == [1] and resp.released == 1
-    assert b'infera_midstream_failures_total{worker="w"} 1.0' in metrics.render()
+    assert b'infera_midstream_failures_total{worker_id="w"} 1.0' in metrics.render()

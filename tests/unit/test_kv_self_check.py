@@ -93,7 +93,7 @@ def test_wrong_predictions_are_counted_by_direction():
     observe(b, 30, 30 * BS)   # exact
     view = b.cache_view("w", None)["prediction"]
     assert (view["over"], view["under"], view["exact"], view["observations"]) == (2, 1, 1, 5)
-    samples = {(s.labels["worker"], s.labels["direction"]): s.value
+    samples = {(s.labels["worker_id"], s.labels["direction"]): s.value
                for fam in b.collect() if fam.name == "infera_kv_predictions_off" for s in fam.samples}
     assert samples == {("w", "over"): 2, ("w", "under"): 1}
 
@@ -129,7 +129,7 @@ def test_replayed_history_is_not_counted_as_event_delay():
 def test_event_cpu_is_accounted_per_worker_even_for_a_batch_that_fails_to_decode():
     from infera.kv.events import Stored
     b = bridge()
-    cpu = lambda: {s.labels["worker"]: s.value for f in b.collect()  # noqa: E731
+    cpu = lambda: {s.labels["worker_id"]: s.value for f in b.collect()  # noqa: E731
                    if f.name == "infera_kv_event_cpu_seconds" for s in f.samples}
     assert cpu() == {"w": 0.0}
     stored = [Stored(block_hashes=[i], parent=i - 1 if i else None, token_ids=list(range(BS)),

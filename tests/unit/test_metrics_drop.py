@@ -33,7 +33,7 @@ def record(wid: str, **kw) -> WorkerRecord:
 
 def series_of(text: str, worker_id: str) -> list[str]:
     return [line for line in text.splitlines()
-            if not line.startswith("#") and (f'worker="{worker_id}"' in line or f'worker="{worker_id}#dp' in line)]
+            if not line.startswith("#") and (f'worker_id="{worker_id}"' in line or f'worker_id="{worker_id}#dp' in line)]
 
 
 def test_removed_worker_series_are_gone_from_metrics():
