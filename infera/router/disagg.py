@@ -36,6 +36,7 @@ from infera.discovery.fleet import Fleet
 from infera.discovery.record import WorkerRecord
 from infera.router.breaker import CircuitBreaker
 from infera.router.dispatch import Reply
+from infera.router.engine_hints import EngineHints
 from infera.router.pd import PdError, PdPair, PdProtocol, resolve_protocol
 from infera.router.policy import Policy, RoutedRequest
 from infera.server.metrics import ServerMetrics
@@ -117,7 +118,8 @@ class DisaggRouter:
     def __init__(self, fleet: Fleet, policy: Policy, transport: RequestTransport, metrics: ServerMetrics,
                  protocols: dict[str, PdProtocol], *, max_retries: int = 1,
                  prefill_timeout: float = DEFAULT_PREFILL_TIMEOUT, rng: random.Random | None = None,
-                 clock: Callable[[], float] = time.perf_counter, breaker: CircuitBreaker | None = None) -> None:
+                 clock: Callable[[], float] = time.perf_counter, breaker: CircuitBreaker | None = None,
+                 engine_hints: EngineHints | None = None) -> None:
         self.fleet = fleet
         self.policy = policy
         self._prepare = getattr(policy, "prepare", None)
@@ -131,6 +133,8 @@ class DisaggRouter:
         # Shared with the mixed router; each pool is filtered on its own, each leg scored on its own.
         self.breaker = breaker or CircuitBreaker(failure_threshold=0)
         self._background: set[asyncio.Task] = set()  # prefill legs still finishing after a commit
+        # The cache retention each leg's engine is told, merged into the leg's body (PD params kept).
+        self.engine_hints = engine_hints or EngineHints()
 
     # -- entry points ----------------------------------------------------------------------------
     async def dispatch(self, req: RoutedRequest) -> Reply:
@@ -214,6 +218,7 @@ class DisaggRouter:
 
         ``reply_proves_worker`` False: a 2xx is not yet a success for the breaker (a serial
         prefill's reply must still carry a usable handoff); the caller scores it."""
+        body = self.engine_hints.apply_dict(body, leg.worker, leg.req)
         try:
             opened = await open_upstream(self.transport, leg.worker, route, _encode_json(body),
                                          request_headers(request_id, leg.rank), stream, leg.role)

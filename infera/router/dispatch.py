@@ -20,6 +20,7 @@ from infera.discovery.record import WorkerRecord
 import msgspec
 
 from infera.router.breaker import CircuitBreaker
+from infera.router.engine_hints import EngineHints
 from infera.router.migration import MigratingRelay, StreamTracker, request_for_migration
 from infera.router.policy import Policy, RoutedRequest
 from infera.server.metrics import ServerMetrics
@@ -56,7 +57,7 @@ class MixedRouter:
     def __init__(self, fleet: Fleet, policy: Policy, transport: RequestTransport, metrics: ServerMetrics,
                  *, max_retries: int = 1, direct: bool = False, clock: Callable[[], float] = time.perf_counter,
                  usage_observer: UsageObserver | None = None, breaker: CircuitBreaker | None = None,
-                 migration_limit: int = 0) -> None:
+                 migration_limit: int = 0, engine_hints: EngineHints | None = None) -> None:
         self.fleet = fleet
         self.policy = policy
         self._prepare = getattr(policy, "prepare", None)  # async per-request setup (tokenize once)
@@ -70,6 +71,8 @@ class MixedRouter:
         self.breaker = breaker or CircuitBreaker(failure_threshold=0)
         # --migration-limit: moves of a broken stream to another worker (0: a break ends the stream).
         self.migration_limit = migration_limit
+        # The cache retention each engine is told (priority, kvd retention): added per worker, in _open.
+        self.engine_hints = engine_hints or EngineHints()
 
     # -- candidate selection ---------------------------------------------------------------------
     def candidates(self, model: str) -> Sequence[WorkerRecord]:
@@ -190,6 +193,7 @@ class MixedRouter:
                     body: bytes) -> tuple[Opened, Callable[[], None]]:
         """Send to one worker up to its first byte, with the policy, in-flight and breaker
         accounting; returns the answer and the release to call when done with it."""
+        body = self.engine_hints.apply_bytes(body, worker, req)
         policy = self.policy
         breaker = self.breaker
         inflight = self.metrics.inflight_gauge(worker.worker_id)

@@ -25,6 +25,9 @@ from infera.discovery.record import record_to_dict
 from infera.router.auto import AutoRouter
 from infera.router.policy import RoutedRequest
 from infera.server.metrics import ServerMetrics
+from infera.server import profiling as _profiling
+from infera.server import dashboard as _dashboard
+from infera.server.fleet_view import FleetView, RecentWorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,7 @@ class ServerState:
     allow_client_kv_transfer_params: bool = False  # --allow-client-kv-transfer-params
     process: dict | None = None  # a --workers N child: which one answers /health (index, count, pid, restarts)
     metrics_gather: Any = None  # a --workers N child: ProcessMetrics, /metrics of every process
+    enable_profiling: bool = False  # --enable-profiling: POST /v1/admin/profile/{start,stop}
 
 
 STATE_KEY = web.AppKey("state", ServerState)
@@ -168,6 +172,8 @@ def _make_inference_handler(route: str):
             return web.Response(status=reply.status, body=reply.body, headers=headers,
                                 content_type=reply.content_type.split(";")[0])
         metrics.observe_ttft(route, (reply.first_byte_at or time.perf_counter()) - started)
+        request.app[FLEET_VIEW_KEY].recent.observe_ttft(reply.worker_id,  # per worker, for /v1/fleet
+                                                        (reply.first_byte_at or time.perf_counter()) - started)
         headers["Content-Type"] = "text/event-stream"
         headers["Cache-Control"] = "no-cache"
         resp = web.StreamResponse(status=200, headers=headers)
@@ -308,6 +314,8 @@ async def _anthropic_messages(request: web.Request) -> web.StreamResponse:
         message = _anthropic.translate_response(answer if isinstance(answer, dict) else {}, translated, msg_id)
         return web.Response(body=_json.encode(message), content_type="application/json", headers=headers)
     metrics.observe_ttft(route, (reply.first_byte_at or time.perf_counter()) - started)
+    request.app[FLEET_VIEW_KEY].recent.observe_ttft(reply.worker_id,  # per worker, for /v1/fleet
+                                                    (reply.first_byte_at or time.perf_counter()) - started)
     headers["Content-Type"] = "text/event-stream"
     headers["Cache-Control"] = "no-cache"
     resp = web.StreamResponse(status=200, headers=headers)
@@ -367,6 +375,73 @@ async def _anthropic_count_tokens(request: web.Request) -> web.Response:
                         headers={REQUEST_ID_HEADER: request_id})
 
 
+# -- fleet view and dashboard: GET /v1/fleet, GET|POST /dashboard ------------------------------------
+# Open without --admin-token; with one, a Bearer header or the dashboard cookie (infera/server/dashboard.py).
+FLEET_VIEW_KEY = web.AppKey("fleet_view", FleetView)
+DASHBOARD_PAGE_KEY = web.AppKey("dashboard_page", bytes)
+
+
+def _fleet_view_for(state: ServerState) -> FleetView:
+    mixed = getattr(state.router, "mixed", None)  # its breaker is shared with PD dispatch, its policy too
+    return FleetView(state.fleet, state.metrics, RecentWorkerStats(state.fleet),
+                     breaker=getattr(mixed, "breaker", None), kv=state.kv, tokenizers=state.tokenizers,
+                     process=state.process, policy=getattr(getattr(mixed, "policy", None), "name", None))
+
+
+async def _fleet_sampler(app: web.Application):
+    """The fleet view's rate sampler, for the app's lifetime (cleanup_ctx)."""
+    task = asyncio.create_task(app[FLEET_VIEW_KEY].run_sampler())
+    yield
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+def _dashboard_authorized(request: web.Request) -> bool:
+    return _dashboard.authorized(request.app[STATE_KEY].admin_token, request.headers.get("Authorization"),
+                                 request.cookies.get(_dashboard.COOKIE_NAME))
+
+
+async def _fleet(request: web.Request) -> web.Response:
+    if not _dashboard_authorized(request):
+        raise ApiError(401, "/v1/fleet needs 'Authorization: Bearer <the --admin-token>' (or the /dashboard cookie)",
+                       "invalid_admin_token", headers={"WWW-Authenticate": 'Bearer realm="infera-admin"'})
+    return web.Response(body=_json.encode(request.app[FLEET_VIEW_KEY].build()), content_type="application/json",
+                        headers={"Cache-Control": "no-store"})
+
+
+async def _dashboard_page(request: web.Request) -> web.Response:
+    token = request.app[STATE_KEY].admin_token
+    given: str | None = None
+    if request.method == "POST":  # the sign-in form
+        if request.content_length is not None and request.content_length > 64 * 1024:
+            raise web.HTTPRequestEntityTooLarge(max_size=64 * 1024, actual_size=request.content_length)
+        given = str((await request.post()).get("token", ""))
+    elif "token" in request.query:
+        given = request.query["token"]
+    headers = {"Cache-Control": "no-store", "Content-Security-Policy": _dashboard.CONTENT_SECURITY_POLICY,
+               "Referrer-Policy": "no-referrer", "X-Content-Type-Options": "nosniff"}
+    if token and given is not None:
+        if not _dashboard.token_matches(given, token):
+            return web.Response(status=401, body=_dashboard.login_page("That is not the admin token."),
+                                content_type="text/html", headers=headers)
+        # to the bare page: the token leaves the address bar (and a reload does not post it again)
+        headers.update({"Location": "dashboard", "Set-Cookie": _dashboard.cookie_header(token, request.secure)})
+        return web.Response(status=303, headers=headers)
+    if not _dashboard_authorized(request):
+        return web.Response(status=401, body=_dashboard.login_page("This server has an admin token: enter it."),
+                            content_type="text/html", headers=headers)
+    return web.Response(body=request.app[DASHBOARD_PAGE_KEY], content_type="text/html", headers=headers)
+
+
+# -- engine profiler fan-out: POST /v1/admin/profile/start, /stop (infera/server/profiling.py) -------------
+def _make_profile_handler(action: str):
+    async def handler(request: web.Request) -> web.Response:
+        state: ServerState = request.app[STATE_KEY]
+        return await _profiling.handle(request, state.fleet, action, enabled=state.enable_profiling)
+
+    return handler
+
+
 def build_app(state: ServerState) -> web.Application:
     app = web.Application(middlewares=[_errors_middleware, _admin_auth_middleware],
                           client_max_size=state.max_request_bytes)
@@ -380,6 +455,14 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/v1/admin/cache-view/{worker_id}", _cache_view)
     app.router.add_post(_anthropic.MESSAGES_ROUTE, _anthropic_messages)  # Anthropic Messages API
     app.router.add_post(_anthropic.COUNT_TOKENS_ROUTE, _anthropic_count_tokens)
+    app[FLEET_VIEW_KEY] = _fleet_view_for(state)  # fleet view + dashboard (GET /v1/fleet, /dashboard)
+    app[DASHBOARD_PAGE_KEY] = _dashboard.load_page()
+    app.cleanup_ctx.append(_fleet_sampler)
+    app.router.add_get("/v1/fleet", _fleet)
+    app.router.add_get("/dashboard", _dashboard_page)
+    app.router.add_post("/dashboard", _dashboard_page)
+    for action in _profiling.ACTIONS:  # --enable-profiling (404 without), behind the admin token
+        app.router.add_post(f"/v1/admin/profile/{action}", _make_profile_handler(action))
     return app
 
 

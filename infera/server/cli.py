@@ -157,6 +157,15 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
       action="store_true",
       help="pass a client's own kv_transfer_params to the engines (they tell a vLLM KV connector which host to "
            "pull KV from); off: such a request gets a 400")
+    # -- cache hints to engines, profiling fan-out (infera/router/engine_hints.py, infera/server/profiling.py)
+    f("--router-default-retention", env="INFERA_ROUTER_DEFAULT_RETENTION", default="long",
+      type=choice_of("none", "short", "long"),
+      help="the cache retention engines are told for a request that gives no cache hint (prompt_cache_retention, "
+           "prompt_cache_key, cache_control): SGLang's priority 0/50/100, and kvd's retention on vLLM workers "
+           "with kvd")
+    f("--enable-profiling", env="INFERA_ENABLE_PROFILING", default=False, action="store_true",
+      help="POST /v1/admin/profile/start and /stop: start or stop the engine profiler of the selected workers "
+           "(admin endpoints: also needs --admin-token); off: 404")
     f("--log-level", env="INFERA_LOG_LEVEL", default="info", type=choice_of("debug", "info", "warning", "error"))
     f("--access-log", env="INFERA_ACCESS_LOG", default=False, action="store_true",
       help="log every request (off by default: it costs on the hot path)")

@@ -18,6 +18,8 @@ from infera.router.auto import AutoRouter
 from infera.router.breaker import CircuitBreaker
 from infera.router.disagg import DisaggRouter
 from infera.router.dispatch import MixedRouter
+from infera.router.engine_hints import EngineHints
+from infera.api.cache_hints import RETENTION_BY_NAME
 from infera.router.pd import protocol_registry
 from infera.router.policy import make_policy
 from infera.server.app import ServerState, build_app
@@ -111,12 +113,15 @@ class InferaServer:
         else:
             self.policy = make_policy(args.router_policy)
         direct = args.router_mode == "direct"
+        # What each engine is told about a request's cache retention (--router-default-retention).
+        engine_hints = EngineHints(RETENTION_BY_NAME[args.router_default_retention])
         mixed = MixedRouter(self.fleet, self.policy, self.transport, self.metrics,
                             max_retries=args.request_max_retries, direct=direct, usage_observer=usage_observer,
-                            breaker=self.breaker, migration_limit=args.migration_limit)
+                            breaker=self.breaker, migration_limit=args.migration_limit,
+                            engine_hints=engine_hints)
         disagg = DisaggRouter(self.fleet, self.policy, self.transport, self.metrics, protocol_registry(),
                               max_retries=args.request_max_retries, prefill_timeout=args.pd_prefill_timeout,
-                              breaker=self.breaker)
+                              breaker=self.breaker, engine_hints=engine_hints)
         self.router = AutoRouter(self.fleet, mixed, disagg, direct=direct)
         if self.nats is not None:
             self.metrics.registry.register(NatsMetrics(self.nats, nats_requests))
@@ -178,7 +183,8 @@ class InferaServer:
                                     admin_token=self.args.admin_token,
                                     allow_client_kv_transfer_params=self.args.allow_client_kv_transfer_params,
                                     process=self.process.info() if self.process is not None else None,
-                                    metrics_gather=self.process_metrics))
+                                    metrics_gather=self.process_metrics,
+                                    enable_profiling=self.args.enable_profiling))
         # handler_cancellation: a client that disconnects cancels its handler, which closes the
         # upstream connection, which makes the engine abort the request and free its slot.
         self._runner = web.AppRunner(app, handler_cancellation=True,

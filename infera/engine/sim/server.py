@@ -163,6 +163,8 @@ class SimEngine:
         self.registry = CollectorRegistry()
         if metrics_flavor is not None:
             self.registry.register(METRICS_FLAVORS[metrics_flavor](self))
+        # POST /start_profile, /stop_profile as they arrived: (action, the options sent); no profiler runs.
+        self.profile_calls: list[tuple[str, dict[str, Any]]] = []
 
     @property
     def model_name(self) -> str:
@@ -715,6 +717,33 @@ async def _stream_response(request: web.Request, engine: SimEngine, req: _Sampli
     return resp
 
 
+class StartProfileRequest(msgspec.Struct, kw_only=True):
+    """vLLM's optional /start_profile body (unknown fields ignored); SGLang's options pass as extras."""
+
+    profile_prefix: str | None = None
+    delay_iterations: int | None = None
+    max_iterations: int | None = None
+
+
+async def _start_profile(request: web.Request) -> web.Response:
+    """vLLM's (and SGLang's) ``POST /start_profile``: recorded, answered 200 with no body."""
+    raw = await request.read()
+    options: dict[str, Any] = {}
+    if raw.strip():
+        try:
+            msgspec.json.decode(raw, type=StartProfileRequest)
+            options = msgspec.json.decode(raw)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            raise ApiError(400, f"Invalid profile request: {e}") from None
+    request.app[ENGINE_KEY].profile_calls.append(("start", options))
+    return web.Response(status=200)
+
+
+async def _stop_profile(request: web.Request) -> web.Response:
+    request.app[ENGINE_KEY].profile_calls.append(("stop", {}))
+    return web.Response(status=200)
+
+
 @web.middleware
 async def _errors_middleware(request: web.Request, handler):
     try:
@@ -765,6 +794,8 @@ def build_app(args: argparse.Namespace, engine: SimEngine | None = None) -> web.
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
+    app.router.add_post("/start_profile", _start_profile)
+    app.router.add_post("/stop_profile", _stop_profile)
     if engine.disagg is not None:
         engine.disagg.add_routes(app)
     return app
