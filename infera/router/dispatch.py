@@ -61,6 +61,7 @@ class MixedRouter:
         self.fleet = fleet
         self.policy = policy
         self._prepare = getattr(policy, "prepare", None)  # async per-request setup (tokenize once)
+        self._on_first_byte = getattr(policy, "on_first_byte", None)
         self.usage_observer = usage_observer
         self.transport = transport
         self.metrics = metrics
@@ -132,6 +133,7 @@ class MixedRouter:
         route, body = req.route, req.body
         if self.migration_limit > 0 and req.stream and req.direct_worker is None:
             route, body, tracker = self._tracked(worker, req)
+        sent = self._clock()
         opened, release = await self._open(worker, req, route, body)
         observer = self.usage_observer
         if opened.resp is None:
@@ -145,7 +147,10 @@ class MixedRouter:
                                     self.metrics, release, on_tail, self.migration_limit)
         else:
             stream = Relay(opened, worker, self.metrics, release, on_tail)
-        return Reply(200, opened.content_type, worker.worker_id, stream=stream, first_byte_at=self._clock())
+        first_byte_at = self._clock()
+        if self._on_first_byte is not None:  # the stream's time to first byte, for the policy to learn from
+            self._on_first_byte(req, first_byte_at - sent)
+        return Reply(200, opened.content_type, worker.worker_id, stream=stream, first_byte_at=first_byte_at)
 
     def _tracked(self, worker: WorkerRecord, req: RoutedRequest) -> tuple[str, bytes, StreamTracker | None]:
         """The body a migratable stream starts with (token ids asked for where the engine

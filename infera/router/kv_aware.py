@@ -51,6 +51,7 @@ from infera.discovery.record import WorkerRecord
 from infera.kv.hashing import ROUTER_SEED, block_hashes, tokens_le_bytes
 from infera.kv.prompt import ByteLRU, PromptTokenizer
 from infera.router.policy import RoutedRequest
+from infera.router.ttft_balance import TtftBalance
 
 try:
     from _collections import _count_elements  # CPython's C loop behind Counter.update
@@ -268,7 +269,8 @@ class KvAwarePolicy:
                  prefill_overlap_weight: float | None = None, decode_overlap_weight: float | None = None,
                  observer: KvPickObserver | None = None, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time, replica_sync: ReplicaSyncLink | None = None,
-                 hash_cache_bytes: int = DEFAULT_HASH_CACHE_BYTES, horizon: bool = True) -> None:
+                 hash_cache_bytes: int = DEFAULT_HASH_CACHE_BYTES, horizon: bool = True,
+                 inflight_weight: float | None = None) -> None:
         self.index = index
         self.clock = clock
         self.wall_clock = wall_clock  # compared with engine event timestamps
@@ -292,6 +294,10 @@ class KvAwarePolicy:
         self.active: dict[str, dict[int, int]] = {}
         # route key → blocks in flight there beyond their prompts' horizons (estimated, not hashed)
         self.unhashed: dict[str, int] = {}
+        # route key → requests in flight there (this replica's and the others'), weighed in the load
+        # by what one costs a new request's TTFT, in missed blocks (see ttft_balance; None: learned)
+        self.inflight: dict[str, int] = {}
+        self.balance = TtftBalance(inflight_weight)
         self.recent: dict[str, float] = {}
         self._picks = 0  # decay clock: remaining charge = charge × RECENT_DECAY^(picks since)
         self.mm_affinity: dict[str, OrderedDict[int, None]] = {}
@@ -403,6 +409,8 @@ class KvAwarePolicy:
         debug = log.isEnabledFor(logging.DEBUG)
         scored: list[str] | None = [] if debug else None  # why this target
         active_of, recent, landed_of, unhashed = self.active.get, self.recent.get, self.landed, self.unhashed
+        inflight = self.inflight
+        per_request = amplified * self.balance.ratio if inflight else 0.0
         more = st.get("more_tokens", 0)
         n_tokens = len(st.get("tokens") or ())
         for block_size, targets, keys in layout:
@@ -439,6 +447,8 @@ class KvAwarePolicy:
                     load = recent(key, 0.0)
                 if unhashed:
                     load += unhashed.get(key, 0)
+                if per_request:
+                    load += per_request * inflight.get(key, 0)
                 cost = w_overlap * (total - hit) + load
                 if w_mm:
                     affinity = self.mm_affinity.get(key)
@@ -474,6 +484,7 @@ class KvAwarePolicy:
         st["blocks"] = blocks = self._hashes(request, block_size) if block_size and n_tokens >= block_size else []
         st["unhashed"] = total - len(blocks) if more and block_size else 0
         st["predicted_hit_blocks"] = hit
+        st["pick_obs"] = (total - hit, self.inflight.get(key, 0))
         if self.observer is not None:
             self.observer.record_pick(role, key, hit, total)
         if debug:
@@ -531,6 +542,7 @@ class KvAwarePolicy:
         key = request.state.get("route_key")
         if key is None:
             return
+        self.inflight[key] = self.inflight.get(key, 0) + 1
         blocks = request.state.get("blocks", ())
         self._count_in(key, blocks)
         extra = request.state.get("unhashed")
@@ -540,10 +552,18 @@ class KvAwarePolicy:
             charge = request.state.get("charge", (0.0, 0))[0]
             request.state["sync_rid"] = self.replicas.started(request.model, key, blocks, charge)
 
+    def on_first_byte(self, request: RoutedRequest, seconds: float) -> None:
+        """A streamed reply's first byte came ``seconds`` after it was sent: what its pick's missed
+        blocks and the requests ahead of it cost (``TtftBalance``)."""
+        obs = request.state.pop("pick_obs", None)
+        if obs is not None:
+            self.balance.observe(obs[0], obs[1], seconds)
+
     def on_finished(self, worker: WorkerRecord, request: RoutedRequest) -> None:
         key = request.state.get("route_key")
         if key is None:
             return
+        self._inflight_out(key)
         self._release_charge(key, *request.state.pop("charge", (0.0, 0)))
         blocks = request.state.get("blocks", ())
         served = bool(blocks) and bool(request.state.get("served"))  # the worker answered: it computed the prompt
@@ -571,6 +591,13 @@ class KvAwarePolicy:
                 del self.recent[key]
             else:
                 self.recent[key] = left
+
+    def _inflight_out(self, key: str) -> None:
+        n = self.inflight.get(key, 0) - 1
+        if n > 0:
+            self.inflight[key] = n
+        else:
+            self.inflight.pop(key, None)
 
     def _count_in(self, key: str, blocks: Sequence[int]) -> None:
         if not blocks:
@@ -644,7 +671,7 @@ class KvAwarePolicy:
         prefix = worker_id + "#dp"
         if self.replicas is not None:
             self.replicas.forget(worker_id)
-        for table in (self.active, self.recent, self.mm_affinity, self.landed, self.unhashed):
+        for table in (self.active, self.recent, self.mm_affinity, self.landed, self.unhashed, self.inflight):
             for k in [k for k in table if k == worker_id or k.startswith(prefix)]:
                 del table[k]
 
@@ -756,6 +783,7 @@ class ReplicaShare:
         peer.entries[rid] = (model, key, blocks, charge, policy._picks)
         self.remote_blocks += len(blocks)
         policy._count_in(key, blocks)
+        policy.inflight[key] = policy.inflight.get(key, 0) + 1
         if charge:
             policy.recent[key] = policy.recent.get(key, 0.0) + charge
         self.remote_started += 1
@@ -767,6 +795,7 @@ class ReplicaShare:
         _, key, blocks, charge, at = entry
         self.remote_blocks -= len(blocks)
         self.policy._count_out(key, blocks)
+        self.policy._inflight_out(key)
         self.policy._release_charge(key, charge, at)
         made_until = self.policy._events_made_until
         # (no claim where the engine's events already got past its finish: they say what is there)
@@ -788,6 +817,7 @@ class ReplicaShare:
         _, key, blocks, charge, at = peer.entries.pop(rid)
         self.remote_blocks -= len(blocks)
         self.policy._count_out(key, blocks)
+        self.policy._inflight_out(key)
         self.policy._release_charge(key, charge, at)
 
     def drop_peer(self, replica: str) -> None:

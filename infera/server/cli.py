@@ -74,6 +74,19 @@ def server_workers(value: str) -> int:
     return n
 
 
+def inflight_weight(value: str) -> float | None:
+    """``auto`` (None: learned) or a number of missed blocks >= 0."""
+    if value.strip().lower() == "auto":
+        return None
+    try:
+        weight = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a number >= 0, got {value!r}") from None
+    if not weight >= 0 or weight == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected auto or a number >= 0, got {value!r}")
+    return weight
+
+
 def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infera.server",
                                 description="Infera front door: OpenAI endpoints routed over a worker fleet.")
@@ -113,6 +126,10 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     # on Zipf), with TTFT p50 no worse.
     f("--kv-overlap-weight", env="INFERA_KV_OVERLAP_WEIGHT", default=DEFAULT_KV_OVERLAP_WEIGHT, type=non_negative_float,
       help="kv-aware: cost of one missed block relative to one in-flight block")
+    f("--kv-inflight-weight", env="INFERA_KV_INFLIGHT_WEIGHT", default=None, type=inflight_weight,
+      help="kv-aware: what one request in flight on a worker weighs, in missed blocks (its load beyond the "
+           "distinct blocks it holds there): auto learns it from the streams' times to first byte "
+           "(infera/router/ttft_balance.py); a number fixes it; 0 turns it off")
     f("--kv-prefill-overlap-weight", env="INFERA_KV_PREFILL_OVERLAP_WEIGHT", default=None, type=non_negative_float,
       help="kv-aware: the weight for prefill picks of PD pairs (default: --kv-overlap-weight)")
     f("--kv-decode-overlap-weight", env="INFERA_KV_DECODE_OVERLAP_WEIGHT", default=None, type=non_negative_float,

@@ -117,6 +117,8 @@ class KvEventsBridge:
         # The policy's distinct blocks in flight per route key (KvAwarePolicy.active_blocks), set by
         # the server once the policy exists: exported as infera_policy_active_blocks.
         self.active_blocks: Callable[[str], int] | None = None
+        # The policy's TtftBalance (what a request in flight weighs): infera_policy_inflight_weight.
+        self.balance: Any = None
         self._watchdog: asyncio.Task | None = None
         fleet.subscribe(self._on_fleet_change)
 
@@ -419,6 +421,11 @@ class KvEventsBridge:
                     reported_prompt, reported)
         if active_blocks is not None:
             yield active
+        if self.balance is not None:
+            weight = GaugeMetricFamily("infera_policy_inflight_weight", "What one request in flight on a worker "
+                                       "weighs in the kv-aware load, in missed blocks (learned unless fixed)")
+            weight.add_metric([], self.balance.ratio)
+            yield weight
 
     def hit_totals(self, worker_id: str) -> tuple[int, int]:
         """(predicted cached tokens, prompt tokens) so far over ``worker_id``'s route keys (every

@@ -107,9 +107,10 @@ class InferaServer:
                                       overlap_weight=args.kv_overlap_weight,
                                       prefill_overlap_weight=args.kv_prefill_overlap_weight,
                                       decode_overlap_weight=args.kv_decode_overlap_weight, observer=self.kv,
-                                      replica_sync=self.replica_sync)
+                                      replica_sync=self.replica_sync, inflight_weight=args.kv_inflight_weight)
             usage_observer = self.kv.observe_usage
             self.kv.active_blocks = getattr(self.policy, "active_blocks", None)  # infera_policy_active_blocks
+            self.kv.balance = getattr(self.policy, "balance", None)  # infera_policy_inflight_weight
         else:
             self.policy = make_policy(args.router_policy)
         direct = args.router_mode == "direct"
