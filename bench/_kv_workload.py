@@ -243,8 +243,14 @@ async def one_chat(session: aiohttp.ClientSession, url: str, body: bytes,
 
 async def run_load(workload: Workload, url_for: Callable[[Conversation], str], *, model: str, concurrency: int,
                    max_requests: int, max_tokens: int, request_timeout: float = 120.0,
-                   on_progress: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """Closed loop: ``concurrency`` users play conversations until ``max_requests`` are issued."""
+                   on_progress: Callable[[int], None] | None = None, rate: float | None = None,
+                   seed: int = 0) -> dict[str, Any]:
+    """Closed loop: ``concurrency`` users play conversations until ``max_requests`` are issued.
+    Open loop (``rate`` requests/s): conversations arrive as a Poisson process of rate / turns per
+    second (seeded), each one played by its own user, turn after turn, until ``max_requests`` are
+    issued; concurrency is whatever the fleet's latency makes it. Routers compared at one rate
+    then make the load generator and the engines do the same work per second, which a closed
+    loop does not (a faster router raises the request rate, and with it every process's load)."""
     state = {"next_conv": 0, "issued": 0}
     records: list[dict[str, Any]] = []
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
@@ -255,33 +261,49 @@ async def run_load(workload: Workload, url_for: Callable[[Conversation], str], *
                                      skip_auto_headers=("User-Agent",)) as session:
         t0 = time.perf_counter()
 
-        async def user() -> None:
+        async def user(one: bool = False) -> None:
             while state["issued"] < max_requests:
                 i = state["next_conv"]
                 state["next_conv"] = i + 1
                 conv = convs[i % len(convs)]
-                replies: list[str] = []
-                for turn in range(len(conv.user_turns)):
-                    if state["issued"] >= max_requests:
-                        return
-                    state["issued"] += 1
-                    body = json.dumps({"model": model, "messages": workload.messages(conv, turn, replies),
-                                       "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
-                                       "stream": True, "stream_options": {"include_usage": True}},
-                                      separators=(",", ":")).encode()
-                    # Our router logs picks under this id (debug level): a pick traces to its conversation.
-                    rec = await one_chat(session, url_for(conv), body,
-                                         {**_HEADERS, REQUEST_ID_HEADER: f"c{conv.cid}-t{turn + 1}-g{conv.group}"})
-                    rec.update(cid=conv.cid, group=conv.group, turn=turn + 1)
-                    records.append(rec)
-                    if on_progress is not None:
-                        on_progress(len(records))
-                    if rec["error"] is not None:
-                        await asyncio.sleep(0.01)
-                        break  # the conversation cannot go on without the reply
-                    replies.append(rec.pop("reply"))
+                await play(conv)
+                if one:
+                    return
 
-        await asyncio.gather(*(user() for _ in range(concurrency)))
+        async def play(conv: Conversation) -> None:
+            replies: list[str] = []
+            for turn in range(len(conv.user_turns)):
+                if state["issued"] >= max_requests:
+                    return
+                state["issued"] += 1
+                body = json.dumps({"model": model, "messages": workload.messages(conv, turn, replies),
+                                   "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+                                   "stream": True, "stream_options": {"include_usage": True}},
+                                  separators=(",", ":")).encode()
+                # Our router logs picks under this id (debug level): a pick traces to its conversation.
+                rec = await one_chat(session, url_for(conv), body,
+                                     {**_HEADERS, REQUEST_ID_HEADER: f"c{conv.cid}-t{turn + 1}-g{conv.group}"})
+                rec.update(cid=conv.cid, group=conv.group, turn=turn + 1)
+                records.append(rec)
+                if on_progress is not None:
+                    on_progress(len(records))
+                if rec["error"] is not None:
+                    await asyncio.sleep(0.01)
+                    break  # the conversation cannot go on without the reply
+                replies.append(rec.pop("reply"))
+
+        if rate is None:
+            await asyncio.gather(*(user() for _ in range(concurrency)))
+        else:
+            rng = random.Random(seed)
+            turns = max(1, sum(len(c.user_turns) for c in convs) / max(1, len(convs)))
+            tasks: list[asyncio.Task] = []
+            next_at = time.perf_counter()
+            while state["issued"] < max_requests:
+                tasks.append(asyncio.ensure_future(user(one=True)))
+                next_at += rng.expovariate(rate / turns)
+                await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+            await asyncio.gather(*tasks)
     return {"t0": t0, "records": records, "conversations_started": state["next_conv"]}
 
 

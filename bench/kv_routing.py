@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=16, help="max_tokens per request (ignore_eos is set)")
     p.add_argument("--concurrency", type=int, default=None, help="closed-loop users " + d % (16, 4, 16))
     p.add_argument("--requests", type=int, default=None, help="requests per window " + d % (900, 96, 240))
+    p.add_argument("--rate", type=float, default=None,
+                   help="open loop: requests/s offered (conversations arrive as a seeded Poisson process and "
+                        "play their turns one after another) instead of --concurrency closed-loop users; routers "
+                        "compared at one rate give the load generator and the engines the same work per second")
     p.add_argument("--popularity", choices=("uniform", "zipf"), default="uniform", help="how conversations pick a group")
     p.add_argument("--zipf-s", type=float, default=1.1, help="zipf exponent")
     p.add_argument("--runs", type=int, default=None, help="windows per router; medians are reported [3; --quick 1]")
@@ -543,7 +547,7 @@ class Bench:
             client_before = resource.getrusage(resource.RUSAGE_SELF)
             load = await wl.run_load(workload, self.url_for(router), model=a.model, concurrency=a.concurrency,
                                      max_requests=a.requests, max_tokens=a.max_tokens,
-                                     request_timeout=a.request_timeout)
+                                     request_timeout=a.request_timeout, rate=a.rate, seed=a.seed)
             client_after = resource.getrusage(resource.RUSAGE_SELF)
             cpu_after = tree_cpu_seconds(roles)
             events_after = await event_counters(session, router) if name in KV_ROUTERS else None
@@ -925,6 +929,7 @@ async def run(args: argparse.Namespace) -> int:
           f"concurrency {args.concurrency}, {args.requests} requests × {args.runs} run(s) per router"
           + ("" if args.real else f", speedup {args.speedup:g}, {args.sim_tokenizer} tokenizer")
           + (f", routers on CPU {args.router_cpus}, the rest on {fleet_cpus(args.router_cpus)}" if args.router_cpus else "")
+          + (f", open loop at {args.rate:g} req/s" if args.rate else "")
           + f"; cpus={os.cpu_count()}, loadavg={load_before[0]:.2f}; logs in {logs_dir}", flush=True)
     workload, sizing = plan(args, fleet.model_dir)
     print_sizing(args, sizing)
