@@ -13,6 +13,27 @@ XXH3-64, parent of the first block ``ROUTER_SEED``) so routing never depends on 
 function or seed. Events are per target; batches for an unknown key are ignored (the worker may
 have gone while a batch was in flight).
 
+**Storage tiers.** The view is of the engine's *GPU* prefix cache, the tier requests are routed
+on. An event's ``medium`` names its tier; the GPU tier is ``None`` (the engine did not say: every
+first-generation publisher, SGLang's radix cache, vLLM's block pool without offload) and ``"GPU"``
+(any case). Every other value is a lower tier and never touches the GPU view: a ``BlockStored``
+there does not enter it, a ``BlockRemoved`` there does not drop from it, and a medium-scoped
+``AllBlocksCleared`` (ATOM sends ``medium="CPU"``) empties only that tier. The names in use
+(``tests/fixtures/kv_events/README.md`` has the sources): vLLM 0.32 ``GPU``/``CPU``/``STORAGE``
+(its Mooncake store connector writes ``"cpu"``, hence the case folding), SGLang 0.5.23
+``GPU``/``CPU_PINNED``/``DISK``/``EXTERNAL``, ATOM v0.1.5 ``GPU``/``CPU``/``DISK``/``REMOTE`` (ATOM
+names where a block lives; its ``REMOTE`` stores announce blocks a decode received from its
+prefill, and count as a lower tier until ATOM also announces them on the GPU). An
+``AllBlocksCleared`` without a medium empties every tier: vLLM's has no medium field at all, so
+one from its host-memory pool cannot be told from the GPU pool's.
+
+Lower tiers are kept per target as ``tier -> {engine_hash -> router_hash}`` (upper-cased tier
+name), created on a target's first lower-tier event, so the GPU path pays one comparison per
+event and nothing per block. They give per-tier block counts (:meth:`KvIndex.tier_block_counts`)
+and resolve parents: a GPU ``BlockStored`` whose parent left the GPU but is still on a lower tier
+(a block loaded back from host memory) is chained instead of dropped. Their router hashes are what
+scoring lower-tier hits would match against; that scoring is not done here.
+
 Semantics follow the spec exactly: the view is a *set* of router hashes per target, so a
 ``BlockRemoved`` drops the router hash even if a second engine block (another LoRA, say) with the
 same tokens maps to it; blocks of a misaligned ``BlockStored`` (``len(token_ids)//block_size !=
@@ -37,13 +58,25 @@ import xxhash
 from infera.kv.events import BlockHash, Cleared, EventBatch, Removed, Stored
 from infera.kv.hashing import ROUTER_SEED
 
-__all__ = ["KvIndex", "TargetStats", "FULL_ATTENTION_KINDS"]
+__all__ = ["KvIndex", "TargetStats", "FULL_ATTENTION_KINDS", "GPU_MEDIUM", "lower_tier"]
 
 log = logging.getLogger(__name__)
 
 #: ``kv_cache_spec_kind`` values whose blocks hold the whole prefix (hybrid models also publish
 #: sliding-window / mamba groups, which must not count as prefix hits). Absent kind → accepted.
 FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+
+#: The medium name of the tier the view holds (an event's ``medium`` None counts as this too).
+GPU_MEDIUM = "GPU"
+
+
+def lower_tier(medium: Optional[str]) -> Optional[str]:
+    """The lower tier an event's ``medium`` names (upper-cased), or None for the GPU tier."""
+    if medium is None or medium == GPU_MEDIUM:
+        return None
+    tier = medium.upper()
+    return None if tier == GPU_MEDIUM else tier
+
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _pack_u64 = struct.Struct("<Q").pack
@@ -61,7 +94,11 @@ class TargetStats:
     dropped_events: int = 0   #: BlockStored dropped: unknown parent, or token ids not u32
     skipped_events: int = 0   #: BlockStored skipped by the kv_cache_spec_kind filter
     misaligned_events: int = 0  #: BlockStored with len(tokens)//bs != len(block_hashes) (not mapped)
-    cleared: int = 0          #: AllBlocksCleared applied
+    cleared: int = 0          #: AllBlocksCleared applied to the GPU view (no medium, or GPU)
+    lower_events: int = 0     #: BlockStored/BlockRemoved on a lower tier (never in the GPU view)
+    lower_stored_blocks: int = 0   #: blocks mapped on a lower tier
+    lower_removed_blocks: int = 0  #: engine hashes removed from a lower tier that it held
+    lower_cleared: int = 0    #: AllBlocksCleared scoped to one lower tier
     resets: int = 0           #: reset() calls
     batches: int = 0          #: batches applied
     last_apply: float = 0.0   #: time.monotonic() of the last apply (0.0: never)
@@ -69,7 +106,7 @@ class TargetStats:
 
 
 class _Target:
-    __slots__ = ("key", "block_size", "bit", "mask", "emap", "count", "unmapped", "stats", "warned_bs")
+    __slots__ = ("key", "block_size", "bit", "mask", "emap", "count", "unmapped", "stats", "warned_bs", "lower")
 
     def __init__(self, key: str, block_size: int, bit: int) -> None:
         self.key = key
@@ -81,6 +118,8 @@ class _Target:
         self.unmapped = False    # view may hold router hashes that no emap value names
         self.stats = TargetStats()
         self.warned_bs = False
+        # lower tier -> engine hash -> router hash; None until the first lower-tier event
+        self.lower: Optional[dict[str, dict[BlockHash, int]]] = None
 
 
 class KvIndex:
@@ -105,6 +144,7 @@ class KvIndex:
         if t is not None:
             if t.block_size != block_size:
                 self._drop_view(t)
+                t.lower = None
                 t.block_size = block_size
                 t.warned_bs = False
             return
@@ -119,6 +159,7 @@ class KvIndex:
         if t is None:
             return False
         self._drop_view(t)
+        t.lower = None
         heapq.heappush(self._free_bits, t.bit)
         return True
 
@@ -127,6 +168,7 @@ class KvIndex:
         t = self._targets.get(key)
         if t is not None:
             self._drop_view(t)
+            t.lower = None
             t.stats.resets += 1
 
     def has_target(self, key: str) -> bool:
@@ -154,6 +196,14 @@ class KvIndex:
         """Number of engine hashes ``key`` can resolve (parents, removals)."""
         t = self._targets.get(key)
         return 0 if t is None else len(t.emap)
+
+    def tier_block_counts(self, key: str) -> dict[str, int]:
+        """Blocks (engine hashes) ``key``'s engine holds on each lower tier, by upper-cased medium
+        name; only tiers it has published to. Empty if unknown."""
+        t = self._targets.get(key)
+        if t is None or not t.lower:
+            return {}
+        return {tier: len(m) for tier, m in t.lower.items()}
 
     def stats(self, key: str) -> Optional[TargetStats]:
         t = self._targets.get(key)
@@ -213,8 +263,9 @@ class KvIndex:
 
     def apply(self, key: str, batch: EventBatch) -> int:
         """Apply one decoded batch to ``key``'s view. Returns the number of block events applied
-        (blocks re-hashed from BlockStored + engine hashes of BlockRemoved that resolved); 0 if
-        ``key`` is not registered."""
+        to the GPU view (blocks re-hashed from BlockStored + engine hashes of BlockRemoved that
+        resolved; lower-tier blocks are counted in :class:`TargetStats` only); 0 if ``key`` is
+        not registered."""
         t = self._targets.get(key)
         if t is None:
             return 0
@@ -236,6 +287,10 @@ class KvIndex:
         for ev in batch.events:
             tp = type(ev)
             if tp is Removed:  # first: vLLM sends one BlockRemoved per evicted block
+                med = ev.medium
+                if med is not None and med != "GPU" and (tier := lower_tier(med)) is not None:
+                    self._remove_lower(t, tier, ev.block_hashes)
+                    continue
                 removed_events += 1
                 for eh in ev.block_hashes:
                     h = epop(eh, None)
@@ -254,11 +309,17 @@ class KvIndex:
                 if kind is not None and kind not in FULL_ATTENTION_KINDS:
                     st.skipped_events += 1
                     continue
+                med = ev.medium
+                if med is not None and med != "GPU" and (tier := lower_tier(med)) is not None:
+                    self._store_lower(t, tier, ev)
+                    continue
                 parent = ev.parent
                 if parent is None:
                     h = ROUTER_SEED
                 else:
                     h = eget(parent)
+                    if h is None and t.lower:
+                        h = self._lower_parent(t, None, parent)
                     if h is None:
                         st.dropped_events += 1
                         continue
@@ -301,8 +362,17 @@ class KvIndex:
                             holders[h] = old | m
                             count += 1
             elif tp is Cleared:
+                med = ev.medium
+                tier = None if med is None else lower_tier(med)
+                if tier is not None:  # one lower tier only (ATOM): the GPU view stays
+                    if t.lower is not None:
+                        t.lower.pop(tier, None)
+                    st.lower_cleared += 1
+                    continue
                 t.count = count
                 self._drop_view(t)
+                if med is None:  # unscoped: every tier (vLLM's clear cannot say which pool)
+                    t.lower = None
                 count = 0
                 st.cleared += 1
         t.count = count
@@ -315,6 +385,80 @@ class KvIndex:
         if batch.ts > st.last_batch_ts:
             st.last_batch_ts = batch.ts
         return applied + removed
+
+    # --- lower tiers (off the GPU hot path) -------------------------------------------------
+
+    @staticmethod
+    def _lower_parent(t: _Target, tier: Optional[str], parent: BlockHash) -> Optional[int]:
+        """Router hash of ``parent`` from the lower tiers (``tier``'s own first), or None."""
+        lower = t.lower
+        if not lower:
+            return None
+        if tier is not None:
+            own = lower.get(tier)
+            if own is not None:
+                h = own.get(parent)
+                if h is not None:
+                    return h
+        for m in lower.values():
+            h = m.get(parent)
+            if h is not None:
+                return h
+        return None
+
+    def _store_lower(self, t: _Target, tier: str, ev: Stored) -> None:
+        st = t.stats
+        st.lower_events += 1
+        parent = ev.parent
+        if parent is None:
+            h = ROUTER_SEED
+        else:
+            # a block offloaded from the GPU usually names a parent that is (still) on the GPU
+            h = t.emap.get(parent)
+            if h is None:
+                h = self._lower_parent(t, tier, parent)
+            if h is None:
+                st.dropped_events += 1
+                return
+        bs = t.block_size
+        n = len(ev.token_ids) // bs
+        if n != len(ev.block_hashes):
+            st.misaligned_events += 1  # no map entry could name them: nothing to keep
+            return
+        try:
+            arr = array(_U32, ev.token_ids)
+        except (OverflowError, TypeError):
+            st.dropped_events += 1
+            return
+        if _SWAP:
+            arr.byteswap()
+        data = arr.tobytes()
+        step = 4 * bs
+        if t.lower is None:
+            t.lower = {}
+        m = t.lower.get(tier)
+        if m is None:
+            m = t.lower[tier] = {}
+        off = 0
+        for eh in ev.block_hashes:
+            h = _xxh3(_pack_u64(h) + data[off:off + step])
+            off += step
+            m[eh] = h
+        st.lower_stored_blocks += n
+
+    @staticmethod
+    def _remove_lower(t: _Target, tier: str, hashes: Sequence[BlockHash]) -> None:
+        st = t.stats
+        st.lower_events += 1
+        m = None if t.lower is None else t.lower.get(tier)
+        if m is None:
+            return
+        pop = m.pop
+        n = 0
+        for eh in hashes:
+            if pop(eh, None) is not None:
+                n += 1
+        st.lower_removed_blocks += n
 
     # --- matching --------------------------------------------------------------------------
 

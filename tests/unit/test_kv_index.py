@@ -332,8 +332,9 @@ def test_sglang_fixtures_chain_and_bigrams():
     big = dec((FIX / "sglang_bigram.msgpack").read_bytes())
     assert idx.apply("s#dp0", big) == 2
     assert idx.match(block_hashes(big.events[0].token_ids, 16), ["s#dp0"]) == [2]
-    assert idx.apply("s#dp1", dec((FIX / "sglang_removed_cleared.msgpack").read_bytes())) == 3
-    assert idx.block_count("s#dp1") == 0 and idx.block_count("s#dp0") == 2
+    # GPU removal of the child (1) + the CPU_PINNED removals, which are not the GPU view's
+    assert idx.apply("s#dp1", dec((FIX / "sglang_removed_cleared.msgpack").read_bytes())) == 1
+    assert idx.block_count("s#dp1") == 0 and idx.block_count("s#dp0") == 2  # the batch ends in a clear
 
 
 def test_events_made_until_follows_the_newest_batch_timestamp():
@@ -343,3 +344,163 @@ def test_events_made_until_follows_the_newest_batch_timestamp():
     idx.apply("w", EventBatch(50.0, []))
     idx.apply("w", EventBatch(49.0, []))  # a replayed older batch does not move it back
     assert idx.events_made_until("w") == 50.0
+
+
+# --- storage tiers: only the GPU tier is the view ----------------------------------------------
+
+def st_on(medium, i: int, j: int, parent: int | None = None, **kw) -> Stored:
+    ev = st(i, j, parent, **kw)
+    ev.medium = medium
+    return ev
+
+
+def rm_on(medium, *idx: int) -> Removed:
+    return Removed([eh(k) for k in idx], medium)
+
+
+# Lower-tier names the engines send (vLLM 0.32, SGLang 0.5.23, ATOM v0.1.5) and vLLM's Mooncake
+# store connector's lower-case "cpu".
+LOWER = ["CPU", "STORAGE", "CPU_PINNED", "DISK", "EXTERNAL", "REMOTE", "cpu"]
+
+TIER_CASES = [
+    # name, batches, GPU view (RH indexes), lower tiers {tier: RH indexes}, stats subset
+    ("gpu-explicit", [[st_on("GPU", 0, 3)]], [0, 1, 2], {}, {"stored_blocks": 3, "lower_events": 0}),
+    ("gpu-lower-case", [[st_on("gpu", 0, 2)], [rm_on("Gpu", 1)]], [0], {}, {"removed_blocks": 1}),
+    ("gpu-none", [[st_on(None, 0, 2)], [rm_on(None, 0)]], [1], {}, {"removed_blocks": 1}),
+    *[(f"removed-on-{m}-keeps-gpu", [[st(0, 3)], [rm_on(m, 0, 1, 2)]], [0, 1, 2], {},
+       {"removed_events": 0, "removed_blocks": 0, "lower_events": 1, "lower_removed_blocks": 0}) for m in LOWER],
+    *[(f"stored-on-{m}-not-in-gpu", [[st_on(m, 0, 3)]], [], {m.upper(): [0, 1, 2]},
+       {"stored_events": 0, "stored_blocks": 0, "lower_stored_blocks": 3}) for m in LOWER],
+    ("offload-then-gpu-evict", [[st(0, 3)], [st_on("CPU", 0, 3)], [rm(0, 1, 2)]], [], {"CPU": [0, 1, 2]},
+     {"removed_blocks": 3}),
+    ("gpu-store-parent-found-on-lower-tier", [[st(0, 3), st_on("CPU", 0, 3), rm(0, 1, 2)], [st(3, 4)]], [3],
+     {"CPU": [0, 1, 2]}, {"dropped_events": 0}),
+    ("lower-store-parent-on-gpu", [[st(0, 2), st_on("DISK", 2, 3)]], [0, 1], {"DISK": [2]}, {}),
+    ("lower-store-parent-same-tier", [[st_on("CPU", 0, 2)], [st_on("CPU", 2, 4)]], [], {"CPU": [0, 1, 2, 3]}, {}),
+    ("lower-store-parent-other-tier", [[st_on("CPU_PINNED", 0, 2)], [st_on("DISK", 2, 3)]], [],
+     {"CPU_PINNED": [0, 1], "DISK": [2]}, {}),
+    ("lower-store-unknown-parent", [[st_on("CPU", 2, 3)]], [], {}, {"dropped_events": 1, "lower_stored_blocks": 0}),
+    ("lower-store-misaligned", [[st_on("CPU", 0, 2, hashes=[eh(0)])]], [], {}, {"misaligned_events": 1}),
+    ("lower-store-sliding-window-skipped", [[st_on("CPU", 0, 2, spec_kind="sliding_window")]], [], {},
+     {"skipped_events": 1, "lower_events": 0}),
+    ("lower-remove", [[st_on("CPU", 0, 3)], [rm_on("CPU", 1), rm_on("DISK", 2)]], [], {"CPU": [0, 2]},
+     {"lower_removed_blocks": 1, "lower_events": 3}),
+    ("gpu-remove-leaves-lower", [[st(0, 2), st_on("CPU", 0, 2)], [rm(0)]], [1], {"CPU": [0, 1]}, {}),
+    ("lower-remove-leaves-gpu", [[st(0, 2), st_on("CPU", 0, 2)], [rm_on("CPU", 0)]], [0, 1], {"CPU": [1]}, {}),
+    ("clear-scoped-lower-keeps-gpu", [[st(0, 2), st_on("CPU", 0, 2), st_on("DISK", 0, 1)], [Cleared("CPU")]],
+     [0, 1], {"DISK": [0]}, {"cleared": 0, "lower_cleared": 1}),
+    ("clear-scoped-unknown-tier", [[st(0, 2)], [Cleared("DISK")]], [0, 1], {}, {"cleared": 0, "lower_cleared": 1}),
+    ("clear-scoped-gpu-keeps-lower", [[st(0, 2), st_on("CPU", 0, 2)], [Cleared("GPU")]], [], {"CPU": [0, 1]},
+     {"cleared": 1}),
+    ("clear-unscoped-drops-every-tier", [[st(0, 2), st_on("CPU", 0, 2)], [Cleared()]], [], {}, {"cleared": 1}),
+    ("mixed-batch", [[st(0, 4), st_on("CPU", 0, 2), rm_on("CPU", 9), rm(3), st_on("DISK", 3, 4)]], [0, 1, 2],
+     {"CPU": [0, 1], "DISK": [3]}, {"lower_events": 3, "stored_blocks": 4, "removed_blocks": 1}),
+]
+
+
+@pytest.mark.parametrize("name, batches, view, tiers, stats", TIER_CASES, ids=[c[0] for c in TIER_CASES])
+def test_apply_tiers(name, batches, view, tiers, stats):
+    idx = KvIndex()
+    idx.add_target("w", BS)
+    for evs in batches:
+        idx.apply("w", batch(*evs))
+    assert [i for i, h in enumerate(RH) if idx.holds("w", h)] == view
+    assert idx.block_count("w") == len(view) == len(idx)
+    prefix = next(i for i in range(len(RH) + 1) if i not in view)  # leading blocks 0, 1, ... held
+    assert idx.match(RH, ["w"]) == [prefix]
+    assert idx.tier_block_counts("w") == {t: len(v) for t, v in tiers.items()}
+    lower = idx._targets["w"].lower or {}
+    assert {t: sorted(RH.index(h) for h in m.values()) for t, m in lower.items() if m} == tiers  # router hashes
+    s = idx.stats("w")
+    for k, v in stats.items():
+        assert getattr(s, k) == v, k
+
+
+@pytest.mark.parametrize("medium", ["GPU", None])
+def test_gpu_events_never_build_lower_tier_state(medium):
+    """The common case pays nothing for tiers: no per-target tier map is ever created."""
+    idx = KvIndex()
+    idx.add_target("w", BS)
+    idx.apply("w", batch(st_on(medium, 0, 4), rm_on(medium, 3), Cleared(medium), st_on(medium, 0, 2)))
+    assert idx._targets["w"].lower is None and idx.tier_block_counts("w") == {}
+    assert idx.block_count("w") == 2
+
+
+def test_reset_remove_and_block_size_change_drop_lower_tiers():
+    idx = KvIndex()
+    for how in ("reset", "remove", "resize"):
+        idx.add_target("w", BS)
+        idx.apply("w", batch(st(0, 2), st_on("CPU", 0, 2)))
+        assert idx.tier_block_counts("w") == {"CPU": 2}
+        if how == "reset":
+            idx.reset("w")
+        elif how == "remove":
+            idx.remove_target("w")
+            idx.add_target("w", BS)
+        else:
+            idx.add_target("w", 2 * BS)
+        assert idx.tier_block_counts("w") == {} and idx.block_count("w") == 0, how
+        idx.remove_target("w")
+    assert idx.tier_block_counts("nobody") == {}
+
+
+def test_sglang_hicache_fixture_cpu_pinned_removal_keeps_the_gpu_view():
+    """SGLang 0.5.23 bytes: BlockRemoved(GPU) of the child, BlockRemoved(CPU_PINNED) of the two
+    parents (HiCache evicting its host copies), AllBlocksCleared: applied one event at a time."""
+    dec = decoder_for("sglang")
+    idx = KvIndex()
+    idx.add_target("s", 16)
+    b1 = dec((FIX / "sglang_stored.msgpack").read_bytes())
+    b2 = dec((FIX / "sglang_stored_child.msgpack").read_bytes())
+    idx.apply("s", b1)
+    idx.apply("s", b2)
+    want = block_hashes(b1.events[0].token_ids + b2.events[0].token_ids, 16)
+    rc = dec((FIX / "sglang_removed_cleared.msgpack").read_bytes())
+    assert [(type(e).__name__, e.medium) for e in rc.events] == [
+        ("Removed", "GPU"), ("Removed", "CPU_PINNED"), ("Cleared", None)]
+    gpu_rm, cpu_rm, clear = rc.events
+    assert idx.apply("s", EventBatch(rc.ts, [gpu_rm])) == 1
+    assert idx.match(want, ["s"]) == [2]
+    assert idx.apply("s", EventBatch(rc.ts, [cpu_rm])) == 0
+    assert idx.match(want, ["s"]) == [2] and idx.block_count("s") == 2  # host eviction: GPU copies stay
+    assert idx.stats("s").lower_events == 1
+    idx.apply("s", EventBatch(rc.ts, [clear]))
+    assert idx.block_count("s") == 0
+
+
+def test_sglang_0_5_15_fixture_cpu_pinned_removal_and_unlabelled_medium():
+    """SGLang 0.5.15 arrays: medium GPU / None stores, CPU_PINNED and None removals."""
+    dec = decoder_for("sglang")
+    b = dec((FIX / "sglang_0_5_15.msgpack").read_bytes())
+    (s_gpu, s_none, r_cpu, r_none) = b.events
+    assert (s_gpu.medium, s_none.medium, r_cpu.medium, r_none.medium) == ("GPU", None, "CPU_PINNED", None)
+    idx = KvIndex()
+    idx.add_target("s", s_gpu.block_size)
+    idx.apply("s", EventBatch(b.ts, [s_gpu, r_cpu]))
+    assert idx.block_count("s") == 2  # the CPU_PINNED removal of the first block left the GPU view whole
+    idx.apply("s", EventBatch(b.ts, [r_none]))
+    assert idx.block_count("s") == 1  # an unlabelled removal is the GPU tier's
+
+
+def test_atom_fixture_remote_store_and_cpu_scoped_clear():
+    """ATOM v0.1.5 bytes: GPU store of 2 blocks, REMOTE store of a child, GPU removal of the second
+    block, AllBlocksCleared(medium="CPU"), then an unscoped AllBlocksCleared."""
+    dec = decoder_for("atom")
+    b = dec((FIX / "atom_0_1_5.msgpack").read_bytes())
+    assert [(type(e).__name__, e.medium) for e in b.events] == [
+        ("Stored", "GPU"), ("Stored", "REMOTE"), ("Removed", "GPU"), ("Cleared", "CPU"), ("Cleared", None)]
+    s_gpu, s_remote, r_gpu, clear_cpu, clear_all = b.events
+    idx = KvIndex()
+    idx.add_target("a", s_gpu.block_size)
+    want = block_hashes(s_gpu.token_ids + s_remote.token_ids, s_gpu.block_size)
+    assert idx.apply("a", EventBatch(b.ts, [s_gpu, s_remote])) == 2
+    assert idx.match(want, ["a"]) == [2]  # the REMOTE block is not in the GPU view
+    assert idx.tier_block_counts("a") == {"REMOTE": 1}
+    assert list(idx._targets["a"].lower["REMOTE"].values()) == want[2:]  # chained from the GPU parent
+    idx.apply("a", EventBatch(b.ts, [r_gpu]))
+    assert idx.match(want, ["a"]) == [1]
+    idx.apply("a", EventBatch(b.ts, [clear_cpu]))
+    assert idx.match(want, ["a"]) == [1] and idx.tier_block_counts("a") == {"REMOTE": 1}  # CPU-only clear
+    assert idx.stats("a").cleared == 0 and idx.stats("a").lower_cleared == 1
+    idx.apply("a", EventBatch(b.ts, [clear_all]))
+    assert idx.block_count("a") == 0 and idx.tier_block_counts("a") == {}
