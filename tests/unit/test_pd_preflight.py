@@ -28,10 +28,13 @@ NIXL = PdSetup("prefill", "vllm-nixl", "NixlConnector")
         (NIXL, "::1", False, ["mlx5_0"], ["cannot reach"]),
         (NIXL, "127.0.0.1", True, [], []),  # single-host test: allowed on purpose
         (PdSetup("decode", "vllm-example", "ExampleConnector", rdma_capable=False), "10.0.0.5", False, ["mlx5_0"],
-         ["without RDMA"]),
+         ["not move KV over RDMA"]),
         (PdSetup("decode", "vllm-example", "ExampleConnector", rdma_capable=False), "10.0.0.5", True, [], []),
         # An unknown connector is refused even with --disaggregation-allow-tcp: the router could not drive it.
         (PdSetup("prefill", None, "LMCacheConnectorV1"), "10.0.0.5", True, [], ["no PD protocol"]),
+        # What the engine would refuse after its slow start is refused first, allow-tcp or not.
+        (PdSetup("prefill", "sglang-bootstrap", "x", refusals=("engine says no",)), "10.0.0.5", True, [],
+         ["engine says no"]),
     ],
 )
 def test_pd_preflight(setup, host, allow_tcp, devices, expect):
@@ -39,7 +42,7 @@ def test_pd_preflight(setup, host, allow_tcp, devices, expect):
     assert len(problems) == len(expect)
     for problem, fragment in zip(problems, expect):
         assert fragment in problem
-        if not allow_tcp and "protocol" not in fragment:
+        if not allow_tcp and "protocol" not in fragment and "engine" not in fragment:
             assert "--disaggregation-allow-tcp" in problem  # the message says how to proceed
 
 
@@ -69,7 +72,7 @@ def kvt(role: str, connector: str = "NixlConnector") -> str:
         (SglangAdapter(), ["--model-path", "m", "--disaggregation-mode", "decode"], [], 2),
         (SglangAdapter(), ["--model-path", "m", "--disaggregation-mode", "decode", "--host", "10.1.2.3"], [], 1),
         (SglangAdapter(), ["--model-path", "m", "--disaggregation-mode", "prefill", "--host", "10.1.2.3",
-                           "--disaggregation-transfer-backend", "fake"], [], 1),
+                           "--disaggregation-transfer-backend", "fake"], [], 2),
         (SglangAdapter(), ["--model-path", "m", "--disaggregation-mode", "prefill"], ["--advertise-host", "10.1.2.3"], 1),
         (AtomAdapter(), ["--model", "m", "--kv-transfer-config", kvt("kv_producer", "mooncake")], [], 2),
     ],
@@ -94,3 +97,50 @@ def test_refused_launcher_exits_2_before_starting_anything():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "PD preflight refused" in proc.stderr and "--disaggregation-allow-tcp" in proc.stderr
+
+
+def sglang_problems(mode: str, backend: str | None, launcher_flags=(), devices=("mlx5_0",)) -> list[str]:
+    adapter = SglangAdapter()
+    parser = build_launcher_parser(adapter, "t", environ={})
+    argv = ["--model-path", "m", "--disaggregation-mode", mode, "--host", "10.1.2.3"]
+    if backend is not None:
+        argv += ["--disaggregation-transfer-backend", backend]
+    args, engine_argv = parser.parse_known_args(["--etcd-endpoint", "e", *launcher_flags, *argv])
+    return pd_preflight_problems(adapter, args, engine_argv, rdma_devices=list(devices))
+
+
+ALLOW_TCP = ["--disaggregation-allow-tcp"]
+
+
+@pytest.mark.parametrize(
+    "mode, backend, launcher_flags, expect",
+    [
+        # SGLang 0.5.23's choices: every RDMA backend passes on a host with an active RDMA port
+        *[(m, b, [], []) for m in ("prefill", "decode") for b in ("mooncake", "nixl", "ascend", "mori")],
+        ("prefill", None, [], []),  # the default is mooncake
+        # mooncake_tcp is mooncake over TCP (MC_FORCE_TCP=1): RDMA hardware does not help it
+        ("prefill", "mooncake_tcp", [], ["does not move KV over RDMA"]),
+        ("decode", "mooncake_tcp", [], ["does not move KV over RDMA"]),
+        ("decode", "mooncake_tcp", ALLOW_TCP, []),
+        # fake moves no KV: a decode worker may use it for a synthetic benchmark, a prefill never
+        ("decode", "fake", [], ["does not move KV over RDMA"]),
+        ("decode", "fake", ALLOW_TCP, []),
+        ("prefill", "fake", ALLOW_TCP, ["refuses it on a prefill worker"]),
+        ("prefill", "fake", [], ["refuses it on a prefill worker", "does not move KV over RDMA"]),
+        ("decode", "tcp", ALLOW_TCP, ["is not one SGLang accepts"]),
+    ],
+)
+def test_sglang_transfer_backends(mode, backend, launcher_flags, expect):
+    problems = sglang_problems(mode, backend, launcher_flags)
+    assert len(problems) == len(expect), problems
+    for problem, fragment in zip(problems, expect):
+        assert fragment in problem
+
+
+def test_sglang_backend_table_matches_the_stand_in():
+    """The preflight's table and the SGLang stand-in's --disaggregation-transfer-backend choices are
+    both SGLang 0.5.23's list."""
+    from infera.engine.base.preflight import SGLANG_RDMA_BACKENDS, SGLANG_TRANSFER_BACKENDS
+    from infera.engine.sim.pd import SGLANG_TRANSFER_BACKENDS as STANDIN_CHOICES
+    assert set(SGLANG_TRANSFER_BACKENDS) == set(STANDIN_CHOICES)
+    assert set(SGLANG_RDMA_BACKENDS) == {"mooncake", "nixl", "ascend", "mori"}

@@ -39,7 +39,7 @@ from infera.engine.base.argv import flag_value, has_flag
 from infera.engine.base.launcher import WILDCARD_HOSTS, EngineProcessSpec, default_advertise_host, engine_command
 from infera.engine.base.kv_dtype import has_gpu, with_kv_fp8_default
 from infera.engine.base.kv_events import bind_kv_events, free_port_block
-from infera.engine.base.preflight import SGLANG_RDMA_BACKENDS, PdSetup
+from infera.engine.base.preflight import SGLANG_RDMA_BACKENDS, PdSetup, sglang_transfer_refusals
 from infera.engine.base.prom import sum_samples
 
 log = logging.getLogger("infera.launcher.sglang")
@@ -176,6 +176,7 @@ class SglangAdapter:
         backend = flag_value(engine_argv, "--disaggregation-transfer-backend", default=SGLANG_DEFAULT_TRANSFER_BACKEND)
         return PdSetup(DISAGG_MODES[mode], PROTOCOL, f"the {backend!r} transfer backend",
                        rdma_capable=backend in SGLANG_RDMA_BACKENDS,
+                       refusals=sglang_transfer_refusals(DISAGG_MODES[mode], backend),
                        bind_host=flag_value(engine_argv, "--host", default=SGLANG_DEFAULT_HOST))
 
     def prepare(self, engine_argv: list[str], args: argparse.Namespace) -> EngineProcessSpec:
