@@ -58,6 +58,12 @@ class FakeEngine(LoopbackEngine):
                 await asyncio.sleep(3600)
             if self.behaviour == "no-handoff":
                 return web.json_response({"id": "p", "choices": [{"text": "x"}]})
+            if self.behaviour == "atom" and self.mode == "prefill":  # ATOM v0.1.5 request_finished
+                return web.json_response({"id": "p", "choices": [{"message": {"content": "x"}}], "kv_transfer_params": {
+                    "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [3, 4],
+                    "remote_engine_id": self.name, "remote_host": "127.0.0.1", "remote_port": 2,
+                    "remote_handshake_port": 2, "tp_size": 1, "dp_rank": 0, "transfer_id": 77,
+                    "first_token_id": 5, "draft_token_ids": [], "local_slot_index": -1}})
             if self.mode == "prefill":
                 return web.json_response({"id": "p", "choices": [{"text": "x"}], "kv_transfer_params": {
                     "do_remote_prefill": True, "remote_engine_id": self.name, "remote_block_ids": [[1, 2]],
@@ -280,16 +286,34 @@ async def test_pair_never_mixes_protocols(pd):
     assert p.bodies == d.bodies == []
 
 
-async def test_atom_pair_refuses_chat_with_400(pd):
+@pytest.mark.parametrize("stream", [False, True])
+async def test_atom_pair_serves_chat(pd, stream):
+    """ATOM v0.1.5 serves PD on /v1/chat/completions (atom/entrypoints/openai/api_server.py
+    chat_completions passes kv_transfer_params to the engine; tests/fixtures/pd/README.md)."""
     server, engine, s = pd
     srv, base = await server()
-    meta = {"protocol": "atom-mooncake", "params": {"host": "127.0.0.1", "http_port": 1, "handshake_port": 2,
+    meta = {"protocol": "atom-mooncake", "params": {"host": "127.0.0.1", "http_port": "PORT", "handshake_port": 2,
                                                     "tp_size": 1, "dp_size": 1}}
-    p, d = await engine("p0", "prefill", meta), await engine("d0", "decode", meta)
+    p = await engine("p0", "prefill", meta, behaviour="atom")
+    d = await engine("d0", "decode", meta, behaviour="atom")
     srv.fleet.replace_all([p.record(), d.record()])
-    status, reply = await post(s, base + "/v1/chat/completions", chat())
-    assert status == 400
-    assert "/v1/completions" in assert_openai_error(reply)["message"]
+    if stream:
+        async with s.post(base + "/v1/chat/completions", json=chat(stream=True)) as r:
+            assert r.status == 200
+            text = await r.text()
+        assert '" a"' in text and text.rstrip().endswith("data: [DONE]")
+    else:
+        status, reply = await post(s, base + "/v1/chat/completions", chat())
+        assert status == 200 and reply["by"] == "d0"
+    (pb,), (db,) = p.bodies, d.bodies
+    assert pb["messages"] == db["messages"] == chat()["messages"]
+    assert pb["max_tokens"] == 1 and pb["stream"] is False
+    assert pb["kv_transfer_params"]["do_remote_decode"] is True
+    assert (pb["kv_transfer_params"]["remote_port"], pb["kv_transfer_params"]["remote_handshake_port"]) == (d.port, 2)
+    assert db["max_tokens"] == 8 and bool(db.get("stream")) is stream
+    handoff = db["kv_transfer_params"]
+    assert (handoff["transfer_id"], handoff["remote_engine_id"], handoff["remote_dp_rank"], handoff["tp_size"]) == \
+        (77, "p0", 0, 1)
 
 
 async def test_dp_rank_header_on_each_leg_and_room_aligned(pd):

@@ -183,11 +183,14 @@ def test_resolve_protocol_only_knows_what_the_registry_holds():
 
 # -- behaviour a golden case cannot show --------------------------------------------------------
 
-def test_atom_refuses_chat_and_says_what_to_use():
+def test_atom_serves_chat_and_completions_and_names_them_when_refusing():
+    proto = protocol_registry()["atom-mooncake"]
+    proto.check_route("/v1/chat/completions")  # ATOM v0.1.5 serves PD chat
+    proto.check_route("/v1/completions")
     with pytest.raises(PdError) as caught:
-        protocol_registry()["atom-mooncake"].check_route("/v1/chat/completions")
+        proto.check_route("/v1/embeddings")
     assert caught.value.status == 400 and caught.value.code == "unsupported_route"
-    assert "only /v1/completions" in caught.value.message and "ATOM" in caught.value.message
+    assert "/v1/chat/completions" in caught.value.message and "/v1/completions" in caught.value.message
 
 
 def _mori_pair(protocol: str) -> PdPair:

@@ -19,7 +19,7 @@ import msgspec
 import pytest
 
 from infera.discovery.record import WorkerRecord
-from infera.router.pd import PdError, PdPair, _mori, protocol_registry
+from infera.router.pd import PdPair, _mori, protocol_registry
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "pd"
 
@@ -275,9 +275,17 @@ def test_atom_prefill_leg_names_the_decode():
     assert meta["tp_size"] == 4 and meta["remote_dp_size"] == 2 and meta["remote_handshake_port"] == 6302
 
 
-def test_atom_chat_is_still_refused_though_atom_serves_it():
-    """ATOM v0.1.5's chat endpoint passes kv_transfer_params through and returns them; the router
-    keeps its 400 until its integration test (test_pd_router.py) changes with it."""
-    with pytest.raises(PdError) as caught:
-        protocol_registry()["atom-mooncake"].check_route("/v1/chat/completions")
-    assert caught.value.status == 400
+def test_atom_chat_legs_read_as_atom_reads_them():
+    """ATOM v0.1.5's chat endpoint (``api_server.py`` ``chat_completions``) hands the body's
+    kv_transfer_params to the engine like /v1/completions does, so a chat pair gets the same legs."""
+    proto = protocol_registry()["atom-mooncake"]
+    proto.check_route("/v1/chat/completions")
+    chat = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
+    pair = PdPair(worker("atom-mooncake", "p_dp2"), worker("atom-mooncake", "d"), 9, prefill_rank=1, decode_rank=0)
+    prefill = proto.prefill_body(chat, pair)
+    assert prefill["messages"] == chat["messages"] and prefill["max_tokens"] == 1 and prefill["stream"] is False
+    assert atom_req_meta(prefill["kv_transfer_params"])["remote_handshake_port"] == 6302
+    decode = proto.decode_body(chat, pair, {"kv_transfer_params": atom_request_finished("10.0.0.3", 6301, 4, 1)})
+    assert decode["messages"] == chat["messages"] and decode["max_tokens"] == 8
+    meta = atom_req_meta(decode["kv_transfer_params"])
+    assert (meta["remote_host"], meta["remote_dp_rank"], meta["tp_size"], meta["transfer_id"]) == ("10.0.0.3", 1, 4, 77)

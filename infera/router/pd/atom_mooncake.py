@@ -1,4 +1,4 @@
-"""``atom-mooncake``: ATOM's Mooncake connector, serial, ``/v1/completions`` only.
+"""``atom-mooncake``: ATOM's Mooncake connector, serial, ``/v1/completions`` and ``/v1/chat/completions``.
 
 The prefill leg is told where the decode engine listens (its host, HTTP and handshake ports and its
 parallelism); its reply carries the handoff (with the ``transfer_id``) that the decode leg gets back
@@ -10,8 +10,11 @@ Checked against ATOM v0.1.5 (``atom/kv_transfer/disaggregation/mooncake/mooncake
 ``kv_transfer_params`` carry ``remote_host``, ``remote_handshake_port``, ``tp_size`` (the
 prefill's) and the prefill's ``dp_rank`` *inside* them; the decode engine reads ``tp_size`` (else
 ``remote_tp_size``) as the prefill's TP degree and ``remote_dp_rank`` (default 0) to pick the
-prefill rank's handshake port. ATOM v0.1.5 also serves PD on ``/v1/chat/completions``; the chat
-refusal is kept until the router's tests move with it.
+prefill rank's handshake port. Chat takes the same legs: ATOM v0.1.5's ``/v1/chat/completions``
+(``atom/entrypoints/openai/api_server.py`` ``chat_completions``) hands the request's
+``kv_transfer_params`` to the engine exactly as ``/v1/completions`` does, and its reply carries the
+prefill's handoff at the top level (``serving_chat.py`` ``build_chat_response``; the last stream
+chunk when streamed), like a completion's.
 """
 from __future__ import annotations
 
@@ -20,9 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from infera.discovery.record import WorkerRecord
-from infera.router.pd.base import (COMPLETIONS_ROUTE, CHAT_ROUTE, PdError, PdPair, Topology, as_port,
-                                   is_int, misconfigured, params, prefill_single_token,
-                                   reply_kv_transfer_params, require_route)
+from infera.router.pd.base import (OPENAI_ROUTES, PdError, PdPair, Topology, as_port, is_int, misconfigured,
+                                   params, prefill_single_token, reply_kv_transfer_params, require_route)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,10 +59,7 @@ class AtomMooncakeProtocol:
     topology: Topology = "serial"
 
     def check_route(self, route: str) -> None:
-        if route == CHAT_ROUTE:
-            raise PdError(400, f"ATOM PD pairs ({self.name}) serve only {COMPLETIONS_ROUTE}: send the "
-                          f"prompt to {COMPLETIONS_ROUTE} instead of {CHAT_ROUTE}", "unsupported_route")
-        require_route(self.name, route, (COMPLETIONS_ROUTE,))
+        require_route(self.name, route, OPENAI_ROUTES)
 
     def leg_request_id(self, pair: PdPair) -> str | None:
         return None
