@@ -94,25 +94,39 @@ def _replace_flag_value(argv: list[str], name: str, value: str) -> list[str]:
     return out
 
 
+def moriio_read_mode(connector_cfg: dict[str, Any]) -> bool:
+    """Whether vLLM runs this MoRIIO connector in READ mode: ``kv_connector_extra_config.read_mode``
+    "true"/"1" as text, any case (vLLM 0.32 ``moriio_common.get_moriio_mode``). vLLM 0.32 ignores
+    the old env ``VLLM_MORIIO_CONNECTOR_READ_MODE`` (it only warns), so it decides nothing here."""
+    if "VLLM_MORIIO_CONNECTOR_READ_MODE" in os.environ:
+        log.warning("VLLM_MORIIO_CONNECTOR_READ_MODE is ignored by vLLM 0.32: set read_mode in "
+                    "kv_transfer_config.kv_connector_extra_config instead")
+    extra = connector_cfg.get("kv_connector_extra_config") or {}
+    return str(extra.get("read_mode", "false")).lower().strip() in ("true", "1")
+
+
 def disaggregation(cfg: dict[str, Any] | None, advertise_host: str) -> tuple[str, dict[str, Any]]:
     """(disagg_mode, disagg_meta) from a parsed ``--kv-transfer-config``."""
     if not cfg:
         return "mixed", {}
     mode = ROLE_MODES.get(cfg.get("kv_role") or "kv_both", "mixed")
     connector = cfg.get("kv_connector")
+    source = cfg  # the config whose connector carries the transfer (its ip/port/extra config)
     if connector == "MultiConnector":  # first child with a known protocol carries the transfer
         for child in (cfg.get("kv_connector_extra_config") or {}).get("connectors", []):
             if child.get("kv_connector") in CONNECTOR_PROTOCOLS:
                 connector = child["kv_connector"]
+                source = child
                 break
     protocol = CONNECTOR_PROTOCOLS.get(connector or "")
-    if protocol == "vllm-mori-write" and os.environ.get("VLLM_MORIIO_CONNECTOR_READ_MODE"):
+    if protocol == "vllm-mori-write" and moriio_read_mode(source):
         protocol = "vllm-mori-read"
     if mode == "mixed":
         return "mixed", {}
-    params: dict[str, Any] = {"engine_id": cfg.get("engine_id"), "kv_ip": cfg.get("kv_ip"),
-                              "kv_port": cfg.get("kv_port"),
-                              "kv_connector_extra_config": cfg.get("kv_connector_extra_config") or {}}
+    params: dict[str, Any] = {"engine_id": cfg.get("engine_id") or source.get("engine_id"),
+                              "kv_ip": source.get("kv_ip", cfg.get("kv_ip")),
+                              "kv_port": source.get("kv_port", cfg.get("kv_port")),
+                              "kv_connector_extra_config": source.get("kv_connector_extra_config") or {}}
     if protocol == "vllm-mooncake":
         port = os.environ.get("VLLM_MOONCAKE_BOOTSTRAP_PORT", "8998")
         params["bootstrap_addr"] = f"http://{advertise_host}:{port}"
