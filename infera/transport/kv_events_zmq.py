@@ -19,9 +19,10 @@ is tracked, and a caller's view of a worker is never allowed to drift silently:
   lands exactly on ``last + 1`` cannot be told from seq numbers and goes unnoticed.
 
 ``on_batch(key, seq, payload)`` is called in seq order, at most once per seq between resets; the
-payload is handed over undecoded (the caller picks the vLLM or SGLang decoder). Two-frame
-messages ``[topic, payload]`` (no sequence number: ATOM's hook) are passed through with seq -1 and
-no tracking. Callback exceptions are logged and counted, never kill a reader. All I/O is
+payload is handed over undecoded (the caller picks the vLLM or SGLang decoder). ATOM v0.1.5's
+publisher sends no sequence number: ``[topic, payload]``, or the payload alone when its topic is
+empty (a SUB gets those only when subscribed to every topic, ``topic=""``); both are passed through
+with seq -1 and no tracking. Callback exceptions are logged and counted, never kill a reader. All I/O is
 ``zmq.asyncio`` on the caller's loop. Live batches in sequence are drained straight from a reader
 callback on the socket's FD (``_drain``): an engine sends one batch per scheduler step, ten or more
 per request, and an awaited receive per batch cost several times the batch itself.
@@ -369,8 +370,8 @@ class ZmqKvEventSubscriber(KvCallbacks):
     def _in_order(self, st: _KeyState, frames: list[bytes]) -> bool:
         """The common case: the next batch in sequence, nothing replayed to check against; delivered
         here. False: ``_on_message`` decides."""
-        if len(frames) == 2:  # [topic, payload]: no sequence to track
-            self._deliver(st, NO_SEQ, frames[1], track=False)
+        if len(frames) <= 2:  # [topic, payload] or [payload] (ATOM): no sequence to track
+            self._deliver(st, NO_SEQ, frames[-1], track=False)
             return True
         if len(frames) != 3 or st.last_seq is None or st.replayed or len(frames[1]) != 8:
             return False
@@ -381,10 +382,10 @@ class ZmqKvEventSubscriber(KvCallbacks):
         return True
 
     async def _on_message(self, st: _KeyState, frames: list[bytes]) -> None:
-        if len(frames) == 2:  # [topic, payload]: no sequence to track
-            self._deliver(st, NO_SEQ, frames[1], track=False)
+        if len(frames) <= 2:  # [topic, payload] or [payload] (ATOM): no sequence to track
+            self._deliver(st, NO_SEQ, frames[-1], track=False)
             return
-        if len(frames) < 2 or len(frames[-2]) != 8:
+        if len(frames[-2]) != 8:
             log.warning("KV events %s: ignoring a malformed message (%d frames)", st.key, len(frames))
             return
         seq = int.from_bytes(frames[-2], "big")

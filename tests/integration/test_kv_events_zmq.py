@@ -443,3 +443,86 @@ async def test_re_adding_a_key_starts_over_with_a_replay(sim, subscriber):
     sub.add("w", *endpoints(server))  # e.g. the caller rebuilt its view: everything again, from 0
     await wait_for(lambda: sink.seqs("w") == list(range(n)) * 2, 10, message="replayed again from 0")
     assert sub.stats("w")["batches"] == n and sink.resets == []
+
+
+# -- ATOM's publisher: no sequence frame, and no topic frame when its topic is empty ---------------------
+
+@pytest.mark.parametrize("topic", ["", "kv-events"])
+async def test_atom_publisher_one_and_two_frame_messages(topic):
+    """The simulator publishing as ATOM v0.1.5 (``[payload]`` for an empty topic, else ``[topic,
+    payload]``), read by a subscriber to every topic: each batch is delivered once, with seq -1 and
+    no gap, restart or reset bookkeeping."""
+    from infera.kv.events import Stored, decoder_for
+    from infera.transport.kv_events_zmq import NO_SEQ
+
+    sink = Sink()
+    sub = ZmqKvEventSubscriber(sink.on_batch, sink.on_reset, replay_timeout=1.0, topic="")
+    await sub.start()
+    port = free_port()
+    args = kv_args(port, None)
+    args.kv_events_config = KvEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                           endpoint=f"tcp://127.0.0.1:{port}", topic=topic)
+    engine = SimEngine(args, kv_events_format="atom")
+    raw: list[list[bytes]] = []  # what a plain SUB sees on the same publisher: the frame layout
+    ctx = zmq.asyncio.Context()
+    probe = ctx.socket(zmq.SUB)
+    probe.setsockopt(zmq.LINGER, 0)
+    probe.setsockopt(zmq.SUBSCRIBE, b"")
+    try:
+        async with SimServer(args, engine) as server:
+            sub.add("atom", f"tcp://127.0.0.1:{port}")
+            probe.connect(f"tcp://127.0.0.1:{port}")
+            pokes = iter(range(1000))
+
+            async def poked() -> bool:  # no replay socket: traffic until both subscriptions are through
+                while await probe.poll(0):
+                    raw.append(await probe.recv_multipart())
+                if not (sink.batches and raw):
+                    await complete(server, prompt(next(pokes)), max_tokens=4)
+                return bool(sink.batches and raw)
+
+            await wait_for(poked, 10, interval=0.1, message="a first ATOM batch on both sockets")
+            first = len(sink.batches)
+            await complete(server, prompt(10_000), max_tokens=4)
+            await wait_for(lambda: len(sink.batches) > first, 10, message="the next ATOM batch")
+    finally:
+        probe.close()
+        ctx.destroy(linger=0)
+        await sub.stop()
+    assert [len(m) for m in raw] == [1 if not topic else 2] * len(raw)  # the layout under test
+    assert {seq for _, seq, _ in sink.batches} == {NO_SEQ}
+    st = sub.stats("atom")
+    assert (st["gaps"], st["restarts"], st["resets"], st["replays"]) == (0, 0, 0, 0) and sink.resets == []
+    # the payload handed over is the whole batch, which the ATOM decoder reads
+    dec = decoder_for("atom")
+    stored = [ev for _, _, evs in sink.batches for ev in dec(msgspec.msgpack.encode([0.0, evs])).events
+              if type(ev) is Stored]
+    assert stored and all(len(ev.token_ids) == len(ev.block_hashes) * ev.block_size for ev in stored)
+
+
+async def test_one_frame_message_from_a_hand_driven_publisher():
+    """``[payload]`` alone, also when it is the first message and between sequenced ones."""
+    sink = Sink()
+    sub = ZmqKvEventSubscriber(sink.on_batch, sink.on_reset, replay_timeout=1.0, topic="")
+    await sub.start()
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.XPUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind("tcp://127.0.0.1:*")
+    try:
+        sub.add("a", pub.getsockopt_string(zmq.LAST_ENDPOINT))
+        assert await asyncio.wait_for(pub.recv(), 10) == b"\x01"  # subscribed to every topic
+
+        def payload(n: int) -> bytes:
+            return msgspec.msgpack.encode([float(n), [["BlockRemoved", [n], "GPU"]], 0])
+
+        await pub.send_multipart([payload(1)])
+        await pub.send_multipart([payload(2)])
+        await pub.send_multipart([TOPIC, (0).to_bytes(8, "big"), payload(3)])  # a sequenced one after
+        await pub.send_multipart([payload(4)])
+        await wait_for(lambda: len(sink.batches) == 4, 5, message="four batches")
+    finally:
+        ctx.destroy(linger=0)
+        await sub.stop()
+    assert [(seq, evs[0][1]) for _, seq, evs in sink.batches] == [(-1, [1]), (-1, [2]), (0, [3]), (-1, [4])]
+    assert sink.resets == [] and sub.stats("a")["last_seq"] == 0
