@@ -280,7 +280,8 @@ def test_bridge_follows_nats_workers_on_nats_and_decodes_sglang_as_sglang():
     assert bridge.transport("sg:1") == "nats" and bridge.transport("z:1") == "zmq"
     assert bridge.nats_subscriber.keys() == ["sg:1"] and bridge.subscriber.keys() == ["z:1"]
     assert bridge._decoders["sglang"] is decode_array_form
-    # An SGLang batch (tagged arrays, bigram tokens too) exactly as the relay carries it.
+    # An SGLang batch (SGLang 0.5.23's "type"-tagged maps, signed 64-bit hashes) exactly as the
+    # relay carries it.
     tokens = list(range(100, 112))
     payload = sim_encode_batch([StoredEvent([1, 2, 3], None, tokens, 4)], "sglang")
     sub = bridge.nats_subscriber

@@ -136,13 +136,15 @@ def event_fields(ports: Ports | None, advertise_host: str) -> dict[str, str]:
 
 
 # -- binding the advertise address -------------------------------------------------------------------
-# vLLM and SGLang (and the simulator, which mirrors them) *bind* a PUB endpoint only when it holds
-# "*" or "::" and *connect* to anything else, so "tcp://10.0.0.5:5557" would make the engine dial
-# out. libzmq reads "src;dst" as a source address then the address proper, and a bind ignores the
-# source part: "tcp://*:0;10.0.0.5:5557" passes the engines' "*" test and binds 10.0.0.5:5557 only
-# (libzmq 4.3 as shipped by pyzmq; tests/unit/test_kv_events_bind.py checks it). Replay
-# sockets are always bound; the same form keeps one rule for both. The port stays last, so the
-# engines' per-DP-rank port offset (rfind(":")) still applies.
+# vLLM 0.32 *binds* a PUB endpoint only when it holds "*" or "::" (or is ipc/inproc) and *connects*
+# to anything else; SGLang 0.5.23 binds "0.0.0.0" too, and its config's ``bind`` (true/false)
+# overrides that guess; ATOM always binds (the simulator mirrors all three). So
+# "tcp://10.0.0.5:5557" would make vLLM, and SGLang without ``bind``, dial out. libzmq reads
+# "src;dst" as a source address then the address proper, and a bind ignores the source part:
+# "tcp://*:0;10.0.0.5:5557" passes the engines' "*" test and binds 10.0.0.5:5557 only (libzmq 4.3
+# as shipped by pyzmq; tests/unit/test_kv_events_bind.py checks it). Replay sockets are always
+# bound; the same form keeps one rule for both. The port stays last, so the engines' per-DP-rank
+# port offset (rfind(":")) still applies.
 
 def bind_endpoint(ip: str, port: int | str) -> str:
     """A ZMQ endpoint the engines bind on ``ip`` only (see above)."""

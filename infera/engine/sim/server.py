@@ -150,7 +150,8 @@ class SimEngine:
             output_vocab=self.tokenizer.output_token_ids,
             kv_connector=getattr(args, "kv_transfer_config", None) is not None,
         )
-        # KV events ("vllm" tagged maps or "sglang" tagged arrays), one batch per scheduler step.
+        # KV events, one batch per scheduler step: "type"-tagged maps as vLLM 0.32 and SGLang 0.5.22+
+        # send them ("vllm", "sglang"), or ATOM v0.1.5's tagged arrays ("atom").
         self.kv_events: KvEventPublisher | None = None
         kv_cfg = getattr(args, "kv_events_config", None)
         if kv_cfg is not None and kv_cfg.enabled:
