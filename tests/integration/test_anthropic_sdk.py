@@ -10,7 +10,6 @@ import pytest
 from aiohttp import web
 
 from infera.discovery.record import BUILTIN_TOKENIZER, WorkerRecord
-from infera.engine.sim import tool_calls
 from infera.engine.sim.server import SimServer, parse_args
 from tests.integration.conftest import LoopbackEngine, wait_workers
 from tests.integration.sim_recording import EngineBodies
@@ -28,8 +27,7 @@ FIXED = {"ignore_eos": True}  # exact lengths: the sim never stops early
 async def sim():
     server = SimServer(parse_args(["--model", MODEL, "--host", "127.0.0.1", "--port", "0", "--speedup", "1000"]))
     server.bodies = EngineBodies()  # what the engine received
-    server.app.middlewares.append(server.bodies.record)
-    tool_calls.install(server.app)
+    server.app.middlewares.append(server.bodies.record)  # (after the sim's own tool-call middleware)
     async with server:
         yield server
 

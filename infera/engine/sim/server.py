@@ -278,6 +278,9 @@ class _SglangMetrics(_LiveMetrics):
         for name, value in queues.items():
             yield self._gauge(name, "Requests in a PD queue.", value)
         yield self._counter("sglang:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens)
+        # SGLang counts a request's prompt tokens found in its radix cache here (the KV self-check's
+        # engine side, infera/server/engine_scrape.py)
+        yield self._counter("sglang:cached_tokens", "Number of cached prompt tokens.", e.cache.prefix_cache_hits)
         yield self._counter("sglang:generation_tokens", "Number of generation tokens processed.", stats.generation_tokens)
         yield self._counter("sglang:num_requests", "Number of requests processed.", sum(stats.request_success.values()))
 
@@ -799,6 +802,9 @@ def build_app(args: argparse.Namespace, engine: SimEngine | None = None) -> web.
     app.router.add_post("/stop_profile", _stop_profile)
     if engine.disagg is not None:
         engine.disagg.add_routes(app)
+    from infera.engine.sim import tool_calls  # (it imports this module)
+
+    tool_calls.install(app)  # a forced tool_choice is answered with a tool call, as engines do
     return app
 
 

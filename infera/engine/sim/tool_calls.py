@@ -168,8 +168,11 @@ async def tool_call_middleware(request: web.Request,
                                handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     if request.method != "POST" or request.path != "/v1/chat/completions":
         return await handler(request)
+    body = await request.read()  # read() is cached for the handler
+    if b'"tool_choice"' not in body:  # no tool forced (a substring scan, not a decode, per request)
+        return await handler(request)
     try:
-        req = msgspec.json.decode(await request.read(), type=_ToolRequest)  # read() is cached for the handler
+        req = msgspec.json.decode(body, type=_ToolRequest)
     except (msgspec.ValidationError, msgspec.DecodeError):
         return await handler(request)  # the sim's own handler words the 400
     function = forced_tool(req.tools, req.tool_choice)
