@@ -1,0 +1,751 @@
+"""``InferaKvdConnector``: vLLM's KV connector for the per-host kvd daemon (spec §8.6).
+
+Load it with ``--kv-transfer-config '{"kv_connector":"InferaKvdConnector","kv_role":"kv_both",
+"kv_connector_module_path":"infera.engine.vllm.kvd_connector","kv_load_failure_policy":"recompute"}'``
+(``python -m infera.engine.vllm --kvd-socket PATH`` writes that, merged with the user's own), alone
+or as a ``MultiConnector`` child. The daemon's socket comes from ``INFERA_KVD_SOCKET``.
+
+* Scheduler side: for a request the engine has not fully cached, one ``exists`` round trip over
+  the chunk keys after the local hit says how many tokens kvd can supply (a synchronous load:
+  the worker loads them before the step's forward). It also plans which computed chunks to save.
+* Worker side: loads copy each chunk straight from the daemon's shared arena (one copy, seqlock
+  checked afterwards) into the paged KV tensors; a chunk that is gone, torn or malformed turns its
+  blocks into "invalid blocks", which vLLM recomputes (``kv_load_failure_policy: recompute``);
+  the worker tells the scheduler (worker metadata), which saves the recomputed chunks again.
+  Saves gather the chunk's pages into one blob after the forward (the step's only cost) and a
+  background thread writes it into an arena slot and commits it; the step never waits on the
+  daemon, and a full save queue drops the save.
+* An unreachable daemon at start fails the constructor (the engine does not start). One that dies
+  later is logged once; until it answers again (retried every few seconds) lookups report 0 tokens
+  and saves are dropped: recompute, never a wrong answer.
+
+Supported: one KV-cache group (dense attention) in vLLM's CPU layout ``(blocks, kv_heads,
+block_size, 2 * head_dim)`` (K rows, then V rows, per head). Other layouts are refused at start.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import warnings
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from infera.engine.vllm import kvd_format as fmt
+from infera.kvd import protocol as kvp
+from infera.kvd.arena import SLOT_HEADER, SLOT_HEADER_BYTES
+from infera.kvd.client import KvdError, SyncKvdClient, default_socket_path
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+# A child of "vllm": the engine process configures that logger's handlers and level.
+log = logging.getLogger("vllm.infera.kvd_connector")
+
+SAVE_QUEUE_MIB_ENV = "INFERA_KVD_SAVE_QUEUE_MIB"
+DEFAULT_SAVE_QUEUE_MIB = 1024
+SCHEDULER_TIMEOUT_S = 2.0  # the scheduler's exists() must not hang a step on a wedged daemon
+WORKER_TIMEOUT_S = 30.0
+RECONNECT_EVERY_S = 5.0
+_DAEMON_ERRORS = (OSError, KvdError, EOFError)
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+# --- metadata (scheduler -> worker, pickled with the scheduler output) ----------------------------
+
+@dataclass
+class ChunkLoad:
+    key: bytes
+    first_page: int  # request page where the chunk starts
+    num_pages: int  # pages the chunk holds
+    write_from: int  # request pages [write_from, write_to) are written...
+    write_to: int
+    block_ids: list[int]  # ...into these blocks (one per written page)
+
+
+@dataclass
+class RequestLoad:
+    req_id: str
+    chunks: list[ChunkLoad]
+
+
+@dataclass
+class ChunkSave:
+    req_id: str
+    key: bytes
+    block_ids: list[int]  # the chunk's pages, in order
+    retention: str
+
+
+@dataclass
+class KvdConnectorMetadata(KVConnectorMetadata):
+    loads: list[RequestLoad] = field(default_factory=list)
+    saves: list[ChunkSave] = field(default_factory=list)
+
+
+@dataclass
+class KvdWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: per request, the first page of a chunk that failed to load. vLLM
+    recomputes from there; the scheduler then saves those chunks again (replacing a bad one)."""
+
+    failed_from_page: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        merged = dict(self.failed_from_page)
+        for req_id, page in getattr(other, "failed_from_page", {}).items():
+            merged[req_id] = min(page, merged.get(req_id, page))
+        return KvdWorkerMetadata(merged)
+
+
+# --- shared settings ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Settings:
+    socket: str
+    model: str
+    block_size: int
+    pages_per_chunk: int
+    group_id: int
+    layer_names: tuple[str, ...]
+    usable: bool  # False: an unsupported KV layout; the connector loads and saves nothing
+    tp_size: int
+    pp_size: int
+    collapse_tp: bool  # MLA: the latent KV is the same on every TP rank
+    fingerprint: str | None
+    default_retention: str
+
+    def compat_key(self, tp_rank: int, pp_rank: int) -> str:
+        return fmt.compat_key(0 if self.collapse_tp else tp_rank, self.tp_size, pp_rank, self.pp_size,
+                              self.fingerprint)
+
+
+def _settings(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> _Settings:
+    model_config = vllm_config.model_config
+    served = model_config.served_model_name
+    model = (served[0] if isinstance(served, (list, tuple)) else served) or model_config.model
+    block_size = vllm_config.cache_config.block_size
+    groups = list(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else []
+    usable = len(groups) == 1
+    layer_names: tuple[str, ...] = ()
+    bytes_per_token = 1
+    if usable:
+        spec = groups[0].kv_cache_spec
+        layer_names = tuple(groups[0].layer_names)
+        usable = getattr(spec, "block_size", None) == block_size and hasattr(spec, "page_size_bytes")
+        if usable:
+            bytes_per_token = spec.page_size_bytes * len(layer_names) // block_size
+    if not usable:
+        log.warning("InferaKvdConnector: %d KV-cache groups (or a non-paged one): only a single dense attention "
+                    "group is supported; this engine will neither load from nor save to kvd", len(groups))
+    chunk_tokens = fmt.resolve_chunk_tokens(os.environ.get(fmt.CHUNK_TOKENS_ENV), block_size, bytes_per_token,
+                                            model_config.max_model_len,
+                                            int(os.environ.get(fmt.CHUNK_TARGET_MIB_ENV,
+                                                               fmt.DEFAULT_CHUNK_TARGET_MIB)))
+    parallel = vllm_config.parallel_config
+    return _Settings(socket=default_socket_path(), model=model, block_size=block_size,
+                     pages_per_chunk=chunk_tokens // block_size, group_id=0, layer_names=layer_names,
+                     usable=usable, tp_size=parallel.tensor_parallel_size, pp_size=parallel.pipeline_parallel_size,
+                     collapse_tp=bool(model_config.use_mla) and parallel.tensor_parallel_size > 1,
+                     fingerprint=fmt.model_fingerprint(model_config.model),
+                     default_retention=fmt.default_retention())
+
+
+def _worker_ranks(vllm_config: "VllmConfig") -> tuple[int, int]:
+    """(tp rank, pp rank): the live distributed groups, else the config, else ``RANK``, else 0."""
+    try:
+        from vllm.distributed import parallel_state as ps
+        if ps.model_parallel_is_initialized():
+            return ps.get_tp_group().rank_in_group, ps.get_pp_group().rank_in_group
+    except (ImportError, AssertionError, AttributeError):
+        pass
+    parallel = vllm_config.parallel_config
+    rank = getattr(parallel, "rank", None)
+    if rank is None:
+        rank = int(os.environ.get("RANK", "0") or 0)
+    tp = max(parallel.tensor_parallel_size, 1)
+    return rank % tp, (rank // tp) % max(parallel.pipeline_parallel_size, 1)
+
+
+class _Unavailable(Exception):
+    """kvd did not answer (already logged by ``_Daemon``)."""
+
+
+class _Daemon:
+    """One client connection with outage handling. A call that fails is retried once on a fresh
+    connection (a restarted daemon costs nothing); if that fails too the outage is logged once as
+    an error and calls fail fast until a reconnect (tried at most every RECONNECT_EVERY_S) works."""
+
+    def __init__(self, settings: _Settings, client_id: str, *, arena: bool, timeout: float):
+        self._settings = settings
+        self._client_id = client_id
+        self._arena = arena
+        self._timeout = timeout
+        # Fail fast: an unreachable daemon at start is a configuration error, so the engine stops.
+        try:
+            self.client: SyncKvdClient | None = self._connect()
+        except OSError as e:
+            raise OSError(e.errno, f"InferaKvdConnector: kvd at {settings.socket} does not answer ({e}); start "
+                                   f"`python -m infera.kvd --socket {settings.socket}` or set INFERA_KVD_SOCKET") from e
+        self._next_try = 0.0
+        self._down = False  # in an outage (logged once)
+
+    def _connect(self) -> SyncKvdClient:
+        return SyncKvdClient(self._settings.socket, client_id=self._client_id,
+                             prefers_shared_arena=self._arena, timeout=self._timeout)
+
+    def get(self) -> SyncKvdClient | None:
+        if self.client is not None:
+            return self.client
+        now = time.monotonic()
+        if now < self._next_try:
+            return None
+        self._next_try = now + RECONNECT_EVERY_S
+        try:
+            self.client = self._connect()
+        except OSError:
+            return None
+        if self._down:
+            self._down = False
+            log.warning("kvd at %s is reachable again (%s): loading and saving resume", self._settings.socket,
+                        self._client_id)
+        return self.client
+
+    def call(self, fn):
+        """``fn(client)``; raises ``_Unavailable`` when the daemon does not answer."""
+        client = self.get()
+        if client is None:
+            raise _Unavailable
+        try:
+            return fn(client)
+        except _DAEMON_ERRORS as first:
+            self._drop()
+            try:
+                self.client = self._connect()
+            except OSError:
+                self.failed(first)
+                raise _Unavailable from first
+            log.warning("kvd connection of %s was lost (%s); reconnected", self._client_id, first)
+            try:
+                return fn(self.client)
+            except _DAEMON_ERRORS as second:
+                self.failed(second)
+                raise _Unavailable from second
+
+    def _drop(self) -> None:
+        if self.client is not None:
+            try:
+                self.client.close()
+            except (OSError, BufferError):
+                pass
+            self.client = None
+
+    def failed(self, error: BaseException) -> None:
+        if not self._down:  # once per outage
+            self._down = True
+            log.error("kvd at %s failed (%s: %s): recomputing instead of loading and dropping saves until it "
+                      "answers again", self._settings.socket, self._client_id, error)
+        self._drop()
+        self._next_try = time.monotonic() + RECONNECT_EVERY_S
+
+    def close(self) -> None:
+        self._drop()
+
+
+# --- scheduler side -------------------------------------------------------------------------------
+
+@dataclass
+class _Lookup:
+    start_page: int
+    end_page: int
+    chain: list[fmt.ChunkRef]
+
+
+class _SchedulerSide:
+    def __init__(self, settings: _Settings):
+        self.s = settings
+        self.compat_key = settings.compat_key(0, 0)
+        self.daemon = _Daemon(settings, f"vllm-{settings.model}-scheduler-{os.getpid()}", arena=False,
+                              timeout=SCHEDULER_TIMEOUT_S)
+        self.requests: dict[str, "Request"] = {}
+        self.lookups: dict[str, _Lookup] = {}
+        self.pending_loads: dict[str, _Lookup] = {}
+        self.cursors: dict[str, fmt.SaveCursor] = {}
+
+    def _exists(self, refs: list[fmt.ChunkRef]) -> list[bool] | None:
+        keys = [r.key for r in refs]
+        try:
+            return self.daemon.call(lambda c: c.exists(keys, model=self.s.model, compat_key=self.compat_key))
+        except _Unavailable:
+            return None
+
+    def matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
+        self.lookups.pop(request.request_id, None)
+        if not self.s.usable or (request.kv_transfer_params or {}).get("do_remote_prefill"):
+            return 0  # a P/D decode leg gets its KV from the prefill engine
+        bs, n = self.s.block_size, self.s.pages_per_chunk
+        loadable = (request.num_tokens - 1) // bs  # the last token is always computed (logits)
+        start = num_computed_tokens // bs
+        hashes = request.block_hashes
+        if loadable <= start or len(hashes) <= start:
+            return 0
+        full, tails = fmt.lookup_candidates(hashes, start, n, self.s.group_id)
+        present = self._exists(full + tails)
+        if present is None:
+            return 0
+        chain, missed_at = fmt.matched_chain(full, present[:len(full)], tails, present[len(full):])
+        if missed_at is not None:  # a full chunk is missing: a shorter tail may have been saved there
+            more = fmt.tail_candidates(hashes, missed_at, min(n - 1, len(hashes) - missed_at), self.s.group_id)
+            chain = fmt.extend_with_tail(chain, missed_at, more, (self._exists(more) or []) if more else [])
+        end = min(chain[-1].end_page if chain else 0, loadable)
+        if end <= start:
+            return 0
+        self.lookups[request.request_id] = _Lookup(start, end, chain)
+        return (end - start) * bs
+
+    def after_alloc(self, request: "Request", num_external_tokens: int) -> None:
+        lookup = self.lookups.pop(request.request_id, None)
+        if num_external_tokens > 0 and lookup is not None:
+            lookup.end_page = lookup.start_page + num_external_tokens // self.s.block_size
+            self.pending_loads[request.request_id] = lookup
+
+    def build_meta(self, out: "SchedulerOutput", block_ids_of) -> KvdConnectorMetadata:
+        meta = KvdConnectorMetadata()
+        computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        bs, n = self.s.block_size, self.s.pages_per_chunk
+        for req_id, num_tokens in out.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None or not self.s.usable:
+                continue
+            blocks: list[int] | None = None
+            lookup = self.pending_loads.pop(req_id, None)
+            if lookup is not None:
+                blocks = block_ids_of(req_id)
+                meta.loads.append(RequestLoad(req_id, [
+                    ChunkLoad(ref.key, ref.first_page, ref.num_pages, lo, hi, blocks[lo:hi])
+                    for ref in lookup.chain
+                    if (lo := max(ref.first_page, lookup.start_page)) < (hi := min(ref.end_page, lookup.end_page))]))
+            before = computed.get(req_id, request.num_computed_tokens)
+            cursor = self.cursors.get(req_id)
+            if cursor is None:
+                retention, problem = fmt.request_retention(request.kv_transfer_params, self.s.default_retention)
+                if problem:
+                    log.warning("request %s: %s", req_id, problem)
+                cursor = self.cursors[req_id] = fmt.SaveCursor(retention, held_pages=before // bs)
+            after = before + num_tokens
+            refs = fmt.chunks_to_save(cursor, request.block_hashes, after // bs, after >= request.num_prompt_tokens,
+                                      n, self.s.group_id)
+            if refs:
+                blocks = blocks if blocks is not None else block_ids_of(req_id)
+                meta.saves.extend(ChunkSave(req_id, r.key, blocks[r.first_page:r.end_page], cursor.retention)
+                                  for r in refs)
+        for req_id in list(self.pending_loads):  # allocated but not scheduled: vLLM will ask again
+            if req_id not in out.num_scheduled_tokens:
+                del self.pending_loads[req_id]
+        return meta
+
+    def loads_failed(self, failed_from_page: dict[str, int]) -> None:
+        """Chunks from these pages on were recomputed: save them again as they are recomputed."""
+        for req_id, page in failed_from_page.items():
+            cursor = self.cursors.get(req_id)
+            if cursor is not None:
+                cursor.held_pages = min(cursor.held_pages, page)
+                cursor.next_page = min(cursor.next_page, page // self.s.pages_per_chunk * self.s.pages_per_chunk)
+                cursor.tail_done = False
+
+    def finished(self, req_id: str) -> None:
+        for table in (self.requests, self.lookups, self.pending_loads, self.cursors):
+            table.pop(req_id, None)
+
+    def clear(self) -> bool:
+        def clear_all(client: SyncKvdClient) -> None:
+            for tp in range(1 if self.s.collapse_tp else self.s.tp_size):
+                for pp in range(self.s.pp_size):
+                    client.clear(model=self.s.model, compat_key=self.s.compat_key(tp, pp))
+        try:
+            self.daemon.call(clear_all)
+            return True
+        except _Unavailable:
+            return False
+
+
+# --- worker side ----------------------------------------------------------------------------------
+
+@dataclass
+class _SaveJob:
+    key: bytes
+    blob: torch.Tensor  # uint8, header + payload
+    retention: str
+
+
+class _Saver:
+    """The background writer: a bounded (by bytes) queue and one thread with its own client."""
+
+    def __init__(self, settings: _Settings, compat_key: str, client_id: str, max_bytes: int):
+        self.s = settings
+        self.compat_key = compat_key
+        self.daemon = _Daemon(settings, client_id, arena=True, timeout=WORKER_TIMEOUT_S)
+        self.max_bytes = max_bytes
+        self._jobs: deque[_SaveJob | None] = deque()
+        self._bytes = 0
+        self._busy = False
+        self._cond = threading.Condition()
+        self.saved = self.dropped = self.rejected = 0
+        self._thread = threading.Thread(target=self._run, name="infera-kvd-save", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: _SaveJob) -> bool:
+        size = job.blob.numel()
+        with self._cond:
+            if self._bytes + size > self.max_bytes:
+                self.dropped += 1
+                return False
+            self._jobs.append(job)
+            self._bytes += size
+            self._cond.notify()
+        return True
+
+    def idle(self, timeout: float) -> bool:
+        """Wait until every submitted save is written (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._jobs or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._jobs:
+                    self._cond.wait()
+                job = self._jobs.popleft()
+                if job is None:
+                    return
+                self._busy = True
+            try:
+                self._write(job)
+            finally:
+                with self._cond:
+                    self._bytes -= job.blob.numel()
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _write(self, job: _SaveJob) -> None:
+        value = memoryview(job.blob.numpy())
+        try:
+            result = self.daemon.call(lambda c: c.put_zero_copy(job.key, value, retention=job.retention,
+                                                                model=self.s.model, compat_key=self.compat_key))
+        except _Unavailable:
+            self.dropped += 1
+            return
+        if result.accepted:
+            self.saved += 1
+        else:
+            self.rejected += 1
+            log.debug("kvd refused chunk %s: %s", job.key.hex(), result.reason)
+
+    def close(self) -> None:
+        with self._cond:
+            self._jobs.append(None)
+            self._cond.notify()
+        self._thread.join(10)
+        self.daemon.close()
+
+
+class _PagedLayer:
+    """A layer's paged KV as ``(blocks, C, block_size, kv_heads, head_dim)`` (a view, no copy)."""
+
+    def __init__(self, name: str, kv: torch.Tensor, block_size: int):
+        if kv.dim() != 4 or kv.shape[2] != block_size or kv.shape[3] % 2:
+            raise ValueError(f"InferaKvdConnector: layer {name} has KV shape {tuple(kv.shape)}; only vLLM's CPU "
+                             f"layout (blocks, kv_heads, {block_size}, 2*head_dim) is supported")
+        blocks, heads, _, two_hd = kv.shape
+        # The CPU backend reads a block as (heads, 2*block_size, head_dim): K rows, then V rows.
+        self.pages = kv.view(blocks, heads, 2, block_size, two_hd // 2).permute(0, 2, 3, 1, 4)
+        self.channels, self.heads, self.head_dim = 2, heads, two_hd // 2
+        self.dtype = kv.dtype
+
+
+class _WorkerSide:
+    def __init__(self, settings: _Settings, vllm_config: "VllmConfig"):
+        self.s = settings
+        self.tp_rank, self.pp_rank = _worker_ranks(vllm_config)
+        self.compat_key = settings.compat_key(self.tp_rank, self.pp_rank)
+        cache_dtype = str(vllm_config.cache_config.cache_dtype or "auto")
+        self.fp8_name = "fp8_e4m3" if cache_dtype.startswith("fp8") and "e5m2" not in cache_dtype else \
+            ("fp8_e5m2" if "e5m2" in cache_dtype else None)
+        ident = f"vllm-{settings.model}-rank{self.tp_rank}"
+        self.loader = _Daemon(settings, f"{ident}-load", arena=True, timeout=WORKER_TIMEOUT_S)
+        max_bytes = int(os.environ.get(SAVE_QUEUE_MIB_ENV, DEFAULT_SAVE_QUEUE_MIB)) << 20
+        self.saver = _Saver(settings, self.compat_key, f"{ident}-save", max_bytes)
+        self.layers: list[_PagedLayer] = []
+        self.invalid: set[int] = set()
+        self.failed_from_page: dict[str, int] = {}
+        self._headers: dict[int, bytes] = {}
+        self.loaded_chunks = self.loaded_tokens = self.failed_chunks = 0
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if not self.s.usable:
+            return
+        self.layers = [_PagedLayer(name, kv_caches[name], self.s.block_size) for name in self.s.layer_names]
+        first = self.layers[0]
+        if any((l.heads, l.head_dim, l.dtype) != (first.heads, first.head_dim, first.dtype) for l in self.layers):
+            raise ValueError("InferaKvdConnector: layers of one KV-cache group differ in shape or dtype")
+
+    # header / payload geometry
+    def _dtype_name(self) -> str:
+        dtype = self.layers[0].dtype
+        return _DTYPE_NAMES.get(dtype) or self.fp8_name or str(dtype).removeprefix("torch.")
+
+    def _header(self, pages: int) -> fmt.ChunkHeader:
+        l0 = self.layers[0]
+        return fmt.ChunkHeader(v=fmt.BLOB_VERSION, chunk_tokens=pages * self.s.block_size,
+                               block_size=self.s.block_size, num_layers=len(self.layers),
+                               layer_names=list(self.s.layer_names), hidden_dim=l0.heads * l0.head_dim,
+                               dtype=self._dtype_name(), cache_group_id=self.s.group_id,
+                               num_kv_channels=l0.channels, payload_byte_offset=0)
+
+    def _prefix(self, pages: int) -> bytes:
+        prefix = self._headers.get(pages)
+        if prefix is None:
+            prefix = self._headers[pages] = fmt.encode_header(self._header(pages))
+        return prefix
+
+    def _payload_view(self, buf: torch.Tensor, offset: int, pages: int) -> torch.Tensor:
+        l0 = self.layers[0]
+        count = l0.channels * len(self.layers) * pages * self.s.block_size * l0.heads * l0.head_dim
+        raw = buf[offset:offset + count * l0.dtype.itemsize]
+        return raw.view(l0.dtype).view(l0.channels, len(self.layers), pages, self.s.block_size, l0.heads,
+                                       l0.head_dim)
+
+    # --- saving ---
+    def save(self, saves: list[ChunkSave]) -> None:
+        if not self.layers:
+            return
+        for job in saves:
+            pages = len(job.block_ids)
+            prefix = self._prefix(pages)
+            l0 = self.layers[0]
+            total = len(prefix) + l0.channels * len(self.layers) * pages * self.s.block_size * l0.heads * \
+                l0.head_dim * l0.dtype.itemsize
+            blob = torch.empty(total, dtype=torch.uint8)
+            blob[:len(prefix)] = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
+            payload = self._payload_view(blob, len(prefix), pages)  # (C, L, P, N, H, D)
+            ids = torch.tensor(job.block_ids, dtype=torch.long)
+            for i, layer in enumerate(self.layers):
+                payload[:, i].copy_(layer.pages.index_select(0, ids).transpose(0, 1))
+            self.saver.submit(_SaveJob(job.key, blob, job.retention))
+
+    # --- loading ---
+    def load(self, loads: list[RequestLoad]) -> None:
+        for req in loads:
+            for i, chunk in enumerate(req.chunks):
+                problem = self._load_chunk(chunk) if self.layers else "connector has no KV layers"
+                if problem is None:
+                    self.loaded_chunks += 1
+                    self.loaded_tokens += (chunk.write_to - chunk.write_from) * self.s.block_size
+                    continue
+                self.failed_chunks += 1
+                failed = [b for c in req.chunks[i:] for b in c.block_ids]
+                self.invalid.update(failed)
+                self.failed_from_page[req.req_id] = chunk.first_page
+                log.warning("kvd: chunk %s of request %s not loaded (%s): vLLM recomputes its %d blocks",
+                            chunk.key.hex(), req.req_id, problem, len(failed))
+                break
+
+    def _load_chunk(self, chunk: ChunkLoad) -> str | None:
+        """None when the chunk's pages were written; else why not."""
+        get = kvp.Get(key=chunk.key, model=self.s.model, compat_key=self.compat_key)
+        try:
+            resp = self.loader.call(lambda c: c.request(get))
+        except _Unavailable:
+            return "kvd unreachable"
+        client = self.loader.client
+        if isinstance(resp, kvp.GetSharedResponse) and client is not None and client.arena is not None:
+            mm = client.arena.mm
+            start = resp.slot_offset + SLOT_HEADER_BYTES
+            if resp.slot_offset < 0 or start + resp.length > len(mm):
+                return "arena answer out of range"
+            if SLOT_HEADER.unpack_from(mm, resp.slot_offset)[0] != resp.version:
+                return "arena slot rewritten"
+            whole = memoryview(mm)
+            try:
+                buf = torch.frombuffer(whole, dtype=torch.uint8, count=resp.length, offset=start)
+                problem = self._write_pages(buf, chunk)
+                del buf
+            finally:
+                whole.release()
+            # The seqlock: the copy is good only if nobody rewrote the slot meanwhile.
+            if problem is None and SLOT_HEADER.unpack_from(mm, resp.slot_offset)[0] != resp.version:
+                problem = "arena slot rewritten during the copy"
+            return problem
+        if isinstance(resp, kvp.GetResponse):
+            if resp.value is None:
+                return "evicted from kvd"
+            with warnings.catch_warnings():  # read-only bytes: we only read from it
+                warnings.simplefilter("ignore", UserWarning)
+                buf = torch.frombuffer(resp.value, dtype=torch.uint8)
+            return self._write_pages(buf, chunk)
+        if isinstance(resp, kvp.Error):
+            return f"kvd error {resp.code}: {resp.message}"
+        return f"unexpected answer {type(resp).__name__}"
+
+    def _write_pages(self, buf: torch.Tensor, chunk: ChunkLoad) -> str | None:
+        if len(buf) < 4:
+            return "blob shorter than its header length"
+        header_end = 4 + int.from_bytes(bytes(buf[:4].numpy()), "little")
+        try:
+            header = fmt.decode_header(bytes(buf[:min(len(buf), header_end)].numpy()))
+        except ValueError as e:
+            return str(e)
+        expect = self._header(chunk.num_pages)
+        expect.payload_byte_offset = header.payload_byte_offset
+        if header != expect:
+            return f"chunk header {header} does not match this engine's {expect}"
+        l0 = self.layers[0]
+        if header.payload_byte_offset + fmt.payload_bytes(header, l0.dtype.itemsize) > len(buf):
+            return "chunk shorter than its header says"
+        payload = self._payload_view(buf, header.payload_byte_offset, chunk.num_pages)
+        a, b = chunk.write_from - chunk.first_page, chunk.write_to - chunk.first_page
+        ids = torch.tensor(chunk.block_ids, dtype=torch.long)
+        for i, layer in enumerate(self.layers):
+            layer.pages.index_copy_(0, ids, payload[:, i, a:b].transpose(0, 1))
+        return None
+
+    def take_invalid(self) -> set[int]:
+        out, self.invalid = self.invalid, set()
+        return out
+
+    def take_worker_meta(self) -> KvdWorkerMetadata | None:
+        if not self.failed_from_page:
+            return None
+        out, self.failed_from_page = KvdWorkerMetadata(self.failed_from_page), {}
+        return out
+
+    def close(self) -> None:
+        self.saver.idle(10)
+        self.saver.close()
+        self.loader.close()
+
+
+# --- the connector --------------------------------------------------------------------------------
+
+class InferaKvdConnector(KVConnectorBase_V1):
+    """KV connector backed by kvd (see the module docstring)."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._settings = _settings(vllm_config, kv_cache_config)
+        self._scheduler: _SchedulerSide | None = None
+        self._worker: _WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = _SchedulerSide(self._settings)
+        else:
+            self._worker = _WorkerSide(self._settings, vllm_config)
+        log.info("InferaKvdConnector (%s): kvd %s, model %r, %d pages (%d tokens) per chunk, default retention %s",
+                 role.name.lower(), self._settings.socket, self._settings.model, self._settings.pages_per_chunk,
+                 self._settings.pages_per_chunk * self._settings.block_size, self._settings.default_retention)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a later miss, never a wrong answer
+
+    # --- worker side ---
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if self._worker is not None and isinstance(meta, KvdConnectorMetadata) and meta.loads:
+            self._worker.load(meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv, before the forward
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
+                      **kwargs: Any) -> None:
+        return  # saved after the forward, in wait_for_save, from the registered caches
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        if self._worker is not None and isinstance(meta, KvdConnectorMetadata) and meta.saves:
+            self._worker.save(meta.saves)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_invalid() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker.take_worker_meta() if self._worker is not None else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.daemon.close()
+
+    # --- scheduler side ---
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.matched_tokens(request, num_computed_tokens), False
+
+    def on_new_request(self, request: "Request") -> None:
+        if self._scheduler is not None:
+            self._scheduler.requests[request.request_id] = request
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.requests.setdefault(request.request_id, request)
+        self._scheduler.after_alloc(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        manager = self._kv_cache_manager
+        gid = self._settings.group_id
+
+        def block_ids_of(req_id: str) -> list[int]:
+            assert manager is not None, "vLLM did not bind the KV-cache manager"
+            return list(manager.get_block_ids(req_id)[gid])
+
+        return self._scheduler.build_meta(scheduler_output, block_ids_of)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if self._scheduler is not None and isinstance(meta, KvdWorkerMetadata):
+            self._scheduler.loads_failed(meta.failed_from_page)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is not None:
+            self._scheduler.finished(request.request_id)
+        return False, None  # saves copy their pages during the step: the blocks are free to go
+
+    def reset_cache(self) -> bool | None:
+        """``POST /reset_prefix_cache?reset_external=true``: drop this engine's chunks from kvd."""
+        return self._scheduler.clear() if self._scheduler is not None else None
+
+
+__all__ = ["InferaKvdConnector", "KvdConnectorMetadata", "KvdWorkerMetadata"]
