@@ -44,6 +44,9 @@ class WorkerRecord(msgspec.Struct, kw_only=True, omit_defaults=False):
     # Both None in records from older launchers.
     tokenizer: Optional[str] = None
     tokenizer_sha256: Optional[str] = None
+    # The kvd socket (path on the worker's host) its engine's KV connector saves to and loads from:
+    # the router then tells that engine each request's retention (router/engine_hints.py).
+    kvd_socket: Optional[str] = None
     schema: int = SCHEMA_VERSION
 
     @property

