@@ -16,6 +16,11 @@ only appends what is missing:
   route decodes by. Not with a speculative algorithm (SGLang refuses the pair), nor over the
   user's ``--disable-radix-cache`` or ``--enable-hisparse`` (also refused with it).
 
+With ``--infera-kvd-socket PATH`` (env ``INFERA_KVD_SOCKET``; prefill and mixed workers only) the
+daemon is probed (fatal when it does not answer) and SGLang's HiCache gets kvd as its storage
+backend: ``--enable-hierarchical-cache --hicache-storage-backend dynamic
+--hicache-storage-backend-extra-config {...InferaKvdBackend...}`` (see ``kvd_hicache_flags``).
+
 A launcher with ``--node-rank`` > 0 (or ``LWS_WORKER_INDEX`` > 0) is a multinode follower: it
 runs the same engine command and never registers (``infera/engine/base/follower.py``).
 
@@ -41,6 +46,7 @@ from infera.engine.base.kv_dtype import has_gpu, with_kv_fp8_default
 from infera.engine.base.kv_events import bind_kv_events, free_port_block
 from infera.engine.base.preflight import SGLANG_RDMA_BACKENDS, PdSetup, sglang_transfer_refusals
 from infera.engine.base.prom import sum_samples
+from infera.kvd.config import DEFAULT_SOCKET as DEFAULT_KVD_SOCKET, SOCKET_ENV as KVD_SOCKET_ENV
 
 log = logging.getLogger("infera.launcher.sglang")
 
@@ -158,6 +164,82 @@ def parse_kv_events_endpoint(raw: str) -> tuple[str | None, int] | None:
     return (None if host in _WILDCARDS else host.strip("[]")), port_n
 
 
+# --- kvd (spec §8.6): --infera-kvd-socket makes kvd SGLang's HiCache storage backend ---------------
+
+KVD_SOCKET_FLAG = "--infera-kvd-socket"
+HIERARCHICAL_CACHE_FLAGS = ("--enable-hierarchical-cache", "--enable-hicache")  # SGLang's alias
+HICACHE_BACKEND_FLAG = "--hicache-storage-backend"
+HICACHE_EXTRA_CONFIG_FLAG = "--hicache-storage-backend-extra-config"
+KVD_BACKEND_MODULE = "infera.engine.sglang.kvd_adapter"
+# SGLang's "dynamic" backend imports module_path.class_name; prefetch_threshold (tokens) is popped
+# by SGLang itself: a storage hit shorter than that is not worth a prefetch.
+KVD_BACKEND_CONFIG = {"backend_name": "infera-kvd", "module_path": KVD_BACKEND_MODULE,
+                      "class_name": "InferaKvdBackend", "prefetch_threshold": 64}
+
+
+def kvd_hicache_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(flags to append for kvd, what of the user's was kept instead). The user's own hierarchical
+    cache switch or storage backend wins: a backend (or extra config) they chose is not replaced."""
+    added: list[str] = []
+    kept: list[str] = []
+    if has_flag(argv, *HIERARCHICAL_CACHE_FLAGS):
+        kept.append(next(f for f in HIERARCHICAL_CACHE_FLAGS if has_flag(argv, f)))
+    else:
+        added.append(HIERARCHICAL_CACHE_FLAGS[0])
+    user_backend = flag_value(argv, HICACHE_BACKEND_FLAG)
+    if user_backend is not None or has_flag(argv, HICACHE_EXTRA_CONFIG_FLAG):
+        kept.append(f"{HICACHE_BACKEND_FLAG} {user_backend}" if user_backend is not None else HICACHE_EXTRA_CONFIG_FLAG)
+    else:
+        added += [HICACHE_BACKEND_FLAG, "dynamic", HICACHE_EXTRA_CONFIG_FLAG,
+                  json.dumps(KVD_BACKEND_CONFIG, separators=(",", ":"))]
+    return added, kept
+
+
+def uses_kvd_backend(argv: Sequence[str]) -> bool:
+    """Whether the engine's HiCache storage is kvd (ours, or a user's config naming our module)."""
+    if flag_value(argv, HICACHE_BACKEND_FLAG) != "dynamic":
+        return False
+    raw = flag_value(argv, HICACHE_EXTRA_CONFIG_FLAG) or ""
+    try:
+        cfg = json.loads(raw) if raw and not raw.startswith("@") else {}
+    except ValueError:
+        return False
+    return isinstance(cfg, dict) and cfg.get("module_path") == KVD_BACKEND_MODULE
+
+
+def probe_kvd(path: str) -> None:
+    """Fail fast (before the engine spends its start-up) when the daemon does not answer:
+    connect and stats, 5 s each."""
+    from infera.kvd.client import KvdError, SyncKvdClient  # needed only with --infera-kvd-socket
+    from infera.kvd.protocol import ProtocolError
+
+    try:
+        with SyncKvdClient(path, client_id="infera-launcher-probe", timeout=5.0) as client:
+            client.stats()
+    except (OSError, EOFError, KvdError, ProtocolError) as e:  # ProtocolError: not a kvd socket
+        raise SystemExit(f"{PROG}: kvd at {path} does not answer ({e or type(e).__name__}); start it with "
+                         f"`python -m infera.kvd --socket {path}` or drop {KVD_SOCKET_FLAG}") from None
+
+
+def with_kvd_storage(argv: list[str], socket_path: str, env: dict[str, str]) -> list[str]:
+    """argv with kvd as the HiCache storage backend (probed first); ``env`` gets INFERA_KVD_SOCKET.
+    A decode worker is left alone: it loads its KV from the prefill, not from storage."""
+    if flag_value(argv, "--disaggregation-mode", default="null") == "decode":
+        log.info("decode worker: %s %s ignored (kvd serves prefill and mixed workers)", KVD_SOCKET_FLAG, socket_path)
+        return argv
+    if has_flag(argv, "--disable-radix-cache"):
+        raise SystemExit(f"{PROG}: {KVD_SOCKET_FLAG} needs SGLang's hierarchical cache, which refuses "
+                         f"--disable-radix-cache; drop one of them")
+    probe_kvd(socket_path)
+    added, kept = kvd_hicache_flags(argv)
+    for flag in kept:
+        log.info("kvd: keeping the user's %s (not replaced by kvd's)", flag)
+    env[KVD_SOCKET_ENV] = socket_path
+    if added:
+        log.info("kvd at %s: appending %s", socket_path, " ".join(added))
+    return [*argv, *added]
+
+
 class SglangAdapter:
     engine = "sglang"
     node_rank_flags = ("--node-rank",)  # the follower gate (also LWS_WORKER_INDEX)
@@ -168,6 +250,9 @@ class SglangAdapter:
     def add_flags(self, parser: argparse.ArgumentParser) -> None:
         add_kv_events_flag(parser, True, "publish KV events: inject a zmq --kv-events-config on a free port "
                                          "unless one is given")
+        add_flag(parser, KVD_SOCKET_FLAG, env=KVD_SOCKET_ENV, default=None,
+                 help="kvd daemon socket: make kvd SGLang's HiCache storage backend (prefill/mixed workers; "
+                      "the daemon must answer) and pass the socket to the engine")
 
     def pd_setup(self, engine_argv: list[str]) -> PdSetup:
         mode = flag_value(engine_argv, "--disaggregation-mode", default="null")
@@ -214,11 +299,16 @@ class SglangAdapter:
             log.info("decode worker: %s (its prefixes become KV events the router can use)", DECODE_RADIX_CACHE_FLAG)
         elif why_not:
             log.info("decode worker: not adding %s: %s", DECODE_RADIX_CACHE_FLAG, why_not)
+        env: dict[str, str] = {}
+        kvd_socket = getattr(args, "infera_kvd_socket", None)
+        if kvd_socket:
+            argv = with_kvd_storage(argv, kvd_socket, env)
         bind = flag_value(argv, "--host", default=SGLANG_DEFAULT_HOST)
         reach = default_advertise_host(bind)
         if self.kv_events is not None and flag_value(engine_argv, "--kv-events-config") is None:
             argv = bind_kv_events(argv, args.advertise_host or reach)  # ours: bound where the router connects
-        return EngineProcessSpec(cmd=engine_command(args, SGLANG_MODULE, argv), port=port, host=reach, argv=argv)
+        return EngineProcessSpec(cmd=engine_command(args, SGLANG_MODULE, argv), port=port, host=reach, env=env,
+                                 argv=argv)
 
     async def ready(self, session: aiohttp.ClientSession, base_url: str) -> bool:
         return await http_ready(session, base_url)
@@ -259,6 +349,9 @@ class SglangAdapter:
         if self.kv_events is not None:
             host, port = self.kv_events
             fields["kv_events_endpoint"] = f"tcp://{host or advertise}:{port}"
+        if uses_kvd_backend(argv):  # --infera-kvd-socket, or the user's own config naming the backend
+            fields["kvd_socket"] = (getattr(args, "infera_kvd_socket", None) or os.environ.get(KVD_SOCKET_ENV)
+                                    or DEFAULT_KVD_SOCKET)
         return fields
 
     def inflight(self, metrics_text: str) -> int | None:

@@ -84,6 +84,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--nnodes", type=positive_int, default=1)
+    # HiCache as SGLang 0.5.23 defines it (srt/arg_groups/fields/memory.py; --infera-kvd-socket adds
+    # these): accepted and validated; the stand-in's simulated cache has no storage tier behind it.
+    p.add_argument("--enable-hierarchical-cache", "--enable-hicache", dest="enable_hierarchical_cache",
+                   action="store_true")
+    p.add_argument("--hicache-storage-backend", default=None,
+                   choices=["file", "sim", "mooncake", "npu_memcache", "hf3fs", "nixl", "aibrix", "dynamic", "eic",
+                            "simm", "mori", "shm", "tensorcast", "seaweedfs"])
+    p.add_argument("--hicache-storage-backend-extra-config", type=str, default=None,
+                   help="JSON, or @file (as SGLang; not read here)")
     add_sim_knobs(p)
     return p
 
