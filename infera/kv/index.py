@@ -31,8 +31,10 @@ Lower tiers are kept per target as ``tier -> {engine_hash -> router_hash}`` (upp
 name), created on a target's first lower-tier event, so the GPU path pays one comparison per
 event and nothing per block. They give per-tier block counts (:meth:`KvIndex.tier_block_counts`)
 and resolve parents: a GPU ``BlockStored`` whose parent left the GPU but is still on a lower tier
-(a block loaded back from host memory) is chained instead of dropped. Their router hashes are what
-scoring lower-tier hits would match against; that scoring is not done here.
+(a block loaded back from host memory) is chained instead of dropped. Each target also keeps a
+count per router hash over all its lower tiers (``lower_held``), which :meth:`KvIndex.match_lower`
+walks: how far a prompt continues on a lower tier after its GPU hit (the kv-aware policy scores
+those blocks as a cheap load, not a miss). While no target has a lower tier it costs one check.
 
 Semantics follow the spec exactly: the view is a *set* of router hashes per target, so a
 ``BlockRemoved`` drops the router hash even if a second engine block (another LoRA, say) with the
@@ -106,7 +108,8 @@ class TargetStats:
 
 
 class _Target:
-    __slots__ = ("key", "block_size", "bit", "mask", "emap", "count", "unmapped", "stats", "warned_bs", "lower")
+    __slots__ = ("key", "block_size", "bit", "mask", "emap", "count", "unmapped", "stats", "warned_bs", "lower",
+                 "lower_held")
 
     def __init__(self, key: str, block_size: int, bit: int) -> None:
         self.key = key
@@ -120,18 +123,21 @@ class _Target:
         self.warned_bs = False
         # lower tier -> engine hash -> router hash; None until the first lower-tier event
         self.lower: Optional[dict[str, dict[BlockHash, int]]] = None
+        # router hash -> how many (tier, engine hash) entries of ``lower`` map to it
+        self.lower_held: dict[int, int] = {}
 
 
 class KvIndex:
     """Every target's cached router block hashes, with single-pass longest-prefix matching."""
 
-    __slots__ = ("_holders", "_targets", "_free_bits", "_next_bit")
+    __slots__ = ("_holders", "_targets", "_free_bits", "_next_bit", "_lower_targets")
 
     def __init__(self) -> None:
         self._holders: dict[int, int] = {}   # router hash -> bitmask of targets holding it
         self._targets: dict[str, _Target] = {}
         self._free_bits: list[int] = []      # heap of released bits
         self._next_bit = 0
+        self._lower_targets = 0              # targets whose ``lower`` is not None (match_lower's gate)
 
     # --- targets ---------------------------------------------------------------------------
 
@@ -144,7 +150,7 @@ class KvIndex:
         if t is not None:
             if t.block_size != block_size:
                 self._drop_view(t)
-                t.lower = None
+                self._drop_lower(t)
                 t.block_size = block_size
                 t.warned_bs = False
             return
@@ -159,7 +165,7 @@ class KvIndex:
         if t is None:
             return False
         self._drop_view(t)
-        t.lower = None
+        self._drop_lower(t)
         heapq.heappush(self._free_bits, t.bit)
         return True
 
@@ -168,7 +174,7 @@ class KvIndex:
         t = self._targets.get(key)
         if t is not None:
             self._drop_view(t)
-            t.lower = None
+            self._drop_lower(t)
             t.stats.resets += 1
 
     def has_target(self, key: str) -> bool:
@@ -366,13 +372,13 @@ class KvIndex:
                 tier = None if med is None else lower_tier(med)
                 if tier is not None:  # one lower tier only (ATOM): the GPU view stays
                     if t.lower is not None:
-                        t.lower.pop(tier, None)
+                        self._clear_lower_tier(t, tier)
                     st.lower_cleared += 1
                     continue
                 t.count = count
                 self._drop_view(t)
                 if med is None:  # unscoped: every tier (vLLM's clear cannot say which pool)
-                    t.lower = None
+                    self._drop_lower(t)
                 count = 0
                 st.cleared += 1
         t.count = count
@@ -387,6 +393,26 @@ class KvIndex:
         return applied + removed
 
     # --- lower tiers (off the GPU hot path) -------------------------------------------------
+
+    def _drop_lower(self, t: _Target) -> None:
+        if t.lower is not None:
+            t.lower = None
+            self._lower_targets -= 1
+        t.lower_held.clear()
+
+    @staticmethod
+    def _clear_lower_tier(t: _Target, tier: str) -> None:
+        assert t.lower is not None
+        m = t.lower.pop(tier, None)
+        if not m:
+            return
+        held = t.lower_held
+        for h in m.values():
+            n = held[h] - 1
+            if n:
+                held[h] = n
+            else:
+                del held[h]
 
     @staticmethod
     def _lower_parent(t: _Target, tier: Optional[str], parent: BlockHash) -> Optional[int]:
@@ -436,14 +462,26 @@ class KvIndex:
         step = 4 * bs
         if t.lower is None:
             t.lower = {}
+            self._lower_targets += 1
         m = t.lower.get(tier)
         if m is None:
             m = t.lower[tier] = {}
+        held = t.lower_held
         off = 0
         for eh in ev.block_hashes:
             h = _xxh3(_pack_u64(h) + data[off:off + step])
             off += step
+            old = m.get(eh)
+            if old == h:
+                continue  # stored again (re-offloaded): already counted
+            if old is not None:
+                n = held[old] - 1
+                if n:
+                    held[old] = n
+                else:
+                    del held[old]
             m[eh] = h
+            held[h] = held.get(h, 0) + 1
         st.lower_stored_blocks += n
 
     @staticmethod
@@ -454,10 +492,17 @@ class KvIndex:
         if m is None:
             return
         pop = m.pop
+        held = t.lower_held
         n = 0
         for eh in hashes:
-            if pop(eh, None) is not None:
+            h = pop(eh, None)
+            if h is not None:
                 n += 1
+                c = held[h] - 1
+                if c:
+                    held[h] = c
+                else:
+                    del held[h]
         st.lower_removed_blocks += n
 
     # --- matching --------------------------------------------------------------------------
@@ -501,6 +546,37 @@ class KvIndex:
             else:
                 out.append(died.get(t.mask, full))
         return out
+
+    def has_lower_tiers(self) -> bool:
+        """Whether any target has published a lower-tier event (else :meth:`match_lower` is all 0)."""
+        return self._lower_targets > 0
+
+    def match_lower(self, hashes: Sequence[int], keys: Sequence[str], starts: Sequence[int]) -> list[int]:
+        """For each key, how many consecutive blocks of ``hashes`` from ``starts[i]`` on (its GPU
+        hit, usually) that target holds on a lower tier, any of them. What an engine with an
+        offload connector loads instead of computing. All 0 at the cost of one check while no
+        target has a lower tier."""
+        if not self._lower_targets:
+            return [0] * len(keys)
+        targets = self._targets
+        n = len(hashes)
+        out = []
+        for k, start in zip(keys, starts):
+            t = targets.get(k)
+            held = None if t is None else t.lower_held
+            if not held:
+                out.append(0)
+                continue
+            i = start
+            while i < n and hashes[i] in held:
+                i += 1
+            out.append(i - start)
+        return out
+
+    def lower_block_count(self, key: str) -> int:
+        """Distinct router hashes ``key`` holds on its lower tiers, all together."""
+        t = self._targets.get(key)
+        return 0 if t is None else len(t.lower_held)
 
     def match_one(self, hashes: Sequence[int], key: str) -> int:
         """``match(hashes, [key])[0]`` without the bitmask bookkeeping."""

@@ -38,6 +38,7 @@ target's view does not already hold.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from array import array
@@ -73,6 +74,9 @@ LANDED_TTL_S = 2.0
 LANDED_CAP = 1 << 16  # blocks per target: bounded whatever the request rate
 MM_WEIGHT = 48.0
 MM_AFFINITY_CAP = 256
+# A block the target's engine holds on a lower tier (host memory, disk: kvd) costs this fraction of
+# a miss: loading it back is a few % of prefilling it, plus the chance it is gone by then.
+DEFAULT_LOWER_TIER_WEIGHT = 0.25
 # Prompts of at least this many tokens are hashed before the pick, a slice at a time (see
 # prepare()), for at most this many distinct block sizes (a fleet has one or two).
 HASH_AHEAD_TOKENS = 16384
@@ -190,6 +194,7 @@ def expand_targets(worker: WorkerRecord) -> list[tuple[int | None, str]]:
 
 _NO_HINTS = CacheHints()
 _NO_BLOCKS: list[int] = []  # (never appended to)
+_NO_LOWER = itertools.repeat(0)  # (zip stops at the targets)
 
 
 class Horizon:
@@ -270,8 +275,15 @@ class KvAwarePolicy:
                  observer: KvPickObserver | None = None, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time, replica_sync: ReplicaSyncLink | None = None,
                  hash_cache_bytes: int = DEFAULT_HASH_CACHE_BYTES, horizon: bool = True,
-                 inflight_weight: float | None = None) -> None:
+                 inflight_weight: float | None = None,
+                 lower_tier_weight: float = DEFAULT_LOWER_TIER_WEIGHT) -> None:
+        if not 0.0 <= lower_tier_weight <= 1.0:
+            raise ValueError(f"lower_tier_weight must be in [0, 1], got {lower_tier_weight!r}")
         self.index = index
+        # 1.0: tier-blind (a lower-tier block is a miss); the index may know no lower tiers at all
+        self.lower_tier_weight = lower_tier_weight
+        self._match_lower = getattr(index, "match_lower", None)
+        self._has_lower_tiers = getattr(index, "has_lower_tiers", None)
         self.clock = clock
         self.wall_clock = wall_clock  # compared with engine event timestamps
         self._events_made_until = getattr(index, "events_made_until", None)
@@ -413,6 +425,8 @@ class KvAwarePolicy:
         per_request = amplified * self.balance.ratio if inflight else 0.0
         more = st.get("more_tokens", 0)
         n_tokens = len(st.get("tokens") or ())
+        has_lower = self._has_lower_tiers
+        lower_discount = 1.0 - self.lower_tier_weight
         for block_size, targets, keys in layout:
             if block_size:
                 hashes = self._hashes(request, block_size) if n_tokens >= block_size else _NO_BLOCKS
@@ -436,7 +450,12 @@ class KvAwarePolicy:
             # instead of computing a duplicate. Only then: where a copy is already cached, the
             # cache decides, and a prefill in flight elsewhere must not outbid it.
             pending = hashes and not any(hits)
-            for (w, rank, key), hit in zip(targets, hits):
+            # Blocks after each GPU hit held on a lower tier: loaded, not computed (one check
+            # while no engine publishes lower tiers).
+            lowers = (self._match_lower(hashes, keys, hits) if hashes and has_lower is not None and has_lower()
+                      else _NO_LOWER)
+            for (w, rank, key), hit, lower in zip(targets, hits, lowers):
+                gpu_hit = hit
                 active = active_of(key)
                 if active:
                     if pending and hashes[0] in active:
@@ -449,7 +468,9 @@ class KvAwarePolicy:
                     load += unhashed.get(key, 0)
                 if per_request:
                     load += per_request * inflight.get(key, 0)
-                cost = w_overlap * (total - hit) + load
+                if lower and hit > gpu_hit:  # the run in flight covers part of the lower-tier run
+                    lower = max(0, gpu_hit + lower - hit)
+                cost = w_overlap * (total - hit - lower_discount * lower) + load
                 if w_mm:
                     affinity = self.mm_affinity.get(key)
                     cost += w_mm * sum(1 for k in mm_keys if not affinity or k not in affinity)
@@ -458,9 +479,9 @@ class KvAwarePolicy:
                 score = (cost, load)
                 if best is None or score < best:
                     best = score
-                    tied = [(position, w, rank, key, hit, total, block_size)]
+                    tied = [(position, w, rank, key, hit, total, block_size, lower)]
                 elif score == best:
-                    tied.append((position, w, rank, key, hit, total, block_size))
+                    tied.append((position, w, rank, key, hit, total, block_size, lower))
                 position += 1
         assert tied, "pick() needs at least one candidate"
         chosen = tied[0]
@@ -470,7 +491,7 @@ class KvAwarePolicy:
                 rank_key = (self._held(t[3]), (t[0] - offset) % n_targets)
                 if least is None or rank_key < least:
                     least, chosen = rank_key, t
-        _, worker, rank, key, hit, total, block_size = chosen
+        _, worker, rank, key, hit, total, block_size, lower = chosen
 
         if mm_keys:
             affinity = self.mm_affinity.setdefault(key, OrderedDict())
@@ -479,14 +500,15 @@ class KvAwarePolicy:
                 affinity.move_to_end(k)
             while len(affinity) > MM_AFFINITY_CAP:
                 affinity.popitem(last=False)
-        st["charge"] = (self._charge(key, total - hit, total), self._picks)
+        st["charge"] = (self._charge(key, total - hit - lower_discount * lower, total), self._picks)
         st["route_key"], st["dp_rank"], st["block_size"] = key, rank, block_size
         st["blocks"] = blocks = self._hashes(request, block_size) if block_size and n_tokens >= block_size else []
         st["unhashed"] = total - len(blocks) if more and block_size else 0
-        st["predicted_hit_blocks"] = hit
-        st["pick_obs"] = (total - hit, self.inflight.get(key, 0))
+        # engines report blocks loaded from a lower tier as cached tokens too
+        st["predicted_hit_blocks"] = hit + lower
+        st["pick_obs"] = (total - hit - lower_discount * lower, self.inflight.get(key, 0))
         if self.observer is not None:
-            self.observer.record_pick(role, key, hit, total)
+            self.observer.record_pick(role, key, hit + lower, total)
         if debug:
             log.debug("pick policy=kv-aware role=%s retention=%s request_id=%s picked=%s cache_hits=%d "
                       "request_blocks=%d active_blocks=%d targets=[%s]", role, RETENTION_NAMES[hints.retention],

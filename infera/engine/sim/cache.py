@@ -17,6 +17,14 @@ cache, when cached blocks are evicted, and when the whole cache is reset.
 Prefill/decode disaggregation adds *holds*: block references owned by a hold id instead of a
 sequence (``hold_prefix_blocks`` pins a finished prefill's prompt blocks for a decode to pull;
 ``import_blocks`` fills blocks with KV that arrived by transfer). ``free(hold_id)`` releases one.
+
+A *host tier* (``host_blocks > 0``; vLLM's CPU offloading, SGLang's HiCache, kvd behind a
+connector) keeps what the GPU evicts: a cached block leaving the GPU is copied there (LRU, bounded;
+``on_offloaded``), and falls out when the tier is full (``on_offload_evicted``). A prompt whose
+prefix goes on in the host tier after its GPU hit *loads* those blocks instead of computing them:
+they count as cached tokens (as vLLM counts connector-loaded tokens), the scheduler charges a load
+time per block, and they re-enter the GPU as freshly filled blocks (``on_stored``). The host copy
+stays (an inclusive tier), refreshed in its LRU order.
 """
 from __future__ import annotations
 
@@ -33,6 +41,8 @@ ROOT_PARENT_HASH = ROUTER_SEED
 OnStored = Callable[[list[int], "int | None", list[int]], None]
 OnRemoved = Callable[[list[int]], None]
 OnCleared = Callable[[], None]
+# A GPU-evicted block copied to the host tier: (its hash, its parent's hash or None, its tokens).
+OnOffloaded = Callable[[int, "int | None", list[int]], None]
 
 @dataclass
 class _SeqBlocks:
@@ -43,6 +53,8 @@ class _SeqBlocks:
     # Hash of the last full block (parent for the next block to fill); ROOT when none.
     last_full_hash: int = ROOT_PARENT_HASH
     num_full_blocks: int = 0
+    # Of the hit blocks, those loaded from the host tier (after the GPU hit).
+    num_loaded_blocks: int = 0
 
 
 class KVCache:
@@ -56,9 +68,14 @@ class KVCache:
         on_stored: OnStored | None = None,
         on_removed: OnRemoved | None = None,
         on_cleared: OnCleared | None = None,
+        host_blocks: int = 0,
+        on_offloaded: OnOffloaded | None = None,
+        on_offload_evicted: OnRemoved | None = None,
     ) -> None:
         if block_size <= 0 or num_blocks <= 0:
             raise ValueError("block_size and num_blocks must be > 0")
+        if host_blocks < 0:
+            raise ValueError("host_blocks must be >= 0")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.on_stored = on_stored
@@ -78,6 +95,15 @@ class KVCache:
         # Prefix-cache statistics, in tokens (what vLLM's counters report).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+
+        # Host tier: hash -> (parent hash, tokens) of blocks the GPU evicted, LRU first.
+        self.host_blocks = host_blocks
+        self.on_offloaded = on_offloaded
+        self.on_offload_evicted = on_offload_evicted
+        self._host: OrderedDict[int, tuple[int | None, list[int]]] = OrderedDict()
+        # per GPU block, (parent hash, tokens) while it is cached: what goes to the host on eviction
+        self._block_meta: list[tuple[int | None, list[int]] | None] = [None] * num_blocks if host_blocks else []
+        self.host_loaded_tokens = 0  # prompt tokens loaded from the host tier (not computed)
 
     # ----------------------------------------------------------------- queries
 
@@ -110,6 +136,28 @@ class KVCache:
     def is_cached(self, block_hash: int) -> bool:
         return block_hash in self._hash_to_block
 
+    @property
+    def num_host_blocks(self) -> int:
+        """Blocks the host tier holds now."""
+        return len(self._host)
+
+    def in_host(self, block_hash: int) -> bool:
+        return block_hash in self._host
+
+    def loaded_tokens(self, seq_id: object) -> int:
+        """Of ``seq_id``'s hit tokens at allocation, those loaded from the host tier."""
+        return self._seqs[seq_id].num_loaded_blocks * self.block_size
+
+    def _host_run(self, hashes: list[int], start: int, limit: int) -> int:
+        """How many of ``hashes[start:limit]`` in a row the host tier holds."""
+        host = self._host
+        if not host:
+            return 0
+        n = start
+        while n < limit and hashes[n] in host:
+            n += 1
+        return n - start
+
     def _max_hit_blocks(self, num_tokens: int) -> int:
         # At least one token must be computed to produce the next token's logits.
         return max(num_tokens - 1, 0) // self.block_size
@@ -129,7 +177,8 @@ class KVCache:
         if limit == 0:
             return 0
         hashes = block_hashes(tokens[: limit * self.block_size], self.block_size)
-        return len(self._matching_blocks(hashes, limit)) * self.block_size
+        hit = len(self._matching_blocks(hashes, limit))
+        return (hit + self._host_run(hashes, hit, limit)) * self.block_size
 
     # ------------------------------------------------------------- allocation
 
@@ -151,9 +200,11 @@ class KVCache:
         if hit_blocks is None:
             return None
         cached_tokens = len(hit_blocks) * self.block_size
+        loaded_tokens = self._seqs[seq_id].num_loaded_blocks * self.block_size
         self.prefix_cache_queries += len(tokens)
-        self.prefix_cache_hits += cached_tokens
-        return cached_tokens
+        self.prefix_cache_hits += cached_tokens  # GPU hits only, as vLLM's counter
+        self.host_loaded_tokens += loaded_tokens
+        return cached_tokens + loaded_tokens
 
     def import_blocks(self, hold_id: object, tokens: Sequence[int]) -> list[int] | None:
         """Hold the full blocks of ``tokens`` under ``hold_id`` as KV that arrived by transfer.
@@ -192,6 +243,7 @@ class KVCache:
         bs = self.block_size
         hashes = block_hashes(tokens, bs)
         hit_blocks = self._matching_blocks(hashes, max_hit_blocks)
+        loaded = self._host_run(hashes, len(hit_blocks), max_hit_blocks)
         num_new = self.blocks_needed(len(tokens)) - len(hit_blocks)
         # Hit blocks currently sitting unreferenced are counted as free; don't count them twice.
         hits_in_evictable = sum(1 for b in hit_blocks if self._ref_counts[b] == 0)
@@ -200,13 +252,16 @@ class KVCache:
 
         for block_id in hit_blocks:
             self._ref(block_id)
+        host = self._host
+        for h in hashes[len(hit_blocks):len(hit_blocks) + loaded]:
+            host.move_to_end(h)  # most recently used: kept while fresh blocks push others out
         block_ids = list(hit_blocks)
         for _ in range(num_new):
             block_id = self._take_fresh_block()
             self._ref(block_id)
             block_ids.append(block_id)
 
-        seq = _SeqBlocks(block_ids=block_ids, tokens=tokens)
+        seq = _SeqBlocks(block_ids=block_ids, tokens=tokens, num_loaded_blocks=loaded)
         self._seqs[owner] = seq
         # Register the newly filled full blocks (hits are already cached).
         for i in range(len(hit_blocks), len(hashes)):
@@ -262,6 +317,8 @@ class KVCache:
             self._never_cached.append(block_id)
         self._evictable.clear()
         self._hash_to_block.clear()
+        # the host tier too: the engine's clear event drops every tier in a router's view
+        self._host.clear()
         if self.on_cleared:
             self.on_cleared()
         return True
@@ -283,6 +340,11 @@ class KVCache:
         self._block_hash[block_id] = None
         if old_hash is not None and self._hash_to_block.get(old_hash) == block_id:
             del self._hash_to_block[old_hash]
+            if self.host_blocks:
+                meta = self._block_meta[block_id]
+                self._block_meta[block_id] = None
+                if meta is not None:
+                    self._offload(old_hash, *meta)  # stored there before it leaves the GPU, as vLLM orders them
             if self.on_removed:
                 self.on_removed([old_hash])
         return block_id
@@ -294,5 +356,21 @@ class KVCache:
             return
         self._hash_to_block[block_hash] = block_id
         self._block_hash[block_id] = block_hash
+        if self.host_blocks:
+            self._block_meta[block_id] = (parent_hash, tokens)
         if self.on_stored:
             self.on_stored([block_hash], parent_hash, list(tokens))
+
+    def _offload(self, block_hash: int, parent_hash: int | None, tokens: list[int]) -> None:
+        """Copy an evicted GPU block to the host tier (LRU-bounded)."""
+        host = self._host
+        if block_hash in host:
+            host.move_to_end(block_hash)  # loaded from there earlier: the copy is still good
+            return
+        while len(host) >= self.host_blocks:
+            old, _ = host.popitem(last=False)
+            if self.on_offload_evicted:
+                self.on_offload_evicted([old])
+        host[block_hash] = (parent_hash, tokens)
+        if self.on_offloaded:
+            self.on_offloaded(block_hash, parent_hash, tokens)

@@ -38,6 +38,12 @@ instead carry the chain re-rooted at a seed-dependent parent (``xxh3_64(f"sim-{s
 vLLM's ``NONE_HASH``: a router has to re-hash ``token_ids``. The cache's own prefix matching is
 untouched; the publisher keeps the cache-hash -> engine-hash map of the blocks currently cached.
 
+Host tier (``--kv-offload-blocks``): a block the GPU evicts into it is announced as a
+``BlockStored`` with the host medium — vLLM 0.32's offloading connector says ``"CPU"``, SGLang
+0.5.23's HiCache ``"CPU_PINNED"``, ATOM v0.1.5 ``"CPU"`` — ahead of the GPU's ``BlockRemoved``, with
+the same engine hash; its eviction from the host is a ``BlockRemoved`` with that medium. A block
+loaded back is stored on the GPU again (medium ``"GPU"``), its host copy staying.
+
 Everything is ``zmq.asyncio``: a PUB send never blocks (it drops at the high-water mark, which a
 subscriber sees as a gap and repairs by replay) and the replay server is a task on the loop.
 """
@@ -63,6 +69,8 @@ log = logging.getLogger("infera.engine.sim.kv_events")
 
 FORMATS = ("vllm", "sglang", "atom")
 MEDIUM = "GPU"
+# The medium each engine names its host-memory tier by (see the module docstring).
+HOST_MEDIUM = {"vllm": "CPU", "sglang": "CPU_PINNED", "atom": "CPU"}
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _U64 = (1 << 64) - 1
 
@@ -248,9 +256,9 @@ def _vllm_events(events: Iterable["SimEvent"]) -> list[Any]:
     for ev in events:
         if isinstance(ev, StoredEvent):
             out.append(VllmBlockStored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, None,
-                                       MEDIUM, None, [None] * len(ev.block_hashes), VLLM_GROUP_IDX, VLLM_SPEC_KIND))
+                                       ev.medium, None, [None] * len(ev.block_hashes), VLLM_GROUP_IDX, VLLM_SPEC_KIND))
         elif isinstance(ev, RemovedEvent):
-            out.append(VllmBlockRemoved(ev.block_hashes, MEDIUM, VLLM_GROUP_IDX))
+            out.append(VllmBlockRemoved(ev.block_hashes, ev.medium, VLLM_GROUP_IDX))
         elif isinstance(ev, ClearedEvent):
             out.append(VllmAllBlocksCleared())
         else:
@@ -264,9 +272,9 @@ def _sglang_events(events: Iterable["SimEvent"]) -> list[Any]:
         if isinstance(ev, StoredEvent):
             parent = None if ev.parent_block_hash is None else _signed64(ev.parent_block_hash)
             out.append(SglangBlockStored([_signed64(h) for h in ev.block_hashes], parent, ev.token_ids,
-                                         ev.block_size, None, MEDIUM))
+                                         ev.block_size, None, ev.medium))
         elif isinstance(ev, RemovedEvent):
-            out.append(SglangBlockRemoved([_signed64(h) for h in ev.block_hashes], MEDIUM))
+            out.append(SglangBlockRemoved([_signed64(h) for h in ev.block_hashes], ev.medium))
         elif isinstance(ev, ClearedEvent):
             out.append(SglangAllBlocksCleared())
         else:
@@ -278,9 +286,10 @@ def _atom_events(events: Iterable["SimEvent"]) -> list[Any]:
     out: list[Any] = []
     for ev in events:
         if isinstance(ev, StoredEvent):
-            out.append(AtomBlockStored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size))
+            out.append(AtomBlockStored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size,
+                                       medium=ev.medium))
         elif isinstance(ev, RemovedEvent):
-            out.append(AtomBlockRemoved(ev.block_hashes))
+            out.append(AtomBlockRemoved(ev.block_hashes, ev.medium))
         elif isinstance(ev, ClearedEvent):
             out.append(AtomAllBlocksCleared())
         else:
@@ -298,11 +307,13 @@ class StoredEvent:
     token_ids: list[int]
     block_size: int
     last_cache_hash: int = 0  # the cache-side hash of the last block (to coalesce a chain)
+    medium: str = MEDIUM
 
 
 @dataclass
 class RemovedEvent:
     block_hashes: list[int]
+    medium: str = MEDIUM
 
 
 @dataclass
@@ -342,6 +353,7 @@ class EngineHashes:
     def __init__(self, seed: int) -> None:
         self.root = engine_root_hash(seed)
         self._map: dict[int, int] = {}
+        self._host: dict[int, int] = {}  # the same, for blocks in the host tier
 
     def __len__(self) -> int:
         return len(self._map)
@@ -354,6 +366,8 @@ class EngineHashes:
         if cache_parent is None:
             return None
         h = self._map.get(cache_parent)
+        if h is None:
+            h = self._host.get(cache_parent)
         if h is None:
             # The parent's content lives on only in a private (never registered) copy, and its
             # registered twin was evicted: derive a stable stand-in so the chain stays unique.
@@ -375,8 +389,22 @@ class EngineHashes:
     def removed(self, cache_hash: int) -> int | None:
         return self._map.pop(cache_hash, None)
 
+    def offloaded(self, cache_hash: int, cache_parent: int | None, token_ids: Sequence[int]) -> tuple[int, int | None]:
+        """A block copied to the host tier: (its engine hash, the same it had on the GPU; its engine
+        parent)."""
+        eng_parent = self.parent(cache_parent)
+        eng = self._map.get(cache_hash)
+        if eng is None:
+            eng = hash_chunk(self.root if eng_parent is None else eng_parent, token_ids)
+        self._host[cache_hash] = eng
+        return eng, eng_parent
+
+    def offload_evicted(self, cache_hash: int) -> int | None:
+        return self._host.pop(cache_hash, None)
+
     def clear(self) -> None:
         self._map.clear()
+        self._host.clear()
 
 
 # ================================================================================ publisher
@@ -401,6 +429,7 @@ class KvEventPublisher:
         self.dp_rank = dp_rank
         self.topic = config.topic.encode()
         self.hashes = EngineHashes(seed)
+        self.host_medium = HOST_MEDIUM[fmt]
         self.next_seq = 0
         self.batches_sent = 0
         self._pending: list[SimEvent] = []
@@ -419,6 +448,8 @@ class KvEventPublisher:
         cache.on_stored = self.on_stored
         cache.on_removed = self.on_removed
         cache.on_cleared = self.on_cleared
+        cache.on_offloaded = self.on_offloaded
+        cache.on_offload_evicted = self.on_offload_evicted
         if scheduler is not None:
             step = scheduler._complete_step
 
@@ -435,7 +466,8 @@ class KvEventPublisher:
             return
         eng, eng_parent = self.hashes.stored(block_hashes, parent_hash, token_ids, self.block_size)
         last = self._pending[-1] if self._pending else None
-        if isinstance(last, StoredEvent) and parent_hash is not None and last.last_cache_hash == parent_hash:
+        if (isinstance(last, StoredEvent) and parent_hash is not None and last.last_cache_hash == parent_hash
+                and last.medium == MEDIUM):
             # The next block of the chain the previous event ended with: one event, like vLLM.
             last.block_hashes.extend(eng)
             last.token_ids.extend(token_ids)
@@ -448,6 +480,17 @@ class KvEventPublisher:
             eng = self.hashes.removed(ch)
             if eng is not None:
                 self._pending.append(RemovedEvent([eng]))
+
+    def on_offloaded(self, block_hash: int, parent_hash: int | None, token_ids: list[int]) -> None:
+        eng, eng_parent = self.hashes.offloaded(block_hash, parent_hash, token_ids)
+        self._pending.append(StoredEvent([eng], eng_parent, list(token_ids), self.block_size, block_hash,
+                                         self.host_medium))
+
+    def on_offload_evicted(self, block_hashes: list[int]) -> None:
+        for ch in block_hashes:
+            eng = self.hashes.offload_evicted(ch)
+            if eng is not None:
+                self._pending.append(RemovedEvent([eng], self.host_medium))
 
     def on_cleared(self) -> None:
         self.hashes.clear()

@@ -52,16 +52,29 @@ DEFAULT_OUTPUT_VOCAB: SequenceT[int] = range(100, 50_100)
 # ------------------------------------------------------------------ timing model
 
 
+PREFILL_FIXED_MS = 16.5  # a prefill step's cost beyond its tokens
+
+
 def prefill_time_ms(num_tokens: int) -> float:
     """Cost of prefilling ``num_tokens`` uncached tokens in one step (0 when none)."""
     if num_tokens <= 0:
         return 0.0
-    return 4.21e-7 * num_tokens * num_tokens + 0.0152 * num_tokens + 16.5
+    return 4.21e-7 * num_tokens * num_tokens + 0.0152 * num_tokens + PREFILL_FIXED_MS
 
 
 def decode_time_ms(kv_usage: float) -> float:
     """Cost of one decode step for the running batch, as a function of KV usage (0..1)."""
     return max(1.0, -25.74 * kv_usage * kv_usage + 54.01 * kv_usage + 5.74)
+
+
+#: Loading a block back from the host tier costs this fraction of prefilling its tokens (PCIe-speed
+#: copies against attention + MLP compute), unless --kv-offload-load-ms-per-block says otherwise.
+HOST_LOAD_FRACTION = 0.05
+
+
+def default_load_ms_per_block(block_size: int) -> float:
+    """Modelled time to load one block of ``block_size`` tokens from the host tier, in ms."""
+    return HOST_LOAD_FRACTION * (prefill_time_ms(block_size) - PREFILL_FIXED_MS)  # the tokens' share only
 
 
 def step_time_ms(prefill_tokens: int, has_decode: bool, kv_usage: float, speedup: float = 1.0) -> float:
@@ -186,6 +199,7 @@ class Scheduler:
         seed: int = 0,
         output_vocab: SequenceT[int] | None = None,
         kv_connector: bool = False,
+        load_ms_per_block: float = 0.0,
     ) -> None:
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0 or speedup <= 0:
             raise ValueError("max_num_seqs, max_num_batched_tokens and speedup must be > 0")
@@ -197,6 +211,9 @@ class Scheduler:
         self.output_vocab: SequenceT[int] = output_vocab if output_vocab else DEFAULT_OUTPUT_VOCAB
         # vLLM queries a configured KV connector for every request, transfer or not.
         self.kv_connector = kv_connector
+        # Time to load one block from the cache's host tier (before ``speedup``).
+        self.load_ms_per_block = load_ms_per_block
+        self._loaded_blocks_in_step = 0  # host-tier blocks the step being scheduled loads
         self.stats = SchedulerStats()
         self.num_steps = 0
 
@@ -296,6 +313,8 @@ class Scheduler:
                     await self._wakeup.wait()
                     continue
                 delay = step_time_ms(prefill_tokens, bool(decode), self.cache.usage, self.speedup) / 1000.0
+                if self._loaded_blocks_in_step:
+                    delay += self._loaded_blocks_in_step * self.load_ms_per_block / self.speedup / 1000.0
                 now = loop.time()
                 # Absorb at most one step of lag: when CPU-bound, run back to back without bursts.
                 start = now if last_step_end is None else max(last_step_end, now - delay)
@@ -315,6 +334,7 @@ class Scheduler:
         decode = list(self._running)
         prefill: list[Sequence] = []
         prefill_tokens = 0
+        loaded_blocks = 0
         while self._waiting and len(self._running) < self.max_num_seqs:
             seq = self._waiting[0]
             tokens = seq.all_token_ids()  # includes tokens generated before a preemption
@@ -325,15 +345,18 @@ class Scheduler:
             if cached is None:
                 break  # FIFO: don't let later requests jump a head that doesn't fit
             self._waiting.popleft()
+            loaded = self.cache.loaded_tokens(seq.seq_id)  # from the host tier: loaded, not computed
+            loaded_blocks += loaded // self.cache.block_size
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = cached
-                seq.num_external_tokens = self._imported_hits(seq, cached)
+                seq.num_external_tokens = self._imported_hits(seq, cached - loaded) + loaded
                 self._count_prompt(seq)
             self._release_import(seq)  # the sequence references those blocks itself now
             seq.state = RUNNING
             self._running.append(seq)
             prefill.append(seq)
             prefill_tokens += len(tokens) - cached
+        self._loaded_blocks_in_step = loaded_blocks
         return prefill, decode, prefill_tokens
 
     def _complete_step(self, scheduled: list[Sequence]) -> None:

@@ -40,8 +40,8 @@ from .kv_events import KvEventPublisher, parse_kv_events_config
 from .pd import (DEFAULT_KV_BYTES_PER_TOKEN, DEFAULT_KV_TRANSFER_BANDWIDTH_GBPS, VLLM_KV_HOLD_TIMEOUT_S,
                  VLLM_KV_TRANSFER_TIMEOUT_S, Disaggregation, LegError, LegPlan, NixlDisaggregation,
                  SglangDisaggregation, build_disaggregation, parse_kv_transfer_config)
-from .scheduler import FINISH_REASONS, FINISH_STOP, PROMPT_TOKEN_SOURCES, Scheduler, Sequence
-from infera.config import positive_float
+from .scheduler import FINISH_REASONS, FINISH_STOP, PROMPT_TOKEN_SOURCES, Scheduler, Sequence, default_load_ms_per_block
+from infera.config import non_negative_float, positive_float
 from infera.runtime import install_event_loop, wait_for_shutdown_signal
 from infera.kv.tokenizer import ChatTemplateError, SimTokenizer, load_tokenizer
 
@@ -107,6 +107,14 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="seconds a prefill holds a prompt's KV for its decode (VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
     p.add_argument("--kv-transfer-timeout", type=positive_float, default=VLLM_KV_TRANSFER_TIMEOUT_S,
                    help="seconds a decode waits for the prefill's KV before giving up")
+    # -- a host KV tier (vLLM CPU offloading, SGLang HiCache, kvd behind a connector; cache.py) --
+    p.add_argument("--kv-offload-blocks", type=_int_in(0), default=0,
+                   help="blocks of a host-memory KV tier that keeps what the GPU cache evicts (published as KV "
+                        "events with medium CPU; CPU_PINNED as SGLang); a prompt that goes on there after its GPU "
+                        "hit loads those blocks instead of computing them. 0: no host tier")
+    p.add_argument("--kv-offload-load-ms-per-block", type=non_negative_float, default=None,
+                   help="milliseconds to load one block back from the host tier, divided by --speedup like all "
+                        "modelled time (default: 5%% of prefilling a block's tokens)")
     return p
 
 
@@ -140,7 +148,9 @@ class SimEngine:
         self.max_model_len: int = args.max_model_len
         self.created = int(time.time())
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(args.model)
-        self.cache = KVCache(args.block_size, args.num_gpu_blocks)
+        host_blocks = getattr(args, "kv_offload_blocks", 0) or 0
+        load_ms = getattr(args, "kv_offload_load_ms_per_block", None)
+        self.cache = KVCache(args.block_size, args.num_gpu_blocks, host_blocks=host_blocks)
         self.scheduler = Scheduler(
             self.cache,
             max_num_seqs=args.max_num_seqs,
@@ -148,7 +158,9 @@ class SimEngine:
             speedup=args.speedup,
             seed=args.seed,
             output_vocab=self.tokenizer.output_token_ids,
-            kv_connector=getattr(args, "kv_transfer_config", None) is not None,
+            # a host tier is a KV connector to vLLM (its OffloadingConnector)
+            kv_connector=getattr(args, "kv_transfer_config", None) is not None or host_blocks > 0,
+            load_ms_per_block=default_load_ms_per_block(args.block_size) if load_ms is None else load_ms,
         )
         # KV events, one batch per scheduler step: "type"-tagged maps as vLLM 0.32 and SGLang 0.5.22+
         # send them ("vllm", "sglang"), or ATOM v0.1.5's tagged arrays ("atom").
@@ -280,7 +292,9 @@ class _SglangMetrics(_LiveMetrics):
         yield self._counter("sglang:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens)
         # SGLang counts a request's prompt tokens found in its radix cache here (the KV self-check's
         # engine side, infera/server/engine_scrape.py)
-        yield self._counter("sglang:cached_tokens", "Number of cached prompt tokens.", e.cache.prefix_cache_hits)
+        # SGLang counts HiCache host hits as cached (its radix tree spans both tiers)
+        yield self._counter("sglang:cached_tokens", "Number of cached prompt tokens.",
+                            e.cache.prefix_cache_hits + e.cache.host_loaded_tokens)
         yield self._counter("sglang:generation_tokens", "Number of generation tokens processed.", stats.generation_tokens)
         yield self._counter("sglang:num_requests", "Number of requests processed.", sum(stats.request_success.values()))
 
