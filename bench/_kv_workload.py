@@ -338,7 +338,7 @@ def summarize(load: dict[str, Any]) -> dict[str, Any]:
         "rps": round(len(ok) / elapsed, 3) if elapsed > 0 else 0.0,
         "out_tok_s": round(out_tok / elapsed, 2) if elapsed > 0 else 0.0,
         "ttft_p50_ms": ms(percentile(ttft, 50)), "ttft_p90_ms": ms(percentile(ttft, 90)),
-        "ttft_p99_ms": ms(percentile(ttft, 99)),
+        "ttft_p99_ms": ms(percentile(ttft, 99)), "ttft_mean_ms": ms(sum(ttft) / len(ttft)) if ttft else None,
         # TTFT of requests that found at least half of their prompt cached, and of the others.
         "warm_requests": len(warm), "ttft_p50_warm_ms": ms(percentile(warm, 50)),
         "ttft_p50_cold_ms": ms(percentile(cold, 50)),

@@ -27,6 +27,7 @@ from infera.router.policy import RoutedRequest
 from infera.server.metrics import ServerMetrics
 from infera.server import profiling as _profiling
 from infera.server import dashboard as _dashboard
+from infera.server import kv_tiers as _kv_tiers
 from infera.server.fleet_view import FleetView, RecentWorkerStats
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class ServerState:
     process: dict | None = None  # a --workers N child: which one answers /health (index, count, pid, restarts)
     metrics_gather: Any = None  # a --workers N child: ProcessMetrics, /metrics of every process
     enable_profiling: bool = False  # --enable-profiling: POST /v1/admin/profile/{start,stop}
+    kvd_socket_path: str | None = None  # --kvd-socket-path: POST /v1/cache/prewarm, kvd stats in /v1/kv-stats
 
 
 STATE_KEY = web.AppKey("state", ServerState)
@@ -442,6 +444,23 @@ def _make_profile_handler(action: str):
     return handler
 
 
+# -- lower KV tiers: GET /v1/kv-stats, POST /v1/cache/prewarm (infera/server/kv_tiers.py) ------------------
+async def _kv_stats(request: web.Request) -> web.Response:
+    if not _dashboard_authorized(request):  # as /v1/fleet: it shows what every worker caches
+        raise ApiError(401, "/v1/kv-stats needs 'Authorization: Bearer <the --admin-token>' (or the /dashboard "
+                            "cookie)", "invalid_admin_token", headers={"WWW-Authenticate": 'Bearer realm="infera-admin"'})
+    state: ServerState = request.app[STATE_KEY]
+    index = state.kv.index if state.kv is not None else None
+    body = await _kv_tiers.handle_kv_stats(state.fleet.all(), index, state.kvd_socket_path)
+    return web.Response(body=body, content_type="application/json", headers={"Cache-Control": "no-store"})
+
+
+async def _prewarm(request: web.Request) -> web.Response:
+    state: ServerState = request.app[STATE_KEY]
+    body = await _kv_tiers.handle_prewarm(await request.read(), state.kvd_socket_path, state.fleet.get)
+    return web.Response(status=202, body=body, content_type="application/json")
+
+
 def build_app(state: ServerState) -> web.Application:
     app = web.Application(middlewares=[_errors_middleware, _admin_auth_middleware],
                           client_max_size=state.max_request_bytes)
@@ -463,6 +482,8 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_post("/dashboard", _dashboard_page)
     for action in _profiling.ACTIONS:  # --enable-profiling (404 without), behind the admin token
         app.router.add_post(f"/v1/admin/profile/{action}", _make_profile_handler(action))
+    app.router.add_get(_kv_tiers.KV_STATS_ROUTE, _kv_stats)  # lower KV tiers (infera/server/kv_tiers.py)
+    app.router.add_post(_kv_tiers.PREWARM_ROUTE, _prewarm)
     return app
 
 

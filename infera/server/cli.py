@@ -9,6 +9,7 @@ from typing import Mapping, Sequence
 from infera.config import (add_flag, add_plane_flags, choice_of, non_negative_float, non_negative_int, port_number,
                            positive_float, positive_int)
 from infera.kv.prompt import DEFAULT_CACHE_BYTES, DEFAULT_PREFIX_CHARS
+from infera.router.kv_aware import DEFAULT_LOWER_TIER_WEIGHT
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 DEFAULT_KV_OVERLAP_WEIGHT = 16.0
@@ -186,6 +187,14 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     f("--log-level", env="INFERA_LOG_LEVEL", default="info", type=choice_of("debug", "info", "warning", "error"))
     f("--access-log", env="INFERA_ACCESS_LOG", default=False, action="store_true",
       help="log every request (off by default: it costs on the hot path)")
+    # -- lower KV tiers: tier-aware kv-aware routing, prewarm and kv-stats (infera/server/kv_tiers.py) --
+    f("--kv-lower-tier-weight", env="INFERA_KV_LOWER_TIER_WEIGHT", default=DEFAULT_LOWER_TIER_WEIGHT, type=unit_float,
+      help="kv-aware: what a prompt block the worker's engine holds on a lower tier (host memory, disk, kvd: "
+           "published as KV events with that medium) costs, as a fraction of a missed block: loading it back "
+           "is cheap but not free. 1: tier-blind (such a block is a miss), 0: as good as a GPU hit")
+    f("--kvd-socket-path", env="INFERA_KVD_SOCKET_PATH", default=None, type=optional_path,
+      help="the local kvd's Unix socket: enables POST /v1/cache/prewarm (a PrefetchHint to it) and adds its "
+           "stats to GET /v1/kv-stats")
     # -- the KV self-check over a window (infera/server/engine_scrape.py) --
     f("--engine-scrape-interval", env="INFERA_ENGINE_SCRAPE_INTERVAL", default=10.0, type=non_negative_float,
       help="kv-aware: seconds between scrapes of every worker's /metrics, whose prefix-cache counters are "
@@ -194,6 +203,19 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
       help="kv-aware: seconds over which the predicted and the engine-measured hit rates are compared (at "
            "least two scrape intervals)")
     return p
+
+
+def unit_float(value: str) -> float:
+    """A float in [0, 1]."""
+    v = non_negative_float(value)
+    if not v <= 1.0:  # (nan too)
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {value!r}")
+    return v
+
+
+def optional_path(value: str) -> str | None:
+    """A path flag: surrounding blanks dropped, empty = unset (an empty env variable turns it off)."""
+    return value.strip() or None
 
 
 def optional_secret(value: str) -> str | None:

@@ -107,7 +107,8 @@ class InferaServer:
                                       overlap_weight=args.kv_overlap_weight,
                                       prefill_overlap_weight=args.kv_prefill_overlap_weight,
                                       decode_overlap_weight=args.kv_decode_overlap_weight, observer=self.kv,
-                                      replica_sync=self.replica_sync, inflight_weight=args.kv_inflight_weight)
+                                      replica_sync=self.replica_sync, inflight_weight=args.kv_inflight_weight,
+                                      lower_tier_weight=args.kv_lower_tier_weight)
             usage_observer = self.kv.observe_usage
             self.kv.active_blocks = getattr(self.policy, "active_blocks", None)  # infera_policy_active_blocks
             self.kv.balance = getattr(self.policy, "balance", None)  # infera_policy_inflight_weight
@@ -185,7 +186,8 @@ class InferaServer:
                                     allow_client_kv_transfer_params=self.args.allow_client_kv_transfer_params,
                                     process=self.process.info() if self.process is not None else None,
                                     metrics_gather=self.process_metrics,
-                                    enable_profiling=self.args.enable_profiling))
+                                    enable_profiling=self.args.enable_profiling,
+                                    kvd_socket_path=self.args.kvd_socket_path))
         # handler_cancellation: a client that disconnects cancels its handler, which closes the
         # upstream connection, which makes the engine abort the request and free its slot.
         self._runner = web.AppRunner(app, handler_cancellation=True,
