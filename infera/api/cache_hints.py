@@ -23,6 +23,12 @@ from typing import Any
 
 import xxhash
 
+from infera.api.requests import ChatCompletionRequest, CompletionRequest
+
+# Parsed bodies: a field the struct does not declare (session_id, system, tools, audio) was dropped
+# by the decoder, so only its declared hint fields and its messages' content can carry a hint.
+_PLAIN_STRUCTS = frozenset({ChatCompletionRequest, CompletionRequest})
+
 NONE, SHORT, LONG = 0, 1, 2
 RETENTION_NAMES = {NONE: "none", SHORT: "short", LONG: "long"}
 RETENTION_BY_NAME = {name: value for value, name in RETENTION_NAMES.items()}
@@ -128,9 +134,21 @@ class _Scan:
                 self.block(block, media)
 
 
+#: What a request without any hint gets (shared: never modified).
+NO_HINTS = CacheHints()
+
+
 def parse_cache_hints(request: Any) -> CacheHints:
     """The hints of a parsed request (``infera.api.requests``) or a plain dict body (OpenAI or
-    Anthropic). Never raises: odd shapes simply give no hint."""
+    Anthropic). Never raises: odd shapes simply give no hint. The result may be the shared
+    ``NO_HINTS``: do not modify it."""
+    if type(request) in _PLAIN_STRUCTS and request.prompt_cache_key is None \
+            and request.prompt_cache_retention is None and request.images is None:
+        # The common case, on every routed request: a parsed body with no hint field, whose
+        # messages (if any) are plain strings, so there are no blocks to scan either.
+        messages = getattr(request, "messages", None)
+        if messages is None or not any(type(m.content) is list for m in messages):
+            return NO_HINTS
     hints = CacheHints()
     key = _stripped(_field(request, "prompt_cache_key"))
     hints.session_id = key or _stripped(_field(request, "session_id"))

@@ -86,8 +86,8 @@ class ByteLRU:
 
     An entry is accounted as its key and array objects (``sys.getsizeof``, buffers included) plus
     ``ENTRY_OVERHEAD`` for its slot in the table; an entry larger than the whole budget is not
-    kept. Shared by the event loop and the tokenizer threads, hence the lock (held only around
-    table operations, never while encoding)."""
+    kept. Shared by the event loop and the tokenizer threads, hence the lock around the changes
+    (never held while encoding; lookups need none)."""
 
     ENTRY_OVERHEAD = 160  # OrderedDict: hash-table slot + linked-list node (CPython 3.11, 64-bit)
 
@@ -102,12 +102,17 @@ class ByteLRU:
         return sys.getsizeof(key) + sys.getsizeof(value) + cls.ENTRY_OVERHEAD
 
     def get(self, key: bytes) -> array | None:
-        with self._lock:
-            entry = self._table.get(key)
-            if entry is None:
-                return None
-            self._table.move_to_end(key)
-            return entry[0]
+        # No lock: each OrderedDict call is atomic under the GIL, and a put()/eviction in a
+        # tokenizer thread between the two can only remove the entry (then it stays a hit).
+        table = self._table
+        entry = table.get(key)
+        if entry is None:
+            return None
+        try:
+            table.move_to_end(key)
+        except KeyError:
+            pass
+        return entry[0]
 
     def put(self, key: bytes, value: array) -> None:
         cost = self.cost(key, value)
@@ -392,6 +397,18 @@ class PromptTokenizer:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="infera-tokenize")
         return self._executor
+
+    def cached_token_ids(self, route: str, parsed: Any) -> array | None:
+        """The prompt's whole ids if they are cached (as ``token_ids`` would return them), without
+        a coroutine: the common case of a repeated prompt answered synchronously. None otherwise
+        (``token_ids`` then does the work)."""
+        key = self._key_and_work(route, parsed)[0]
+        if key is None:
+            return None
+        cached = self.cache.get(key)
+        if cached is not None:
+            self.hits += 1
+        return cached
 
     async def token_ids(self, route: str, parsed: Any, horizon: Callable[[], Any] | None = None) -> array:
         """Token ids of the request's prompt (its routing prefix) as an array, shared with the

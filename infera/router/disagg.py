@@ -123,6 +123,7 @@ class DisaggRouter:
         self.fleet = fleet
         self.policy = policy
         self._prepare = getattr(policy, "prepare", None)
+        self._prepare_cached = getattr(policy, "prepare_cached", None)  # the same, when no await is needed
         self.transport = transport
         self.metrics = metrics
         self.protocols = protocols
@@ -143,7 +144,7 @@ class DisaggRouter:
         if not prefills or not decodes:  # the fleet changed since the topology check
             raise ApiError(503, f"no active {'prefill' if not prefills else 'decode'} worker for model "
                            f"{req.model!r}; retry shortly", "no_active_worker", headers={"Retry-After": "1"})
-        if self._prepare is not None:
+        if self._prepare is not None and (self._prepare_cached is None or not self._prepare_cached(req)):
             await self._prepare(req)
         body = self._parse(req)
         failed: set[str] = set()

@@ -36,9 +36,15 @@ UsageObserver = Callable[[WorkerRecord, RoutedRequest, "int | None"], None]
 
 
 def reported_cached_tokens(data: bytes) -> int | None:
-    """``usage.prompt_tokens_details.cached_tokens`` from a reply body or a stream's tail."""
-    found = _CACHED_TOKENS.findall(data)
-    return int(found[-1]) if found else None
+    """``usage.prompt_tokens_details.cached_tokens`` from a reply body or a stream's tail: the last
+    one (usage comes last), found from the end rather than by scanning the whole body."""
+    at = data.rfind(b'"cached_tokens"')
+    while at >= 0:
+        m = _CACHED_TOKENS.match(data, at)
+        if m is not None:
+            return int(m.group(1))
+        at = data.rfind(b'"cached_tokens"', 0, at)  # (e.g. "cached_tokens": null) an earlier one
+    return None
 
 
 @dataclass(slots=True)
@@ -61,6 +67,7 @@ class MixedRouter:
         self.fleet = fleet
         self.policy = policy
         self._prepare = getattr(policy, "prepare", None)  # async per-request setup (tokenize once)
+        self._prepare_cached = getattr(policy, "prepare_cached", None)  # the same, when no await is needed
         self._on_first_byte = getattr(policy, "on_first_byte", None)
         self.usage_observer = usage_observer
         self.transport = transport
@@ -105,7 +112,7 @@ class MixedRouter:
                 raise ApiError(exc.status, exc.message, exc.reason, headers=exc.headers) from None
 
         candidates = self.candidates(req.model)
-        if self._prepare is not None:
+        if self._prepare is not None and (self._prepare_cached is None or not self._prepare_cached(req)):
             await self._prepare(req)
         tried: set[str] = set()
         failure: LegFailure | None = None

@@ -195,6 +195,7 @@ def expand_targets(worker: WorkerRecord) -> list[tuple[int | None, str]]:
 _NO_HINTS = CacheHints()
 _NO_BLOCKS: list[int] = []  # (never appended to)
 _NO_LOWER = itertools.repeat(0)  # (zip stops at the targets)
+_NO_HITS = _NO_LOWER
 
 
 class Horizon:
@@ -324,6 +325,20 @@ class KvAwarePolicy:
             self.replicas = ReplicaShare(self)
             replica_sync.attach(self.replicas)
 
+    def prepare_cached(self, request: RoutedRequest) -> bool:
+        """``prepare`` done synchronously when the prompt's token ids are cached (a repeated prompt:
+        the common case), so the caller awaits no coroutine for it; False: ``prepare`` must run."""
+        parsed = request.parsed
+        prompts = self._prompts_for(getattr(parsed, "model", None)) if self._prompts_for is not None else self.prompts
+        cached = getattr(prompts, "cached_token_ids", None)
+        tokens = cached(request.route, parsed) if cached is not None else None
+        if tokens is None:
+            return False
+        st = request.state
+        st["tokens"] = tokens
+        st["hints"] = parse_cache_hints(parsed)
+        return len(tokens) < HASH_AHEAD_TOKENS or not self._block_sizes  # else prepare() hashes ahead
+
     async def prepare(self, request: RoutedRequest) -> None:
         """Tokenize once per request (cached across requests), before any pick: at most the
         prompt's routing prefix, off the event loop when it is big (``PromptTokenizer``), and
@@ -331,7 +346,9 @@ class KvAwarePolicy:
         st = request.state
         parsed = request.parsed
         prompts = self._prompts_for(getattr(parsed, "model", None)) if self._prompts_for is not None else self.prompts
-        if prompts is None:  # its tokenizer is loading: routed by load for that moment
+        if "tokens" in st:  # prepare_cached() found them
+            tokens = st["tokens"]
+        elif prompts is None:  # its tokenizer is loading: routed by load for that moment
             tokens: Sequence[int] = ()
         elif self.horizon and self._block_sizes and isinstance(prompts, PromptTokenizer):
             made: list[Horizon] = []
@@ -404,7 +421,8 @@ class KvAwarePolicy:
     def pick(self, candidates: Sequence[WorkerRecord], request: RoutedRequest, role: str = "mixed") -> WorkerRecord:
         st = request.state
         hints: CacheHints = st.get("hints") or _NO_HINTS
-        amplified = self.weights.get(role, self.weights["mixed"]) * (
+        weight = self.weights.get(role)
+        amplified = (self.weights["mixed"] if weight is None else weight) * (
             2.0 if hints.retention == LONG else 0.1 if (hints.retention == NONE and hints.explicit) else 1.0)
         w_overlap, w_mm = (0.0, amplified * MM_WEIGHT) if hints.multimodal else (amplified, 0.0)
         mm_keys = hints.image_keys
@@ -413,18 +431,17 @@ class KvAwarePolicy:
         # Ties on (cost, load) — typically a cold prompt on an idle fleet — go to the target whose
         # cache holds the least (spreading new prefixes keeps the fleet's caches balanced), then
         # rotate, so sequential cold traffic never piles onto the first worker.
-        offset = self._picks % n_targets if n_targets else 0
-        best = None  # (cost, load)
-        tied: list[tuple] = []  # (position, w, rank, key, hit, total, block_size) of every target at best
+        best_cost = best_load = 0.0
+        tied: list[tuple] = []  # (position, w, rank, key, hit, total, block_size, lower, hashes) at best
         position = 0
         most_blocks = 0
-        debug = log.isEnabledFor(logging.DEBUG)
-        scored: list[str] | None = [] if debug else None  # why this target
+        scored: list[str] | None = [] if log.isEnabledFor(logging.DEBUG) else None  # why this target
         active_of, recent, landed_of, unhashed = self.active.get, self.recent.get, self.landed, self.unhashed
         inflight = self.inflight
         per_request = amplified * self.balance.ratio if inflight else 0.0
         more = st.get("more_tokens", 0)
-        n_tokens = len(st.get("tokens") or ())
+        tokens = st.get("tokens") or ()
+        n_tokens = len(tokens)
         has_lower = self._has_lower_tiers
         lower_discount = 1.0 - self.lower_tier_weight
         for block_size, targets, keys in layout:
@@ -432,35 +449,42 @@ class KvAwarePolicy:
                 hashes = self._hashes(request, block_size) if n_tokens >= block_size else _NO_BLOCKS
                 total = len(hashes)
                 if more:  # cut at the horizon (prepare): the rest of the prompt, estimated
-                    total = max(total, (len(st["tokens"]) + more) // block_size)
+                    total = max(total, (n_tokens + more) // block_size)
                 if total > most_blocks:
                     most_blocks = total
-                hits = self.index.match(hashes, keys) if hashes else [0] * len(targets)
             else:
                 # No block size registered: nothing can be known cached there, so it pays for every
                 # block (upstream charged it nothing, making it look like a perfect cache hit).
-                total, hits, hashes = most_blocks, [0] * len(targets), []
-            # Served there, events still on the way: as good as cached (see LANDED_TTL_S).
-            if landed_of and hashes:
-                now = self.clock()
-                hits = [self._with_landed(key, hashes, hit, now) if key in landed_of else hit
-                        for key, hit in zip(keys, hits)]
-            # A prefix cached nowhere yet but being prefilled somewhere counts as held there: a
-            # second conversation of it starting before the first one's events arrive follows it
-            # instead of computing a duplicate. Only then: where a copy is already cached, the
-            # cache decides, and a prefill in flight elsewhere must not outbid it.
-            pending = hashes and not any(hits)
-            # Blocks after each GPU hit held on a lower tier: loaded, not computed (one check
-            # while no engine publishes lower tiers).
-            lowers = (self._match_lower(hashes, keys, hits) if hashes and has_lower is not None and has_lower()
-                      else _NO_LOWER)
+                total, hashes = most_blocks, _NO_BLOCKS
+            if hashes:
+                hits = self.index.match(hashes, keys)
+                # Served there, events still on the way: as good as cached (see LANDED_TTL_S).
+                if landed_of:
+                    now = self.clock()
+                    hits = [self._with_landed(key, hashes, hit, now) if key in landed_of else hit
+                            for key, hit in zip(keys, hits)]
+                # A prefix cached nowhere yet but being prefilled somewhere counts as held there: a
+                # second conversation of it starting before the first one's events arrive follows it
+                # instead of computing a duplicate. Only then: where a copy is already cached, the
+                # cache decides, and a prefill in flight elsewhere must not outbid it.
+                pending = not any(hits)
+                # Blocks after each GPU hit held on a lower tier: loaded, not computed (one check
+                # while no engine publishes lower tiers).
+                lowers = (self._match_lower(hashes, keys, hits) if has_lower is not None and has_lower()
+                          else _NO_LOWER)
+                first = hashes[0]
+            else:  # nothing hashed: every target misses all of it, the load decides
+                hits, pending, lowers, first = _NO_HITS, False, _NO_LOWER, None
+            missed_all = w_overlap * total
             for (w, rank, key), hit, lower in zip(targets, hits, lowers):
-                gpu_hit = hit
                 active = active_of(key)
                 if active:
-                    if pending and hashes[0] in active:
+                    if pending and first in active:
+                        gpu_hit = hit
                         while hit < len(hashes) and hashes[hit] in active:
                             hit += 1
+                        if lower and hit > gpu_hit:  # the run in flight covers part of the lower-tier run
+                            lower = max(0, gpu_hit + lower - hit)
                     load = len(active) + recent(key, 0.0)
                 else:
                     load = recent(key, 0.0)
@@ -468,30 +492,31 @@ class KvAwarePolicy:
                     load += unhashed.get(key, 0)
                 if per_request:
                     load += per_request * inflight.get(key, 0)
-                if lower and hit > gpu_hit:  # the run in flight covers part of the lower-tier run
-                    lower = max(0, gpu_hit + lower - hit)
-                cost = w_overlap * (total - hit - lower_discount * lower) + load
+                if hit or lower:
+                    cost = w_overlap * (total - hit - lower_discount * lower) + load
+                else:
+                    cost = missed_all + load
                 if w_mm:
                     affinity = self.mm_affinity.get(key)
                     cost += w_mm * sum(1 for k in mm_keys if not affinity or k not in affinity)
                 if scored is not None:
                     scored.append(f"{key}:hit={hit},load={load:.1f},held={self._held(key)},cost={cost:.1f}")
-                score = (cost, load)
-                if best is None or score < best:
-                    best = score
-                    tied = [(position, w, rank, key, hit, total, block_size, lower)]
-                elif score == best:
-                    tied.append((position, w, rank, key, hit, total, block_size, lower))
+                if not tied or cost < best_cost or (cost == best_cost and load < best_load):
+                    best_cost, best_load = cost, load
+                    tied = [(position, w, rank, key, hit, total, block_size, lower, hashes)]
+                elif cost == best_cost and load == best_load:
+                    tied.append((position, w, rank, key, hit, total, block_size, lower, hashes))
                 position += 1
         assert tied, "pick() needs at least one candidate"
         chosen = tied[0]
         if len(tied) > 1:  # (cached blocks held, rotation): computed for the tied targets only
+            offset = self._picks % n_targets
             least = None
             for t in tied:
                 rank_key = (self._held(t[3]), (t[0] - offset) % n_targets)
                 if least is None or rank_key < least:
                     least, chosen = rank_key, t
-        _, worker, rank, key, hit, total, block_size, lower = chosen
+        _, worker, rank, key, hit, total, block_size, lower, blocks = chosen
 
         if mm_keys:
             affinity = self.mm_affinity.setdefault(key, OrderedDict())
@@ -500,19 +525,20 @@ class KvAwarePolicy:
                 affinity.move_to_end(k)
             while len(affinity) > MM_AFFINITY_CAP:
                 affinity.popitem(last=False)
-        st["charge"] = (self._charge(key, total - hit - lower_discount * lower, total), self._picks)
+        missed = total - hit - lower_discount * lower if lower else total - hit
+        st["charge"] = (self._charge(key, missed, total), self._picks)
         st["route_key"], st["dp_rank"], st["block_size"] = key, rank, block_size
-        st["blocks"] = blocks = self._hashes(request, block_size) if block_size and n_tokens >= block_size else []
+        st["blocks"] = blocks
         st["unhashed"] = total - len(blocks) if more and block_size else 0
         # engines report blocks loaded from a lower tier as cached tokens too
         st["predicted_hit_blocks"] = hit + lower
-        st["pick_obs"] = (total - hit - lower_discount * lower, self.inflight.get(key, 0))
+        st["pick_obs"] = (missed, inflight.get(key, 0))
         if self.observer is not None:
             self.observer.record_pick(role, key, hit + lower, total)
-        if debug:
+        if scored is not None:
             log.debug("pick policy=kv-aware role=%s retention=%s request_id=%s picked=%s cache_hits=%d "
                       "request_blocks=%d active_blocks=%d targets=[%s]", role, RETENTION_NAMES[hints.retention],
-                      request.request_id, key, hit, total, len(self.active.get(key, ())), " ".join(scored or ()))
+                      request.request_id, key, hit, total, len(self.active.get(key, ())), " ".join(scored))
         return worker
 
     def _held(self, key: str) -> int:
@@ -561,18 +587,20 @@ class KvAwarePolicy:
         return charge
 
     def on_started(self, worker: WorkerRecord, request: RoutedRequest) -> None:
-        key = request.state.get("route_key")
+        st = request.state
+        key = st.get("route_key")
         if key is None:
             return
-        self.inflight[key] = self.inflight.get(key, 0) + 1
-        blocks = request.state.get("blocks", ())
-        self._count_in(key, blocks)
-        extra = request.state.get("unhashed")
+        inflight = self.inflight
+        inflight[key] = inflight.get(key, 0) + 1
+        blocks = st.get("blocks")
+        if blocks:
+            self._count_in(key, blocks)
+            if self.replicas is not None:
+                st["sync_rid"] = self.replicas.started(request.model, key, blocks, st.get("charge", (0.0, 0))[0])
+        extra = st.get("unhashed")
         if extra:
             self.unhashed[key] = self.unhashed.get(key, 0) + extra
-        if self.replicas is not None and blocks:
-            charge = request.state.get("charge", (0.0, 0))[0]
-            request.state["sync_rid"] = self.replicas.started(request.model, key, blocks, charge)
 
     def on_first_byte(self, request: RoutedRequest, seconds: float) -> None:
         """A streamed reply's first byte came ``seconds`` after it was sent: what its pick's missed
@@ -582,22 +610,31 @@ class KvAwarePolicy:
             self.balance.observe(obs[0], obs[1], seconds)
 
     def on_finished(self, worker: WorkerRecord, request: RoutedRequest) -> None:
-        key = request.state.get("route_key")
+        st = request.state
+        key = st.get("route_key")
         if key is None:
             return
-        self._inflight_out(key)
-        self._release_charge(key, *request.state.pop("charge", (0.0, 0)))
-        blocks = request.state.get("blocks", ())
-        served = bool(blocks) and bool(request.state.get("served"))  # the worker answered: it computed the prompt
-        finished_at = self.wall_clock() if served else 0.0
-        if served:
-            self._land(key, blocks, finished_at)
+        inflight = self.inflight
+        n = inflight.get(key, 0) - 1
+        if n > 0:
+            inflight[key] = n
+        else:
+            inflight.pop(key, None)
+        charge = st.pop("charge", None)
+        if charge is not None and charge[0]:
+            self._release_charge(key, charge[0], charge[1])
+        blocks = st.get("blocks")
+        finished_at = 0.0
+        if blocks:
+            if st.get("served"):  # the worker answered: it computed the prompt
+                finished_at = self.wall_clock()
+                self._land(key, blocks, finished_at)
+            self._count_out(key, blocks)
         if self.replicas is not None:
-            rid = request.state.pop("sync_rid", None)
+            rid = st.pop("sync_rid", None)
             if rid is not None:
                 self.replicas.finished(rid, finished_at)
-        self._count_out(key, blocks)
-        extra = request.state.pop("unhashed", 0)
+        extra = st.pop("unhashed", 0)
         if extra and key in self.unhashed:
             left = self.unhashed[key] - extra
             if left > 0:

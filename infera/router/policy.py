@@ -32,6 +32,10 @@ class Policy(Protocol):
 
     def on_started(self, worker: WorkerRecord, request: RoutedRequest) -> None: ...
 
+    # Optional, before the first pick of a request: ``async prepare(request)`` (per-request work
+    # such as tokenizing), and ``prepare_cached(request) -> bool``, the same done synchronously when
+    # it can be (True: ``prepare`` need not run).
+
     def on_finished(self, worker: WorkerRecord, request: RoutedRequest) -> None: ...
 
     def forget(self, worker_id: str) -> None:
