@@ -199,6 +199,7 @@ class PromptTokenizer:
         self.horizon_chars_skipped = 0  # characters of those prompts never encoded
         self._chars_per_token = 4.0
         self._probed: OrderedDict[bytes, None] = OrderedDict()  # pieces whose first words were probed
+        self._last_keyed: tuple | None = None  # (parsed, route, _key_and_work) of the last cache miss
         self.threads = threads
         self._executor: ThreadPoolExecutor | None = None
         if tokenizer.releases_gil:
@@ -402,9 +403,12 @@ class PromptTokenizer:
         """The prompt's whole ids if they are cached (as ``token_ids`` would return them), without
         a coroutine: the common case of a repeated prompt answered synchronously. None otherwise
         (``token_ids`` then does the work)."""
-        key = self._key_and_work(route, parsed)[0]
+        keyed = self._key_and_work(route, parsed)
+        key = keyed[0]
         if key is None:
             return None
+        # a miss is usually followed by token_ids() for the same request: it takes this key along
+        self._last_keyed = (parsed, route, keyed)
         cached = self.cache.get(key)
         if cached is not None:
             self.hits += 1
@@ -422,7 +426,12 @@ class PromptTokenizer:
         told where the encoding stopped. Pieces are then encoded in order, a new piece's first
         words first, and the ids end where it is reached: a prefix of the prompt's ids, not cached
         as the whole prompt's."""
-        key, work, size = self._key_and_work(route, parsed)
+        last = self._last_keyed
+        if last is not None and last[0] is parsed and last[1] == route:
+            key, work, size = last[2]
+        else:
+            key, work, size = self._key_and_work(route, parsed)
+        self._last_keyed = None
         if key is not None:
             cached = self.cache.get(key)
             if cached is not None:

@@ -426,7 +426,7 @@ class KvAwarePolicy:
             2.0 if hints.retention == LONG else 0.1 if (hints.retention == NONE and hints.explicit) else 1.0)
         w_overlap, w_mm = (0.0, amplified * MM_WEIGHT) if hints.multimodal else (amplified, 0.0)
         mm_keys = hints.image_keys
-        layout, n_targets = self._layout_for(candidates)
+        layout, n_targets = self._layout if candidates is self._layout_of else self._layout_for(candidates)
 
         # Ties on (cost, load) — typically a cold prompt on an idle fleet — go to the target whose
         # cache holds the least (spreading new prefixes keeps the fleet's caches balanced), then

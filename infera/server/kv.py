@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from bisect import bisect_left
 from collections import deque
 from time import thread_time
 from typing import Any, Callable, Iterator
@@ -259,13 +260,19 @@ class KvEventsBridge:
 
     # -- picks and the self-check ---------------------------------------------------------------------
     def record_pick(self, role: str, key: str, hit_blocks: int, request_blocks: int) -> None:
-        self.picks[(role, key)] = self.picks.get((role, key), 0) + 1
+        picked = (role, key)
+        picks = self.picks
+        picks[picked] = picks.get(picked, 0) + 1
         h = self.pick_hits.get(role)
         if h is None:
             h = self.pick_hits[role] = Histogram(BLOCK_BUCKETS)
             self.pick_blocks[role] = Histogram(BLOCK_BUCKETS)
-        h.observe(hit_blocks)
-        self.pick_blocks[role].observe(request_blocks)
+        # Histogram.observe, inline: this runs on every pick
+        h.counts[bisect_left(BLOCK_BUCKETS, hit_blocks)] += 1
+        h.total += hit_blocks
+        b = self.pick_blocks[role]
+        b.counts[bisect_left(BLOCK_BUCKETS, request_blocks)] += 1
+        b.total += request_blocks
         state = self.targets.get(key)
         if state is not None and request_blocks > hit_blocks and state.unconfirmed_since is None:
             state.unconfirmed_since = self.clock()  # it must store new blocks: expect events
@@ -280,8 +287,10 @@ class KvEventsBridge:
             return
         block_size = st.get("block_size") or 0
         # The whole prompt: past the tokenization horizon its length is estimated (kv_aware.prepare).
-        prompt_tokens = len(st.get("tokens") or ()) + st.get("more_tokens", 0)
-        predicted = predicted_cached_tokens(st.get("predicted_hit_blocks", 0), block_size, prompt_tokens)
+        tokens = st.get("tokens")
+        prompt_tokens = (len(tokens) if tokens else 0) + st.get("more_tokens", 0)
+        hit = st.get("predicted_hit_blocks", 0)
+        predicted = predicted_cached_tokens(hit, block_size, prompt_tokens) if hit else 0
         # Counted for every reply, usage or not: engine_scrape.py compares these with the engine's
         # own prefix-cache counters, which see every request too.
         state.prompt_tokens += prompt_tokens
