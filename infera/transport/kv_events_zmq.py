@@ -25,7 +25,9 @@ empty (a SUB gets those only when subscribed to every topic, ``topic=""``); both
 with seq -1 and no tracking. Callback exceptions are logged and counted, never kill a reader. All I/O is
 ``zmq.asyncio`` on the caller's loop. Live batches in sequence are drained straight from a reader
 callback on the socket's FD (``_drain``): an engine sends one batch per scheduler step, ten or more
-per request, and an awaited receive per batch cost several times the batch itself.
+per request, and an awaited receive per batch cost several times the batch itself. A socket that
+turns readable waits ``coalesce_s`` (2 ms) for the others, and one flush drains all of them: the
+loop wakes once per flush, not once per batch, however many engines publish.
 
 Replay protocol (vLLM): the DEALER sends ``[b"", start_seq (8-byte BE)]`` and receives
 ``[b"", (topic,) seq, payload]`` per buffered batch with seq >= start_seq, then an end marker whose
@@ -55,6 +57,10 @@ _FIRST_PROBE_S = 0.5
 _IDLE_PROBE_S = 5.0
 # A burst of queued batches is applied for at most this long before the loop gets a turn.
 _DRAIN_TURN_S = 0.002
+# A socket that turns readable is drained this much later, together with every other socket that
+# turned readable meanwhile: one loop wakeup for all of them instead of one per batch (engines send
+# a batch per scheduler step; a wakeup of an idle loop cost several times the batch itself).
+DEFAULT_COALESCE_S = 0.002
 
 OnBatch = Callable[[str, int, bytes], None]
 OnReset = Callable[[str], None]
@@ -94,6 +100,7 @@ class _KeyState:
     # what must wait (first contact, gap repair, idle probes). See ``_reader``.
     raw: zmq.Socket | None = None  # ``sock``, synchronous
     fd: int | None = None  # registered with ``loop``'s reader
+    queued: bool = False  # readable, its reader removed: drained by the subscriber's next flush
     loop: asyncio.AbstractEventLoop | None = None
     live: bool = False  # the reader callback may deliver (first contact done, no slow path running)
     slow: list[bytes] | None = None  # a message the callback left to the task
@@ -152,9 +159,16 @@ class ZmqKvEventSubscriber(KvCallbacks):
     """Subscribe to many engines' KV events; see the module docstring for the guarantees."""
 
     def __init__(self, on_batch: OnBatch, on_reset: OnReset, *, context: zmq.asyncio.Context | None = None,
-                 replay_timeout: float = 2.0, topic: str = DEFAULT_TOPIC) -> None:
+                 replay_timeout: float = 2.0, topic: str = DEFAULT_TOPIC,
+                 coalesce_s: float = DEFAULT_COALESCE_S) -> None:
         if replay_timeout <= 0:
             raise ValueError("replay_timeout must be > 0")
+        if coalesce_s < 0:
+            raise ValueError("coalesce_s must be >= 0")
+        self.coalesce_s = coalesce_s  # 0: every readable socket drained at once
+        self._queued: list[_KeyState] = []  # readable sockets waiting for the flush
+        self._flush_at: asyncio.TimerHandle | None = None
+        self.flushes = 0  # loop wakeups that drained queued sockets
         self.on_batch = on_batch
         self.on_reset = on_reset
         self.replay_timeout = replay_timeout
@@ -202,6 +216,10 @@ class ZmqKvEventSubscriber(KvCallbacks):
         self._started = False
         for st in self._keys.values():
             self._close(st)
+        if self._flush_at is not None:
+            self._flush_at.cancel()
+            self._flush_at = None
+        self._queued.clear()
         closing, self._closing = list(self._closing), set()
         if closing:
             await asyncio.gather(*closing, return_exceptions=True)
@@ -257,7 +275,8 @@ class ZmqKvEventSubscriber(KvCallbacks):
         st.sock, st.raw, st.loop = sock, zmq.Socket.shadow(sock.underlying), loop
         st.live, st.slow, st.wake = False, None, asyncio.Event()
         st.fd = st.raw.FD
-        loop.add_reader(st.fd, self._drain, st)
+        st.queued = False
+        loop.add_reader(st.fd, self._readable, st)
         st.task = loop.create_task(self._reader(st), name=f"kv-events-sub:{st.key}")
 
     def _close(self, st: _KeyState) -> None:
@@ -267,9 +286,10 @@ class ZmqKvEventSubscriber(KvCallbacks):
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
         st.live = False
-        if st.fd is not None and st.loop is not None:
+        if st.fd is not None and st.loop is not None and not st.queued:
             # Now, not when the task unwinds: a socket opened meanwhile may get the same FD number.
             st.loop.remove_reader(st.fd)
+        st.queued = False  # (a queued one has no reader; the flush skips it)
         st.fd, st.raw, st.slow = None, None, None
         sock, st.sock = st.sock, None
         if sock is not None and not sock.closed:
@@ -322,6 +342,34 @@ class ZmqKvEventSubscriber(KvCallbacks):
         if self._keys.get(st.key) is st and st.sock is not None:
             st.live = False
             st.task = asyncio.get_running_loop().create_task(self._reader(st), name=f"kv-events-sub:{st.key}")
+
+    def _readable(self, st: _KeyState) -> None:
+        """The FD callback: the socket has something (or ZMQ wants its EVENTS read). With
+        coalescing, its reader is removed (the FD stays readable until drained) and it waits for
+        the next flush with the others; without, it is drained now."""
+        if not self.coalesce_s or st.loop is None or st.fd is None:
+            self._drain(st)
+            return
+        st.loop.remove_reader(st.fd)
+        st.queued = True
+        self._queued.append(st)
+        if self._flush_at is None:
+            self._flush_at = st.loop.call_later(self.coalesce_s, self._flush)
+
+    def _flush(self) -> None:
+        """Drain every queued socket, each watched again first (what arrives while it drains
+        wakes the next flush)."""
+        self._flush_at = None
+        queued, self._queued = self._queued, []
+        self.flushes += 1
+        for st in queued:
+            if not st.queued:
+                continue  # closed meanwhile
+            st.queued = False
+            if st.fd is None or st.loop is None or st.raw is None:
+                continue
+            st.loop.add_reader(st.fd, self._readable, st)
+            self._drain(st)
 
     def _drain(self, st: _KeyState) -> None:
         """The FD callback (and the task's resume): every queued batch that is next in sequence is

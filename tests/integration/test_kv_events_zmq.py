@@ -252,10 +252,12 @@ async def test_sglang_format_from_the_simulator(subscriber):
 class TinyPublisher:
     """XPUB (so the test knows when the subscription arrived) + an optional vLLM-style replay ROUTER."""
 
-    def __init__(self, replay: bool) -> None:
+    def __init__(self, replay: bool, sndhwm: int | None = None) -> None:
         self.ctx = zmq.asyncio.Context()
         self.pub = self.ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
+        if sndhwm is not None:  # before bind: a listener copies the options it accepts peers with
+            self.pub.setsockopt(zmq.SNDHWM, sndhwm)
         self.pub.bind("tcp://127.0.0.1:*")
         self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.buffer: dict[int, bytes] = {}
