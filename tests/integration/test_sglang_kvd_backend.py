@@ -20,6 +20,7 @@ import pytest
 
 from infera.engine.sglang import kvd_adapter
 from infera.engine.sglang.kvd_adapter import InferaKvdBackend, kvd_key
+from infera.kvd import resilient
 from infera.kvd.client import SyncKvdClient
 from tests.integration.test_kvd_daemon import KvdProcess
 
@@ -290,7 +291,7 @@ def test_hybrid_sidecar_pools_are_refused(kvd):
 
 
 def test_a_daemon_that_dies_turns_calls_into_misses(kvd, monkeypatch, caplog):
-    monkeypatch.setattr(kvd_adapter, "RECONNECT_EVERY_S", 0.2)
+    monkeypatch.setattr(resilient, "RECONNECT_EVERY_S", 0.2)
     host = HostPool(3)
     for p in range(3):
         host.fill(p, seed=p)
@@ -299,6 +300,7 @@ def test_a_daemon_that_dies_turns_calls_into_misses(kvd, monkeypatch, caplog):
     assert backend.batch_set(hashes, host.pages)
     kvd.kill()
     caplog.set_level(logging.WARNING, logger="infera.engine.sglang.kvd_adapter")
+    caplog.set_level(logging.WARNING, logger="infera.kvd.resilient")  # the connection's outage lines
     for _ in range(3):  # every call a miss, none raises
         assert backend.batch_exists(hashes, ExtraInfo()) == 0
         assert backend.batch_get(hashes, [host.get_dummy_flat_data_page() for _ in hashes]) == [None] * 3

@@ -20,13 +20,15 @@ import logging, os, signal, subprocess, sys, time
 from types import SimpleNamespace
 import torch
 from infera.engine.vllm import kvd_connector as k, kvd_format as fmt
+from infera.kvd import resilient
 from infera.kvd.client import SyncKvdClient
 
 sock = sys.argv[1]
 records = []
 class Grab(logging.Handler):
     def emit(self, r): records.append((r.levelname, r.getMessage()))
-k.log.addHandler(Grab()); k.log.setLevel(logging.INFO)
+for lg in (k.log, resilient.log):  # the connector's own lines, and its connections' outage lines
+    lg.addHandler(Grab()); lg.setLevel(logging.INFO)
 
 def start():
     p = subprocess.Popen([sys.executable, "-m", "infera.kvd", "--socket", sock, "--max-bytes", "64M",
@@ -97,7 +99,7 @@ assert not [r for r in records if r[0] == "ERROR"]
 assert any("was lost" in m for _, m in records)
 
 # a dead daemon: one error for any number of calls, 0 matched; back after the retry interval
-k.RECONNECT_EVERY_S = 0.2
+resilient.RECONNECT_EVERY_S = 0.2
 daemon.kill(); daemon.wait(30)
 for _ in range(3):
     assert sched._exists([fmt.ChunkRef(key, 0, 1)]) is None

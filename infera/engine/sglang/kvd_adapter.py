@@ -29,7 +29,8 @@ nothing).
 Failure policy: a daemon that does not answer at construction fails the engine's start-up
 (configuration error). One that dies later turns every call into a miss (``get`` -> None,
 ``exists`` -> False, ``set`` -> False), logged once per outage, and is reconnected to at most every
-``RECONNECT_EVERY_S``; no exception reaches SGLang's cache threads.
+``RECONNECT_EVERY_S`` (``infera.kvd.resilient``, shared with vLLM's connector); no exception
+reaches SGLang's cache threads.
 
 Not supported: hybrid models' sidecar pools (Mamba/SWA states, SGLang's ``*_v2`` calls): the
 attach fails with a clear error rather than caching half a model's state.
@@ -40,19 +41,16 @@ import hashlib
 import logging
 import os
 import sys
-import threading
-import time
 from typing import Any, Callable, List, Optional, Sequence
 
 from infera.engine.vllm.kvd_format import RETENTION_ENV, compat_key as rank_compat_key, default_retention
-from infera.kvd.client import KvdError, SyncKvdClient, default_socket_path
-from infera.kvd.protocol import MAX_KEY_BYTES, ProtocolError
+from infera.kvd.client import default_socket_path
+from infera.kvd.protocol import MAX_KEY_BYTES
+from infera.kvd.resilient import DAEMON_ERRORS, KvdUnavailable, ResilientKvdClient
 
 log = logging.getLogger("infera.engine.sglang.kvd_adapter")
 
-RECONNECT_EVERY_S = 5.0
 CALL_TIMEOUT_S = 30.0
-_DAEMON_ERRORS = (OSError, EOFError, KvdError, ProtocolError)  # ProtocolError: an undecodable answer
 
 
 def _hicache_storage_base() -> type:
@@ -125,103 +123,13 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).rpartition(".")[2] if dtype is not None else ""
 
 
-class _Unavailable(Exception):
-    """kvd did not answer (already logged)."""
-
-
-class _KvdConnection:
-    """One client with outage handling: a failed call is retried once on a fresh connection (a
-    restarted daemon costs nothing); if that fails too, the outage is logged once and calls fail
-    fast until a reconnect (tried at most every RECONNECT_EVERY_S) works."""
-
-    def __init__(self, socket_path: str, client_id: str):
-        self.socket_path = socket_path
-        self.client_id = client_id
-        self._lock = threading.Lock()  # guards the connection swap; the client serializes requests
-        try:
-            self.client: SyncKvdClient | None = self._connect()
-        except _DAEMON_ERRORS as e:
-            raise RuntimeError(f"InferaKvdBackend: kvd at {socket_path} does not answer ({e or type(e).__name__}); "
-                               f"start `python -m infera.kvd --socket {socket_path}` or set "
-                               f"INFERA_KVD_SOCKET") from e
-        self._next_try = 0.0
-        self._down = False
-
-    def _connect(self) -> SyncKvdClient:
-        return SyncKvdClient(self.socket_path, client_id=self.client_id, prefers_shared_arena=True,
-                             timeout=CALL_TIMEOUT_S)
-
-    def _current(self) -> SyncKvdClient | None:
-        with self._lock:
-            if self.client is not None:
-                return self.client
-            now = time.monotonic()
-            if now < self._next_try:
-                return None
-            self._next_try = now + RECONNECT_EVERY_S
-            try:
-                self.client = self._connect()
-            except _DAEMON_ERRORS:
-                return None
-            if self._down:
-                self._down = False
-                log.warning("kvd at %s is reachable again (%s): HiCache storage resumes", self.socket_path,
-                            self.client_id)
-            return self.client
-
-    def call(self, fn: Callable[[SyncKvdClient], Any]) -> Any:
-        """``fn(client)``; raises ``_Unavailable`` when the daemon does not answer."""
-        client = self._current()
-        if client is None:
-            raise _Unavailable
-        try:
-            return fn(client)
-        except _DAEMON_ERRORS as first:
-            self._drop(client)
-            client = self._current_after_loss()
-            if client is None:
-                self._failed(first)
-                raise _Unavailable from first
-            try:
-                return fn(client)
-            except _DAEMON_ERRORS as second:
-                self._drop(client)
-                self._failed(second)
-                raise _Unavailable from second
-
-    def _current_after_loss(self) -> SyncKvdClient | None:
-        with self._lock:
-            if self.client is None:
-                try:
-                    self.client = self._connect()
-                except _DAEMON_ERRORS:
-                    return None
-                log.warning("kvd connection of %s was lost; reconnected", self.client_id)
-            return self.client
-
-    def _drop(self, client: SyncKvdClient) -> None:
-        with self._lock:
-            if self.client is client:
-                self.client = None
-        try:
-            client.close()
-        except (OSError, BufferError):
-            pass
-
-    def _failed(self, error: BaseException) -> None:
-        with self._lock:
-            self._next_try = time.monotonic() + RECONNECT_EVERY_S
-            first = not self._down
-            self._down = True
-        if first:  # once per outage
-            log.error("kvd at %s failed (%s: %s): HiCache storage misses and drops writes until it answers again",
-                      self.socket_path, self.client_id, error or type(error).__name__)
-
-    def close(self) -> None:
-        with self._lock:
-            client, self.client = self.client, None
-        if client is not None:
-            client.close()
+def _connect(socket_path: str, client_id: str) -> ResilientKvdClient:
+    try:
+        return ResilientKvdClient(socket_path, client_id, arena=True, timeout=CALL_TIMEOUT_S,
+                                  outage="HiCache storage misses and drops writes", resumed="HiCache storage resumes")
+    except DAEMON_ERRORS as e:
+        raise RuntimeError(f"InferaKvdBackend: kvd at {socket_path} does not answer ({e or type(e).__name__}); "
+                           f"start `python -m infera.kvd --socket {socket_path}` or set INFERA_KVD_SOCKET") from e
 
 
 class InferaKvdBackend(_hicache_storage_base()):  # type: ignore[misc]
@@ -239,7 +147,7 @@ class InferaKvdBackend(_hicache_storage_base()):  # type: ignore[misc]
         if dp_rank:
             rank += f"dp{dp_rank}"
         self.socket_path = str(extra.get("socket") or default_socket_path())
-        self.daemon = _KvdConnection(self.socket_path, f"sglang-hicache-{rank}-{os.getpid()}")
+        self.daemon = _connect(self.socket_path, f"sglang-hicache-{rank}-{os.getpid()}")
         if self.retention == "none":
             log.warning("%s=none: InferaKvdBackend saves nothing (reads still hit what others saved)", RETENTION_ENV)
         log.info("InferaKvdBackend: kvd at %s, model %r, compat key %s, retention %s", self.socket_path, self.model,
@@ -289,7 +197,7 @@ class InferaKvdBackend(_hicache_storage_base()):  # type: ignore[misc]
         try:
             present = self.daemon.call(lambda c: c.exists([kvd_key(k) for k in keys], model=self.model,
                                                           compat_key=self.compat_key))
-        except _Unavailable:
+        except KvdUnavailable:
             return 0
         return next((i for i, hit in enumerate(present) if not hit), len(keys))
 
@@ -305,7 +213,7 @@ class InferaKvdBackend(_hicache_storage_base()):  # type: ignore[misc]
                 if page is None:
                     break
                 out[i] = page
-        except _Unavailable:
+        except KvdUnavailable:
             pass
         return out
 
@@ -346,7 +254,7 @@ class InferaKvdBackend(_hicache_storage_base()):  # type: ignore[misc]
                 if not result.accepted:
                     log.debug("InferaKvdBackend: kvd refused page %s: %s", key, result.reason)
                     return False
-        except _Unavailable:
+        except KvdUnavailable:
             return False
         except (TypeError, ValueError) as e:
             log.error("InferaKvdBackend: cannot store a page: %s", e)
@@ -359,7 +267,7 @@ class InferaKvdBackend(_hicache_storage_base()):  # type: ignore[misc]
         """Drop this rank's pages (SGLang's ``/clear_hicache_storage_backend``)."""
         try:
             n = self.daemon.call(lambda c: c.clear(model=self.model, compat_key=self.compat_key))
-        except _Unavailable:
+        except KvdUnavailable:
             return False
         log.info("InferaKvdBackend: cleared %d kvd entries of %s", n, self.compat_key)
         return True

@@ -45,9 +45,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from infera.engine.vllm import kvd_format as fmt
 from infera.kvd import protocol as kvp
 from infera.kvd.arena import SLOT_HEADER, SLOT_HEADER_BYTES
-from infera.kvd.client import KvdError, SyncKvdClient, default_socket_path
+from infera.kvd.client import default_socket_path
+from infera.kvd.resilient import KvdUnavailable, ResilientKvdClient
 
 if TYPE_CHECKING:
+    from infera.kvd.client import SyncKvdClient
     from vllm.config import VllmConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.forward_context import ForwardContext
@@ -64,8 +66,6 @@ SAVE_QUEUE_MIB_ENV = "INFERA_KVD_SAVE_QUEUE_MIB"
 DEFAULT_SAVE_QUEUE_MIB = 1024
 SCHEDULER_TIMEOUT_S = 2.0  # the scheduler's exists() must not hang a step on a wedged daemon
 WORKER_TIMEOUT_S = 30.0
-RECONNECT_EVERY_S = 5.0
-_DAEMON_ERRORS = (OSError, KvdError, EOFError)
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
@@ -184,89 +184,15 @@ def _worker_ranks(vllm_config: "VllmConfig") -> tuple[int, int]:
     return rank % tp, (rank // tp) % max(parallel.pipeline_parallel_size, 1)
 
 
-class _Unavailable(Exception):
-    """kvd did not answer (already logged by ``_Daemon``)."""
-
-
-class _Daemon:
-    """One client connection with outage handling. A call that fails is retried once on a fresh
-    connection (a restarted daemon costs nothing); if that fails too the outage is logged once as
-    an error and calls fail fast until a reconnect (tried at most every RECONNECT_EVERY_S) works."""
-
-    def __init__(self, settings: _Settings, client_id: str, *, arena: bool, timeout: float):
-        self._settings = settings
-        self._client_id = client_id
-        self._arena = arena
-        self._timeout = timeout
-        # Fail fast: an unreachable daemon at start is a configuration error, so the engine stops.
-        try:
-            self.client: SyncKvdClient | None = self._connect()
-        except OSError as e:
-            raise OSError(e.errno, f"InferaKvdConnector: kvd at {settings.socket} does not answer ({e}); start "
-                                   f"`python -m infera.kvd --socket {settings.socket}` or set INFERA_KVD_SOCKET") from e
-        self._next_try = 0.0
-        self._down = False  # in an outage (logged once)
-
-    def _connect(self) -> SyncKvdClient:
-        return SyncKvdClient(self._settings.socket, client_id=self._client_id,
-                             prefers_shared_arena=self._arena, timeout=self._timeout)
-
-    def get(self) -> SyncKvdClient | None:
-        if self.client is not None:
-            return self.client
-        now = time.monotonic()
-        if now < self._next_try:
-            return None
-        self._next_try = now + RECONNECT_EVERY_S
-        try:
-            self.client = self._connect()
-        except OSError:
-            return None
-        if self._down:
-            self._down = False
-            log.warning("kvd at %s is reachable again (%s): loading and saving resume", self._settings.socket,
-                        self._client_id)
-        return self.client
-
-    def call(self, fn):
-        """``fn(client)``; raises ``_Unavailable`` when the daemon does not answer."""
-        client = self.get()
-        if client is None:
-            raise _Unavailable
-        try:
-            return fn(client)
-        except _DAEMON_ERRORS as first:
-            self._drop()
-            try:
-                self.client = self._connect()
-            except OSError:
-                self.failed(first)
-                raise _Unavailable from first
-            log.warning("kvd connection of %s was lost (%s); reconnected", self._client_id, first)
-            try:
-                return fn(self.client)
-            except _DAEMON_ERRORS as second:
-                self.failed(second)
-                raise _Unavailable from second
-
-    def _drop(self) -> None:
-        if self.client is not None:
-            try:
-                self.client.close()
-            except (OSError, BufferError):
-                pass
-            self.client = None
-
-    def failed(self, error: BaseException) -> None:
-        if not self._down:  # once per outage
-            self._down = True
-            log.error("kvd at %s failed (%s: %s): recomputing instead of loading and dropping saves until it "
-                      "answers again", self._settings.socket, self._client_id, error)
-        self._drop()
-        self._next_try = time.monotonic() + RECONNECT_EVERY_S
-
-    def close(self) -> None:
-        self._drop()
+def _daemon(settings: _Settings, client_id: str, *, arena: bool, timeout: float) -> ResilientKvdClient:
+    # Fail fast: an unreachable daemon at start is a configuration error, so the engine stops.
+    try:
+        return ResilientKvdClient(settings.socket, client_id, arena=arena, timeout=timeout,
+                                  outage="recomputing instead of loading and dropping saves",
+                                  resumed="loading and saving resume")
+    except OSError as e:
+        raise OSError(e.errno, f"InferaKvdConnector: kvd at {settings.socket} does not answer ({e}); start "
+                               f"`python -m infera.kvd --socket {settings.socket}` or set INFERA_KVD_SOCKET") from e
 
 
 # --- scheduler side -------------------------------------------------------------------------------
@@ -282,7 +208,7 @@ class _SchedulerSide:
     def __init__(self, settings: _Settings):
         self.s = settings
         self.compat_key = settings.compat_key(0, 0)
-        self.daemon = _Daemon(settings, f"vllm-{settings.model}-scheduler-{os.getpid()}", arena=False,
+        self.daemon = _daemon(settings, f"vllm-{settings.model}-scheduler-{os.getpid()}", arena=False,
                               timeout=SCHEDULER_TIMEOUT_S)
         self.requests: dict[str, "Request"] = {}
         self.lookups: dict[str, _Lookup] = {}
@@ -293,7 +219,7 @@ class _SchedulerSide:
         keys = [r.key for r in refs]
         try:
             return self.daemon.call(lambda c: c.exists(keys, model=self.s.model, compat_key=self.compat_key))
-        except _Unavailable:
+        except KvdUnavailable:
             return None
 
     def matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
@@ -377,14 +303,14 @@ class _SchedulerSide:
             table.pop(req_id, None)
 
     def clear(self) -> bool:
-        def clear_all(client: SyncKvdClient) -> None:
+        def clear_all(client: "SyncKvdClient") -> None:
             for tp in range(1 if self.s.collapse_tp else self.s.tp_size):
                 for pp in range(self.s.pp_size):
                     client.clear(model=self.s.model, compat_key=self.s.compat_key(tp, pp))
         try:
             self.daemon.call(clear_all)
             return True
-        except _Unavailable:
+        except KvdUnavailable:
             return False
 
 
@@ -403,7 +329,7 @@ class _Saver:
     def __init__(self, settings: _Settings, compat_key: str, client_id: str, max_bytes: int):
         self.s = settings
         self.compat_key = compat_key
-        self.daemon = _Daemon(settings, client_id, arena=True, timeout=WORKER_TIMEOUT_S)
+        self.daemon = _daemon(settings, client_id, arena=True, timeout=WORKER_TIMEOUT_S)
         self.max_bytes = max_bytes
         self._jobs: deque[_SaveJob | None] = deque()
         self._bytes = 0
@@ -457,7 +383,7 @@ class _Saver:
         try:
             result = self.daemon.call(lambda c: c.put_zero_copy(job.key, value, retention=job.retention,
                                                                 model=self.s.model, compat_key=self.compat_key))
-        except _Unavailable:
+        except KvdUnavailable:
             self.dropped += 1
             return
         if result.accepted:
@@ -497,7 +423,7 @@ class _WorkerSide:
         self.fp8_name = "fp8_e4m3" if cache_dtype.startswith("fp8") and "e5m2" not in cache_dtype else \
             ("fp8_e5m2" if "e5m2" in cache_dtype else None)
         ident = f"vllm-{settings.model}-rank{self.tp_rank}"
-        self.loader = _Daemon(settings, f"{ident}-load", arena=True, timeout=WORKER_TIMEOUT_S)
+        self.loader = _daemon(settings, f"{ident}-load", arena=True, timeout=WORKER_TIMEOUT_S)
         max_bytes = int(os.environ.get(SAVE_QUEUE_MIB_ENV, DEFAULT_SAVE_QUEUE_MIB)) << 20
         self.saver = _Saver(settings, self.compat_key, f"{ident}-save", max_bytes)
         self.layers: list[_PagedLayer] = []
@@ -580,7 +506,7 @@ class _WorkerSide:
         get = kvp.Get(key=chunk.key, model=self.s.model, compat_key=self.compat_key)
         try:
             resp = self.loader.call(lambda c: c.request(get))
-        except _Unavailable:
+        except KvdUnavailable:
             return "kvd unreachable"
         client = self.loader.client
         if isinstance(resp, kvp.GetSharedResponse) and client is not None and client.arena is not None:
