@@ -29,6 +29,12 @@ async def post(s: aiohttp.ClientSession, base: str, body: dict) -> tuple[str, di
         return r.headers["X-Infera-Request-Id"], await r.json()
 
 
+def full_blocks(reply: dict, block_size: int = 16) -> int:
+    """The full blocks of a reply's prompt: what the engine stored for it, so what the router's view
+    must hold before a follow-up's prediction can be exact."""
+    return reply["usage"]["prompt_tokens"] // block_size
+
+
 async def cache_view(s, base, worker_id) -> dict:
     async with s.get(f"{base}/v1/admin/cache-view/{worker_id}", headers=ADMIN) as r:
         assert r.status == 200, await r.text()
@@ -45,9 +51,11 @@ async def test_shared_prefixes_stick_to_the_worker_that_holds_them(make_server, 
         await wait_for(lambda: all(server.kv.subscriber.stats(w.worker_id).get("connected") for w in workers), 10,
                        message="KV-event subscriptions connected")
         # First turn of 3 groups: cold; they spread over the workers (recent misses charge).
+        stored = 0
         for g in range(3):
-            await post(s, base, chat(g, "first question"))
-        await wait_for(lambda: sum(server.kv.index.block_count(w.worker_id) for w in workers) >= 3 * 10, 10,
+            stored += full_blocks((await post(s, base, chat(g, "first question")))[1])
+        # every group's blocks, not just some: one group's prompt alone is over 30 blocks
+        await wait_for(lambda: sum(server.kv.index.block_count(w.worker_id) for w in workers) >= stored, 10,
                        message="views filled from KV events")
         # Follow-up turns must land where the group's prefix is cached, with real cache hits.
         for g in range(3):
