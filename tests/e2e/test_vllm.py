@@ -193,8 +193,14 @@ def test_a_stream_whose_engine_stalls_moves_to_the_other_worker_and_gets_every_t
     t = threading.Thread(target=stream)
     t.start()
     assert started.wait(120) and got["error"] is None
-    serving = [w for w in vllm_fleet.workers
-               if sample_sum(urlopen_text(f"http://127.0.0.1:{w.port}/metrics"), "vllm:num_requests_running") > 0]
+
+    def running() -> list:
+        assert got["finish"] is None, "the stream ended before an engine could be stalled"
+        return [w for w in vllm_fleet.workers
+                if sample_sum(urlopen_text(f"http://127.0.0.1:{w.port}/metrics"), "vllm:num_requests_running") > 0]
+
+    # The engines' gauges follow their steps' stats, which may lag the first tokens a little.
+    serving = wait_until(running, 30, "an engine's vllm:num_requests_running to show the stream", interval=0.05)
     assert len(serving) == 1, "exactly one engine runs the stream"
     stalled = serving[0].engine_pid()
     import os
