@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import time
 from array import array
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from infera.engine.sglang import kvd_adapter
 from infera.engine.sglang.kvd_adapter import InferaKvdBackend, kvd_key
 from infera.kvd import resilient
 from infera.kvd.client import SyncKvdClient
-from tests.integration.test_kvd_daemon import KvdProcess
+from tests.integration.test_kvd_daemon import KvdProcess, connectable
 
 pytestmark = pytest.mark.integration
 
@@ -136,17 +135,6 @@ def wait_until(predicate, timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.05)
-
-
-def connectable(path: str) -> bool:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
 
 
 def start_daemon(arena: bool, workdir: str | None = None) -> KvdProcess:
