@@ -39,6 +39,7 @@ ignored (replica id).
 """
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 import sys
@@ -126,7 +127,7 @@ def bye_message(replica_id: str) -> tuple[str, bytes]:
     return subject_for(""), _encode(ReplicaMsg(VERSION, replica_id, 0, bye=True))
 
 
-class ReplicaSync:
+class ReplicaSync(abc.ABC):
     """One server replica's end of the sync, transport-agnostic. ``attach`` (by the kv-aware
     policy), then ``start``; ``stop`` says goodbye.
 
@@ -172,14 +173,17 @@ class ReplicaSync:
 
     # -- transport -----------------------------------------------------------------------------
     @property
+    @abc.abstractmethod
     def connected(self) -> bool:
-        raise NotImplementedError
+        """Whether published messages can reach the other replicas now."""
 
+    @abc.abstractmethod
     async def _open(self) -> None:
-        raise NotImplementedError
+        """Subscribe to ``SUBJECT_PREFIX`` (every message to :meth:`receive`); raise to be retried."""
 
+    @abc.abstractmethod
     async def _send(self, subject: str, data: bytes) -> None:
-        raise NotImplementedError
+        """Publish ``data`` on ``subject``; raise when it could not."""
 
     async def _close(self) -> None:
         """Flush what was published (the goodbyes), then unsubscribe; best effort."""
