@@ -199,7 +199,6 @@ class PromptTokenizer:
         self.horizon_chars_skipped = 0  # characters of those prompts never encoded
         self._chars_per_token = 4.0
         self._probed: OrderedDict[bytes, None] = OrderedDict()  # pieces whose first words were probed
-        self._last_keyed: tuple | None = None  # (parsed, route, _key_and_work) of the last cache miss
         self.threads = threads
         self._executor: ThreadPoolExecutor | None = None
         if tokenizer.releases_gil:
@@ -399,25 +398,29 @@ class PromptTokenizer:
             self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="infera-tokenize")
         return self._executor
 
-    def cached_token_ids(self, route: str, parsed: Any) -> array | None:
-        """The prompt's whole ids if they are cached (as ``token_ids`` would return them), without
-        a coroutine: the common case of a repeated prompt answered synchronously. None otherwise
-        (``token_ids`` then does the work)."""
+    def lookup(self, route: str, parsed: Any) -> tuple[array | None, tuple]:
+        """(the prompt's whole ids if cached, else None; its key and work), without a coroutine:
+        a repeated prompt answered synchronously. On a miss, pass the second value to
+        ``token_ids(keyed=...)`` for the same request, so the prompt is not keyed twice (a 10 KB
+        conversation is JSON-encoded and hashed for its key)."""
         keyed = self._key_and_work(route, parsed)
         key = keyed[0]
         if key is None:
-            return None
-        # a miss is usually followed by token_ids() for the same request: it takes this key along
-        self._last_keyed = (parsed, route, keyed)
+            return None, keyed
         cached = self.cache.get(key)
         if cached is not None:
             self.hits += 1
-        return cached
+        return cached, keyed
 
-    async def token_ids(self, route: str, parsed: Any, horizon: Callable[[], Any] | None = None) -> array:
+    def cached_token_ids(self, route: str, parsed: Any) -> array | None:
+        """The prompt's whole ids if they are cached (as ``token_ids`` would return them), else None."""
+        return self.lookup(route, parsed)[0]
+
+    async def token_ids(self, route: str, parsed: Any, horizon: Callable[[], Any] | None = None,
+                        keyed: tuple | None = None) -> array:
         """Token ids of the request's prompt (its routing prefix) as an array, shared with the
         cache: do not modify it. Empty when it cannot be tokenized (routing then degrades to
-        load only, never an error).
+        load only, never an error). ``keyed``: what ``lookup`` returned for this request.
 
         ``horizon``: for a chat prompt with pieces not cached yet, called once for an object that
         says where further tokens cannot matter (the router's ``Horizon``): ``reached(ids)``, True
@@ -426,13 +429,8 @@ class PromptTokenizer:
         told where the encoding stopped. Pieces are then encoded in order, a new piece's first
         words first, and the ids end where it is reached: a prefix of the prompt's ids, not cached
         as the whole prompt's."""
-        last = self._last_keyed
-        if last is not None and last[0] is parsed and last[1] == route:
-            key, work, size = last[2]
-        else:
-            key, work, size = self._key_and_work(route, parsed)
-        self._last_keyed = None
-        if key is not None:
+        key, work, size = keyed if keyed is not None else self._key_and_work(route, parsed)
+        if key is not None and keyed is None:
             cached = self.cache.get(key)
             if cached is not None:
                 self.hits += 1

@@ -330,11 +330,14 @@ class KvAwarePolicy:
         the common case), so the caller awaits no coroutine for it; False: ``prepare`` must run."""
         parsed = request.parsed
         prompts = self._prompts_for(getattr(parsed, "model", None)) if self._prompts_for is not None else self.prompts
-        cached = getattr(prompts, "cached_token_ids", None)
-        tokens = cached(request.route, parsed) if cached is not None else None
-        if tokens is None:
+        lookup = getattr(prompts, "lookup", None)
+        if lookup is None:
             return False
+        tokens, keyed = lookup(request.route, parsed)
         st = request.state
+        if tokens is None:
+            st["prompt_keyed"] = (prompts, keyed)  # prepare() tokenizes without keying the prompt again
+            return False
         st["tokens"] = tokens
         st["hints"] = parse_cache_hints(parsed)
         return len(tokens) < HASH_AHEAD_TOKENS or not self._block_sizes  # else prepare() hashes ahead
@@ -346,6 +349,8 @@ class KvAwarePolicy:
         st = request.state
         parsed = request.parsed
         prompts = self._prompts_for(getattr(parsed, "model", None)) if self._prompts_for is not None else self.prompts
+        handed = st.pop("prompt_keyed", None)
+        keyed = handed[1] if handed is not None and handed[0] is prompts else None
         if "tokens" in st:  # prepare_cached() found them
             tokens = st["tokens"]
         elif prompts is None:  # its tokenizer is loading: routed by load for that moment
@@ -358,7 +363,7 @@ class KvAwarePolicy:
                 made.append(Horizon(self, sizes))
                 return made[-1]
 
-            tokens = await prompts.token_ids(request.route, parsed, horizon=horizon)
+            tokens = await prompts.token_ids(request.route, parsed, horizon=horizon, keyed=keyed)
             if made:
                 st["chains"] = made[0].chains  # hashes of a prefix of the ids: the pick goes on from them
                 if made[0].cut is not None:
@@ -366,6 +371,8 @@ class KvAwarePolicy:
                     # The prompt goes on: its blocks count as missed and in flight as before, by an
                     # estimate from the characters not encoded.
                     st["more_tokens"] = int(n * (total_chars - chars) / chars) if chars else 0
+        elif keyed is not None:
+            tokens = await prompts.token_ids(request.route, parsed, keyed=keyed)
         elif prompts is self.prompts:
             tokens = await self._tokenize(request.route, parsed)
         else:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from bisect import bisect_left
 from collections import deque
 from time import thread_time
 from typing import Any, Callable, Iterator
@@ -267,12 +266,8 @@ class KvEventsBridge:
         if h is None:
             h = self.pick_hits[role] = Histogram(BLOCK_BUCKETS)
             self.pick_blocks[role] = Histogram(BLOCK_BUCKETS)
-        # Histogram.observe, inline: this runs on every pick
-        h.counts[bisect_left(BLOCK_BUCKETS, hit_blocks)] += 1
-        h.total += hit_blocks
-        b = self.pick_blocks[role]
-        b.counts[bisect_left(BLOCK_BUCKETS, request_blocks)] += 1
-        b.total += request_blocks
+        h.observe(hit_blocks)
+        self.pick_blocks[role].observe(request_blocks)
         state = self.targets.get(key)
         if state is not None and request_blocks > hit_blocks and state.unconfirmed_since is None:
             state.unconfirmed_since = self.clock()  # it must store new blocks: expect events

@@ -42,6 +42,21 @@ def test_repeated_prompt_is_a_cache_hit():
     assert tokens(pt, parsed) == first and (pt.hits, pt.misses) == (1, 1)
 
 
+def test_a_lookup_miss_hands_its_key_to_token_ids(monkeypatch):
+    pt = PromptTokenizer.from_path(None)
+    parsed = chat([{"role": "user", "content": "hello there"}])
+    route = "/v1/chat/completions"
+    cached, keyed = pt.lookup(route, parsed)
+    assert cached is None and keyed[0] is not None
+    calls = []
+    real = pt._key_and_work
+    monkeypatch.setattr(pt, "_key_and_work", lambda *a: calls.append(a) or real(*a))
+    ids = asyncio.run(pt.token_ids(route, parsed, keyed=keyed))
+    assert calls == [] and (pt.hits, pt.misses) == (0, 1)  # keyed once, counted as one miss
+    again, _ = pt.lookup(route, parsed)
+    assert again is ids and pt.cached_token_ids(route, parsed) is ids and pt.hits == 2
+
+
 def test_a_mismatch_turns_piecewise_encoding_off():
     class Quirky(BuiltinTokenizer):
         def encode(self, text, add_special_tokens=False):
