@@ -296,3 +296,36 @@ def test_the_pick_hashes_the_kept_tokens_from_the_horizons_chain(chain_tokens, k
     req = RoutedRequest(route=CHAT, body=b"", parsed=None, model="m", stream=False, request_id="r",
                         state={"tokens": array("I", ids[:kept]), "chains": {BS: block_hashes(ids[:chain_tokens], BS)}})
     assert policy._hashes(req, BS) == block_hashes(ids[:kept], BS)
+
+
+# -- the finish's landed claims start after the pick's view hit ------------------------------------------
+
+@pytest.mark.parametrize("events_meanwhile, claimed_from", [
+    ([], 5),                                   # nothing happened: the blocks after the view's 5
+    ([("store", 5)], 6),                       # block 5's event came in first: no claim for it
+    ([("remove", 1)], 5),                      # block 1 evicted meanwhile: the event says so, no claim
+    ([("remove", 1), ("store", 5)], 6),
+])
+def test_a_finish_claims_only_the_blocks_its_view_did_not_hold(events_meanwhile, claimed_from):
+    from infera.kv.events import EventBatch, Removed, Stored
+    bs = 4
+    index = KvIndex()
+    index.add_target("a", bs)
+    policy = KvAwarePolicy(index, PromptTokenizer.from_path(None))
+    a = WorkerRecord(worker_id="a", url="http://a", model_name="m", kv_block_size=bs)
+    prompt = list(range(100, 132))  # 8 blocks
+    hashes = block_hashes(prompt, bs)
+    index.apply("a", EventBatch(1.0, [Stored([1, 2, 3, 4, 5], None, prompt[:5 * bs], bs)]))  # engine hash i+1
+    body = json.dumps({"model": "m", "prompt": prompt}).encode()
+    req = RoutedRequest(route="/v1/completions", body=body, parsed=parse_request("/v1/completions", body), model="m",
+                        stream=False, request_id="r")
+    asyncio.run(policy.prepare(req))
+    assert policy.pick([a], req) is a and req.state["view_hit"] == 5
+    policy.on_started(a, req)
+    for kind, block in events_meanwhile:
+        event = (Removed([block + 1]) if kind == "remove"
+                 else Stored([block + 1], block, prompt[block * bs:(block + 1) * bs], bs))
+        index.apply("a", EventBatch(2.0, [event]))
+    req.state["served"] = True
+    policy.on_finished(a, req)
+    assert list(policy.landed["a"]) == hashes[claimed_from:]
