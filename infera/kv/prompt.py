@@ -114,8 +114,9 @@ class ByteLRU:
             pass
         return entry[0]
 
-    def put(self, key: bytes, value: array) -> None:
-        cost = self.cost(key, value)
+    def put(self, key: bytes, value: Any, extra: int = 0) -> None:
+        """``extra``: bytes the value holds that ``sys.getsizeof`` does not see (the items of a tuple)."""
+        cost = self.cost(key, value) + extra
         with self._lock:
             old = self._table.pop(key, None)
             if old is not None:

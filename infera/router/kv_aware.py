@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import sys
 import time
 from array import array
 from collections import OrderedDict, deque
@@ -98,6 +99,7 @@ REMOTE_BLOCKS_CAP = 1 << 20  # block references kept over all other replicas' re
 HASH_CACHE_STEP = 16
 DEFAULT_HASH_CACHE_BYTES = 16 * 1024 * 1024
 _U64 = "Q"
+_INT_BYTES = sys.getsizeof(1 << 63)  # a 64-bit hash as a Python int (accounted per cached hash)
 
 
 class BlockHashCache:
@@ -144,7 +146,7 @@ class BlockHashCache:
                 break
         if found is not None:
             self.hits += 1
-            out = found.tolist()
+            out = list(found)
             self.blocks_reused += len(out)
             if len(out) < n:
                 start = len(out) * block_size
@@ -160,10 +162,10 @@ class BlockHashCache:
         have = len(found) if found is not None else 0
         k = 1
         while found is None and k < len(keys):
-            self.lru.put(keys[k - 1], array(_U64, out[:k * step]))
+            self.lru.put(keys[k - 1], tuple(out[:k * step]), k * step * _INT_BYTES)
             k *= 2
         if have < len(keys) * step:
-            self.lru.put(keys[-1], array(_U64, out[:len(keys) * step]))
+            self.lru.put(keys[-1], tuple(out[:len(keys) * step]), len(keys) * step * _INT_BYTES)
         return out
 
 
