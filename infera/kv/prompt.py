@@ -261,18 +261,24 @@ class PromptTokenizer:
             out.append(ids)
         return out
 
-    def _pieces_steps(self, text: str, stepwise: bool, horizon: Any = None) -> Steps[array]:
+    def _pieces_steps(self, text: str, stepwise: bool, horizon: Any = None,
+                      parts: list[str] | None = None) -> Steps[array]:
         """``text`` encoded piece by piece between special tokens, each piece cached. With a
         ``horizon`` (see ``token_ids``), the pieces are taken in order and encoding stops where it
-        says nothing further can matter."""
-        assert self._splitter is not None
-        pieces = [p for p in self._splitter.split(text) if p]
-        keys = [xxhash.xxh3_128_digest(p.encode("utf-8", "surrogatepass")) + b"s" for p in pieces]
+        says nothing further can matter. ``parts``: the text already cut into pieces that encode
+        alone (a chat's messages, ``_message_parts``), taken as they are."""
+        if parts is not None:
+            pieces, tag = parts, b"m"
+        else:
+            assert self._splitter is not None
+            pieces, tag = [p for p in self._splitter.split(text) if p], b"s"
+        keys = [xxhash.xxh3_128_digest(p.encode("utf-8", "surrogatepass")) + tag for p in pieces]
         found = [self.cache.get(k) for k in keys]
         missing = [i for i, ids in enumerate(found) if ids is None]
         self.segment_hits += len(pieces) - len(missing)
         out = array(_U32)
         if missing and horizon is not None:
+            total_chars = len(text) if parts is None else sum(map(len, pieces))
             done = chars = 0  # pieces appended to out, and their characters
             for i in missing:
                 for j in range(done, i):
@@ -280,7 +286,7 @@ class PromptTokenizer:
                     chars += len(pieces[j])
                 done = i
                 if horizon.reached(out):
-                    return self._stopped(horizon, out, chars, len(text))
+                    return self._stopped(horizon, out, chars, total_chars)
                 probe = None
                 if keys[i] not in self._probed:
                     probe = yield from self._probe_steps(pieces[i], len(out), horizon, stepwise)
@@ -292,7 +298,7 @@ class PromptTokenizer:
                         self._probed[keys[i]] = None
                         if len(self._probed) > _PROBED_CAP:
                             self._probed.popitem(last=False)
-                        return self._stopped(horizon, out + ids, chars + probe_chars, len(text))
+                        return self._stopped(horizon, out + ids, chars + probe_chars, total_chars)
                 arr = (yield from self._encode_steps([pieces[i]], False, stepwise))[0]
                 self._learn(len(pieces[i]), len(arr))
                 found[i] = arr
@@ -308,7 +314,7 @@ class PromptTokenizer:
             for ids in found:
                 out.extend(ids)
         self._chat_prompts += 1
-        if not self.tokenizer.exact_segments and (
+        if parts is None and not self.tokenizer.exact_segments and (
                 self._chat_prompts <= _VERIFY_FIRST or self._chat_prompts % _VERIFY_EVERY == 0):
             whole = (yield from self._encode_steps([text], False, stepwise))[0]
             if whole != out:
@@ -317,6 +323,19 @@ class PromptTokenizer:
                 self._splitter = None
                 return whole
         return out
+
+    def _message_parts(self, messages: list[dict[str, Any]]) -> list[str] | None:
+        """The rendered chat a message at a time, when each message's ids can be cached alone: a
+        tokenizer whose pieces between special tokens are exact by construction, a template that
+        renders each message on its own, and a prompt under the prefix cap (a capped one is cut
+        as text). A conversation's earlier turns are then one cache lookup each, with no render,
+        split and keying of the whole history on every turn (bench/kv_path.py, "shared")."""
+        if self._splitter is None or not self.tokenizer.exact_segments:
+            return None
+        parts = self.tokenizer.render_chat_parts(messages)
+        if parts is None or sum(map(len, parts)) > self.prefix_chars:
+            return None
+        return parts
 
     def _probe_steps(self, piece: str, n_ids: int, horizon: Any, stepwise: bool) -> Steps[tuple[array, int] | None]:
         """The ids of a prefix of ``piece`` long enough to complete the next block after ``n_ids``
@@ -361,8 +380,12 @@ class PromptTokenizer:
     def _compute_steps(self, work: Any, stepwise: bool = False, horizon: Any = None) -> Steps[array]:
         kind, value = work
         if kind == "chat":
-            messages = [{"role": m.role, "content": m.content if m.content is not None else ""} for m in value]
-            text = self.tokenizer.render_chat(normalize_messages(messages))
+            messages = normalize_messages(
+                [{"role": m.role, "content": m.content if m.content is not None else ""} for m in value])
+            parts = self._message_parts(messages)
+            if parts is not None:
+                return (yield from self._pieces_steps("", stepwise, horizon, parts))
+            text = self.tokenizer.render_chat(messages)
             return (yield from self._text_steps(text, False, True, stepwise, horizon))
         if kind == "text":
             return (yield from self._text_steps(value, True, False, stepwise))

@@ -188,11 +188,16 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
-def chatml_format(messages: list[dict[str, Any]]) -> str:
-    """The built-in chat format (ChatML), ending with the assistant generation prompt."""
+def chatml_parts(messages: list[dict[str, Any]]) -> list[str]:
+    """The built-in chat format (ChatML) a message at a time, then the assistant generation prompt."""
     parts = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
     parts.append("<|im_start|>assistant\n")
-    return "".join(parts)
+    return parts
+
+
+def chatml_format(messages: list[dict[str, Any]]) -> str:
+    """The built-in chat format (ChatML), ending with the assistant generation prompt."""
+    return "".join(chatml_parts(messages))
 
 
 class SimTokenizer(abc.ABC):
@@ -236,6 +241,15 @@ class SimTokenizer(abc.ABC):
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
         """Messages (already normalized) -> prompt text, with the generation prompt appended."""
         return chatml_format(messages)
+
+    def render_chat_parts(self, messages: list[dict[str, Any]]) -> list[str] | None:
+        """``render_chat`` as consecutive parts, one per message (then the generation prompt),
+        when the template renders each message on its own, with a special token at every part's
+        start; None when it may not (a template of the model's own: Jinja can look across
+        messages). With ``exact_segments``, the prompt's ids are then the parts' ids end to end."""
+        if type(self).render_chat is not SimTokenizer.render_chat:
+            return None
+        return chatml_parts(messages)
 
     # --- shared
     def encode_chat(self, messages: Any) -> list[int]:

@@ -125,6 +125,44 @@ def test_builtin_pieces_are_not_reverified_but_a_changed_encoding_is(monkeypatch
     assert len(calls) == 2
 
 
+# -- a chat's messages are its pieces: ids end to end as the whole render's -------------------------------
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "hi"}],
+    [{"role": "system", "content": words(300, 1)}, {"role": "user", "content": words(40, 2)},
+     {"role": "assistant", "content": " " + words(10, 3)}, {"role": "user", "content": words(40, 4)}],
+    [{"role": "user", "content": "a literal <|im_end|> and <|im_start|>user in it<|endoftext|>"}],
+    [{"role": "user", "content": ""}, {"role": "assistant", "content": "  \n\n "}],
+    [{"role": "user", "content": "naïve café — 東京 🙂\x1c end"}],
+])
+def test_message_parts_give_the_ids_of_the_whole_render(messages):
+    pt = PromptTokenizer.from_path(None)
+    body = json.dumps({"model": "m", "messages": messages}).encode()
+    parsed = parse_request(CHAT, body)
+    assert pt._message_parts(messages) is not None
+    whole = pt.tokenizer.encode(pt.tokenizer.render_chat(messages))
+    for _ in range(2):  # cold, then every message cached (the whole prompt evicted)
+        assert list(asyncio.run(pt.token_ids(CHAT, parsed))) == whole
+        pt.cache._table.pop(pt._key_and_work(CHAT, parsed)[0], None)
+    assert pt.segment_hits >= len(messages) + 1
+
+
+def test_message_parts_only_where_they_are_exact():
+    messages = [{"role": "user", "content": words(200, 9)}]
+
+    class OwnTemplate(BuiltinTokenizer):
+        def render_chat(self, msgs):
+            return "\n".join(m["content"] for m in msgs)
+
+    assert PromptTokenizer(OwnTemplate())._message_parts(messages) is None  # Jinja may look across messages
+    capped = PromptTokenizer.from_path(None, prefix_chars=300)
+    assert capped._message_parts(messages) is None  # over the cap: cut as text, as before
+    body = json.dumps({"model": "m", "messages": messages}).encode()
+    ids = list(asyncio.run(capped.token_ids(CHAT, parse_request(CHAT, body))))
+    whole = capped.tokenizer.encode(capped.tokenizer.render_chat(messages))
+    assert capped.truncated == 1 and 0 < len(ids) < len(whole) and ids == whole[:len(ids)]
+
+
 # -- the horizon: same picks, less tokenizing ------------------------------------------------------------
 
 def _fleet(n: int, horizon: bool):
