@@ -149,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-rows", action=argparse.BooleanOptionalAction, default=True,
                    help="keep one row per request in the JSON (--no-request-rows: a small file of summaries)")
     p.add_argument("--quick", action="store_true", help="small counts for a smoke run")
+    p.add_argument("--attribute", action="store_true",
+                   help="run our routers under bench/_attribute.py: their per-request and per-batch calls "
+                        "timed by the thread CPU clock, reported per request (each timed call adds ~1.2 µs, "
+                        "so the windows' CPU is not comparable with a run without it)")
     return p
 
 
@@ -417,7 +421,11 @@ class Bench:
         if name == "round-robin" or name in KV_ROUTERS:
             policy = "kv-aware" if name in KV_ROUTERS else name
             synced = name == "kv-aware" and a.router_replicas > 1
-            cmd = [sys.executable, "-m", "infera.server", "--workers", "1", "--host", "127.0.0.1", "--port", str(port),
+            launch = [sys.executable, "-m"]
+            if a.attribute:
+                launch = [sys.executable, os.path.join(BENCH_DIR, "_attribute.py"),
+                          os.path.join(self.logs_dir, f"{name}-{tag}.attribution.json"), "-m"]
+            cmd = [*launch, "infera.server", "--workers", "1", "--host", "127.0.0.1", "--port", str(port),
                    "--etcd-endpoint", self.fleet.etcd.url, "--router-policy", policy, "--admin-token", ADMIN_TOKEN,
                    # info: a synced replica logs its sync counters when it stops (read back below)
                    "--log-level", "info" if synced else "warning"]
@@ -595,7 +603,35 @@ class Bench:
                     (res["cpu_s"]["router"] - event_cpu) / res["completed"] * 1000, 3)
         if diag is not None:
             res["kv_diagnostics"] = diag
+        if a.attribute and res["completed"]:
+            res["attribution"] = read_attribution(os.path.join(self.logs_dir, f"{name}-{tag}.attribution.json"),
+                                                  res["completed"])
         return res
+
+
+def read_attribution(path: str, completed: int) -> dict[str, dict[str, float]] | None:
+    """``_attribute.py``'s totals of one window's router, per request: {call: {us, calls}}."""
+    try:
+        with open(path) as f:
+            totals = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return {name: {"us": round(t["seconds"] / completed * 1e6, 1), "calls": round(t["calls"] / completed, 2)}
+            for name, t in totals.items() if t["calls"]}
+
+
+def render_attribution(runs: list[dict]) -> str:
+    """Median over windows of each router's timed calls, µs and calls per request."""
+    lines = []
+    for name in dict.fromkeys(r["router"] for r in runs if r.get("attribution")):
+        rows = [r["attribution"] for r in runs if r["router"] == name and r.get("attribution")]
+        calls = sorted({c for row in rows for c in row}, key=lambda c: -_median([row.get(c, {}).get("us", 0) for row in rows]))
+        lines.append(f"{name}: thread CPU µs per request by call (median of {len(rows)} window(s); rows nest)")
+        for c in calls:
+            us = _median([row.get(c, {}).get("us", 0) for row in rows])
+            n = _median([row.get(c, {}).get("calls", 0) for row in rows])
+            lines.append(f"  {c:<32} {us:8.1f} µs  {n:6.2f} calls")
+    return "\n".join(lines)
 
 
 class RouterUnavailable(RuntimeError):
@@ -991,6 +1027,8 @@ async def run(args: argparse.Namespace) -> int:
           f"medians of {args.runs} run(s) "
           f"(hit % = cached ÷ prompt tokens; times in ms)")
     print(render_table(med))
+    if args.attribute:
+        print(render_attribution(runs))
     for name, why in bench.skipped.items():
         print(f"  {name}: SKIPPED — {why.splitlines()[0] if why else ''}")
     print_kv_diag(runs)
