@@ -4,6 +4,7 @@ Tests share one fleet (engines take ~30 s to start); the lifecycle tests at the 
 """
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -208,7 +209,6 @@ def test_a_stream_whose_engine_stalls_moves_to_the_other_worker_and_gets_every_t
     serving = wait_until(running, 30, "an engine's vllm:num_requests_running to show the stream", interval=0.05)
     assert len(serving) == 1, "exactly one engine runs the stream"
     stalled = serving[0].engine_pid()
-    import os
 
     os.killpg(stalled, signal.SIGSTOP)  # the engine and its EngineCore freeze; the launcher lives
     try:
@@ -245,12 +245,19 @@ def test_sigterm_with_a_stream_in_flight_drains_after_deregistering(vllm_fleet):
     t = threading.Thread(target=stream)
     t.start()
     assert started.wait(60) and got["error"] is None
-    worker.proc.send_signal(signal.SIGTERM)
-    # The record goes first, while the engine is still up and generating.
-    wait_until(lambda: worker.worker_id not in {r["worker_id"] for r in vllm_fleet.records()}, 10,
-               "the record deleted on SIGTERM")
-    assert alive(engine_pid), "the engine stopped before the record was deleted"
-    assert got["finish"] is None, "the stream had already finished; the test proves nothing"
+    # Frozen while the record goes, so the stream is surely still in flight then: on an idle box the
+    # tiny model once streamed all 1800 tokens before the deletion showed in the fleet.
+    os.killpg(engine_pid, signal.SIGSTOP)
+    try:
+        assert got["finish"] is None, "the stream ended before the engine could be frozen"
+        worker.proc.send_signal(signal.SIGTERM)
+        # The record goes first, while the engine is still up with the stream in flight.
+        wait_until(lambda: worker.worker_id not in {r["worker_id"] for r in vllm_fleet.records()}, 10,
+                   "the record deleted on SIGTERM")
+        assert alive(engine_pid), "the engine stopped before the record was deleted"
+        assert got["finish"] is None
+    finally:
+        os.killpg(engine_pid, signal.SIGCONT)  # the drain waits for it: the stream must still complete
     t.join(120)
     assert got["error"] is None and got["finish"] == "length"
     assert worker.proc.wait(60) == 0
@@ -262,7 +269,6 @@ def test_sigkill_of_the_engine_deregisters_and_exits_nonzero(vllm_fleet):
     worker = vllm_fleet.workers[0]
     engine_pid = worker.engine_pid()
     killed = time.monotonic()
-    import os
 
     os.kill(engine_pid, signal.SIGKILL)
     # Deregistered by the launcher at once, not by lease expiry (TTL 30 s). (The launcher itself
