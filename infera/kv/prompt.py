@@ -57,6 +57,12 @@ log = logging.getLogger(__name__)
 # Above this many characters (of the request's messages as JSON, or of a text prompt) tokenization
 # moves off the loop (threads) or is sliced (on the loop); below it that costs more than it saves.
 _THREAD_THRESHOLD_CHARS = 4096
+# With less than this many characters left to encode, a chat prompt is encoded whole, without the
+# horizon: each of its checks walks the prompt's blocks through every view, with the CPU caches
+# cold in the server (~40 us a check there, 3 a request: bench/kv_routing.py --attribute), which
+# costs more than encoding a chat turn's new message (a few hundred characters). A new document
+# (thousands of characters) is where stopping early pays (bench/kv_path.py, "rag").
+_HORIZON_MIN_CHARS = 2048
 # Pieces remembered as probed (see _pieces_steps): 16-byte keys, ~1.6 MB at most.
 _PROBED_CAP = 8192
 # On the loop, steps run back to back for up to this long before the loop gets a turn.
@@ -277,7 +283,7 @@ class PromptTokenizer:
         missing = [i for i, ids in enumerate(found) if ids is None]
         self.segment_hits += len(pieces) - len(missing)
         out = array(_U32)
-        if missing and horizon is not None:
+        if missing and horizon is not None and sum(len(pieces[i]) for i in missing) >= _HORIZON_MIN_CHARS:
             total_chars = len(text) if parts is None else sum(map(len, pieces))
             done = chars = 0  # pieces appended to out, and their characters
             for i in missing:

@@ -272,6 +272,30 @@ def test_a_cut_prompt_is_charged_for_its_whole_length_by_estimate():
     assert w.worker_id not in policy.unhashed
 
 
+@pytest.mark.parametrize("new_words, cut", [(60, False), (2000, True)])
+def test_the_horizon_runs_only_for_a_long_new_text(new_words, cut):
+    """A chat turn's new message (a few hundred characters) is encoded whole: the horizon's walks
+    through the views would cost more. A new document is cut where no worker can hold it."""
+    ws, bridge, policy, prompts, _ = _fleet(2, True)
+    policy._block_sizes.add(BS)
+    system = {"role": "system", "content": words(300, 7)}
+
+    def prepared(msgs):
+        body = json.dumps({"model": "m", "messages": msgs}).encode()
+        req = RoutedRequest(route=CHAT, body=body, parsed=parse_request(CHAT, body), model="m", stream=False,
+                            request_id="r")
+        asyncio.run(policy.prepare(req))
+        return req
+
+    prepared([system, {"role": "user", "content": "hi"}])  # the system prompt's ids are cached now
+    cuts = prompts.horizon_cuts
+    msgs = [system, {"role": "user", "content": words(new_words, 8)}]
+    req = prepared(msgs)
+    whole = prompts.tokenizer.encode(prompts.tokenizer.render_chat(msgs))
+    assert ("chains" in req.state) == cut and prompts.horizon_cuts - cuts == int(cut)
+    assert (len(req.state["tokens"]) < len(whole)) if cut else list(req.state["tokens"]) == whole
+
+
 def test_probed_pieces_are_bounded(monkeypatch):
     monkeypatch.setattr(prompt_module, "_PROBED_CAP", 3)
     ws, bridge, policy, prompts, _ = _fleet(1, True)
@@ -313,7 +337,7 @@ def test_blocks_always_match_the_final_tokens_under_the_prefix_cap():
     blocks are those of the ids it keeps, never a block the horizon hashed past them."""
     ws, bridge, policy, _, _ = _fleet(2, True)
     policy._block_sizes.add(BS)
-    policy.prompts.configure(prefix_chars=1500)
+    policy.prompts.configure(prefix_chars=3000)  # over _HORIZON_MIN_CHARS: the horizon runs
     for i in range(6):
         msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": words(900, 300 + i)}]
         body = json.dumps({"model": "m", "messages": msgs}).encode()
