@@ -30,8 +30,10 @@ by construction (the built-in one: ``exact_segments``).
 
 With a ``horizon`` (the kv-aware router's, ``token_ids``), a chat prompt is tokenized only as far
 as its blocks could match some worker's cache: pieces in order, a new piece's first words first,
-stopping at the first block no worker holds. A new document or a new turn then costs a block's
-worth of tokens, not its length (bench/kv_path.py, "rag").
+stopping at the first block no worker holds. A new document then costs a block's worth of tokens,
+not its length (bench/kv_path.py, "rag"). A chat turn with fewer new characters than
+``_HORIZON_MIN_CHARS`` is encoded whole: the horizon's checks would cost more than the encoding.
+With the built-in tokenizer, a chat's messages are its pieces (``_message_parts``).
 """
 from __future__ import annotations
 

@@ -98,7 +98,6 @@ REMOTE_BLOCKS_CAP = 1 << 20  # block references kept over all other replicas' re
 # Hashes of prompt prefixes are cached (see BlockHashCache) at every multiple of this many blocks.
 HASH_CACHE_STEP = 16
 DEFAULT_HASH_CACHE_BYTES = 16 * 1024 * 1024
-_U64 = "Q"
 _INT_BYTES = sys.getsizeof(1 << 63)  # a 64-bit hash as a Python int (accounted per cached hash)
 
 
@@ -110,8 +109,10 @@ class BlockHashCache:
 
     Keyed by block size + XXH3-128 of the prefix's token bytes, at every ``HASH_CACHE_STEP``
     blocks: a prompt is digested once, in one pass with a snapshot at each step, its longest cached
-    step is looked up, and only the blocks after it are hashed. Values are ``array('Q')``; the
-    entries share one LRU bounded in bytes (``ByteLRU``).
+    step is looked up, and only the blocks after it are hashed. Values are tuples of the hashes'
+    int objects themselves, so every prompt of a prefix gets the same ints (the walks after the
+    pick find them in the CPU caches, not fresh copies: bench/kv_path.py --cold-kb); the entries
+    share one LRU bounded in bytes (``ByteLRU``), the ints accounted too.
     ``hits``/``misses`` count prompts; ``blocks_reused``/``blocks_hashed`` count blocks."""
 
     def __init__(self, max_bytes: int = DEFAULT_HASH_CACHE_BYTES, step: int = HASH_CACHE_STEP) -> None:
