@@ -24,8 +24,8 @@ import sys
 import time
 from typing import Any, Callable
 
-# module -> [(class or None, attribute)]: what is timed (a function of the module when class is None)
-TIMED: dict[str, list[tuple[str | None, str]]] = {
+# module -> [(class, method)]: what is timed
+TIMED: dict[str, list[tuple[str, str]]] = {
     "infera.router.kv_aware": [("KvAwarePolicy", n) for n in (
         "prepare_cached", "prepare", "pick", "on_started", "on_finished", "_land", "_count_in", "_count_out")]
     + [("Horizon", "reached"), ("BlockHashCache", "hashes")],
@@ -67,8 +67,8 @@ def _timed(f: Callable, label: str) -> Callable:
 
 def _instrument(module: Any) -> None:
     for cls_name, attr in TIMED[module.__name__]:
-        owner = getattr(module, cls_name) if cls_name else module
-        setattr(owner, attr, _timed(getattr(owner, attr), f"{cls_name}.{attr}" if cls_name else attr))
+        owner = getattr(module, cls_name)
+        setattr(owner, attr, _timed(getattr(owner, attr), f"{cls_name}.{attr}"))
 
 
 class _Finder(importlib.abc.MetaPathFinder):

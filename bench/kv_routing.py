@@ -423,8 +423,8 @@ class Bench:
             synced = name == "kv-aware" and a.router_replicas > 1
             launch = [sys.executable, "-m"]
             if a.attribute:
-                launch = [sys.executable, os.path.join(BENCH_DIR, "_attribute.py"),
-                          os.path.join(self.logs_dir, f"{name}-{tag}.attribution.json"), "-m"]
+                launch = [sys.executable, os.path.join(BENCH_DIR, "_attribute.py"), self._attribution_path(name, tag),
+                          "-m"]
             cmd = [*launch, "infera.server", "--workers", "1", "--host", "127.0.0.1", "--port", str(port),
                    "--etcd-endpoint", self.fleet.etcd.url, "--router-policy", policy, "--admin-token", ADMIN_TOKEN,
                    # info: a synced replica logs its sync counters when it stops (read back below)
@@ -459,6 +459,10 @@ class Bench:
             await router.proc.stop(5)
             raise
         return router
+
+    def _attribution_path(self, name: str, tag: str) -> str:
+        """Where ``_attribute.py`` leaves a window's totals (``--attribute``)."""
+        return os.path.join(self.logs_dir, f"{name}-{tag}.attribution.json")
 
     async def _wait_caught_up(self, router: Router, session: aiohttp.ClientSession, timeout: float = 30.0) -> None:
         _, text = await http_get(session, router.url + "/v1/workers", 5)
@@ -604,8 +608,7 @@ class Bench:
         if diag is not None:
             res["kv_diagnostics"] = diag
         if a.attribute and res["completed"]:
-            res["attribution"] = read_attribution(os.path.join(self.logs_dir, f"{name}-{tag}.attribution.json"),
-                                                  res["completed"])
+            res["attribution"] = read_attribution(self._attribution_path(name, tag), res["completed"])
         return res
 
 

@@ -444,10 +444,6 @@ class PromptTokenizer:
             self.hits += 1
         return cached, keyed
 
-    def cached_token_ids(self, route: str, parsed: Any) -> array | None:
-        """The prompt's whole ids if they are cached (as ``token_ids`` would return them), else None."""
-        return self.lookup(route, parsed)[0]
-
     async def token_ids(self, route: str, parsed: Any, horizon: Callable[[], Any] | None = None,
                         keyed: tuple | None = None) -> array:
         """Token ids of the request's prompt (its routing prefix) as an array, shared with the

@@ -231,8 +231,8 @@ def test_sigterm_with_a_stream_in_flight_drains_after_deregistering(vllm_fleet):
 
     def stream() -> None:  # straight to this engine, so the stream surely runs on the draining worker
         try:
-            # Long enough to outlast deregistration on an idle machine (400 tokens once finished first).
-            for chunk in client.completions.create(model="tiny", prompt="def f():", max_tokens=1800, temperature=0,
+            # The engine is frozen after the first chunk (below): 400 tokens outlast those few ms.
+            for chunk in client.completions.create(model="tiny", prompt="def f():", max_tokens=400, temperature=0,
                                                    stream=True, extra_body={"ignore_eos": True}):
                 got["chunks"] += 1
                 started.set()

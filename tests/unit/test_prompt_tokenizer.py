@@ -54,7 +54,7 @@ def test_a_lookup_miss_hands_its_key_to_token_ids(monkeypatch):
     ids = asyncio.run(pt.token_ids(route, parsed, keyed=keyed))
     assert calls == [] and (pt.hits, pt.misses) == (0, 1)  # keyed once, counted as one miss
     again, _ = pt.lookup(route, parsed)
-    assert again is ids and pt.cached_token_ids(route, parsed) is ids and pt.hits == 2
+    assert again is ids and pt.lookup(route, parsed)[0] is ids and pt.hits == 2
 
 
 def test_a_mismatch_turns_piecewise_encoding_off():
