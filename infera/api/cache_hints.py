@@ -147,7 +147,12 @@ def parse_cache_hints(request: Any) -> CacheHints:
         # The common case, on every routed request: a parsed body with no hint field, whose
         # messages (if any) are plain strings, so there are no blocks to scan either.
         messages = getattr(request, "messages", None)
-        if messages is None or not any(type(m.content) is list for m in messages):
+        if messages is None:
+            return NO_HINTS
+        for m in messages:  # (a loop, not any() over a generator: this runs on every request)
+            if type(m.content) is list:
+                break
+        else:
             return NO_HINTS
     hints = CacheHints()
     key = _stripped(_field(request, "prompt_cache_key"))

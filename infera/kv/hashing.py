@@ -14,6 +14,8 @@ from typing import Sequence
 
 import xxhash
 
+from infera.kv.native import native
+
 ROUTER_SEED = 0
 _xxh3 = xxhash.xxh3_64_intdigest
 _U64 = (1 << 64) - 1
@@ -34,7 +36,15 @@ def hash_chunk(parent: int, tokens: Sequence[int]) -> int:
 
 
 def block_hashes(tokens: Sequence[int], block_size: int, parent_hash: int = ROUTER_SEED) -> list[int]:
-    """Chained hashes of every full block of ``tokens`` (one bytes conversion for the whole list)."""
+    """Chained hashes of every full block of ``tokens`` (a sequence of ints, or a buffer of u32
+    such as ``array('I')``). The C accelerator's where it is built, else :func:`_py_block_hashes`."""
+    if native is not None:
+        return native.block_hashes(tokens, block_size, parent_hash)
+    return _py_block_hashes(tokens, block_size, parent_hash)
+
+
+def _py_block_hashes(tokens: Sequence[int], block_size: int, parent_hash: int = ROUTER_SEED) -> list[int]:
+    """:func:`block_hashes` in Python (one bytes conversion for the whole list)."""
     if block_size <= 0:
         return []
     n = len(tokens) // block_size

@@ -41,7 +41,16 @@ Semantics follow the spec exactly: the view is a *set* of router hashes per targ
 same tokens maps to it; blocks of a misaligned ``BlockStored`` (``len(token_ids)//block_size !=
 len(block_hashes)``) enter the view but are not mapped, so only a clear or reset removes them.
 
-Not thread-safe: one writer (the event loop) applies batches and answers ``match``.
+Two implementations with one behaviour: :class:`NativeKvIndex` keeps the GPU view in the C
+accelerator's tables (``infera.kv._native.GpuView``: plain u64 open addressing, where a walk over a
+prompt's blocks touches a few cache lines instead of a dict entry and two int objects per block,
+and a batch is applied without a bytecode per block), :class:`PyKvIndex` in dicts. ``KvIndex`` is
+the native one where the accelerator is built (``infera.kv.native``). The native view folds an
+engine hash to 64 bits (an int as its two's complement, a bytes digest by a seeded XXH3), as vLLM
+itself folds its digests for int hashes; lower tiers stay in Python in both (off the hot path).
+
+Not thread-safe: one writer (the event loop) applies batches and answers ``match`` (the native
+calls hold the GIL, so a tokenizer thread's ``first_unheld`` never sees a table mid-change).
 """
 from __future__ import annotations
 
@@ -57,10 +66,14 @@ from typing import Iterator, Optional, Sequence
 
 import xxhash
 
-from infera.kv.events import BlockHash, Cleared, EventBatch, Removed, Stored
-from infera.kv.hashing import ROUTER_SEED
+import msgspec
 
-__all__ = ["KvIndex", "TargetStats", "FULL_ATTENTION_KINDS", "GPU_MEDIUM", "lower_tier"]
+from infera.kv.events import BlockHash, Cleared, EventBatch, Removed, Stored
+from infera.kv.hashing import ROUTER_SEED, block_hashes
+from infera.kv.native import native
+
+__all__ = ["KvIndex", "PyKvIndex", "NativeKvIndex", "TargetStats", "FULL_ATTENTION_KINDS", "GPU_MEDIUM",
+           "lower_tier"]
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +140,9 @@ class _Target:
         self.lower_held: dict[int, int] = {}
 
 
-class KvIndex:
-    """Every target's cached router block hashes, with single-pass longest-prefix matching."""
+class PyKvIndex:
+    """Every target's cached router block hashes, with single-pass longest-prefix matching
+    (dicts; see :class:`NativeKvIndex` for the same in the C accelerator)."""
 
     __slots__ = ("_holders", "_targets", "_free_bits", "_next_bit", "_lower_targets")
 
@@ -392,6 +406,12 @@ class KvIndex:
             st.last_batch_ts = batch.ts
         return applied + removed
 
+    def apply_payload(self, key: str, payload: bytes) -> Optional[tuple[int, float]]:
+        """Apply an undecoded map-form payload when that can be done without decoding it to
+        events: (block events applied, the batch's timestamp). None when not (always here; see
+        :meth:`NativeKvIndex.apply_payload`): decode the payload and call :meth:`apply`."""
+        return None
+
     # --- lower tiers (off the GPU hot path) -------------------------------------------------
 
     def _drop_lower(self, t: _Target) -> None:
@@ -432,6 +452,10 @@ class KvIndex:
                 return h
         return None
 
+    def _gpu_parent(self, t: _Target, parent: BlockHash) -> Optional[int]:
+        """Router hash of engine hash ``parent`` in ``t``'s GPU map, or None."""
+        return t.emap.get(parent)
+
     def _store_lower(self, t: _Target, tier: str, ev: Stored) -> None:
         st = t.stats
         st.lower_events += 1
@@ -440,7 +464,7 @@ class KvIndex:
             h = ROUTER_SEED
         else:
             # a block offloaded from the GPU usually names a parent that is (still) on the GPU
-            h = t.emap.get(parent)
+            h = self._gpu_parent(t, parent)
             if h is None:
                 h = self._lower_parent(t, tier, parent)
             if h is None:
@@ -452,14 +476,13 @@ class KvIndex:
             st.misaligned_events += 1  # no map entry could name them: nothing to keep
             return
         try:
-            arr = array(_U32, ev.token_ids)
+            arr = array(_U32, ev.token_ids)  # every token checked, the partial block's too
         except (OverflowError, TypeError):
             st.dropped_events += 1
             return
         if _SWAP:
             arr.byteswap()
-        data = arr.tobytes()
-        step = 4 * bs
+        chain = block_hashes(arr, bs, h) if n else []
         if t.lower is None:
             t.lower = {}
             self._lower_targets += 1
@@ -467,17 +490,14 @@ class KvIndex:
         if m is None:
             m = t.lower[tier] = {}
         held = t.lower_held
-        off = 0
-        for eh in ev.block_hashes:
-            h = _xxh3(_pack_u64(h) + data[off:off + step])
-            off += step
+        for eh, h in zip(ev.block_hashes, chain):
             old = m.get(eh)
             if old == h:
                 continue  # stored again (re-offloaded): already counted
             if old is not None:
-                n = held[old] - 1
-                if n:
-                    held[old] = n
+                c = held[old] - 1
+                if c:
+                    held[old] = c
                 else:
                     del held[old]
             m[eh] = h
@@ -591,3 +611,187 @@ class KvIndex:
                 break
             n += 1
         return n
+
+
+class NativeKvIndex(PyKvIndex):
+    """:class:`PyKvIndex` with its GPU view in the C accelerator (``GpuView``): the same targets,
+    bits, stats and lower tiers, the same results. Needs ``infera.kv._native``."""
+
+    __slots__ = ("_view",)
+
+    def __init__(self) -> None:
+        if native is None:
+            raise RuntimeError("NativeKvIndex needs the C accelerator (infera.kv.native says why it is missing)")
+        super().__init__()
+        self._view = native.GpuView(Stored, Removed, Cleared, FULL_ATTENTION_KINDS)
+
+    def add_target(self, key: str, block_size: int) -> None:
+        known = key in self._targets
+        super().add_target(key, block_size)
+        if not known and key in self._targets:
+            self._view.add(self._targets[key].bit)
+
+    def remove_target(self, key: str) -> bool:
+        t = self._targets.get(key)
+        if t is None:
+            return False
+        super().remove_target(key)  # drops the view (_drop_view) and frees the bit
+        self._view.remove(t.bit)
+        return True
+
+    def block_count(self, key: str) -> int:
+        t = self._targets.get(key)
+        return 0 if t is None else self._view.count(t.bit)
+
+    def mapped_count(self, key: str) -> int:
+        t = self._targets.get(key)
+        return 0 if t is None else self._view.mapped(t.bit)
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    def first_unheld(self, hashes: Sequence[int], start: int = 0) -> int:
+        return self._view.first_unheld(hashes, start)
+
+    def holds(self, key: str, router_hash: int) -> bool:
+        t = self._targets.get(key)
+        return t is not None and self._view.holds(t.bit, router_hash)
+
+    def _drop_view(self, t: _Target) -> None:
+        self._view.drop(t.bit)
+
+    def _gpu_parent(self, t: _Target, parent: BlockHash) -> Optional[int]:
+        return self._view.emap_get(t.bit, parent)
+
+    def apply(self, key: str, batch: EventBatch) -> int:
+        t = self._targets.get(key)
+        if t is None:
+            return 0
+        events = batch.events
+        n = len(events)
+        st = t.stats
+        view_apply = self._view.apply
+        applied = 0
+        i = 0
+        while True:
+            lower_parent = (lambda parent, t=t: self._lower_parent(t, None, parent)) if t.lower else None
+            (i, stored_events, stored_blocks, removed_events, removed_blocks, dropped, skipped, misaligned,
+             other_bs) = view_apply(t.bit, t.block_size, events, i, lower_parent)
+            if stored_events or dropped or skipped:
+                st.stored_events += stored_events
+                st.stored_blocks += stored_blocks
+                st.dropped_events += dropped
+                st.skipped_events += skipped
+                st.misaligned_events += misaligned
+            if removed_events:
+                st.removed_events += removed_events
+                st.removed_blocks += removed_blocks
+            applied += stored_blocks + removed_blocks
+            if other_bs and not t.warned_bs:
+                t.warned_bs = True
+                log.warning("kv index: %s reports block_size %d but registered %d; hashing with %d",
+                            t.key, other_bs, t.block_size, t.block_size)
+            if i >= n:
+                break
+            applied += self._apply_one(t, events[i])
+            i += 1
+        st.batches += 1
+        st.last_apply = time.monotonic()
+        if batch.ts > st.last_batch_ts:
+            st.last_batch_ts = batch.ts
+        return applied
+
+    def apply_payload(self, key: str, payload: bytes) -> Optional[tuple[int, float]]:
+        """A map-form batch of GPU stores and removals applied straight from its msgpack bytes
+        (``GpuView.apply_payload``: no event objects, no token id ints); None for anything else
+        (another form, a clear, a lower tier, odd values), with nothing applied: decode it and call
+        :meth:`apply`, which gives the same result. An unknown ``key``: (0, 0.0)."""
+        t = self._targets.get(key)
+        if t is None:
+            return 0, 0.0
+        if t.lower:  # GPU parents may live on a lower tier: resolved in Python (apply)
+            return None
+        r = self._view.apply_payload(t.bit, t.block_size, payload)
+        if r is None:
+            return None
+        ts, stored_events, stored_blocks, removed_events, removed_blocks, dropped, skipped, misaligned, other_bs = r
+        st = t.stats
+        st.stored_events += stored_events
+        st.stored_blocks += stored_blocks
+        st.removed_events += removed_events
+        st.removed_blocks += removed_blocks
+        if dropped or skipped or misaligned:
+            st.dropped_events += dropped
+            st.skipped_events += skipped
+            st.misaligned_events += misaligned
+        if other_bs and not t.warned_bs:
+            t.warned_bs = True
+            log.warning("kv index: %s reports block_size %d but registered %d; hashing with %d",
+                        t.key, other_bs, t.block_size, t.block_size)
+        st.batches += 1
+        st.last_apply = time.monotonic()
+        if ts > st.last_batch_ts:
+            st.last_batch_ts = ts
+        return stored_blocks + removed_blocks, ts
+
+    def _apply_one(self, t: _Target, ev: object) -> int:
+        """An event ``GpuView.apply`` left to Python: a lower-tier one, a clear, or an unknown type
+        (ignored, as :meth:`PyKvIndex.apply` ignores it). Returns the GPU block events applied."""
+        st = t.stats
+        tp = type(ev)
+        if tp is Cleared:
+            med = ev.medium
+            tier = None if med is None else lower_tier(med)
+            if tier is not None:  # one lower tier only (ATOM): the GPU view stays
+                if t.lower is not None:
+                    self._clear_lower_tier(t, tier)
+                st.lower_cleared += 1
+                return 0
+            self._view.drop(t.bit)
+            if med is None:  # unscoped: every tier (vLLM's clear cannot say which pool)
+                self._drop_lower(t)
+            st.cleared += 1
+            return 0
+        if tp is not Stored and tp is not Removed:
+            return 0
+        if tp is Stored:
+            kind = ev.spec_kind
+            if kind is not None and kind not in FULL_ATTENTION_KINDS:
+                st.skipped_events += 1
+                return 0
+        tier = lower_tier(ev.medium)
+        if tier is None:  # a spelling of the GPU tier the view did not take as one: as a GPU event
+            before = st.stored_blocks + st.removed_blocks
+            self._apply_gpu(t, [msgspec.structs.replace(ev, medium=None)])
+            return st.stored_blocks + st.removed_blocks - before
+        if tp is Stored:
+            self._store_lower(t, tier, ev)
+        else:
+            self._remove_lower(t, tier, ev.block_hashes)
+        return 0
+
+    def _apply_gpu(self, t: _Target, events: list) -> None:
+        """GPU events through the view, counted (no batch bookkeeping)."""
+        st = t.stats
+        lower_parent = (lambda parent: self._lower_parent(t, None, parent)) if t.lower else None
+        (_, stored_events, stored_blocks, removed_events, removed_blocks, dropped, skipped, misaligned,
+         _) = self._view.apply(t.bit, t.block_size, events, 0, lower_parent)
+        st.stored_events += stored_events
+        st.stored_blocks += stored_blocks
+        st.removed_events += removed_events
+        st.removed_blocks += removed_blocks
+        st.dropped_events += dropped
+        st.skipped_events += skipped
+        st.misaligned_events += misaligned
+
+    def match(self, hashes: Sequence[int], keys: Sequence[str]) -> list[int]:
+        targets = self._targets
+        return self._view.match(hashes, [t.bit if (t := targets.get(k)) is not None else -1 for k in keys])
+
+    def match_one(self, hashes: Sequence[int], key: str) -> int:
+        t = self._targets.get(key)
+        return 0 if t is None else self._view.match_one(hashes, t.bit)
+
+
+#: The index the server uses: the native one where the accelerator is built.
+KvIndex = NativeKvIndex if native is not None else PyKvIndex

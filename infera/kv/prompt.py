@@ -52,6 +52,7 @@ from typing import Any, Callable, Generator, Sequence, TypeVar
 import msgspec
 import xxhash
 
+from infera.kv.native import native
 from infera.kv.tokenizer import SimTokenizer, load_tokenizer, normalize_messages, prefix_cut
 
 log = logging.getLogger(__name__)
@@ -202,6 +203,10 @@ class PromptTokenizer:
         separators = self._separators
         self._splitter = re.compile("(" + "|".join(re.escape(t) for t in sorted(separators, key=len, reverse=True))
                                     + ")") if separators else None
+        # (prefix, sep, suffix, generation) of a template that renders each message on its own:
+        # with the C accelerator a chat is keyed a message at a time without rendering it
+        self._chatml = (tokenizer.chatml_affixes() if native is not None and self._splitter is not None
+                        and tokenizer.exact_segments else None)
         self.segment_hits = 0
         self._chat_prompts = 0
         self.horizon_cuts = 0  # chat prompts whose encoding stopped at the horizon (see token_ids)
@@ -242,6 +247,16 @@ class PromptTokenizer:
     def _key_and_work(self, route: str, parsed: Any) -> tuple[bytes | None, Any, int]:
         """(cache key, work for ``_compute``, size in chars that decides inline vs thread)."""
         if route == "/v1/chat/completions":
+            if self._chatml is not None:
+                # A ChatML chat of plain messages, keyed a message at a time in C without rendering
+                # it; a part is rendered only where its ids are not cached, and the whole prompt
+                # is not cached (no key): its parts are. bench/kv_path.py, "shared".
+                keyed = native.chat_part_keys(parsed.messages, *self._chatml, b"m")
+                if keyed is not None:
+                    keys, lengths = keyed
+                    chars = sum(lengths)
+                    if chars <= self.prefix_chars:
+                        return None, ("chat_parts", (parsed.messages, keys, lengths)), chars
             raw = _encode_json(parsed.messages)
             return xxhash.xxh3_128_digest(raw) + b"c", ("chat", parsed.messages), len(raw)
         prompt = parsed.prompt
@@ -269,29 +284,35 @@ class PromptTokenizer:
             out.append(ids)
         return out
 
-    def _pieces_steps(self, text: str, stepwise: bool, horizon: Any = None,
-                      parts: list[str] | None = None) -> Steps[array]:
+    def _pieces_steps(self, text: str, stepwise: bool, horizon: Any = None, parts: Sequence[str] | None = None,
+                      keys: list[bytes] | None = None, lengths: list[int] | None = None) -> Steps[array]:
         """``text`` encoded piece by piece between special tokens, each piece cached. With a
         ``horizon`` (see ``token_ids``), the pieces are taken in order and encoding stops where it
         says nothing further can matter. ``parts``: the text already cut into pieces that encode
-        alone (a chat's messages, ``_message_parts``), taken as they are."""
+        alone (a chat's messages, ``_message_parts``), taken as they are; with their cache ``keys``
+        and ``lengths`` (``_ChatParts``: the C accelerator keyed them, a part is rendered only
+        when it must be encoded)."""
         if parts is not None:
             pieces, tag = parts, b"m"
         else:
             assert self._splitter is not None
             pieces, tag = [p for p in self._splitter.split(text) if p], b"s"
-        keys = [xxhash.xxh3_128_digest(p.encode("utf-8", "surrogatepass")) + tag for p in pieces]
-        found = [self.cache.get(k) for k in keys]
+        if keys is None:
+            keys = [xxhash.xxh3_128_digest(p.encode("utf-8", "surrogatepass")) + tag for p in pieces]
+        if lengths is None:
+            lengths = [len(p) for p in pieces]
+        get = self.cache.get
+        found = [get(k) for k in keys]
         missing = [i for i, ids in enumerate(found) if ids is None]
-        self.segment_hits += len(pieces) - len(missing)
+        self.segment_hits += len(found) - len(missing)
         out = array(_U32)
-        if missing and horizon is not None and sum(len(pieces[i]) for i in missing) >= _HORIZON_MIN_CHARS:
-            total_chars = len(text) if parts is None else sum(map(len, pieces))
+        if missing and horizon is not None and sum(lengths[i] for i in missing) >= _HORIZON_MIN_CHARS:
+            total_chars = len(text) if parts is None else sum(lengths)
             done = chars = 0  # pieces appended to out, and their characters
             for i in missing:
                 for j in range(done, i):
                     out.extend(found[j])
-                    chars += len(pieces[j])
+                    chars += lengths[j]
                 done = i
                 if horizon.reached(out):
                     return self._stopped(horizon, out, chars, total_chars)
@@ -308,10 +329,10 @@ class PromptTokenizer:
                             self._probed.popitem(last=False)
                         return self._stopped(horizon, out + ids, chars + probe_chars, total_chars)
                 arr = (yield from self._encode_steps([pieces[i]], False, stepwise))[0]
-                self._learn(len(pieces[i]), len(arr))
+                self._learn(lengths[i], len(arr))
                 found[i] = arr
                 self.cache.put(keys[i], arr)
-            for j in range(done, len(pieces)):
+            for j in range(done, len(found)):
                 out.extend(found[j])
         else:
             if missing:
@@ -387,6 +408,10 @@ class PromptTokenizer:
 
     def _compute_steps(self, work: Any, stepwise: bool = False, horizon: Any = None) -> Steps[array]:
         kind, value = work
+        if kind == "chat_parts":
+            messages, keys, lengths = value
+            parts = _ChatParts(messages, self._chatml)
+            return (yield from self._pieces_steps("", stepwise, horizon, parts, keys, lengths))
         if kind == "chat":
             messages = normalize_messages(
                 [{"role": m.role, "content": m.content if m.content is not None else ""} for m in value])
@@ -432,17 +457,47 @@ class PromptTokenizer:
 
     def lookup(self, route: str, parsed: Any) -> tuple[array | None, tuple]:
         """(the prompt's whole ids if cached, else None; its key and work), without a coroutine:
-        a repeated prompt answered synchronously. On a miss, pass the second value to
-        ``token_ids(keyed=...)`` for the same request, so the prompt is not keyed twice (a 10 KB
-        conversation is JSON-encoded and hashed for its key)."""
+        a repeated prompt answered synchronously, and so is a plain chat whose new messages are
+        short (``_parts_now``: its earlier messages are cache lookups). On a miss, pass the second
+        value to ``token_ids(keyed=...)`` for the same request, so the prompt is not keyed twice (a
+        10 KB conversation is JSON-encoded and hashed for its key)."""
         keyed = self._key_and_work(route, parsed)
-        key = keyed[0]
+        key, work, _ = keyed
+        if work[0] == "chat_parts":
+            return self._parts_now(work[1]), keyed
         if key is None:
             return None, keyed
         cached = self.cache.get(key)
         if cached is not None:
             self.hits += 1
         return cached, keyed
+
+    def _parts_now(self, value: tuple) -> array | None:
+        """A plain chat's ids (``chat_parts`` work) assembled from its parts' cached ids, the
+        missing parts encoded here when they are short (under ``_HORIZON_MIN_CHARS`` in all: the
+        horizon is not used below that, and encoding them costs less than a loop turn); None when
+        they are not (``token_ids`` then encodes them, a step at a time, up to its horizon). The
+        whole prompt is not cached: its parts are, and it is rarely asked again as is (every turn
+        of a conversation is a new prompt)."""
+        messages, keys, lengths = value
+        get = self.cache.get
+        found = [get(k) for k in keys]
+        missing = [i for i, ids in enumerate(found) if ids is None]
+        if missing:
+            if sum(lengths[i] for i in missing) >= _HORIZON_MIN_CHARS:
+                return None
+            parts = _ChatParts(messages, self._chatml)
+            put = self.cache.put
+            for i, ids in zip(missing, self.tokenizer.encode_many([parts[i] for i in missing])):
+                arr = found[i] = array(_U32, ids)
+                put(keys[i], arr)
+        self.misses += 1
+        self.segment_hits += len(found) - len(missing)
+        self._chat_prompts += 1
+        out = array(_U32)
+        for ids in found:
+            out.extend(ids)
+        return out
 
     async def token_ids(self, route: str, parsed: Any, horizon: Callable[[], Any] | None = None,
                         keyed: tuple | None = None) -> array:
@@ -458,13 +513,14 @@ class PromptTokenizer:
         words first, and the ids end where it is reached: a prefix of the prompt's ids, not cached
         as the whole prompt's."""
         key, work, size = keyed if keyed is not None else self._key_and_work(route, parsed)
-        if key is not None and keyed is None:
-            cached = self.cache.get(key)
+        if keyed is None:
+            cached = self.cache.get(key) if key is not None else (
+                self._parts_now(work[1]) if work[0] == "chat_parts" else None)
             if cached is not None:
-                self.hits += 1
+                self.hits += key is not None
                 return cached
         self.misses += 1
-        lazy = _LazyHorizon(horizon) if horizon is not None and work[0] == "chat" else None
+        lazy = _LazyHorizon(horizon) if horizon is not None and work[0] in ("chat", "chat_parts") else None
         try:
             if size <= _THREAD_THRESHOLD_CHARS:
                 ids = self._compute(work, lazy)
@@ -482,6 +538,28 @@ class PromptTokenizer:
     async def tokens(self, route: str, parsed: Any) -> list[int]:
         """``token_ids`` as a list."""
         return (await self.token_ids(route, parsed)).tolist()
+
+
+class _ChatParts(Sequence[str]):
+    """A plain chat's parts (``chat_part_keys`` keyed them), each rendered when it is read: a
+    part whose ids are cached is never built."""
+
+    __slots__ = ("_messages", "_affixes")
+
+    def __init__(self, messages: Sequence[Any], affixes: tuple[str, str, str, str]) -> None:
+        self._messages = messages
+        self._affixes = affixes
+
+    def __len__(self) -> int:
+        return len(self._messages) + 1
+
+    def __getitem__(self, i: int) -> str:  # type: ignore[override]
+        prefix, sep, suffix, generation = self._affixes
+        if i == len(self._messages):
+            return generation
+        m = self._messages[i]
+        role, content = (m["role"], m.get("content")) if isinstance(m, dict) else (m.role, m.content)
+        return f"{prefix}{role}{sep}{content if content is not None else ''}{suffix}"
 
 
 class _LazyHorizon:

@@ -23,6 +23,8 @@ from typing import Any, Iterable, Iterator
 
 import xxhash
 
+from infera.kv.native import native
+
 # Ids below this are reserved for special tokens in the built-in tokenizer.
 NUM_RESERVED_IDS = 100
 BUILTIN_VOCAB_SIZE = 50_000 + NUM_RESERVED_IDS
@@ -188,10 +190,15 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
+#: ChatML: message m is PREFIX + role + SEP + content + SUFFIX, and the prompt ends with GENERATION.
+CHATML_AFFIXES = ("<|im_start|>", "\n", "<|im_end|>\n", "<|im_start|>assistant\n")
+
+
 def chatml_parts(messages: list[dict[str, Any]]) -> list[str]:
     """The built-in chat format (ChatML) a message at a time, then the assistant generation prompt."""
-    parts = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
-    parts.append("<|im_start|>assistant\n")
+    prefix, sep, suffix, generation = CHATML_AFFIXES
+    parts = [f"{prefix}{m['role']}{sep}{m['content']}{suffix}" for m in messages]
+    parts.append(generation)
     return parts
 
 
@@ -251,6 +258,15 @@ class SimTokenizer(abc.ABC):
             return None
         return chatml_parts(messages)
 
+    def chatml_affixes(self) -> tuple[str, str, str, str] | None:
+        """``CHATML_AFFIXES`` when ``render_chat_parts`` renders each message as prefix + role +
+        sep + content + suffix and ends with the generation prompt (the built-in ChatML), so a
+        message's part can be keyed without rendering it; None for a template of the model's own."""
+        cls = type(self)
+        if cls.render_chat is not SimTokenizer.render_chat or cls.render_chat_parts is not SimTokenizer.render_chat_parts:
+            return None
+        return CHATML_AFFIXES
+
     # --- shared
     def encode_chat(self, messages: Any) -> list[int]:
         """Validate, render with the chat template and encode (template supplies special tokens)."""
@@ -305,7 +321,11 @@ class BuiltinTokenizer(SimTokenizer):
         return cls.encode is BuiltinTokenizer.encode and cls.iter_encode is BuiltinTokenizer.iter_encode
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids: list[int] = []
+        if native is not None:
+            ids = native.encode_builtin(text, True)  # special tokens split out in C too
+            if ids is not None:
+                return ids
+        ids = []
         for part in self.iter_encode(text, add_special_tokens):
             ids.extend(part)
         return ids
@@ -336,7 +356,10 @@ class BuiltinTokenizer(SimTokenizer):
                         cut = found.end() if found else n
                     end = cut
                 part = chunk[start:end] if start or end < n else chunk
-                if part.isascii() and not _STR_ONLY_SPACE.search(part):
+                ids = native.encode_builtin(part) if native is not None else None
+                if ids is not None:  # ASCII without \x1c-\x1f: the C scan of _PIECE_RE_ASCII's pieces
+                    yield ids
+                elif part.isascii() and not _STR_ONLY_SPACE.search(part):
                     yield [xxh(p) % 50_000 + NUM_RESERVED_IDS for p in ascii_findall(part.encode("ascii"))]
                 else:
                     # _piece_hash_id, inlined (a call per token is a third of the cost)

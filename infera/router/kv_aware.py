@@ -48,22 +48,17 @@ from typing import Callable, Protocol, Sequence
 
 import xxhash
 
-from infera.api.cache_hints import LONG, NONE, RETENTION_NAMES, CacheHints, parse_cache_hints
+from infera.api.cache_hints import LONG, NO_HINTS, NONE, RETENTION_NAMES, CacheHints, parse_cache_hints
 from infera.discovery.record import WorkerRecord
+from infera.kv.counts import BlockCounter
 from infera.kv.hashing import ROUTER_SEED, block_hashes, tokens_le_bytes
+from infera.kv.native import native
 from infera.kv.prompt import ByteLRU, PromptTokenizer
 from infera.router.policy import RoutedRequest
 from infera.router.ttft_balance import TtftBalance
 
-try:
-    from _collections import _count_elements  # CPython's C loop behind Counter.update
-except ImportError:  # pragma: no cover - other interpreters
-    def _count_elements(mapping: dict, iterable) -> None:  # type: ignore[misc]
-        get = mapping.get
-        for elem in iterable:
-            mapping[elem] = get(elem, 0) + 1
-
 log = logging.getLogger(__name__)
+_DEBUG = logging.DEBUG
 
 RECENT_DECAY = 0.97
 # A served request's blocks count as cached where it ran until that engine's events catch up with
@@ -133,12 +128,15 @@ class BlockHashCache:
         else:
             data = memoryview(tokens_le_bytes(tokens[:n * block_size]))
         stride = step * block_size * 4
-        digest = xxhash.xxh3_128()
         tag = block_size.to_bytes(4, "little")
-        keys = []
-        for end in range(stride, len(data) + 1, stride):
-            digest.update(data[end - stride:end])
-            keys.append(tag + digest.digest())
+        if native is not None:
+            keys = native.prefix_keys(data, stride, tag)
+        else:
+            digest = xxhash.xxh3_128()
+            keys = []
+            for end in range(stride, len(data) + 1, stride):
+                digest.update(data[end - stride:end])
+                keys.append(tag + digest.digest())
         get = self.lru.get
         found = None
         for i in range(len(keys) - 1, -1, -1):
@@ -306,8 +304,8 @@ class KvAwarePolicy:
                         "prefill": overlap_weight if prefill_overlap_weight is None else prefill_overlap_weight,
                         "decode": overlap_weight if decode_overlap_weight is None else decode_overlap_weight}
         self.observer = observer
-        # route key → {block hash: requests in flight}, this replica's and (with a sync) the others'
-        self.active: dict[str, dict[int, int]] = {}
+        # route key → block hash → requests in flight, this replica's and (with a sync) the others'
+        self.active: dict[str, BlockCounter] = {}
         # route key → blocks in flight there beyond their prompts' horizons (estimated, not hashed)
         self.unhashed: dict[str, int] = {}
         # route key → requests in flight there (this replica's and the others'), weighed in the load
@@ -333,10 +331,13 @@ class KvAwarePolicy:
         the common case), so the caller awaits no coroutine for it; False: ``prepare`` must run."""
         parsed = request.parsed
         prompts = self._prompts_for(getattr(parsed, "model", None)) if self._prompts_for is not None else self.prompts
-        lookup = getattr(prompts, "lookup", None)
-        if lookup is None:
-            return False
-        tokens, keyed = lookup(request.route, parsed)
+        if type(prompts) is PromptTokenizer:
+            tokens, keyed = prompts.lookup(request.route, parsed)
+        else:
+            lookup = getattr(prompts, "lookup", None)
+            if lookup is None:
+                return False
+            tokens, keyed = lookup(request.route, parsed)
         st = request.state
         if tokens is None:
             st["prompt_keyed"] = (prompts, keyed)  # prepare() tokenizes without keying the prompt again
@@ -430,12 +431,19 @@ class KvAwarePolicy:
 
     def pick(self, candidates: Sequence[WorkerRecord], request: RoutedRequest, role: str = "mixed") -> WorkerRecord:
         st = request.state
-        hints: CacheHints = st.get("hints") or _NO_HINTS
+        hints = st.get("hints")
         weight = self.weights.get(role)
-        amplified = (self.weights["mixed"] if weight is None else weight) * (
-            2.0 if hints.retention == LONG else 0.1 if (hints.retention == NONE and hints.explicit) else 1.0)
-        w_overlap, w_mm = (0.0, amplified * MM_WEIGHT) if hints.multimodal else (amplified, 0.0)
-        mm_keys = hints.image_keys
+        if weight is None:
+            weight = self.weights["mixed"]
+        if hints is None or hints is NO_HINTS:  # (nearly every request: no hint field, no media)
+            amplified = w_overlap = weight
+            w_mm = 0.0
+            mm_keys: Sequence[str] = ()
+        else:
+            amplified = weight * (2.0 if hints.retention == LONG
+                                  else 0.1 if (hints.retention == NONE and hints.explicit) else 1.0)
+            w_overlap, w_mm = (0.0, amplified * MM_WEIGHT) if hints.multimodal else (amplified, 0.0)
+            mm_keys = hints.image_keys
         layout, n_targets = self._layout if candidates is self._layout_of else self._layout_for(candidates)
 
         # Ties on (cost, load) — typically a cold prompt on an idle fleet — go to the target whose
@@ -445,7 +453,7 @@ class KvAwarePolicy:
         tied: list[tuple] = []  # (position, w, rank, key, hit, total, block_size, lower, hashes, view hit) at best
         position = 0
         most_blocks = 0
-        scored: list[str] | None = [] if log.isEnabledFor(logging.DEBUG) else None  # why this target
+        scored: list[str] | None = [] if log.isEnabledFor(_DEBUG) else None  # why this target
         active_of, recent, landed_of, unhashed = self.active.get, self.recent.get, self.landed, self.unhashed
         inflight = self.inflight
         per_request = amplified * self.balance.ratio if inflight else 0.0
@@ -492,8 +500,7 @@ class KvAwarePolicy:
                 if active:
                     if pending and first in active:
                         gpu_hit = hit
-                        while hit < len(hashes) and hashes[hit] in active:
-                            hit += 1
+                        hit = active.run(hashes, hit)
                         if lower and hit > gpu_hit:  # the run in flight covers part of the lower-tier run
                             lower = max(0, gpu_hit + lower - hit)
                     load = len(active) + recent(key, 0.0)
@@ -549,7 +556,7 @@ class KvAwarePolicy:
             self.observer.record_pick(role, key, hit + lower, total)
         if scored is not None:
             log.debug("pick policy=kv-aware role=%s retention=%s request_id=%s picked=%s cache_hits=%d "
-                      "request_blocks=%d active_blocks=%d targets=[%s]", role, RETENTION_NAMES[hints.retention],
+                      "request_blocks=%d active_blocks=%d targets=[%s]", role, RETENTION_NAMES[(hints or _NO_HINTS).retention],
                       request.request_id, key, hit, total, len(self.active.get(key, ())), " ".join(scored))
         return worker
 
@@ -675,20 +682,14 @@ class KvAwarePolicy:
             return
         counts = self.active.get(key)
         if counts is None:
-            self.active[key] = dict.fromkeys(blocks, 1)  # a request's blocks are distinct (chained)
-        else:
-            _count_elements(counts, blocks)
+            counts = self.active[key] = BlockCounter()
+        counts.add(blocks)
 
     def _count_out(self, key: str, blocks: Sequence[int]) -> None:
         counts = self.active.get(key)
         if counts is None or not blocks:
             return
-        for h in blocks:
-            n = counts.get(h, 0) - 1
-            if n > 0:
-                counts[h] = n
-            else:
-                counts.pop(h, None)
+        counts.remove(blocks)
         if not counts:  # bounded by what is in flight, not by every target ever seen
             del self.active[key]
 

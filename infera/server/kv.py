@@ -223,15 +223,23 @@ class KvEventsBridge:
             state.cpu_s += thread_time() - started
 
     def _apply_batch(self, key: str, state: _TargetState, seq: int, payload: bytes) -> None:
-        try:
-            batch = self._decoders[state.engine](payload)
-        except KvEventDecodeError as exc:
-            state.decode_errors += 1
-            self._warn_once(key, "decode", "cannot decode KV events from %s (engine %s): %s", key, state.engine, exc)
-            return
-        state.events += self.index.apply(key, batch)
+        # The common batch (GPU stores and removals, map form) is applied from its bytes; the index
+        # says None for anything else, which is decoded and applied as events (the same result).
+        done = self.index.apply_payload(key, payload)
+        if done is not None:
+            applied, ts = done
+        else:
+            try:
+                batch = self._decoders[state.engine](payload)
+            except KvEventDecodeError as exc:
+                state.decode_errors += 1
+                self._warn_once(key, "decode", "cannot decode KV events from %s (engine %s): %s", key, state.engine,
+                                exc)
+                return
+            applied, ts = self.index.apply(key, batch), batch.ts
+        state.events += applied
         if not self.replaying(key):  # replayed history is old by design: not a delay
-            delay = max(0.0, self.wall_clock() - batch.ts)  # clock skew between hosts: clamped at 0
+            delay = max(0.0, self.wall_clock() - ts)  # clock skew between hosts: clamped at 0
             state.delays.observe(delay)
             state.delay_ewma = delay if state.delay_ewma is None else (
                 state.delay_ewma + DELAY_SMOOTHING * (delay - state.delay_ewma))
