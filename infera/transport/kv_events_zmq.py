@@ -22,12 +22,16 @@ is tracked, and a caller's view of a worker is never allowed to drift silently:
 payload is handed over undecoded (the caller picks the vLLM or SGLang decoder). ATOM v0.1.5's
 publisher sends no sequence number: ``[topic, payload]``, or the payload alone when its topic is
 empty (a SUB gets those only when subscribed to every topic, ``topic=""``); both are passed through
-with seq -1 and no tracking. Callback exceptions are logged and counted, never kill a reader. All I/O is
-``zmq.asyncio`` on the caller's loop. Live batches in sequence are drained straight from a reader
-callback on the socket's FD (``_drain``): an engine sends one batch per scheduler step, ten or more
-per request, and an awaited receive per batch cost several times the batch itself. A socket that
-turns readable waits ``coalesce_s`` (2 ms) for the others, and one flush drains all of them: the
-loop wakes once per flush, not once per batch, however many engines publish.
+with seq -1 and no tracking. Callback exceptions are logged and counted, never kill a reader.
+
+The SUB side is ``infera.transport.zmtp``: the ZMTP protocol on the caller's event loop, frames
+parsed straight out of the TCP reads (libzmq's SUB cost ~100-150 us of CPU per batch in mailbox
+syscalls, the largest part of kv-aware routing's CPU; bench/kv_path.py, "zmq"). Live batches in
+sequence are delivered from the connection's reads; anything else (a gap, a restart, a first
+batch to catch up to) pauses the connection and goes to the key's task, which resumes it when done:
+what arrives meanwhile waits in the connection's buffer and the kernel's, in order. The replay
+DEALER is pyzmq's (asked rarely). Like a libzmq SUB the connection re-establishes itself; batches
+published while it was down show as a gap.
 
 Replay protocol (vLLM): the DEALER sends ``[b"", start_seq (8-byte BE)]`` and receives
 ``[b"", (topic,) seq, payload]`` per buffered batch with seq >= start_seq, then an end marker whose
@@ -46,6 +50,8 @@ import xxhash
 import zmq
 import zmq.asyncio
 
+from infera.transport.zmtp import ZmtpSubscription
+
 log = logging.getLogger("infera.transport.kv_events_zmq")
 
 DEFAULT_TOPIC = "kv-events"
@@ -55,17 +61,6 @@ _END_SEQ = -1
 # of silence.
 _FIRST_PROBE_S = 0.5
 _IDLE_PROBE_S = 5.0
-# A burst of queued batches is applied for at most this long before the loop gets a turn.
-_DRAIN_TURN_S = 0.002
-# A socket that turns readable is drained this much later, together with every other socket that
-# turned readable meanwhile: one loop wakeup for all of them instead of one per batch (engines send
-# a batch per scheduler step; a wakeup of an idle loop cost several times the batch itself).
-DEFAULT_COALESCE_S = 0.002
-
-# pyzmq's flags as plain ints: its enums cost ~0.8 us per use on this path (``get(EVENTS) &
-# POLLIN`` builds an IntFlag; an enum argument is converted on every recv), several per batch.
-_NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
-
 OnBatch = Callable[[str, int, bytes], None]
 OnReset = Callable[[str], None]
 
@@ -78,17 +73,6 @@ def endpoint_for_rank(endpoint: str, rank: int | None) -> str:
     return f"{host}:{int(port) + rank}"
 
 
-def _recv(sock: zmq.Socket) -> list[bytes]:
-    """One queued message's frames, or ``zmq.Again``. ``recv_multipart`` asks the socket for
-    RCVMORE after each frame (a getsockopt, 0.8 us); a frame knows whether more follow."""
-    frame = sock.recv(_NOBLOCK, copy=False)
-    frames = [frame.bytes]
-    while frame.more:
-        frame = sock.recv(_NOBLOCK, copy=False)
-        frames.append(frame.bytes)
-    return frames
-
-
 def _digest(payload: bytes) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
@@ -98,16 +82,13 @@ class _KeyState:
     key: str
     endpoint: str
     replay_endpoint: str | None
-    sock: zmq.asyncio.Socket | None = None
+    conn: ZmtpSubscription | None = None  # the SUB connection (ZMTP on the loop)
     task: asyncio.Task | None = None
-    # Live batches are drained by a reader callback on the socket's FD (``_drain``); the task does
-    # what must wait (first contact, gap repair, idle probes). See ``_reader``.
-    raw: zmq.Socket | None = None  # ``sock``, synchronous
-    fd: int | None = None  # registered with ``loop``'s reader
-    queued: bool = False  # readable, its reader removed: drained by the subscriber's next flush
-    loop: asyncio.AbstractEventLoop | None = None
-    live: bool = False  # the reader callback may deliver (first contact done, no slow path running)
-    slow: list[bytes] | None = None  # a message the callback left to the task
+    # Live batches are delivered from the connection's reads (``_on_frames``); the task does what
+    # must wait (first contact, gap repair, idle probes), the connection paused meanwhile.
+    live: bool = False  # the reads may deliver (first contact done, no slow path running)
+    slow: list[bytes] | None = None  # a message the reads left to the task
+    pending: list[list[bytes]] = field(default_factory=list)  # read while not live, for the task
     wake: asyncio.Event | None = None
     last_seq: int | None = None  # last seq delivered (None: nothing since the last reset)
     last_digest: int = 0  # of the payload delivered as last_seq
@@ -163,21 +144,14 @@ class ZmqKvEventSubscriber(KvCallbacks):
     """Subscribe to many engines' KV events; see the module docstring for the guarantees."""
 
     def __init__(self, on_batch: OnBatch, on_reset: OnReset, *, context: zmq.asyncio.Context | None = None,
-                 replay_timeout: float = 2.0, topic: str = DEFAULT_TOPIC,
-                 coalesce_s: float = DEFAULT_COALESCE_S) -> None:
+                 replay_timeout: float = 2.0, topic: str = DEFAULT_TOPIC) -> None:
         if replay_timeout <= 0:
             raise ValueError("replay_timeout must be > 0")
-        if coalesce_s < 0:
-            raise ValueError("coalesce_s must be >= 0")
-        self.coalesce_s = coalesce_s  # 0: every readable socket drained at once
-        self._queued: list[_KeyState] = []  # readable sockets waiting for the flush
-        self._flush_at: asyncio.TimerHandle | None = None
-        self.flushes = 0  # loop wakeups that drained queued sockets
         self.on_batch = on_batch
         self.on_reset = on_reset
         self.replay_timeout = replay_timeout
         self.topic = topic.encode()
-        self._ctx = context
+        self._ctx = context  # for the replay DEALERs
         self._own_ctx = context is None
         self._keys: dict[str, _KeyState] = {}
         self._closing: set[asyncio.Task] = set()
@@ -220,10 +194,6 @@ class ZmqKvEventSubscriber(KvCallbacks):
         self._started = False
         for st in self._keys.values():
             self._close(st)
-        if self._flush_at is not None:
-            self._flush_at.cancel()
-            self._flush_at = None
-        self._queued.clear()
         closing, self._closing = list(self._closing), set()
         if closing:
             await asyncio.gather(*closing, return_exceptions=True)
@@ -245,7 +215,7 @@ class ZmqKvEventSubscriber(KvCallbacks):
             "key": st.key,
             "endpoint": st.endpoint,
             "replay_endpoint": st.replay_endpoint,
-            "connected": st.sock is not None and not st.sock.closed,  # SUB open (ZMQ reconnects on its own)
+            "connected": st.conn is not None and st.conn.connected,  # handshake done (it reconnects on its own)
             "last_seq": st.last_seq,
             "batches": st.batches,
             "gaps": st.gaps,
@@ -268,19 +238,12 @@ class ZmqKvEventSubscriber(KvCallbacks):
             st.last_seq = None
             st.forget_replayed()
             self._reset(st)
-        sock = self._ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
-        sock.setsockopt(zmq.RCVHWM, 100000)
-        sock.setsockopt(zmq.SUBSCRIBE, self.topic)
-        sock.connect(st.endpoint)
         loop = asyncio.get_running_loop()
-        st.sock, st.raw, st.loop = sock, zmq.Socket.shadow(sock.underlying), loop
-        st.live, st.slow, st.wake = False, None, asyncio.Event()
-        st.fd = st.raw.FD
-        st.queued = False
-        loop.add_reader(st.fd, self._readable, st)
+        st.live, st.slow, st.wake, st.pending = False, None, asyncio.Event(), []
+        st.conn = ZmtpSubscription(st.endpoint, self.topic, lambda frames: self._on_frames(st, frames),
+                                   reconnect_s=0.1, reconnect_max_s=5.0)
+        st.conn.pause()  # until the task's first contact is done
+        st.conn.start()
         st.task = loop.create_task(self._reader(st), name=f"kv-events-sub:{st.key}")
 
     def _close(self, st: _KeyState) -> None:
@@ -290,24 +253,41 @@ class ZmqKvEventSubscriber(KvCallbacks):
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
         st.live = False
-        if st.fd is not None and st.loop is not None and not st.queued:
-            # Now, not when the task unwinds: a socket opened meanwhile may get the same FD number.
-            st.loop.remove_reader(st.fd)
-        st.queued = False  # (a queued one has no reader; the flush skips it)
-        st.fd, st.raw, st.slow = None, None, None
-        sock, st.sock = st.sock, None
-        if sock is not None and not sock.closed:
-            sock.close(linger=0)
+        st.slow, st.pending = None, []
+        conn, st.conn = st.conn, None
+        if conn is not None:
+            closing = asyncio.get_running_loop().create_task(conn.close())
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
 
     # ------------------------------------------------------------------ reader
 
+    def _on_frames(self, st: _KeyState, frames: list[bytes]) -> None:
+        """A message from the connection. The common case, the next batch in sequence, is delivered
+        here; anything else pauses the connection and goes to the task."""
+        if st.conn is None:
+            return
+        try:
+            if st.live and st.slow is None:
+                if self._in_order(st, frames):
+                    return
+                st.live = False
+                st.slow = frames
+                if st.wake is not None:
+                    st.wake.set()
+            else:
+                st.pending.append(frames)
+            st.conn.pause()
+        except Exception:
+            if st.task is not None:
+                st.task.cancel()
+            self._recover(st)
+
     async def _reader(self, st: _KeyState) -> None:
-        """First contact, then whatever the reader callback cannot do without waiting (a gap to
+        """First contact, then whatever the connection's reads cannot do without waiting (a gap to
         repair, a restart, a first batch to catch up to) and the idle replay probes. Live batches
-        in sequence never come here: ``_drain`` applies them from the FD callback, without a
-        future, a poller or a task step each (an awaited recv per batch cost ~40 us of CPU;
-        bench/kv_path.py, "zmq")."""
-        assert st.sock is not None and st.wake is not None
+        in sequence never come here: ``_on_frames`` applies them as they are read."""
+        assert st.conn is not None and st.wake is not None
         try:
             if st.replay_endpoint:
                 await self._catch_up(st, 0, None)  # blocks stored before we subscribed
@@ -317,9 +297,14 @@ class ZmqKvEventSubscriber(KvCallbacks):
                 frames, st.slow = st.slow, None
                 if frames is not None:
                     await self._on_message(st, frames)
+                while st.pending:  # what was read meanwhile, in order
+                    frames = st.pending.pop(0)
+                    if not self._in_order(st, frames):
+                        await self._on_message(st, frames)
                 st.live = True
-                self._drain(st)  # what queued meanwhile; hands a message back via st.slow if it must
-                if st.slow is not None:
+                if st.conn is not None:
+                    st.conn.resume()  # delivers what it holds; hands a message back via st.slow if it must
+                if st.slow is not None or st.pending:
                     continue
                 seen = st.batches
                 st.wake.clear()
@@ -327,9 +312,11 @@ class ZmqKvEventSubscriber(KvCallbacks):
                     await asyncio.wait_for(st.wake.wait(), probe_after if st.replay_endpoint else None)
                 except asyncio.TimeoutError:
                     if st.batches == seen and st.slow is None:
-                        # Quiet: batches published while the SUB was still joining (ZMQ drops them
-                        # silently) would otherwise stay unknown until the next live batch.
+                        # Quiet: batches published while the SUB was still joining (the publisher
+                        # drops them silently) would otherwise stay unknown until the next live batch.
                         st.live = False
+                        if st.conn is not None:
+                            st.conn.pause()
                         await self._probe(st)
                         probe_after = _IDLE_PROBE_S
         except asyncio.CancelledError:
@@ -342,82 +329,11 @@ class ZmqKvEventSubscriber(KvCallbacks):
         st.last_seq = None
         st.forget_replayed()
         self._reset(st)
-        st.slow = None
-        if self._keys.get(st.key) is st and st.sock is not None:
+        st.slow, st.pending = None, []
+        if self._keys.get(st.key) is st and st.conn is not None:
             st.live = False
+            st.conn.pause()
             st.task = asyncio.get_running_loop().create_task(self._reader(st), name=f"kv-events-sub:{st.key}")
-
-    def _readable(self, st: _KeyState) -> None:
-        """The FD callback: the socket has something (or ZMQ wants its EVENTS read). With
-        coalescing, its reader is removed (the FD stays readable until drained) and it waits for
-        the next flush with the others; without, it is drained now."""
-        if not self.coalesce_s or st.loop is None or st.fd is None:
-            self._drain(st)
-            return
-        st.loop.remove_reader(st.fd)
-        st.queued = True
-        self._queued.append(st)
-        if self._flush_at is None:
-            self._flush_at = st.loop.call_later(self.coalesce_s, self._flush)
-
-    def _flush(self) -> None:
-        """Drain every queued socket, each watched again first (what arrives while it drains
-        wakes the next flush)."""
-        self._flush_at = None
-        queued, self._queued = self._queued, []
-        self.flushes += 1
-        for st in queued:
-            if not st.queued:
-                continue  # closed meanwhile
-            st.queued = False
-            if st.fd is None or st.loop is None or st.raw is None:
-                continue
-            st.loop.add_reader(st.fd, self._readable, st)
-            self._drain(st)
-
-    def _drain(self, st: _KeyState) -> None:
-        """The FD callback (and the task's resume): every queued batch that is next in sequence is
-        delivered now; anything else stops the drain and goes to the task (``st.slow``). The FD is
-        edge-triggered: draining until EAGAIN re-arms it."""
-        raw = st.raw
-        if raw is None:
-            return
-        if not st.live or st.slow is not None:
-            # The task drains later. Reading EVENTS resets the FD, which a level-triggered loop
-            # would otherwise report readable again and again meanwhile.
-            try:
-                raw.get(_EVENTS)
-            except zmq.ZMQError:
-                pass
-            return
-        turn_ends = time.perf_counter() + _DRAIN_TURN_S
-        try:
-            while True:
-                try:
-                    frames = _recv(raw)
-                except zmq.Again:
-                    return
-                if not self._in_order(st, frames):
-                    st.live = False
-                    st.slow = frames
-                    if st.wake is not None:
-                        st.wake.set()
-                    return
-                # Queue empty? (Reading EVENTS also re-arms the FD; a recv that finds nothing raises
-                # zmq.Again, which costs twice as much.)
-                if not raw.get(_EVENTS) & _POLLIN:
-                    return
-                if time.perf_counter() >= turn_ends and st.loop is not None:
-                    st.loop.call_soon(self._drain, st)  # a long burst: the loop runs in between
-                    return
-        except zmq.ZMQError as exc:
-            if raw.closed or st.raw is not raw:
-                return
-            log.warning("KV events %s: receive failed: %s", st.key, exc)
-        except Exception:
-            if st.task is not None:
-                st.task.cancel()
-            self._recover(st)
 
     def _in_order(self, st: _KeyState, frames: list[bytes]) -> bool:
         """The common case: the next batch in sequence, nothing replayed to check against; delivered

@@ -210,9 +210,11 @@ async def test_remove_closes_the_socket(sim, subscriber):
     sub.add("witness", *endpoints(server))
     await complete(server, prompt(0))
     await wait_caught_up(sub, "gone", server)
-    sock = sub._keys["gone"].sock
+    conn = sub._keys["gone"].conn
+    assert conn.connected
     sub.remove("gone")
-    assert sock.closed and "gone" not in sub.keys()
+    await wait_for(lambda: not conn.connected and conn.protocol is None, 5, message="the connection closed")
+    assert "gone" not in sub.keys()
     with pytest.raises(KeyError):
         sub.stats("gone")
     n = len(sink.seqs("gone"))

@@ -1,0 +1,369 @@
+"""A ZeroMQ SUB socket on an asyncio Protocol: the ZMTP 3.0 wire protocol (RFC 23), spoken to an
+engine's real libzmq PUB (vLLM, SGLang, ATOM and the simulator publish KV events through pyzmq).
+
+Why not pyzmq's SUB: on this path libzmq costs the router ~100-150 us of CPU per KV-event batch
+(bench/kv_path.py, "zmq"): every message crosses from libzmq's I/O thread to the caller's through
+a mailbox (an eventfd write and read, a poll, a getpid per API call) and the caller's loop re-arms
+the socket's FD (epoll_ctl), about twenty syscalls a batch, which at ~4 batches a request was the
+largest part of kv-aware routing's CPU. Here the frames are parsed straight out of the TCP reads on
+the event loop: no thread, no mailbox, several batches per read when they arrive together.
+
+What it speaks, as a SUB peer announcing ZMTP 3.0 with the NULL mechanism (what every engine's
+PUB uses): the greeting, the READY command with ``Socket-Type: SUB``, the subscription as a message
+(``0x01`` + topic, the 3.0 form libzmq's PUB accepts from 3.0 and 3.1 peers alike), then messages of
+one or more frames (short or long), delivered whole. A PING command is answered with PONG. A peer
+that is not a ZMTP 3.x PUB/XPUB, wants another security mechanism, sends an ERROR or breaks the
+framing is dropped and logged. Like a libzmq SUB it reconnects by itself, forever, after
+``reconnect_s`` doubling up to ``reconnect_max_s``; what was published meanwhile is lost, which the
+caller's sequence tracking sees as a gap (``infera.transport.kv_events_zmq``).
+
+Endpoints: ``tcp://host:port`` (an IPv6 host in brackets) and ``ipc://path``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+log = logging.getLogger("infera.transport.zmtp")
+
+# Our greeting: signature, version 3.0, mechanism NULL, as-server 0, filler (64 bytes).
+GREETING = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + b"\x00" * 31
+_GREETING_LEN = 64
+_MORE, _LONG, _COMMAND = 0x01, 0x02, 0x04
+DEFAULT_MAX_FRAME_BYTES = 64 << 20  # a KV-event batch is kilobytes: anything near this is a broken stream
+# Frames are parsed for at most this long per loop turn: a burst of queued batches cannot hold the loop.
+_TURN_S = 0.002
+
+OnMessage = Callable[[list[bytes]], None]
+
+
+class ZmtpError(Exception):
+    """The peer broke the protocol (or asked for what this client does not speak)."""
+
+
+def command(name: bytes, properties: dict[bytes, bytes] | None = None) -> bytes:
+    """A ZMTP command frame: name (short string) then properties (short name, 4-byte value size)."""
+    body = bytes([len(name)]) + name
+    for key, value in (properties or {}).items():
+        body += bytes([len(key)]) + key + len(value).to_bytes(4, "big") + value
+    return _frame_header(_COMMAND, len(body)) + body
+
+
+def message_frame(body: bytes, more: bool = False) -> bytes:
+    return _frame_header(_MORE if more else 0, len(body)) + body
+
+
+def _frame_header(flags: int, size: int) -> bytes:
+    if size < 256:
+        return bytes([flags, size])
+    return bytes([flags | _LONG]) + size.to_bytes(8, "big")
+
+
+def parse_properties(data: bytes) -> dict[bytes, bytes]:
+    """The properties of a READY command (after its name)."""
+    props, pos = {}, 0
+    while pos < len(data):
+        n = data[pos]
+        name = data[pos + 1:pos + 1 + n]
+        pos += 1 + n
+        if pos + 4 > len(data):
+            raise ZmtpError("truncated READY property")
+        size = int.from_bytes(data[pos:pos + 4], "big")
+        pos += 4
+        if pos + size > len(data):
+            raise ZmtpError("truncated READY property value")
+        props[name.lower()] = data[pos:pos + size]
+        pos += size
+    return props
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, str, int]:
+    """``("tcp", host, port)`` or ``("ipc", path, 0)``; ValueError for anything else."""
+    if endpoint.startswith("tcp://"):
+        rest = endpoint[len("tcp://"):]
+        host, sep, port = rest.rpartition(":")
+        if not sep or not port.isdigit() or not host or ";" in host:
+            raise ValueError(f"not a tcp://host:port endpoint: {endpoint!r}")
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        return "tcp", host, int(port)
+    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+        return "ipc", endpoint[len("ipc://"):], 0
+    raise ValueError(f"unsupported ZMQ endpoint {endpoint!r} (tcp://host:port or ipc://path)")
+
+
+class ZmtpSubProtocol(asyncio.Protocol):
+    """One connection: handshake, subscription, frames -> whole messages for ``on_message``.
+
+    ``pause()``/``resume()`` stop and restart delivery (and reading): what is buffered is kept and
+    delivered, in order, on resume."""
+
+    def __init__(self, topic: bytes, on_message: OnMessage, on_ready: Callable[[], None],
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        self.topic = topic
+        self.on_message = on_message
+        self.on_ready = on_ready
+        self.max_frame_bytes = max_frame_bytes
+        self.transport: asyncio.Transport | None = None
+        self._buf = bytearray()
+        self._greeted = False
+        self._ready = False
+        self._parts: list[bytes] = []
+        self._paused = False
+        self._reading = True
+        self._continue: asyncio.Handle | None = None
+        self.closed = asyncio.get_running_loop().create_future()  # set with the reason when the connection ends
+        self.messages = 0
+
+    # -- asyncio.Protocol ---------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        transport.write(GREETING)  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        if self._buf:
+            self._buf += data
+        else:
+            self._buf = bytearray(data)
+        self._parse()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._continue is not None:
+            self._continue.cancel()
+        if not self.closed.done():
+            if not self._greeted:
+                # libzmq closes on a mechanism mismatch without a word (the rest of its greeting
+                # is never sent): the likeliest reason a listening PUB hangs up here
+                exc = ZmtpError("the publisher closed the connection during the ZMTP handshake (does it "
+                                "require CURVE or PLAIN security? only NULL is supported)")
+            self.closed.set_result(exc)
+
+    # -- flow --------------------------------------------------------------------------------------
+    def pause(self) -> None:
+        """Deliver nothing more until ``resume`` (the kernel buffers, then the publisher)."""
+        self._paused = True
+        self._set_reading(False)
+
+    def resume(self) -> None:
+        self._paused = False
+        self._set_reading(True)
+        if self._buf and self.transport is not None and not self.transport.is_closing():
+            self._parse()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def _set_reading(self, on: bool) -> None:
+        if on == self._reading or self.transport is None or self.transport.is_closing():
+            return
+        self._reading = on
+        if on:
+            self.transport.resume_reading()
+        else:
+            self.transport.pause_reading()
+
+    def _fail(self, why: str) -> None:
+        if not self.closed.done():
+            self.closed.set_result(ZmtpError(why))
+        if self.transport is not None:
+            self.transport.abort()
+
+    # -- parsing -----------------------------------------------------------------------------------
+    def _parse(self) -> None:
+        buf = self._buf
+        if not self._greeted:
+            if len(buf) < _GREETING_LEN:
+                if len(buf) >= 1 and buf[0] != 0xFF:
+                    self._fail("not a ZMTP peer (bad signature)")
+                return
+            self._check_greeting(bytes(buf[:_GREETING_LEN]))
+            if self.closed.done():
+                return
+            del buf[:_GREETING_LEN]
+            self._greeted = True
+            self.transport.write(command(b"READY", {b"Socket-Type": b"SUB"}))  # type: ignore[union-attr]
+        pos, n = 0, len(buf)
+        turn_ends = time.perf_counter() + _TURN_S
+        delivered = 0
+        parts = self._parts
+        while not self._paused:
+            if n - pos < 2:
+                break
+            flags = buf[pos]
+            if flags & _LONG:
+                if n - pos < 9:
+                    break
+                size = int.from_bytes(buf[pos + 1:pos + 9], "big")
+                start = pos + 9
+            else:
+                size = buf[pos + 1]
+                start = pos + 2
+            if size > self.max_frame_bytes:
+                self._fail(f"a frame of {size} bytes (the limit is {self.max_frame_bytes})")
+                return
+            end = start + size
+            if end > n:
+                break
+            body = bytes(buf[start:end])
+            pos = end
+            if flags & _COMMAND:
+                self._command(body)
+                if self.closed.done():
+                    return
+                continue
+            if not self._ready:
+                self._fail("a message before the handshake completed")
+                return
+            parts.append(body)
+            if flags & _MORE:
+                continue
+            self._parts = []
+            self.messages += 1
+            self.on_message(parts)
+            parts = self._parts
+            delivered += 1
+            if delivered % 16 == 0 and time.perf_counter() >= turn_ends and pos < n:
+                # a long burst: the loop gets a turn, then the rest is parsed
+                self._set_reading(False)
+                self._continue = asyncio.get_running_loop().call_soon(self._resume_parse)
+                break
+        if pos:
+            del buf[:pos]
+
+    def _resume_parse(self) -> None:
+        self._continue = None
+        if self.transport is None or self.transport.is_closing():
+            return
+        if not self._paused:
+            self._set_reading(True)
+            self._parse()
+
+    def _check_greeting(self, g: bytes) -> None:
+        if g[0] != 0xFF or not g[9] & 0x01:
+            self._fail("not a ZMTP peer (bad signature)")
+        elif g[10] < 3:
+            self._fail(f"ZMTP {g[10]}.{g[11]} peer (3.0 or newer needed)")
+        elif g[12:32].rstrip(b"\x00") != b"NULL":
+            self._fail(f"the publisher wants the {g[12:32].rstrip(bytes(1)).decode('ascii', 'replace')} "
+                       "security mechanism; only NULL is supported")
+
+    def _command(self, body: bytes) -> None:
+        if not body:
+            self._fail("an empty command")
+            return
+        name = body[1:1 + body[0]]
+        rest = body[1 + body[0]:]
+        if name == b"READY":
+            props = parse_properties(rest) if rest else {}
+            socket_type = props.get(b"socket-type", b"")
+            if socket_type not in (b"PUB", b"XPUB"):
+                self._fail(f"the peer is a {socket_type.decode('ascii', 'replace') or '?'} socket, not a PUB")
+                return
+            self._ready = True
+            self.transport.write(message_frame(b"\x01" + self.topic))  # type: ignore[union-attr]
+            self.on_ready()
+        elif name == b"PING":  # ZMTP 3.1 heartbeat: TTL (2 bytes) + context, echoed in PONG
+            self.transport.write(_frame_header(_COMMAND, 5 + len(rest[2:])) + b"\x04PONG" + rest[2:])  # type: ignore[union-attr]
+        elif name == b"ERROR":
+            reason = rest[1:1 + rest[0]].decode("utf-8", "replace") if rest else ""
+            self._fail(f"the publisher sent ERROR: {reason}")
+        # other commands (PONG, SUBSCRIBE echoes of a 3.1 peer...) are not ours to act on
+
+
+class ZmtpSubscription:
+    """A SUB to one endpoint that keeps itself connected, like a libzmq SUB: ``on_message`` gets
+    each message's frames, in order; ``on_connect`` is called after each handshake (a new
+    connection may have missed messages). ``pause``/``resume`` hold delivery (the caller is busy:
+    a replay, a gap) without losing what is already read."""
+
+    def __init__(self, endpoint: str, topic: bytes, on_message: OnMessage, *,
+                 on_connect: Callable[[], None] | None = None, reconnect_s: float = 0.1,
+                 reconnect_max_s: float = 5.0, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        self.kind, self.host, self.port = parse_endpoint(endpoint)
+        self.endpoint = endpoint
+        self.topic = topic
+        self.on_message = on_message
+        self.on_connect = on_connect
+        self.reconnect_s = reconnect_s
+        self.reconnect_max_s = reconnect_max_s
+        self.max_frame_bytes = max_frame_bytes
+        self.protocol: ZmtpSubProtocol | None = None
+        self.connects = 0  # handshakes completed
+        self.failures = 0  # connections refused, dropped or broken
+        self._paused = False
+        self._task: asyncio.Task | None = None
+        self._warned: set[str] = set()
+
+    @property
+    def connected(self) -> bool:
+        return self.protocol is not None and self.protocol._ready and not self.protocol.closed.done()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"zmtp-sub:{self.endpoint}")
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        if self.protocol is not None:
+            self.protocol.close()
+            self.protocol = None
+
+    def pause(self) -> None:
+        self._paused = True
+        if self.protocol is not None:
+            self.protocol.pause()
+
+    def resume(self) -> None:
+        self._paused = False
+        if self.protocol is not None:
+            self.protocol.resume()
+
+    def _ready(self) -> None:
+        self.connects += 1
+        if self.on_connect is not None:
+            self.on_connect()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        delay = self.reconnect_s
+        while True:
+            protocol = ZmtpSubProtocol(self.topic, self.on_message, self._ready, self.max_frame_bytes)
+            try:
+                if self.kind == "tcp":
+                    await asyncio.wait_for(loop.create_connection(lambda: protocol, self.host, self.port), 10)
+                else:
+                    await asyncio.wait_for(loop.create_unix_connection(lambda: protocol, self.host), 10)
+            except (OSError, asyncio.TimeoutError) as exc:
+                self.failures += 1
+                self._warn("connect", "KV events %s: cannot connect (%s); retrying", self.endpoint, exc)
+            else:
+                self.protocol = protocol
+                if self._paused:
+                    protocol.pause()
+                why = await protocol.closed
+                if protocol._ready:
+                    delay = self.reconnect_s  # it worked: the next failure starts the backoff over
+                    self._warned.discard("connect")
+                self.failures += 1
+                if isinstance(why, ZmtpError):
+                    self._warn(str(why), "KV events %s: %s; reconnecting", self.endpoint, why)
+                else:
+                    log.info("KV events %s: connection closed (%s); reconnecting", self.endpoint, why or "EOF")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.reconnect_max_s)
+
+    def _warn(self, what: str, msg: str, *args: object) -> None:
+        if what in self._warned:
+            log.debug(msg, *args)
+        else:
+            self._warned.add(what)
+            log.warning(msg, *args)

@@ -1,0 +1,139 @@
+"""The ZMTP 3.0 SUB client (infera.transport.zmtp) against a real libzmq PUB's bytes
+(tests/fixtures/zmtp/pub_session.bin), cut at every boundary, and against broken peers."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from infera.transport.zmtp import (GREETING, ZmtpError, ZmtpSubProtocol, command, message_frame, parse_endpoint,
+                                   parse_properties)
+
+FIX = Path(__file__).resolve().parents[1] / "fixtures" / "zmtp"
+SESSION = (FIX / "pub_session.bin").read_bytes()
+EXPECTED = json.loads((FIX / "pub_session.json").read_text())
+WANT = [[bytes.fromhex(f) for f in m] for m in EXPECTED["messages"]]
+TOPIC = EXPECTED["topic"].encode()
+PINGS = SESSION.count(b"\x04PING")
+
+
+class FakeTransport:
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+        self.reading = True
+        self.closing = False
+        self.aborted = False
+
+    def write(self, data: bytes) -> None:
+        self.written.append(bytes(data))
+
+    def pause_reading(self) -> None:
+        assert self.reading
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        assert not self.reading
+        self.reading = True
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        self.closing = True
+
+    def abort(self) -> None:
+        self.closing = self.aborted = True
+
+
+def client(**kw) -> tuple[ZmtpSubProtocol, FakeTransport, list, list]:
+    got, ready = [], []
+    p = ZmtpSubProtocol(TOPIC, got.append, lambda: ready.append(True), **kw)
+    t = FakeTransport()
+    p.connection_made(t)
+    return p, t, got, ready
+
+
+def chunks(data: bytes, size: int):
+    for i in range(0, len(data), size):
+        yield data[i:i + size]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 10, 63, 64, 65, 200, 4096, len(SESSION)])
+async def test_a_real_pub_session_cut_anywhere(size):
+    p, t, got, ready = client()
+    for piece in chunks(SESSION, size):
+        p.data_received(piece)
+    assert got == WANT and ready == [True] and not t.aborted
+    # what the client said, in order: its greeting, READY (after the PUB's greeting), the
+    # subscription (after the PUB's READY), a PONG for every PING
+    assert t.written[0] == GREETING
+    assert t.written[1] == command(b"READY", {b"Socket-Type": b"SUB"})
+    assert t.written[2] == message_frame(b"\x01" + TOPIC)
+    assert t.written[3:] == [b"\x04\x05\x04PONG"] * PINGS and PINGS > 0
+
+
+async def test_pause_holds_delivery_and_resume_delivers_the_rest_in_order():
+    got = []
+
+    def on_message(frames):
+        got.append(frames)
+        if len(got) == 1:
+            p.pause()  # the caller is busy after the first message
+
+    p = ZmtpSubProtocol(TOPIC, on_message, lambda: None)
+    t = FakeTransport()
+    p.connection_made(t)
+    p.data_received(SESSION)
+    assert got == WANT[:1] and not t.reading
+    p.resume()
+    assert got == WANT and t.reading
+
+
+@pytest.mark.parametrize("peer, why", [
+    (b"GET / HTTP/1.1\r\n\r\n", "not a ZMTP peer"),
+    (b"\xff" + bytes(8) + b"\x7f\x02\x00" + bytes(52), "ZMTP 2.0 peer"),
+    (b"\xff" + bytes(8) + b"\x7f\x03\x01" + b"CURVE".ljust(20, b"\x00") + bytes(32), "CURVE security"),
+    (SESSION[:64] + command(b"READY", {b"Socket-Type": b"ROUTER"}), "a ROUTER socket"),
+    (SESSION[:64] + bytes([0x04, 11]) + b"\x05ERROR\x04nope", "ERROR: nope"),
+    (SESSION[:64] + message_frame(b"early"), "before the handshake"),
+    (SESSION[:64] + command(b"READY", {b"Socket-Type": b"PUB"}) + b"\x02" + (1 << 40).to_bytes(8, "big"),
+     "a frame of 1099511627776 bytes"),
+])
+async def test_a_broken_or_foreign_peer_is_dropped(peer, why):
+    p, t, got, _ = client()
+    p.data_received(peer)
+    assert t.aborted and got == []
+    reason = p.closed.result()
+    assert isinstance(reason, ZmtpError) and why in str(reason)
+
+
+async def test_the_frame_limit_is_the_callers():
+    p, t, got, _ = client(max_frame_bytes=100)
+    p.data_received(SESSION)
+    assert t.aborted and got == WANT[:1]  # the second message has a 768-byte frame
+    assert "limit is 100" in str(p.closed.result())
+
+
+def test_ready_properties():
+    body = command(b"READY", {b"Socket-Type": b"PUB", b"Identity": b""})[2:]
+    assert parse_properties(body[1 + body[0]:]) == {b"socket-type": b"PUB", b"identity": b""}
+    with pytest.raises(ZmtpError):
+        parse_properties(b"\x0bSocket-Type\x00\x00\x00\x09PUB")
+
+
+@pytest.mark.parametrize("endpoint, want", [
+    ("tcp://127.0.0.1:5557", ("tcp", "127.0.0.1", 5557)),
+    ("tcp://engine-0.ns.svc:5557", ("tcp", "engine-0.ns.svc", 5557)),
+    ("tcp://[::1]:5557", ("tcp", "::1", 5557)),
+    ("ipc:///tmp/kv.sock", ("ipc", "/tmp/kv.sock", 0)),
+])
+def test_endpoints(endpoint, want):
+    assert parse_endpoint(endpoint) == want
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://host", "tcp://:5557", "tcp://eth0;host:5557", "udp://h:1", "ipc://",
+                                      "inproc://x", "tcp://h:port"])
+def test_bad_endpoints(endpoint):
+    with pytest.raises(ValueError):
+        parse_endpoint(endpoint)
