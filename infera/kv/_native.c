@@ -251,6 +251,39 @@ py_block_hashes(PyObject *self, PyObject *args)
     return out;
 }
 
+/* block_hash_bytes(tokens, block_size, parent=0) -> bytes: the same chain as u64 little-endian
+ * (an array('Q') takes it with frombytes: no int object per hash) */
+static PyObject *
+py_block_hash_bytes(PyObject *self, PyObject *args)
+{
+    PyObject *tokens;
+    Py_ssize_t block_size;
+    unsigned long long parent = 0;
+    if (!PyArg_ParseTuple(args, "On|K:block_hash_bytes", &tokens, &block_size, &parent))
+        return NULL;
+    if (block_size <= 0)
+        return PyBytes_FromStringAndSize(NULL, 0);
+    Py_ssize_t len = PyObject_Length(tokens);
+    if (len < 0)
+        return NULL;
+    U32Tokens t;
+    if (u32_tokens(tokens, len - len % block_size, &t) < 0)
+        return NULL;
+    Py_ssize_t nblocks = t.n / block_size;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, nblocks * 8);
+    unsigned char *scratch = PyMem_Malloc(8 + (size_t)block_size * 4);
+    if (out == NULL || scratch == NULL) {
+        Py_XDECREF(out);
+        PyMem_Free(scratch);
+        u32_release(&t);
+        return out == NULL ? NULL : PyErr_NoMemory();
+    }
+    chain_hashes(t.ids, nblocks, block_size, (uint64_t)parent, scratch, (uint64_t *)PyBytes_AS_STRING(out));
+    PyMem_Free(scratch);
+    u32_release(&t);
+    return out;
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* prefix_keys(data, stride, tag) -> list[bytes]                                               */
 
@@ -994,6 +1027,68 @@ router_key(PyObject *obj, uint64_t *out)
     return 0;
 }
 
+/* A sequence of router hashes: an array('Q') (or any buffer of 8-byte items) read in place, or a
+ * sequence of ints. Chains are array('Q') on the hot path: a walk then reads contiguous u64s instead
+ * of dereferencing an int object per block (cold in the server). */
+typedef struct {
+    const uint64_t *u64;
+    PyObject **items;
+    Py_ssize_t n;
+    PyObject *seq;
+    Py_buffer view;
+    int has_view;
+} Hashes;
+
+static int
+hashes_get(PyObject *obj, Hashes *h)
+{
+    memset(h, 0, sizeof(*h));
+    if (PyObject_CheckBuffer(obj) && !PyBytes_Check(obj) && !PyByteArray_Check(obj)) {
+        if (PyObject_GetBuffer(obj, &h->view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) == 0) {
+            const char *f = h->view.format ? h->view.format : "B";
+            if (*f == '<' || *f == '=' || *f == '@')
+                f++;
+            if (h->view.itemsize == 8 && (*f == 'Q' || *f == 'L' || *f == 'K') && f[1] == '\0') {
+                h->has_view = 1;
+                h->u64 = (const uint64_t *)h->view.buf;
+                h->n = h->view.len / 8;
+                return 0;
+            }
+            PyBuffer_Release(&h->view);
+        }
+        else {
+            PyErr_Clear();
+        }
+    }
+    h->seq = PySequence_Fast(obj, "hashes must be a sequence");
+    if (h->seq == NULL)
+        return -1;
+    h->items = PySequence_Fast_ITEMS(h->seq);
+    h->n = PySequence_Fast_GET_SIZE(h->seq);
+    return 0;
+}
+
+/* 0 and the hash in *key, or -1 when the item is no u64 (no view holds it) */
+static inline int
+hashes_at(const Hashes *h, Py_ssize_t i, uint64_t *key)
+{
+    if (h->u64 != NULL) {
+        *key = h->u64[i];
+        return 0;
+    }
+    return router_key(h->items[i], key);
+}
+
+static void
+hashes_release(Hashes *h)
+{
+    if (h->has_view)
+        PyBuffer_Release(&h->view);
+    Py_XDECREF(h->seq);
+    h->seq = NULL;
+    h->has_view = 0;
+}
+
 static int
 view_ensure(GpuView *v, int bit)
 {
@@ -1265,18 +1360,16 @@ GpuView_first_unheld(GpuView *v, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "start must be >= 0");
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(hashes, "hashes must be a sequence");
-    if (seq == NULL)
+    Hashes hs;
+    if (hashes_get(hashes, &hs) < 0)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
     Py_ssize_t i = start;
-    for (; i < n; i++) {
+    for (; i < hs.n; i++) {
         uint64_t key;
-        if (router_key(items[i], &key) < 0 || h_find(&v->holders, key) == NULL)
+        if (hashes_at(&hs, i, &key) < 0 || h_find(&v->holders, key) == NULL)
             break;
     }
-    Py_DECREF(seq);
+    hashes_release(&hs);
     return PyLong_FromSsize_t(i);
 }
 
@@ -1292,17 +1385,16 @@ GpuView_match_one(GpuView *v, PyObject *args)
         return NULL;
     if (b < 0 || b >= v->ntargets || !v->targets[b].live)
         return PyLong_FromLong(0);
-    PyObject *seq = PySequence_Fast(hashes, "hashes must be a sequence");
-    if (seq == NULL)
+    Hashes hs;
+    if (hashes_get(hashes, &hs) < 0)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), i = 0;
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (; i < n; i++) {
+    Py_ssize_t i = 0;
+    for (; i < hs.n; i++) {
         uint64_t key;
-        if (router_key(items[i], &key) < 0 || !h_has_bit(&v->holders, key, (int)b))
+        if (hashes_at(&hs, i, &key) < 0 || !h_has_bit(&v->holders, key, (int)b))
             break;
     }
-    Py_DECREF(seq);
+    hashes_release(&hs);
     return PyLong_FromSsize_t(i);
 }
 
@@ -1319,13 +1411,13 @@ GpuView_match(GpuView *v, PyObject *args)
     PyObject *bseq = PySequence_Fast(bits_obj, "bits must be a sequence");
     if (bseq == NULL)
         return NULL;
-    PyObject *hseq = PySequence_Fast(hashes, "hashes must be a sequence");
-    if (hseq == NULL) {
+    Hashes hs;
+    if (hashes_get(hashes, &hs) < 0) {
         Py_DECREF(bseq);
         return NULL;
     }
-    Py_ssize_t nc = PySequence_Fast_GET_SIZE(bseq), nh = PySequence_Fast_GET_SIZE(hseq);
-    PyObject **bitems = PySequence_Fast_ITEMS(bseq), **hitems = PySequence_Fast_ITEMS(hseq);
+    Py_ssize_t nc = PySequence_Fast_GET_SIZE(bseq), nh = hs.n;
+    PyObject **bitems = PySequence_Fast_ITEMS(bseq);
     int words = v->holders.words;
     int stack_bits[64];
     Py_ssize_t stack_depth[64];
@@ -1362,7 +1454,7 @@ GpuView_match(GpuView *v, PyObject *args)
         uint64_t a = alive[0];
         for (Py_ssize_t i = 0; i < nh; i++) {
             uint64_t key, held = 0;
-            if (router_key(hitems[i], &key) == 0) {
+            if (hashes_at(&hs, i, &key) == 0) {
                 uint64_t *slot = h_find(&v->holders, key);
                 if (slot != NULL)
                     held = slot[1] & a;
@@ -1383,7 +1475,7 @@ GpuView_match(GpuView *v, PyObject *args)
         for (Py_ssize_t i = 0; i < nh; i++) {
             uint64_t key;
             uint64_t *slot = NULL;
-            if (router_key(hitems[i], &key) == 0)
+            if (hashes_at(&hs, i, &key) == 0)
                 slot = h_find(&v->holders, key);
             int left = 0, changed = 0;
             for (int w = 0; w < words; w++) {
@@ -1422,7 +1514,7 @@ done:
     if (alive != stack_alive)
         PyMem_Free(alive);
     Py_DECREF(bseq);
-    Py_DECREF(hseq);
+    hashes_release(&hs);
     return out;
 }
 
@@ -2376,26 +2468,24 @@ BlockCounter_dealloc(BlockCounter *bc)
 static PyObject *
 BlockCounter_add(BlockCounter *bc, PyObject *blocks)
 {
-    PyObject *seq = PySequence_Fast(blocks, "blocks must be a sequence");
-    if (seq == NULL)
+    Hashes hs;
+    if (hashes_get(blocks, &hs) < 0)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
     Map64 *m = &bc->counts;
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; i < hs.n; i++) {
         uint64_t key;
-        if (router_key(items[i], &key) < 0)
+        if (hashes_at(&hs, i, &key) < 0)
             continue; /* not a block hash (a peer replica's bad message): never held */
         int64_t at = map_find(m, key);
         if (at >= 0) {
             m->vals[at]++;
         }
         else if (map_put(m, key, 1) < 0) {
-            Py_DECREF(seq);
+            hashes_release(&hs);
             return NULL;
         }
     }
-    Py_DECREF(seq);
+    hashes_release(&hs);
     Py_RETURN_NONE;
 }
 
@@ -2403,15 +2493,13 @@ BlockCounter_add(BlockCounter *bc, PyObject *blocks)
 static PyObject *
 BlockCounter_remove(BlockCounter *bc, PyObject *blocks)
 {
-    PyObject *seq = PySequence_Fast(blocks, "blocks must be a sequence");
-    if (seq == NULL)
+    Hashes hs;
+    if (hashes_get(blocks, &hs) < 0)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
     Map64 *m = &bc->counts;
-    for (Py_ssize_t i = 0; i < n && m->n; i++) {
+    for (Py_ssize_t i = 0; i < hs.n && m->n; i++) {
         uint64_t key;
-        if (router_key(items[i], &key) < 0)
+        if (hashes_at(&hs, i, &key) < 0)
             continue;
         int64_t at = map_find(m, key);
         if (at < 0)
@@ -2421,7 +2509,7 @@ BlockCounter_remove(BlockCounter *bc, PyObject *blocks)
         else
             map_delete_at(m, (uint64_t)at);
     }
-    Py_DECREF(seq);
+    hashes_release(&hs);
     Py_RETURN_NONE;
 }
 
@@ -2433,17 +2521,16 @@ BlockCounter_run(BlockCounter *bc, PyObject *args)
     Py_ssize_t start;
     if (!PyArg_ParseTuple(args, "On:run", &hashes, &start))
         return NULL;
-    PyObject *seq = PySequence_Fast(hashes, "hashes must be a sequence");
-    if (seq == NULL)
+    Hashes hs;
+    if (hashes_get(hashes, &hs) < 0)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), i = start < 0 ? 0 : start;
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (; i < n; i++) {
+    Py_ssize_t i = start < 0 ? 0 : start;
+    for (; i < hs.n; i++) {
         uint64_t key;
-        if (router_key(items[i], &key) < 0 || map_find(&bc->counts, key) < 0)
+        if (hashes_at(&hs, i, &key) < 0 || map_find(&bc->counts, key) < 0)
             break;
     }
-    Py_DECREF(seq);
+    hashes_release(&hs);
     return PyLong_FromSsize_t(i < start ? start : i);
 }
 
@@ -2527,6 +2614,8 @@ static PyTypeObject BlockCounterType = {
 static PyMethodDef module_methods[] = {
     {"block_hashes", py_block_hashes, METH_VARARGS,
      "block_hashes(tokens, block_size, parent=0) -> chained XXH3-64 hashes of the full blocks"},
+    {"block_hash_bytes", py_block_hash_bytes, METH_VARARGS,
+     "block_hash_bytes(tokens, block_size, parent=0) -> the chain as u64 little-endian bytes"},
     {"prefix_keys", py_prefix_keys, METH_VARARGS,
      "prefix_keys(data, stride, tag) -> tag + XXH3-128 digest of data[:k*stride] for each k"},
     {"chat_part_keys", py_chat_part_keys, METH_VARARGS,

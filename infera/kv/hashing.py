@@ -43,6 +43,19 @@ def block_hashes(tokens: Sequence[int], block_size: int, parent_hash: int = ROUT
     return _py_block_hashes(tokens, block_size, parent_hash)
 
 
+def block_hash_array(tokens: Sequence[int], block_size: int, parent_hash: int = ROUTER_SEED) -> array:
+    """:func:`block_hashes` as an ``array('Q')``: how the router's hot path carries a prompt's chain
+    (the C accelerator's walks read it in place; no int object per block)."""
+    out = array("Q")
+    if native is not None:
+        out.frombytes(native.block_hash_bytes(tokens, block_size, parent_hash))
+        if sys.byteorder != "little":  # (the bytes are little-endian)
+            out.byteswap()
+    else:
+        out.extend(_py_block_hashes(tokens, block_size, parent_hash))
+    return out
+
+
 def _py_block_hashes(tokens: Sequence[int], block_size: int, parent_hash: int = ROUTER_SEED) -> list[int]:
     """:func:`block_hashes` in Python (one bytes conversion for the whole list)."""
     if block_size <= 0:

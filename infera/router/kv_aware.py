@@ -51,7 +51,7 @@ import xxhash
 from infera.api.cache_hints import LONG, NO_HINTS, NONE, RETENTION_NAMES, CacheHints, parse_cache_hints
 from infera.discovery.record import WorkerRecord
 from infera.kv.counts import BlockCounter
-from infera.kv.hashing import ROUTER_SEED, block_hashes, tokens_le_bytes
+from infera.kv.hashing import ROUTER_SEED, block_hash_array, tokens_le_bytes
 from infera.kv.native import native
 from infera.kv.prompt import ByteLRU, PromptTokenizer
 from infera.router.policy import RoutedRequest
@@ -93,7 +93,6 @@ REMOTE_BLOCKS_CAP = 1 << 20  # block references kept over all other replicas' re
 # Hashes of prompt prefixes are cached (see BlockHashCache) at every multiple of this many blocks.
 HASH_CACHE_STEP = 16
 DEFAULT_HASH_CACHE_BYTES = 16 * 1024 * 1024
-_INT_BYTES = sys.getsizeof(1 << 63)  # a 64-bit hash as a Python int (accounted per cached hash)
 
 
 class BlockHashCache:
@@ -104,10 +103,10 @@ class BlockHashCache:
 
     Keyed by block size + XXH3-128 of the prefix's token bytes, at every ``HASH_CACHE_STEP``
     blocks: a prompt is digested once, in one pass with a snapshot at each step, its longest cached
-    step is looked up, and only the blocks after it are hashed. Values are tuples of the hashes'
-    int objects themselves, so every prompt of a prefix gets the same ints (the walks after the
-    pick find them in the CPU caches, not fresh copies: bench/kv_path.py --cold-kb); the entries
-    share one LRU bounded in bytes (``ByteLRU``), the ints accounted too.
+    step is looked up, and only the blocks after it are hashed. Chains are ``array('Q')``: a
+    prompt's chain is its cached prefix copied (a memcpy) plus the new blocks, and the C
+    accelerator's walks over it (the index, the blocks in flight) read it in place, where a list
+    cost a cold int object per block; the entries share one LRU bounded in bytes (``ByteLRU``).
     ``hits``/``misses`` count prompts; ``blocks_reused``/``blocks_hashed`` count blocks."""
 
     def __init__(self, max_bytes: int = DEFAULT_HASH_CACHE_BYTES, step: int = HASH_CACHE_STEP) -> None:
@@ -116,13 +115,13 @@ class BlockHashCache:
         self.hits = self.misses = 0
         self.blocks_reused = self.blocks_hashed = 0
 
-    def hashes(self, tokens: Sequence[int], block_size: int) -> list[int]:
-        """``block_hashes(tokens, block_size)``."""
+    def hashes(self, tokens: Sequence[int], block_size: int) -> array:
+        """``block_hash_array(tokens, block_size)``: a new array the caller may extend."""
         n = len(tokens) // block_size if block_size > 0 else 0
         step = self.step
         if n < step or not self.lru.max_bytes:
             self.blocks_hashed += n
-            return block_hashes(tokens, block_size)
+            return block_hash_array(tokens, block_size)
         if isinstance(tokens, array) and tokens.itemsize == 4:
             data = memoryview(tokens).cast("B")[:n * block_size * 4]
         else:
@@ -145,15 +144,15 @@ class BlockHashCache:
                 break
         if found is not None:
             self.hits += 1
-            out = list(found)
+            out = found[:]
             self.blocks_reused += len(out)
             if len(out) < n:
                 start = len(out) * block_size
-                out += block_hashes(data[start * 4:].cast("I") if isinstance(tokens, array) and tokens.itemsize == 4
-                                    else tokens[start:n * block_size], block_size, out[-1])
+                out += block_hash_array(data[start * 4:].cast("I") if isinstance(tokens, array) and tokens.itemsize == 4
+                                        else tokens[start:n * block_size], block_size, out[-1])
         else:
             self.misses += 1
-            out = block_hashes(tokens, block_size)
+            out = block_hash_array(tokens, block_size)
         self.blocks_hashed += n - (len(found) if found is not None else 0)
         # Stored: this prompt's longest step, and on a miss its steps at 1, 2, 4, 8… steps too, so
         # that a later prompt sharing only a shorter prefix (a system prompt before a document)
@@ -161,23 +160,23 @@ class BlockHashCache:
         have = len(found) if found is not None else 0
         k = 1
         while found is None and k < len(keys):
-            self.lru.put(keys[k - 1], tuple(out[:k * step]), k * step * _INT_BYTES)
+            self.lru.put(keys[k - 1], out[:k * step])
             k *= 2
         if have < len(keys) * step:
-            self.lru.put(keys[-1], tuple(out[:len(keys) * step]), len(keys) * step * _INT_BYTES)
+            self.lru.put(keys[-1], out[:len(keys) * step])
         return out
 
 
-async def hash_stepwise(tokens: Sequence[int], block_size: int) -> list[int]:
-    """``block_hashes(tokens, block_size)``, yielding to the event loop every
+async def hash_stepwise(tokens: Sequence[int], block_size: int) -> array:
+    """``block_hash_array(tokens, block_size)``, yielding to the event loop every
     ``HASH_SLICE_BLOCKS`` blocks (the chain continues from the last hash of the slice before)."""
-    hashes: list[int] = []
+    hashes = array("Q")
     step = block_size * HASH_SLICE_BLOCKS
     for start in range(0, len(tokens), step):
-        part = block_hashes(tokens[start:start + step], block_size, hashes[-1] if hashes else ROUTER_SEED)
+        part = block_hash_array(tokens[start:start + step], block_size, hashes[-1] if hashes else ROUTER_SEED)
         if not part:
             break
-        hashes.extend(part)
+        hashes += part
         await asyncio.sleep(0)
     return hashes
 
@@ -237,7 +236,7 @@ class Horizon:
                 start = 0
             elif n > len(chain):
                 start = len(chain)
-                chain += block_hashes(ids[start * bs:n * bs], bs, chain[-1] if chain else ROUTER_SEED)
+                chain += block_hash_array(ids[start * bs:n * bs], bs, chain[-1] if chain else ROUTER_SEED)
             else:
                 continue
             i = first_unheld(chain, start)  # most blocks are in some view: one dict lookup each
@@ -388,7 +387,7 @@ class KvAwarePolicy:
             # to the loop between slices, rather than in one go inside pick().
             request.state["hashes"] = {bs: await hash_stepwise(tokens, bs) for bs in tuple(self._block_sizes)}
 
-    def _hashes(self, request: RoutedRequest, block_size: int) -> list[int]:
+    def _hashes(self, request: RoutedRequest, block_size: int) -> Sequence[int]:
         st = request.state
         by_size = st.get("hashes")
         if by_size is None:
@@ -399,7 +398,7 @@ class KvAwarePolicy:
             chain = st["chains"].get(block_size) if "chains" in st else None
             if chain:  # the Horizon's, of a prefix of these tokens (or a little more: see _cut_ids)
                 n = len(tokens) // block_size
-                hashes = chain[:n] if len(chain) >= n else chain + block_hashes(
+                hashes = chain[:n] if len(chain) >= n else chain + block_hash_array(
                     tokens[len(chain) * block_size:n * block_size], block_size, chain[-1])
             elif len(tokens) >= block_size:
                 hashes = self.hash_cache.hashes(tokens, block_size)

@@ -97,12 +97,13 @@ def pack_blocks(blocks: Sequence[int]) -> bytes:
     return buf.tobytes()
 
 
-def unpack_blocks(data: bytes) -> list[int]:
+def unpack_blocks(data: bytes) -> array:
+    """The block hashes as an ``array('Q')``, as the policy carries chains."""
     buf = array("Q")
     buf.frombytes(data[: len(data) - len(data) % 8])
     if sys.byteorder != "little":
         buf.byteswap()
-    return buf.tolist()
+    return buf
 
 
 EMPTY_MODEL_TOKEN = "_"  # no base64 token is one character long

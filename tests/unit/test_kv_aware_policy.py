@@ -71,7 +71,7 @@ def test_longest_cached_prefix_wins():
     req = request(PROMPT)
     assert pick(policy, [a, b, c], req).worker_id == "b"
     assert req.state["predicted_hit_blocks"] == 6 and req.state["route_key"] == "b"
-    assert req.state["blocks"] == hashes
+    assert list(req.state["blocks"]) == hashes
 
 
 def test_load_breaks_ties_and_in_flight_is_released():
@@ -194,7 +194,7 @@ def test_untokenizable_request_routes_by_load():
     _, policy = make()
     a = worker("a")
     req = request(["a", "b"])  # batched prompts: not prefix-routed
-    assert pick(policy, [a], req) is a and req.state["blocks"] == []
+    assert pick(policy, [a], req) is a and list(req.state["blocks"]) == []
 
 
 @pytest.mark.parametrize("hits, bs, prompt, expected", [

@@ -17,7 +17,7 @@ from infera.discovery.record import WorkerRecord
 from infera.engine.sim.cache import KVCache
 from infera.engine.sim.kv_events import KvEventPublisher, KvEventsConfig
 from infera.kv import prompt as prompt_module
-from infera.kv.hashing import block_hashes
+from infera.kv.hashing import block_hash_array, block_hashes
 from infera.kv.index import KvIndex
 from infera.kv.prompt import PromptTokenizer
 from infera.kv.tokenizer import BuiltinTokenizer
@@ -44,7 +44,7 @@ def test_hash_cache_equals_block_hashes_and_reuses_shared_prefixes():
         tokens = shared[:rng.randrange(0, 4000)] + [rng.randrange(1 << 32) for _ in range(rng.randrange(0, 3000))]
         for seq in (tokens, array("I", tokens)):
             for bs in (1, 4, 16, 32):
-                assert cache.hashes(seq, bs) == block_hashes(seq, bs), (i, bs)
+                assert list(cache.hashes(seq, bs)) == block_hashes(seq, bs), (i, bs)
     assert cache.hits > 100 and cache.blocks_reused > cache.blocks_hashed
 
 
@@ -53,9 +53,9 @@ def test_hash_cache_accounting_hits_and_the_reused_step():
     system = list(range(1000, 1000 + 40 * BS))  # 40 blocks shared
     first = system + list(range(5000, 5000 + 5 * BS))
     second = system + list(range(9000, 9000 + 7 * BS))
-    assert cache.hashes(first, BS) == block_hashes(first, BS)
+    assert list(cache.hashes(first, BS)) == block_hashes(first, BS)
     assert (cache.hits, cache.misses, cache.blocks_hashed) == (0, 1, 45)
-    assert cache.hashes(second, BS) == block_hashes(second, BS)
+    assert list(cache.hashes(second, BS)) == block_hashes(second, BS)
     # steps of 16 blocks were stored at 16 and 32 (powers of two) and 32 is the longest shared one
     assert (cache.hits, cache.misses) == (1, 1)
     assert cache.blocks_reused == 2 * HASH_CACHE_STEP and cache.blocks_hashed == 45 + 47 - 32
@@ -67,14 +67,14 @@ def test_hash_cache_stays_within_its_byte_budget(budget):
     rng = random.Random(budget)
     for i in range(200):
         tokens = [rng.randrange(1 << 32) for _ in range(rng.randrange(0, 5000))]
-        assert cache.hashes(tokens, BS) == block_hashes(tokens, BS)
+        assert list(cache.hashes(tokens, BS)) == block_hashes(tokens, BS)
         assert cache.lru.bytes <= budget
     assert (len(cache.lru) == 0) == (budget == 0)
 
 
 def test_short_prompts_are_not_cached():
     cache = BlockHashCache()
-    assert cache.hashes(list(range(HASH_CACHE_STEP * BS - 1)), BS) == block_hashes(list(range(255)), BS)
+    assert list(cache.hashes(list(range(HASH_CACHE_STEP * BS - 1)), BS)) == block_hashes(list(range(255)), BS)
     assert len(cache.lru) == 0 and cache.misses == 0
 
 
@@ -345,7 +345,7 @@ def test_blocks_always_match_the_final_tokens_under_the_prefix_cap():
                             request_id=str(i))
         asyncio.run(policy.prepare(req))
         policy.pick(ws, req)
-        assert req.state["blocks"] == block_hashes(req.state["tokens"], BS)
+        assert list(req.state["blocks"]) == block_hashes(req.state["tokens"], BS)
     assert policy.prompts.truncated == 6 and policy.prompts.horizon_cuts == 6
 
 
@@ -356,8 +356,8 @@ def test_the_pick_hashes_the_kept_tokens_from_the_horizons_chain(chain_tokens, k
     _, _, policy, _, _ = _fleet(1, True)
     ids = list(range(500, 600))
     req = RoutedRequest(route=CHAT, body=b"", parsed=None, model="m", stream=False, request_id="r",
-                        state={"tokens": array("I", ids[:kept]), "chains": {BS: block_hashes(ids[:chain_tokens], BS)}})
-    assert policy._hashes(req, BS) == block_hashes(ids[:kept], BS)
+                        state={"tokens": array("I", ids[:kept]), "chains": {BS: block_hash_array(ids[:chain_tokens], BS)}})
+    assert list(policy._hashes(req, BS)) == block_hashes(ids[:kept], BS)
 
 
 # -- the finish's landed claims start after the pick's view hit ------------------------------------------

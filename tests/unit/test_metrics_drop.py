@@ -119,7 +119,7 @@ def test_kv_policy_state_of_a_departed_worker_does_not_linger():
     asyncio.run(policy.prepare(other_req))
     policy.pick([other], other_req)  # picks sweep expired claims, whoever they belonged to
     assert "w" not in policy.landed and policy.landed.keys() <= {"o"}
-    assert req.state["blocks"] == block_hashes(list(range(100, 132)), 4)
+    assert list(req.state["blocks"]) == block_hashes(list(range(100, 132)), 4)
 
 
 def test_round_robin_counters_are_bounded():

@@ -39,6 +39,16 @@ def test_block_hashes_equal_python_for_every_input_kind(block_size):
                 assert native.block_hashes(form, block_size, parent) == want
 
 
+@pytest.mark.parametrize("block_size", [1, 16, 100])
+def test_block_hash_array_is_the_same_chain(block_size):
+    tokens = list(range(7, 7 + 3 * block_size + 2))
+    for parent in (0, 99):
+        want = hashing._py_block_hashes(tokens, block_size, parent)
+        got = hashing.block_hash_array(tokens, block_size, parent)
+        assert got.typecode == "Q" and list(got) == want
+        assert native.block_hash_bytes(tokens, block_size, parent) == array("Q", want).tobytes()
+
+
 @pytest.mark.parametrize("tokens, error", [([-1], OverflowError), ([2**32], OverflowError), (["7"], TypeError),
                                            ([1.0], TypeError)])
 def test_block_hashes_refuse_what_array_refuses(tokens, error):
@@ -205,7 +215,10 @@ def _same(py: PyKvIndex, nat: NativeKvIndex, keys: list[str], probes: list[list[
                           "lower_removed_blocks", "lower_cleared", "resets", "batches", "last_batch_ts"):
                 assert getattr(ps, field) == getattr(ns, field), (k, field)
     for hashes in probes:
-        assert py.match(hashes, keys) == nat.match(hashes, keys)
+        as_array = array("Q", hashes)  # how the policy carries chains: read in place by the C walks
+        assert py.match(hashes, keys) == nat.match(hashes, keys) == nat.match(as_array, keys)
+        assert py.first_unheld(hashes) == nat.first_unheld(as_array)
+        assert [py.match_one(hashes, k) for k in keys] == [nat.match_one(as_array, k) for k in keys]
         assert [py.match_one(hashes, k) for k in keys] == [nat.match_one(hashes, k) for k in keys]
         assert py.first_unheld(hashes) == nat.first_unheld(hashes)
         assert py.first_unheld(hashes, 2) == nat.first_unheld(hashes, 2)
@@ -434,12 +447,13 @@ def test_block_counter_agrees_with_the_dict_one():
     c, d = native.BlockCounter(), PyBlockCounter()
     for step in range(3000):
         blocks = rng.sample(universe, rng.randrange(0, 12))
+        given = array("Q", blocks) if step % 2 else blocks  # a chain (array('Q')) or a list
         if rng.random() < 0.55:
-            c.add(blocks)
-            d.add(blocks)
+            c.add(given)
+            d.add(given)
         else:
-            c.remove(blocks)
-            d.remove(blocks)
+            c.remove(given)
+            d.remove(given)
         if step % 100 == 0:
             assert sorted(c.items()) == sorted(d.items())
             assert len(c) == len(d) and bool(c) == bool(d)
@@ -447,7 +461,7 @@ def test_block_counter_agrees_with_the_dict_one():
             assert [h in c for h in probe] == [h in d for h in probe]
             assert [c.count(h) for h in probe] == [d.count(h) for h in probe]
             for start in (0, 3, 20):
-                assert c.run(probe, start) == d.run(probe, start)
+                assert c.run(probe, start) == d.run(probe, start) == c.run(array("Q", probe), start)
     assert c.run([], 5) == d.run([], 5) == 5
 
 

@@ -138,7 +138,7 @@ def test_builtin_sliced_scan_matches_the_unsliced_encoding():
 def test_stepwise_hashing_matches_block_hashes():
     tokens = array("I", range(100, 100 + 70_001))
     for bs in (1, 16, 64):
-        assert asyncio.run(hash_stepwise(tokens, bs)) == block_hashes(tokens, bs)
+        assert list(asyncio.run(hash_stepwise(tokens, bs))) == block_hashes(tokens, bs)
 
 
 # -- byte-bounded caches ---------------------------------------------------------------------------
