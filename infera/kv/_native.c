@@ -2609,6 +2609,132 @@ static PyTypeObject BlockCounterType = {
 };
 
 /* ------------------------------------------------------------------------------------------ */
+/* zmtp_split(buf, start, max_frame) -> (items, ends, error)                                   */
+
+/* The complete items of a ZMTP frame stream from ``start`` (infera/transport/zmtp.py): a message
+ * as the list of its frames' bytes, a command as its body (bytes); ``ends[i]`` is the offset just
+ * after item i. An incomplete frame, or a message whose last frame has not arrived, ends the scan
+ * (nothing of it is taken). ``error``: None, or why the stream is broken where the scan stopped
+ * (a frame over ``max_frame`` bytes, a command among a message's frames): the items before it are
+ * whole and delivered first. */
+static PyObject *
+py_zmtp_split(PyObject *self, PyObject *args)
+{
+    Py_buffer b;
+    Py_ssize_t pos;
+    unsigned long long max_frame;
+    if (!PyArg_ParseTuple(args, "y*nK:zmtp_split", &b, &pos, &max_frame))
+        return NULL;
+    const unsigned char *p = b.buf;
+    Py_ssize_t n = b.len;
+    PyObject *items = PyList_New(0), *ends = PyList_New(0), *result = NULL, *error = NULL;
+    Py_ssize_t stack_off[16], stack_len[16];
+    Py_ssize_t *off = stack_off, *len = stack_len, cap = 16;
+    if (items == NULL || ends == NULL)
+        goto done;
+    if (pos < 0 || pos > n) {
+        PyErr_SetString(PyExc_ValueError, "start out of range");
+        goto done;
+    }
+    for (;;) {
+        Py_ssize_t q = pos, nframes = 0;
+        int complete = 0, is_command = 0;
+        while (q + 2 <= n) {
+            unsigned char flags = p[q];
+            Py_ssize_t hdr = 2;
+            unsigned long long size = p[q + 1];
+            if (flags & 0x02) {
+                if (q + 9 > n)
+                    break;
+                size = mp_be(p + q + 1, 8);
+                hdr = 9;
+            }
+            if (size > max_frame) {
+                error = PyUnicode_FromFormat("a frame of %llu bytes (the limit is %llu)", size, max_frame);
+                if (error == NULL)
+                    goto done;
+                break;
+            }
+            if ((unsigned long long)(n - q - hdr) < size)
+                break;
+            if (flags & 0x04) {
+                if (nframes) {
+                    error = PyUnicode_FromString("a command among a message's frames");
+                    if (error == NULL)
+                        goto done;
+                    break;
+                }
+                is_command = 1;
+            }
+            if (nframes == cap) {
+                Py_ssize_t ncap = cap * 2;
+                Py_ssize_t *o = PyMem_Malloc((size_t)ncap * sizeof(Py_ssize_t));
+                Py_ssize_t *l = PyMem_Malloc((size_t)ncap * sizeof(Py_ssize_t));
+                if (o == NULL || l == NULL) {
+                    PyMem_Free(o);
+                    PyMem_Free(l);
+                    PyErr_NoMemory();
+                    goto done;
+                }
+                memcpy(o, off, (size_t)nframes * sizeof(Py_ssize_t));
+                memcpy(l, len, (size_t)nframes * sizeof(Py_ssize_t));
+                if (off != stack_off) {
+                    PyMem_Free(off);
+                    PyMem_Free(len);
+                }
+                off = o;
+                len = l;
+                cap = ncap;
+            }
+            off[nframes] = q + hdr;
+            len[nframes] = (Py_ssize_t)size;
+            nframes++;
+            q += hdr + (Py_ssize_t)size;
+            if (is_command || !(flags & 0x01)) {
+                complete = 1;
+                break;
+            }
+        }
+        if (!complete || error != NULL)
+            break;
+        PyObject *item;
+        if (is_command) {
+            item = PyBytes_FromStringAndSize((const char *)p + off[0], len[0]);
+        }
+        else {
+            item = PyList_New(nframes);
+            for (Py_ssize_t f = 0; item != NULL && f < nframes; f++) {
+                PyObject *frame = PyBytes_FromStringAndSize((const char *)p + off[f], len[f]);
+                if (frame == NULL)
+                    Py_CLEAR(item);
+                else
+                    PyList_SET_ITEM(item, f, frame);
+            }
+        }
+        PyObject *end = item ? PyLong_FromSsize_t(q) : NULL;
+        if (end == NULL || PyList_Append(items, item) < 0 || PyList_Append(ends, end) < 0) {
+            Py_XDECREF(item);
+            Py_XDECREF(end);
+            goto done;
+        }
+        Py_DECREF(item);
+        Py_DECREF(end);
+        pos = q;
+    }
+    result = PyTuple_Pack(3, items, ends, error != NULL ? error : Py_None);
+done:
+    Py_XDECREF(error);
+    if (off != stack_off) {
+        PyMem_Free(off);
+        PyMem_Free(len);
+    }
+    Py_XDECREF(items);
+    Py_XDECREF(ends);
+    PyBuffer_Release(&b);
+    return result;
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* module                                                                                      */
 
 static PyMethodDef module_methods[] = {
@@ -2618,6 +2744,8 @@ static PyMethodDef module_methods[] = {
      "block_hash_bytes(tokens, block_size, parent=0) -> the chain as u64 little-endian bytes"},
     {"prefix_keys", py_prefix_keys, METH_VARARGS,
      "prefix_keys(data, stride, tag) -> tag + XXH3-128 digest of data[:k*stride] for each k"},
+    {"zmtp_split", py_zmtp_split, METH_VARARGS,
+     "zmtp_split(buf, start, max_frame) -> (items, ends, error): whole ZMTP messages (frame lists) and commands"},
     {"chat_part_keys", py_chat_part_keys, METH_VARARGS,
      "chat_part_keys(messages, prefix, sep, suffix, generation, tag) -> (part keys, part lengths) or None"},
     {"encode_builtin", py_encode_builtin, METH_VARARGS,

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from infera.kv.native import native
+from infera.transport import zmtp
 from infera.transport.zmtp import (GREETING, ZmtpError, ZmtpSubProtocol, command, message_frame, parse_endpoint,
-                                   parse_properties)
+                                   parse_properties, split)
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "zmtp"
 SESSION = (FIX / "pub_session.bin").read_bytes()
@@ -16,6 +18,14 @@ EXPECTED = json.loads((FIX / "pub_session.json").read_text())
 WANT = [[bytes.fromhex(f) for f in m] for m in EXPECTED["messages"]]
 TOPIC = EXPECTED["topic"].encode()
 PINGS = SESSION.count(b"\x04PING")
+SPLITS = {"python": split, **({"native": native.zmtp_split} if native is not None else {})}
+
+
+@pytest.fixture(autouse=True, params=sorted(SPLITS))
+def splitter(request, monkeypatch):
+    """Every test with each frame splitter: the C accelerator's and the Python one."""
+    monkeypatch.setattr(zmtp, "_split", SPLITS[request.param])
+    return SPLITS[request.param]
 
 
 class FakeTransport:
@@ -137,3 +147,29 @@ def test_endpoints(endpoint, want):
 def test_bad_endpoints(endpoint):
     with pytest.raises(ValueError):
         parse_endpoint(endpoint)
+
+
+def test_the_splitters_agree_on_every_prefix_of_the_session():
+    body = SESSION[64:]  # after the greeting
+    for cut in range(len(body) + 1):
+        want = split(body[:cut], 0, 1 << 20)
+        if native is not None:
+            assert native.zmtp_split(body[:cut], 0, 1 << 20) == want, cut
+        items, ends, broken = want
+        assert broken is None and (not ends or ends[-1] <= cut)
+
+
+@pytest.mark.parametrize("stream, items, broken", [
+    (b"", [], None),
+    (b"\x01\x01a", [], None),  # a message's first frame, more to come
+    (b"\x01\x01a\x00\x01b", [[b"a", b"b"]], None),
+    (b"\x04\x02\x01X\x00\x00", [b"\x01X", [b""]], None),
+    (b"\x02" + (3).to_bytes(8, "big") + b"abc", [[b"abc"]], None),
+    (b"\x00\x01a\x01\x01b\x04\x01c", [[b"a"]], "a command among a message's frames"),
+    (b"\x00\x01a\x02" + (99).to_bytes(8, "big"), [[b"a"]], "a frame of 99 bytes (the limit is 10)"),
+])
+def test_split_cases(stream, items, broken):
+    for impl in SPLITS.values():
+        got_items, ends, why = impl(stream, 0, 10)
+        assert got_items == items and why == broken
+        assert len(ends) == len(items)
