@@ -1,12 +1,16 @@
-"""Multisets of block hashes: how many requests in flight on a target hold each block (the
-kv-aware policy's ``active``, its own requests' and other replicas').
+"""The kv-aware policy's per-target tables of block hashes, each the C accelerator's where it is
+built (u64 open addressing) else its Python twin here, with the same methods:
 
-``BlockCounter`` is the C accelerator's (``infera.kv._native.BlockCounter``, u64 open addressing)
-where it is built, else :class:`PyBlockCounter`; both have ``add``, ``remove``, ``run``, ``count``,
-``in``, ``len`` and ``items``. Block hashes are u64: the C one skips any other value it is given
-(a peer replica's bad message), the Python one counts it where no router hash can ever match it."""
+* ``BlockCounter``: how many requests in flight on a target hold each block (``active``: this
+  replica's requests and the other replicas'); ``add``, ``remove``, ``run``, ``count``, ``in``,
+  ``len``, ``items``. Block hashes are u64: the C one skips any other value it is given (a peer
+  replica's bad message), the Python one counts it where no router hash can ever match it.
+* ``LandedClaims``: blocks computed there by requests that finished, until the target's KV events
+  catch up (``landed``): hash -> (finished_at, expiry), oldest first; ``land``, ``extend``,
+  ``expire``, ``get``, ``in``, ``len``, iteration (oldest first)."""
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Sequence
 
 from infera.kv.native import native
@@ -51,4 +55,43 @@ class PyBlockCounter(dict):
         return list(dict.items(self))
 
 
+class PyLandedClaims(OrderedDict):
+    """block hash -> (finished_at, expiry), oldest first (an OrderedDict; see the module doc)."""
+
+    __slots__ = ()
+
+    def land(self, blocks: Sequence[int], finished_at: float, expiry: float, cap: int) -> None:
+        """Each block claimed (a claim already there keeps the later finish, takes the new expiry
+        and moves to the end), then the oldest dropped beyond ``cap``."""
+        get = OrderedDict.get
+        for h in blocks:
+            old = get(self, h)
+            self[h] = (finished_at, expiry) if old is None or old[0] <= finished_at else (old[0], expiry)
+            self.move_to_end(h)
+        while len(self) > cap:
+            self.popitem(last=False)
+
+    def extend(self, hashes: Sequence[int], hit: int, caught_up: float, now: float) -> int:
+        """``hit`` extended by the claims that still count (finished after ``caught_up``, not
+        expired); the oldest that no longer count are dropped first."""
+        while self:
+            finished, expiry = self[next(iter(self))]
+            if finished > caught_up and expiry > now:
+                break
+            self.popitem(last=False)
+        get = OrderedDict.get
+        n = len(hashes)
+        while 0 <= hit < n:
+            stamp = get(self, hashes[hit])
+            if stamp is None or stamp[0] <= caught_up or stamp[1] <= now:
+                break
+            hit += 1
+        return hit
+
+    def expire(self, now: float) -> None:
+        while self and self[next(iter(self))][1] <= now:
+            self.popitem(last=False)
+
+
 BlockCounter = native.BlockCounter if native is not None else PyBlockCounter
+LandedClaims = native.LandedClaims if native is not None else PyLandedClaims

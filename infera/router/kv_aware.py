@@ -50,7 +50,7 @@ import xxhash
 
 from infera.api.cache_hints import LONG, NO_HINTS, NONE, RETENTION_NAMES, CacheHints, parse_cache_hints
 from infera.discovery.record import WorkerRecord
-from infera.kv.counts import BlockCounter
+from infera.kv.counts import BlockCounter, LandedClaims
 from infera.kv.hashing import ROUTER_SEED, block_hash_array, tokens_le_bytes
 from infera.kv.native import native
 from infera.kv.prompt import ByteLRU, PromptTokenizer
@@ -314,8 +314,8 @@ class KvAwarePolicy:
         self.recent: dict[str, float] = {}
         self._picks = 0  # decay clock: remaining charge = charge × RECENT_DECAY^(picks since)
         self.mm_affinity: dict[str, OrderedDict[int, None]] = {}
-        # route key → {block hash: (wall time it finished, monotonic expiry)}, in order of arrival
-        self.landed: dict[str, OrderedDict[int, tuple[float, float]]] = {}
+        # route key → block hash → (wall time it finished, monotonic expiry), in order of arrival
+        self.landed: dict[str, LandedClaims] = {}
         self._block_sizes: set[int] = set()  # of the targets picked among: hashed ahead for big prompts
         self._layout_of: object = None  # the candidates _layout was made for
         self._layout: tuple[list, int] = ([], 0)
@@ -562,25 +562,15 @@ class KvAwarePolicy:
     def _held(self, key: str) -> int:
         return self._block_count(key) if self._block_count is not None else 0
 
-    def _with_landed(self, key: str, hashes: list[int], hit: int, now: float) -> int:
-        """``hit`` extended by blocks served on ``key`` that its events have not caught up with."""
+    def _with_landed(self, key: str, hashes: Sequence[int], hit: int, now: float) -> int:
+        """``hit`` extended by blocks served on ``key`` that its events have not caught up with
+        (each block checked: entries from other replicas arrive a little out of order, so one
+        behind a valid one may already be caught up with)."""
         landed = self.landed.get(key)
         if not landed:
             return hit
         caught_up = self._events_made_until(key) if self._events_made_until is not None else 0.0
-        while landed:
-            finished, expiry = landed[next(iter(landed))]
-            if finished > caught_up and expiry > now:
-                break
-            landed.popitem(last=False)
-        # Each block checked too: entries from other replicas arrive a little out of order, so one
-        # behind a valid one may already be caught up with.
-        while hit < len(hashes):
-            stamp = landed.get(hashes[hit])
-            if stamp is None or stamp[0] <= caught_up or stamp[1] <= now:
-                break
-            hit += 1
-        return hit
+        return landed.extend(hashes, hit, caught_up, now)
 
     def _charge(self, key: str, missed: int, total: int) -> float:
         # Decay per pick (not wall clock): bounded by the fleet size, not its history.
@@ -710,21 +700,16 @@ class KvAwarePolicy:
                 blocks = blocks[held:]
                 if not blocks:
                     return
-        landed = self.landed.setdefault(key, OrderedDict())
-        stamp = (finished_at, self.clock() + LANDED_TTL_S)
-        for h in blocks:
-            old = landed.get(h)
-            landed[h] = stamp if old is None or old[0] <= finished_at else (old[0], stamp[1])
-            landed.move_to_end(h)
-        while len(landed) > LANDED_CAP:
-            landed.popitem(last=False)
+        landed = self.landed.get(key)
+        if landed is None:
+            landed = self.landed[key] = LandedClaims()
+        landed.land(blocks, finished_at, self.clock() + LANDED_TTL_S, LANDED_CAP)
 
     def sweep_landed(self, now: float) -> None:
         """Drop expired landed claims of every target (a target no pick looks at keeps none)."""
         for key in list(self.landed):
             landed = self.landed[key]
-            while landed and landed[next(iter(landed))][1] <= now:
-                landed.popitem(last=False)
+            landed.expire(now)
             if not landed:
                 del self.landed[key]
 

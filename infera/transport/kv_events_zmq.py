@@ -44,6 +44,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from time import monotonic as _monotonic
 from typing import Callable
 
 import xxhash
@@ -91,7 +92,7 @@ class _KeyState:
     pending: list[list[bytes]] = field(default_factory=list)  # read while not live, for the task
     wake: asyncio.Event | None = None
     last_seq: int | None = None  # last seq delivered (None: nothing since the last reset)
-    last_digest: int = 0  # of the payload delivered as last_seq
+    last_payload: bytes = b""  # the payload delivered as last_seq (a gap's replay checks it against its own)
     # seq -> payload digest of batches delivered by replay and not yet seen live: a live copy of
     # one of them is a duplicate; anything else at seq <= last_seq means the engine restarted.
     replayed: dict[int, int] = field(default_factory=dict)
@@ -264,11 +265,26 @@ class ZmqKvEventSubscriber(KvCallbacks):
 
     def _on_frames(self, st: _KeyState, frames: list[bytes]) -> None:
         """A message from the connection. The common case, the next batch in sequence, is delivered
-        here; anything else pauses the connection and goes to the task."""
+        here (``_in_order``, ``_deliver`` and ``_emit`` inlined: this runs for every batch);
+        anything else pauses the connection and goes to the task."""
         if st.conn is None:
             return
         try:
             if st.live and st.slow is None:
+                if len(frames) == 3 and not st.replayed and st.last_seq is not None:
+                    seq = frames[1]
+                    if len(seq) == 8 and int.from_bytes(seq, "big") == st.last_seq + 1:
+                        payload = frames[2]
+                        st.last_seq += 1
+                        st.last_payload = payload
+                        st.batches += 1
+                        st.last_batch_at = _monotonic()
+                        try:
+                            self.on_batch(st.key, st.last_seq, payload)
+                        except Exception:
+                            st.callback_errors += 1
+                            log.exception("KV events %s: on_batch failed for seq %d", st.key, st.last_seq)
+                        return
                 if self._in_order(st, frames):
                     return
                 st.live = False
@@ -409,7 +425,7 @@ class ZmqKvEventSubscriber(KvCallbacks):
             self._reset(st)
             return
         anchor = next((p for s, p in batches if s == last), None)
-        if anchor is not None and _digest(anchor) != st.last_digest:
+        if anchor is not None and anchor != st.last_payload:
             st.restarts += 1
             log.info("KV events %s: the replayed batch %d differs from the one delivered (engine restart?): "
                      "resetting", st.key, last)
@@ -487,5 +503,5 @@ class ZmqKvEventSubscriber(KvCallbacks):
     def _deliver(self, st: _KeyState, seq: int, payload: bytes, *, track: bool = True) -> None:
         if track:
             st.last_seq = seq
-            st.last_digest = _digest(payload)
+            st.last_payload = payload
         self._emit(st, seq, payload)

@@ -534,3 +534,37 @@ def test_prompt_ids_are_the_same_with_and_without_the_accelerator(monkeypatch):
     monkeypatch.setattr("infera.kv.prompt.native", None)
     monkeypatch.setattr("infera.kv.tokenizer.native", None)
     assert ids(PromptTokenizer.from_path(None, prefix_chars=2000)) == with_native
+
+
+# --- LandedClaims ---------------------------------------------------------------------------------
+
+from infera.kv.counts import PyLandedClaims  # noqa: E402
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_landed_claims_agree_with_the_ordered_dict_one(seed):
+    rng = random.Random(seed)
+    universe = [rng.getrandbits(64) for _ in range(60)]
+    c, d = native.LandedClaims(), PyLandedClaims()
+    now = 100.0
+    for step in range(2000):
+        now += rng.random()
+        r = rng.random()
+        if r < 0.45:
+            blocks = rng.sample(universe, rng.randrange(0, 15))
+            given = array("Q", blocks) if step % 2 else blocks
+            finished = now - rng.random() * 3
+            cap = rng.choice([5, 30, 1 << 16])
+            c.land(given, finished, now + 2.0, cap)
+            d.land(given, finished, now + 2.0, cap)
+        elif r < 0.9:
+            hashes = rng.sample(universe, 20)
+            hit = rng.randrange(0, 5)
+            caught_up = now - rng.random() * 4
+            assert c.extend(array("Q", hashes), hit, caught_up, now) == d.extend(hashes, hit, caught_up, now)
+        else:
+            c.expire(now)
+            d.expire(now)
+        assert list(c) == list(d) and len(c) == len(d)
+        probe = rng.choice(universe)
+        assert (probe in c) == (probe in d) and c.get(probe) == d.get(probe)
