@@ -961,11 +961,22 @@ h_has_bit(const Holders *h, uint64_t key, int bit)
 /* ------------------------------------------------------------------------------------------ */
 /* GpuView                                                                                     */
 
+/* Counters of one apply() or apply_payload() call. */
+typedef struct {
+    Py_ssize_t stored_events, stored_blocks, removed_events, removed_blocks;
+    Py_ssize_t dropped_events, skipped_events, misaligned_events, other_block_size;
+} ApplyCounts;
+
+/* The event counters a target's applies accumulate (TargetStats' fields of the same names). */
+enum { C_STORED_EVENTS, C_STORED_BLOCKS, C_REMOVED_EVENTS, C_REMOVED_BLOCKS, C_DROPPED, C_SKIPPED, C_MISALIGNED,
+       N_COUNTERS };
+
 typedef struct {
     Map64 emap;         /* engine hash (folded to u64) -> router hash */
     Py_ssize_t count;   /* router hashes whose entry has this target's bit */
     int unmapped;       /* the view may hold router hashes no emap value names */
     int live;
+    Py_ssize_t counters[N_COUNTERS];
 } Target;
 
 typedef struct {
@@ -1185,6 +1196,7 @@ GpuView_add(GpuView *v, PyObject *arg)
     t->count = 0;
     t->unmapped = 0;
     t->live = 1;
+    memset(t->counters, 0, sizeof(t->counters));
     Py_RETURN_NONE;
 }
 
@@ -1284,6 +1296,30 @@ GpuView_mapped(GpuView *v, PyObject *arg)
     if (parse_bit(v, arg, &bit) < 0)
         return NULL;
     return PyLong_FromUnsignedLongLong(v->targets[bit].emap.n);
+}
+
+/* counters(bit) -> (stored_events, stored_blocks, removed_events, removed_blocks, dropped_events,
+ * skipped_events, misaligned_events) since the target was added */
+static PyObject *
+GpuView_counters(GpuView *v, PyObject *arg)
+{
+    int bit;
+    if (parse_bit(v, arg, &bit) < 0)
+        return NULL;
+    Py_ssize_t *c = v->targets[bit].counters;
+    return Py_BuildValue("(nnnnnnn)", c[0], c[1], c[2], c[3], c[4], c[5], c[6]);
+}
+
+static void
+add_counts(Target *t, const ApplyCounts *c)
+{
+    t->counters[C_STORED_EVENTS] += c->stored_events;
+    t->counters[C_STORED_BLOCKS] += c->stored_blocks;
+    t->counters[C_REMOVED_EVENTS] += c->removed_events;
+    t->counters[C_REMOVED_BLOCKS] += c->removed_blocks;
+    t->counters[C_DROPPED] += c->dropped_events;
+    t->counters[C_SKIPPED] += c->skipped_events;
+    t->counters[C_MISALIGNED] += c->misaligned_events;
 }
 
 static Py_ssize_t
@@ -1542,11 +1578,6 @@ scratch_get(Scratch *s, Py_ssize_t need)
     return s->heap;
 }
 
-/* Counters of one apply() call, in the order of its result tuple. */
-typedef struct {
-    Py_ssize_t stored_events, stored_blocks, removed_events, removed_blocks;
-    Py_ssize_t dropped_events, skipped_events, misaligned_events, other_block_size;
-} ApplyCounts;
 
 /* 1 when ``medium`` names the GPU tier (None, or "GPU" in any case), 0 when a lower tier (or an
  * unusual spelling the caller's lower_tier() decides), -1 on error */
@@ -1731,16 +1762,16 @@ apply_stored(GpuView *v, int bit, Py_ssize_t bs, PyObject *ev, PyObject *lower_p
     return 1;
 }
 
-/* apply(bit, block_size, events, start, lower_parent) -> (next, stored_events, stored_blocks,
- * removed_events, removed_blocks, dropped_events, skipped_events, misaligned_events,
- * other_block_size)
+/* apply(bit, block_size, events, start, lower_parent) -> (next, applied, other_block_size)
  *
  * Applies events[start:] in order up to the first one it leaves to the caller, whose position is
  * ``next`` (len(events) when none): a BlockStored or BlockRemoved on a lower tier, an
  * AllBlocksCleared, an event of another type, or a BlockStored whose parent is neither in the map
  * nor found by ``lower_parent`` (a callable of the engine hash returning a router hash or None;
- * None: the target has no lower tier). ``other_block_size``: the first block size an event
- * reported that is not ``block_size`` (0: none; the blocks are hashed with ``block_size``). */
+ * None: the target has no lower tier). ``applied``: the GPU block events applied (blocks stored
+ * plus engine hashes removed that resolved); the target's ``counters`` are added to.
+ * ``other_block_size``: the first block size an event reported that is not ``block_size`` (0:
+ * none; the blocks are hashed with ``block_size``). */
 static PyObject *
 GpuView_apply(GpuView *v, PyObject *args)
 {
@@ -1791,9 +1822,10 @@ GpuView_apply(GpuView *v, PyObject *args)
     }
     PyMem_Free(scratch.heap);
     Py_DECREF(seq);
-    return Py_BuildValue("(nnnnnnnnn)", i, c.stored_events, c.stored_blocks, c.removed_events, c.removed_blocks,
-                         c.dropped_events, c.skipped_events, c.misaligned_events, c.other_block_size);
+    add_counts(&v->targets[bit], &c);
+    return Py_BuildValue("(nnn)", i, c.stored_blocks + c.removed_blocks, c.other_block_size);
 fail:
+    add_counts(&v->targets[bit], &c); /* what was applied before the error counts */
     PyMem_Free(scratch.heap);
     Py_DECREF(seq);
     return NULL;
@@ -2235,8 +2267,7 @@ parse_event(GpuView *v, Cur *c, RawEvent *ev)
     return -1;
 }
 
-/* apply_payload(bit, block_size, payload) -> (ts, stored_events, stored_blocks, removed_events,
- * removed_blocks, dropped_events, skipped_events, misaligned_events, other_block_size) or None
+/* apply_payload(bit, block_size, payload) -> (applied, ts, other_block_size) or None
  *
  * A map-form batch ``[ts, [event maps...], dp_rank?]`` of GPU BlockStored/BlockRemoved events
  * (what vLLM, SGLang >= 0.5.22 and the simulator send in steady state), applied as ``apply`` does
@@ -2401,8 +2432,8 @@ GpuView_apply_payload(GpuView *v, PyObject *args)
     }
     PyMem_Free(ids);
     PyMem_Free(scratch.heap);
-    result = Py_BuildValue("(dnnnnnnnn)", ts, n.stored_events, n.stored_blocks, n.removed_events, n.removed_blocks,
-                           n.dropped_events, n.skipped_events, n.misaligned_events, n.other_block_size);
+    add_counts(&v->targets[bit], &n);
+    result = Py_BuildValue("(ndn)", n.stored_blocks + n.removed_blocks, ts, n.other_block_size);
 done:
     if (result == Py_None)
         Py_INCREF(result);
@@ -2418,6 +2449,7 @@ static PyMethodDef GpuView_methods[] = {
     {"drop", (PyCFunction)GpuView_drop, METH_O, "drop(bit): empty the target's view and map"},
     {"count", (PyCFunction)GpuView_count, METH_O, "count(bit): router hashes in the target's view"},
     {"mapped", (PyCFunction)GpuView_mapped, METH_O, "mapped(bit): engine hashes the target can resolve"},
+    {"counters", (PyCFunction)GpuView_counters, METH_O, "counters(bit): the target's event counters"},
     {"holds", (PyCFunction)GpuView_holds, METH_VARARGS, "holds(bit, router_hash) -> bool"},
     {"emap_get", (PyCFunction)GpuView_emap_get, METH_VARARGS, "emap_get(bit, engine_hash) -> router hash or None"},
     {"emap_values", (PyCFunction)GpuView_emap_values, METH_O, "emap_values(bit) -> the router hashes mapped"},

@@ -54,12 +54,14 @@ calls hold the GIL, so a tokenizer thread's ``first_unheld`` never sees a table 
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import struct
 import sys
 import time
 from array import array
+from time import monotonic as _monotonic
 from itertools import islice
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
@@ -675,22 +677,10 @@ class NativeKvIndex(PyKvIndex):
         i = 0
         while True:
             lower_parent = (lambda parent, t=t: self._lower_parent(t, None, parent)) if t.lower else None
-            (i, stored_events, stored_blocks, removed_events, removed_blocks, dropped, skipped, misaligned,
-             other_bs) = view_apply(t.bit, t.block_size, events, i, lower_parent)
-            if stored_events or dropped or skipped:
-                st.stored_events += stored_events
-                st.stored_blocks += stored_blocks
-                st.dropped_events += dropped
-                st.skipped_events += skipped
-                st.misaligned_events += misaligned
-            if removed_events:
-                st.removed_events += removed_events
-                st.removed_blocks += removed_blocks
-            applied += stored_blocks + removed_blocks
-            if other_bs and not t.warned_bs:
-                t.warned_bs = True
-                log.warning("kv index: %s reports block_size %d but registered %d; hashing with %d",
-                            t.key, other_bs, t.block_size, t.block_size)
+            i, done, other_bs = view_apply(t.bit, t.block_size, events, i, lower_parent)
+            applied += done
+            if other_bs:
+                self._warn_block_size(t, other_bs)
             if i >= n:
                 break
             applied += self._apply_one(t, events[i])
@@ -700,6 +690,29 @@ class NativeKvIndex(PyKvIndex):
         if batch.ts > st.last_batch_ts:
             st.last_batch_ts = batch.ts
         return applied
+
+    def _warn_block_size(self, t: _Target, other: int) -> None:
+        if not t.warned_bs:
+            t.warned_bs = True
+            log.warning("kv index: %s reports block_size %d but registered %d; hashing with %d",
+                        t.key, other, t.block_size, t.block_size)
+
+    def stats(self, key: str) -> Optional[TargetStats]:
+        """A snapshot (the event counters live in the C view; the rest in ``t.stats``)."""
+        t = self._targets.get(key)
+        if t is None:
+            return None
+        snap = dataclasses.replace(t.stats)
+        (stored_events, stored_blocks, removed_events, removed_blocks, dropped, skipped,
+         misaligned) = self._view.counters(t.bit)
+        snap.stored_events += stored_events
+        snap.stored_blocks += stored_blocks
+        snap.removed_events += removed_events
+        snap.removed_blocks += removed_blocks
+        snap.dropped_events += dropped
+        snap.skipped_events += skipped
+        snap.misaligned_events += misaligned
+        return snap
 
     def apply_payload(self, key: str, payload: bytes) -> Optional[tuple[int, float]]:
         """A map-form batch of GPU stores and removals applied straight from its msgpack bytes
@@ -714,25 +727,15 @@ class NativeKvIndex(PyKvIndex):
         r = self._view.apply_payload(t.bit, t.block_size, payload)
         if r is None:
             return None
-        ts, stored_events, stored_blocks, removed_events, removed_blocks, dropped, skipped, misaligned, other_bs = r
+        applied, ts, other_bs = r
+        if other_bs:
+            self._warn_block_size(t, other_bs)
         st = t.stats
-        st.stored_events += stored_events
-        st.stored_blocks += stored_blocks
-        st.removed_events += removed_events
-        st.removed_blocks += removed_blocks
-        if dropped or skipped or misaligned:
-            st.dropped_events += dropped
-            st.skipped_events += skipped
-            st.misaligned_events += misaligned
-        if other_bs and not t.warned_bs:
-            t.warned_bs = True
-            log.warning("kv index: %s reports block_size %d but registered %d; hashing with %d",
-                        t.key, other_bs, t.block_size, t.block_size)
         st.batches += 1
-        st.last_apply = time.monotonic()
+        st.last_apply = _monotonic()
         if ts > st.last_batch_ts:
             st.last_batch_ts = ts
-        return stored_blocks + removed_blocks, ts
+        return applied, ts
 
     def _apply_one(self, t: _Target, ev: object) -> int:
         """An event ``GpuView.apply`` left to Python: a lower-tier one, a clear, or an unknown type
@@ -761,28 +764,20 @@ class NativeKvIndex(PyKvIndex):
                 return 0
         tier = lower_tier(ev.medium)
         if tier is None:  # a spelling of the GPU tier the view did not take as one: as a GPU event
-            before = st.stored_blocks + st.removed_blocks
-            self._apply_gpu(t, [msgspec.structs.replace(ev, medium=None)])
-            return st.stored_blocks + st.removed_blocks - before
+            return self._apply_gpu(t, [msgspec.structs.replace(ev, medium=None)])
         if tp is Stored:
             self._store_lower(t, tier, ev)
         else:
             self._remove_lower(t, tier, ev.block_hashes)
         return 0
 
-    def _apply_gpu(self, t: _Target, events: list) -> None:
-        """GPU events through the view, counted (no batch bookkeeping)."""
-        st = t.stats
+    def _apply_gpu(self, t: _Target, events: list) -> int:
+        """GPU events through the view (no batch bookkeeping); returns the block events applied."""
         lower_parent = (lambda parent: self._lower_parent(t, None, parent)) if t.lower else None
-        (_, stored_events, stored_blocks, removed_events, removed_blocks, dropped, skipped, misaligned,
-         _) = self._view.apply(t.bit, t.block_size, events, 0, lower_parent)
-        st.stored_events += stored_events
-        st.stored_blocks += stored_blocks
-        st.removed_events += removed_events
-        st.removed_blocks += removed_blocks
-        st.dropped_events += dropped
-        st.skipped_events += skipped
-        st.misaligned_events += misaligned
+        _, applied, other_bs = self._view.apply(t.bit, t.block_size, events, 0, lower_parent)
+        if other_bs:
+            self._warn_block_size(t, other_bs)
+        return applied
 
     def match(self, hashes: Sequence[int], keys: Sequence[str]) -> list[int]:
         targets = self._targets

@@ -29,7 +29,7 @@ import msgspec
 
 from infera.api.errors import ApiError
 from infera.discovery.record import WorkerRecord
-from infera.router.upstream import TAIL_BYTES, LegFailure, Opened, Relay, midstream_error_event
+from infera.router.upstream import LegFailure, Opened, Relay, StreamTail, midstream_error_event
 from infera.transport.http import UpstreamError
 
 log = logging.getLogger(__name__)
@@ -342,11 +342,12 @@ class MigratingRelay(Relay):
 
     async def _chunks(self) -> AsyncIterator[bytes]:
         tracker, on_tail = self._tracker, self._on_tail
-        tail = b""
+        tail = StreamTail()
         try:
             out = tracker.feed(self._opened.first)
             if out:
-                tail = out[-TAIL_BYTES:]
+                if on_tail is not None:
+                    tail.add(out)
                 yield out
             while True:
                 resp = self._opened.resp
@@ -359,7 +360,7 @@ class MigratingRelay(Relay):
                     out = tracker.feed(chunk)
                     if out:
                         if on_tail is not None:
-                            tail = (tail + out)[-TAIL_BYTES:]
+                            tail.add(out)
                         yield out
                     if not tracker.aborted:
                         continue
@@ -397,9 +398,9 @@ class MigratingRelay(Relay):
                 out = tracker.feed(opened.first)
                 if out:
                     if on_tail is not None:
-                        tail = (tail + out)[-TAIL_BYTES:]
+                        tail.add(out)
                     yield out
             if on_tail is not None:
-                on_tail(tail)
+                on_tail(tail.bytes())
         finally:
             self._finish()

@@ -23,6 +23,7 @@ class NoSubscriber:
     def add(self, *a) -> None: ...
     def remove(self, *a) -> None: ...
     def stats(self, key): return {}
+    def replaying(self, key) -> bool: return False
 
 
 def bridge() -> KvEventsBridge:

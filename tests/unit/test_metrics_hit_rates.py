@@ -28,6 +28,7 @@ class NoSubscriber:
     def add(self, *a) -> None: ...
     def remove(self, *a) -> None: ...
     def stats(self, key): return {}
+    def replaying(self, key) -> bool: return False
 
 
 def request(key: str, hit_blocks: int, prompt: int, more: int = 0) -> RoutedRequest:

@@ -75,3 +75,15 @@ def test_broken_stream_ends_with_an_error_event():
     assert chunks[0] == b"data: 1\n\n"
     assert json.loads(chunks[-1][5:])["error"]["code"] == "worker_failed_midstream"
     assert done == [1] and resp.released == 1
+
+
+@pytest.mark.parametrize("sizes", [[10], [3000], [100] * 50, [5, 2047, 1, 1], [2048, 2048], [0, 7, 0], [1] * 4000])
+def test_stream_tail_is_the_last_bytes_whatever_the_chunking(sizes):
+    from infera.router.upstream import TAIL_BYTES, StreamTail
+
+    chunks = [bytes([i % 251]) * n for i, n in enumerate(sizes)]
+    tail = StreamTail()
+    for c in chunks:
+        tail.add(c)
+    assert tail.bytes() == b"".join(chunks)[-TAIL_BYTES:]
+    assert len(tail.chunks) <= 1 + TAIL_BYTES  # only what the tail needs is kept
