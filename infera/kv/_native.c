@@ -39,7 +39,6 @@ typedef struct { uint64_t low64, high64; } xxh128_t;
 typedef uint64_t (*xxh3_64_fn)(const void *, size_t);
 typedef uint64_t (*xxh3_64_seed_fn)(const void *, size_t, uint64_t);
 typedef void *(*xxh3_create_fn)(void);
-typedef int (*xxh3_free_fn)(void *);
 typedef int (*xxh3_reset_fn)(void *);
 typedef int (*xxh3_update_fn)(void *, const void *, size_t);
 typedef xxh128_t (*xxh3_digest128_fn)(const void *);
@@ -47,10 +46,12 @@ typedef xxh128_t (*xxh3_digest128_fn)(const void *);
 static xxh3_64_fn XXH3_64;
 static xxh3_64_seed_fn XXH3_64_seed;
 static xxh3_create_fn XXH3_create;
-static xxh3_free_fn XXH3_free;
 static xxh3_reset_fn XXH3_128_reset;
 static xxh3_update_fn XXH3_128_update;
 static xxh3_digest128_fn XXH3_128_digest;
+/* Two streaming states made once (a state is ~600 bytes, aligned: malloc'd per call it cost more than
+ * hashing a short prompt). Every user holds the GIL and none calls back into Python while using one. */
+static void *xxh_state, *xxh_state_whole;
 
 static int
 load_xxhash(void)
@@ -83,11 +84,16 @@ load_xxhash(void)
     SYM(XXH3_64, xxh3_64_fn, "XXH3_64bits");
     SYM(XXH3_64_seed, xxh3_64_seed_fn, "XXH3_64bits_withSeed");
     SYM(XXH3_create, xxh3_create_fn, "XXH3_createState");
-    SYM(XXH3_free, xxh3_free_fn, "XXH3_freeState");
     SYM(XXH3_128_reset, xxh3_reset_fn, "XXH3_128bits_reset");
     SYM(XXH3_128_update, xxh3_update_fn, "XXH3_128bits_update");
     SYM(XXH3_128_digest, xxh3_digest128_fn, "XXH3_128bits_digest");
 #undef SYM
+    xxh_state = XXH3_create();
+    xxh_state_whole = XXH3_create();
+    if (xxh_state == NULL || xxh_state_whole == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
     return 0;
 }
 
@@ -308,12 +314,7 @@ py_prefix_keys(PyObject *self, PyObject *args)
         goto done;
     if (nkeys == 0)
         goto done;
-    state = XXH3_create();
-    if (state == NULL) {
-        Py_CLEAR(out);
-        PyErr_NoMemory();
-        goto done;
-    }
+    state = xxh_state;
     XXH3_128_reset(state);
     const char *p = data.buf;
     for (Py_ssize_t k = 0; k < nkeys; k++) {
@@ -333,15 +334,13 @@ py_prefix_keys(PyObject *self, PyObject *args)
         PyList_SET_ITEM(out, k, key);
     }
 done:
-    if (state != NULL)
-        XXH3_free(state);
     PyBuffer_Release(&data);
     PyBuffer_Release(&tag);
     return out;
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* chat_part_keys(messages, prefix, sep, suffix, generation, tag)                             */
+/* chat_part_keys(messages, prefix, sep, suffix, generation, tag, whole_tag)                  */
 
 static PyObject *S_role, *S_content;
 
@@ -393,17 +392,18 @@ message_field(PyObject *m, PyObject *name)
 /* The keys under which a chat rendered a message at a time (prefix + role + sep + content +
  * suffix per message, then the generation prompt) has its parts' token ids cached: XXH3-128 of
  * each part's UTF-8 (canonical digest) + tag, exactly the keys of the rendered strings, computed
- * without rendering them; and the parts' lengths in characters. None when a message is not plain
+ * without rendering them; the parts' lengths in characters; and the whole prompt's key, XXH3-128
+ * of the parts' keys + whole_tag. None when a message is not plain
  * (a role that is not a non-empty str, content that is not a str or None, text UTF-8 cannot
  * hold) or there is none: the caller renders those itself. */
 static PyObject *
 py_chat_part_keys(PyObject *self, PyObject *args)
 {
     PyObject *messages, *prefix, *sep, *suffix, *generation;
-    const char *part_tag;
-    Py_ssize_t part_tag_len;
-    if (!PyArg_ParseTuple(args, "OUUUUy#:chat_part_keys", &messages, &prefix, &sep, &suffix, &generation,
-                          &part_tag, &part_tag_len))
+    const char *part_tag, *whole_tag;
+    Py_ssize_t part_tag_len, whole_tag_len;
+    if (!PyArg_ParseTuple(args, "OUUUUy#y#:chat_part_keys", &messages, &prefix, &sep, &suffix, &generation,
+                          &part_tag, &part_tag_len, &whole_tag, &whole_tag_len))
         return NULL;
     PyObject *seq = PySequence_Fast(messages, "messages must be a sequence");
     if (seq == NULL)
@@ -415,12 +415,10 @@ py_chat_part_keys(PyObject *self, PyObject *args)
     }
     PyObject **items = PySequence_Fast_ITEMS(seq);
     PyObject *keys = PyList_New(n + 1), *lengths = PyList_New(n + 1), *result = NULL;
-    void *state = XXH3_create();
-    if (keys == NULL || lengths == NULL || state == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_NoMemory();
+    void *state = xxh_state, *whole = xxh_state_whole;
+    if (keys == NULL || lengths == NULL)
         goto done;
-    }
+    XXH3_128_reset(whole);
     Py_ssize_t affixes = PyUnicode_GET_LENGTH(prefix) + PyUnicode_GET_LENGTH(sep) + PyUnicode_GET_LENGTH(suffix);
     for (Py_ssize_t i = 0; i <= n; i++) {
         Py_ssize_t chars;
@@ -466,13 +464,16 @@ py_chat_part_keys(PyObject *self, PyObject *args)
             Py_XDECREF(len);
             goto done;
         }
+        XXH3_128_update(whole, PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key));
         PyList_SET_ITEM(keys, i, key);
         PyList_SET_ITEM(lengths, i, len);
     }
-    result = PyTuple_Pack(2, keys, lengths);
+    {
+        PyObject *whole_key = key_bytes(XXH3_128_digest(whole), whole_tag, whole_tag_len);
+        if (whole_key != NULL)
+            result = Py_BuildValue("(NOO)", whole_key, keys, lengths);
+    }
 done:
-    if (state != NULL)
-        XXH3_free(state);
     Py_XDECREF(keys);
     Py_XDECREF(lengths);
     Py_DECREF(seq);
@@ -3063,7 +3064,8 @@ static PyMethodDef module_methods[] = {
     {"zmtp_split", py_zmtp_split, METH_VARARGS,
      "zmtp_split(buf, start, max_frame) -> (items, ends, error): whole ZMTP messages (frame lists) and commands"},
     {"chat_part_keys", py_chat_part_keys, METH_VARARGS,
-     "chat_part_keys(messages, prefix, sep, suffix, generation, tag) -> (part keys, part lengths) or None"},
+     "chat_part_keys(messages, prefix, sep, suffix, generation, tag, whole_tag) -> (whole key, part keys, "
+     "part lengths) or None"},
     {"encode_builtin", py_encode_builtin, METH_VARARGS,
      "encode_builtin(text, specials=False) -> the built-in tokenizer's ids of ASCII text, or None"},
     {NULL},

@@ -66,6 +66,10 @@ _THREAD_THRESHOLD_CHARS = 4096
 # costs more than encoding a chat turn's new message (a few hundred characters). A new document
 # (thousands of characters) is where stopping early pays (bench/kv_path.py, "rag").
 _HORIZON_MIN_CHARS = 2048
+# A plain chat (``chat_parts``) is cached whole too when it is this short: a repeated short prompt
+# is then one lookup. A long one is not (its parts are): a conversation's every turn is a new prompt,
+# and whole copies of a long history would fill the cache for prompts rarely asked again.
+_WHOLE_CHARS = 4096
 # Pieces remembered as probed (see _pieces_steps): 16-byte keys, ~1.6 MB at most.
 _PROBED_CAP = 8192
 # On the loop, steps run back to back for up to this long before the loop gets a turn.
@@ -249,14 +253,14 @@ class PromptTokenizer:
         if route == "/v1/chat/completions":
             if self._chatml is not None:
                 # A ChatML chat of plain messages, keyed a message at a time in C without rendering
-                # it; a part is rendered only where its ids are not cached, and the whole prompt
-                # is not cached (no key): its parts are. bench/kv_path.py, "shared".
-                keyed = native.chat_part_keys(parsed.messages, *self._chatml, b"m")
+                # it (its whole key is made of its parts' keys); a part is rendered only where its
+                # ids are not cached. bench/kv_path.py, "shared".
+                keyed = native.chat_part_keys(parsed.messages, *self._chatml, b"m", b"k")
                 if keyed is not None:
-                    keys, lengths = keyed
+                    whole, keys, lengths = keyed
                     chars = sum(lengths)
                     if chars <= self.prefix_chars:
-                        return None, ("chat_parts", (parsed.messages, keys, lengths)), chars
+                        return whole, ("chat_parts", (parsed.messages, keys, lengths)), chars
             raw = _encode_json(parsed.messages)
             return xxhash.xxh3_128_digest(raw) + b"c", ("chat", parsed.messages), len(raw)
         prompt = parsed.prompt
@@ -462,9 +466,16 @@ class PromptTokenizer:
         value to ``token_ids(keyed=...)`` for the same request, so the prompt is not keyed twice (a
         10 KB conversation is JSON-encoded and hashed for its key)."""
         keyed = self._key_and_work(route, parsed)
-        key, work, _ = keyed
+        key, work, chars = keyed
         if work[0] == "chat_parts":
-            return self._parts_now(work[1]), keyed
+            cached = self.cache.get(key) if chars <= _WHOLE_CHARS else None
+            if cached is not None:
+                self.hits += 1
+                return cached, keyed
+            ids = self._parts_now(work[1])
+            if ids is not None and chars <= _WHOLE_CHARS:
+                self.cache.put(key, ids)
+            return ids, keyed
         if key is None:
             return None, keyed
         cached = self.cache.get(key)
@@ -476,9 +487,7 @@ class PromptTokenizer:
         """A plain chat's ids (``chat_parts`` work) assembled from its parts' cached ids, the
         missing parts encoded here when they are short (under ``_HORIZON_MIN_CHARS`` in all: the
         horizon is not used below that, and encoding them costs less than a loop turn); None when
-        they are not (``token_ids`` then encodes them, a step at a time, up to its horizon). The
-        whole prompt is not cached: its parts are, and it is rarely asked again as is (every turn
-        of a conversation is a new prompt)."""
+        they are not (``token_ids`` then encodes them, a step at a time, up to its horizon)."""
         messages, keys, lengths = value
         get = self.cache.get
         found = [get(k) for k in keys]
@@ -512,13 +521,11 @@ class PromptTokenizer:
         told where the encoding stopped. Pieces are then encoded in order, a new piece's first
         words first, and the ids end where it is reached: a prefix of the prompt's ids, not cached
         as the whole prompt's."""
-        key, work, size = keyed if keyed is not None else self._key_and_work(route, parsed)
         if keyed is None:
-            cached = self.cache.get(key) if key is not None else (
-                self._parts_now(work[1]) if work[0] == "chat_parts" else None)
+            cached, keyed = self.lookup(route, parsed)
             if cached is not None:
-                self.hits += key is not None
                 return cached
+        key, work, size = keyed
         self.misses += 1
         lazy = _LazyHorizon(horizon) if horizon is not None and work[0] in ("chat", "chat_parts") else None
         try:
@@ -531,7 +538,8 @@ class PromptTokenizer:
         except Exception as exc:  # template errors, odd content: route by load, let the engine answer
             log.debug("router tokenization failed: %s", exc)
             ids = array(_U32)
-        if key is not None and (lazy is None or not lazy.stopped):
+        whole = work[0] != "chat_parts" or size <= _WHOLE_CHARS  # (a long plain chat: its parts are cached)
+        if key is not None and whole and (lazy is None or not lazy.stopped):
             self.cache.put(key, ids)
         return ids
 

@@ -497,10 +497,11 @@ def _parsed(messages):
 ])
 def test_chat_part_keys_are_the_rendered_parts_keys(messages):
     parsed = _parsed(messages)
-    keys, lengths = native.chat_part_keys(parsed.messages, *CHATML_AFFIXES, b"m")
+    whole, keys, lengths = native.chat_part_keys(parsed.messages, *CHATML_AFFIXES, b"m", b"k")
     parts = chatml_parts(normalize_messages([{"role": m["role"], "content": m["content"] or ""} for m in messages]))
     assert keys == [xxhash.xxh3_128_digest(p.encode()) + b"m" for p in parts]
     assert lengths == [len(p) for p in parts]
+    assert whole == xxhash.xxh3_128_digest(b"".join(keys)) + b"k"
 
 
 @pytest.mark.parametrize("messages", [
@@ -511,7 +512,7 @@ def test_chat_part_keys_are_the_rendered_parts_keys(messages):
 ])
 def test_chat_part_keys_leave_other_messages_to_python(messages):
     # (as dicts: a request body cannot carry a lone surrogate, msgspec refuses it)
-    assert native.chat_part_keys(messages, *CHATML_AFFIXES, b"m") is None
+    assert native.chat_part_keys(messages, *CHATML_AFFIXES, b"m", b"k") is None
 
 
 def test_prompt_ids_are_the_same_with_and_without_the_accelerator(monkeypatch):
