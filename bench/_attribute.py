@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import gc
 import importlib.abc
 import importlib.machinery
 import inspect
@@ -27,11 +28,17 @@ from typing import Any, Callable
 # module -> [(class, method)]: what is timed
 TIMED: dict[str, list[tuple[str, str]]] = {
     "infera.router.kv_aware": [("KvAwarePolicy", n) for n in (
-        "prepare_cached", "prepare", "pick", "on_started", "on_finished", "_land", "_count_in", "_count_out")]
+        "prepare_cached", "prepare", "pick", "on_started", "on_finished", "_land", "_count_in", "_count_out",
+        "_with_landed", "_charge", "_hashes")]
     + [("Horizon", "reached"), ("BlockHashCache", "hashes")],
     "infera.router.round_robin": [("RoundRobinPolicy", n) for n in ("pick", "on_started", "on_finished")],
-    "infera.kv.index": [("KvIndex", n) for n in ("match", "match_one", "first_unheld", "apply")],
-    "infera.kv.prompt": [("PromptTokenizer", "lookup"), ("PromptTokenizer", "token_ids")],
+    # (KvIndex is the index in use: the C accelerator's, or the Python one)
+    "infera.kv.index": [("KvIndex", n) for n in ("match", "match_one", "first_unheld", "apply", "apply_payload")],
+    "infera.kv.prompt": [("PromptTokenizer", n) for n in ("lookup", "token_ids", "_parts_now", "_key_and_work")]
+    + [("ByteLRU", "get"), ("ByteLRU", "put")],
+    "infera.kv.tokenizer": [("BuiltinTokenizer", "encode")],
+    "infera.transport.zmtp": [("ZmtpSubProtocol", "data_received")],
+    "infera.transport.kv_events_zmq": [("ZmqKvEventSubscriber", "_on_frames")],
     "infera.server.kv": [("KvEventsBridge", n) for n in ("_on_batch", "observe_usage", "record_pick")],
 }
 
@@ -99,6 +106,18 @@ def main() -> None:
         with open(out, "w") as f:
             json.dump({name: {"seconds": s, "calls": n} for name, (s, n) in totals.items()}, f)
 
+    # The collector's pauses too (gc.gen0/1/2): a policy that allocates more pays them more often.
+    started: list[float] = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[:] = [time.thread_time()]
+        elif started:
+            entry = totals.setdefault(f"gc.gen{info['generation']}", [0.0, 0])
+            entry[0] += time.thread_time() - started[0]
+            entry[1] += 1
+
+    gc.callbacks.append(on_gc)
     atexit.register(dump)
     sys.meta_path.insert(0, _Finder())
     sys.argv = [module, *sys.argv[4:]]
