@@ -1856,19 +1856,21 @@ mp_be(const unsigned char *p, int n)
     return v;
 }
 
+/* An array's or a map's length (``fix``: its fixed-size type's high nibble, 0x90 or 0x80; ``w16``:
+ * its 16-bit type byte, the 32-bit one following it). */
 static int
-mp_array(Cur *c, uint32_t *n)
+mp_container(Cur *c, unsigned char fix, unsigned char w16, uint32_t *n)
 {
     if (mp_need(c, 1) < 0)
         return -1;
     unsigned char b = *c->p;
-    if ((b & 0xf0) == 0x90) {
+    if ((b & 0xf0) == fix) {
         *n = b & 0x0f;
         c->p++;
         return 0;
     }
-    if (b == 0xdc || b == 0xdd) {
-        int w = b == 0xdc ? 2 : 4;
+    if (b == w16 || b == w16 + 1) {
+        int w = b == w16 ? 2 : 4;
         if (mp_need(c, 1 + w) < 0)
             return -1;
         *n = (uint32_t)mp_be(c->p + 1, w);
@@ -1879,25 +1881,15 @@ mp_array(Cur *c, uint32_t *n)
 }
 
 static int
+mp_array(Cur *c, uint32_t *n)
+{
+    return mp_container(c, 0x90, 0xdc, n);
+}
+
+static int
 mp_map(Cur *c, uint32_t *n)
 {
-    if (mp_need(c, 1) < 0)
-        return -1;
-    unsigned char b = *c->p;
-    if ((b & 0xf0) == 0x80) {
-        *n = b & 0x0f;
-        c->p++;
-        return 0;
-    }
-    if (b == 0xde || b == 0xdf) {
-        int w = b == 0xde ? 2 : 4;
-        if (mp_need(c, 1 + w) < 0)
-            return -1;
-        *n = (uint32_t)mp_be(c->p + 1, w);
-        c->p += 1 + w;
-        return 0;
-    }
-    return -1;
+    return mp_container(c, 0x80, 0xde, n);
 }
 
 static int
@@ -3099,23 +3091,15 @@ PyInit__native(void)
     PyObject *m = PyModule_Create(&native_module);
     if (m == NULL)
         return NULL;
-    Py_INCREF(&GpuViewType);
-    if (PyModule_AddObject(m, "GpuView", (PyObject *)&GpuViewType) < 0) {
-        Py_DECREF(&GpuViewType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    Py_INCREF(&BlockCounterType);
-    if (PyModule_AddObject(m, "BlockCounter", (PyObject *)&BlockCounterType) < 0) {
-        Py_DECREF(&BlockCounterType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    Py_INCREF(&LandedClaimsType);
-    if (PyModule_AddObject(m, "LandedClaims", (PyObject *)&LandedClaimsType) < 0) {
-        Py_DECREF(&LandedClaimsType);
-        Py_DECREF(m);
-        return NULL;
+    PyTypeObject *types[] = {&GpuViewType, &BlockCounterType, &LandedClaimsType};
+    const char *names[] = {"GpuView", "BlockCounter", "LandedClaims"};
+    for (int i = 0; i < 3; i++) {
+        Py_INCREF(types[i]);
+        if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
+            Py_DECREF(types[i]);
+            Py_DECREF(m);
+            return NULL;
+        }
     }
     return m;
 }

@@ -384,19 +384,9 @@ class PyKvIndex:
                             holders[h] = old | m
                             count += 1
             elif tp is Cleared:
-                med = ev.medium
-                tier = None if med is None else lower_tier(med)
-                if tier is not None:  # one lower tier only (ATOM): the GPU view stays
-                    if t.lower is not None:
-                        self._clear_lower_tier(t, tier)
-                    st.lower_cleared += 1
-                    continue
                 t.count = count
-                self._drop_view(t)
-                if med is None:  # unscoped: every tier (vLLM's clear cannot say which pool)
-                    self._drop_lower(t)
-                count = 0
-                st.cleared += 1
+                self._clear(t, ev)
+                count = t.count
         t.count = count
         st.stored_events += stored_events
         st.stored_blocks += applied
@@ -413,6 +403,21 @@ class PyKvIndex:
         events: (block events applied, the batch's timestamp). None when not (always here; see
         :meth:`NativeKvIndex.apply_payload`): decode the payload and call :meth:`apply`."""
         return None
+
+    def _clear(self, t: _Target, ev: Cleared) -> None:
+        """An AllBlocksCleared: one lower tier when its medium names one (ATOM), else the GPU view,
+        and every lower tier too when it names none (vLLM's clear cannot say which pool)."""
+        med = ev.medium
+        tier = None if med is None else lower_tier(med)
+        if tier is not None:  # one lower tier only: the GPU view stays
+            if t.lower is not None:
+                self._clear_lower_tier(t, tier)
+            t.stats.lower_cleared += 1
+            return
+        self._drop_view(t)
+        if med is None:
+            self._drop_lower(t)
+        t.stats.cleared += 1
 
     # --- lower tiers (off the GPU hot path) -------------------------------------------------
 
@@ -743,17 +748,7 @@ class NativeKvIndex(PyKvIndex):
         st = t.stats
         tp = type(ev)
         if tp is Cleared:
-            med = ev.medium
-            tier = None if med is None else lower_tier(med)
-            if tier is not None:  # one lower tier only (ATOM): the GPU view stays
-                if t.lower is not None:
-                    self._clear_lower_tier(t, tier)
-                st.lower_cleared += 1
-                return 0
-            self._view.drop(t.bit)
-            if med is None:  # unscoped: every tier (vLLM's clear cannot say which pool)
-                self._drop_lower(t)
-            st.cleared += 1
+            self._clear(t, ev)
             return 0
         if tp is not Stored and tp is not Removed:
             return 0
