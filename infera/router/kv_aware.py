@@ -61,6 +61,10 @@ log = logging.getLogger(__name__)
 _DEBUG = logging.DEBUG
 
 RECENT_DECAY = 0.97
+# The recent charges are kept divided by the decay applied since their last rebase; rebased (and
+# the spent ones dropped) when that decay falls below this (every ~11,000 picks).
+_REBASE_BELOW = 1e-150
+_SPENT = 1e-3  # a recent charge below this is gone
 # A served request's blocks count as cached where it ran until that engine's events catch up with
 # the moment it finished (a batch made later is applied: the view then says what became of them,
 # evictions included), or at most this long (an idle engine sends nothing). Engines publish KV
@@ -179,6 +183,10 @@ async def hash_stepwise(tokens: Sequence[int], block_size: int) -> array:
         hashes += part
         await asyncio.sleep(0)
     return hashes
+
+
+def _NOTHING_HELD(key: str) -> int:
+    return 0
 
 
 def route_key(worker_id: str, dp_rank: int | None) -> str:
@@ -311,7 +319,11 @@ class KvAwarePolicy:
         # by what one costs a new request's TTFT, in missed blocks (see ttft_balance; None: learned)
         self.inflight: dict[str, int] = {}
         self.balance = TtftBalance(inflight_weight)
+        # route key → the recent picks' charges there, decaying by RECENT_DECAY per pick; stored
+        # divided by ``_decay`` (RECENT_DECAY^picks since the last rebase), so that decaying every
+        # target's is one multiplication per pick, not a walk over the fleet (``recent_charge``).
         self.recent: dict[str, float] = {}
+        self._decay = 1.0
         self._picks = 0  # decay clock: remaining charge = charge × RECENT_DECAY^(picks since)
         self.mm_affinity: dict[str, OrderedDict[int, None]] = {}
         # route key → block hash → (wall time it finished, monotonic expiry), in order of arrival
@@ -454,6 +466,7 @@ class KvAwarePolicy:
         most_blocks = 0
         scored: list[str] | None = [] if log.isEnabledFor(_DEBUG) else None  # why this target
         active_of, recent, landed_of, unhashed = self.active.get, self.recent.get, self.landed, self.unhashed
+        decay = self._decay
         inflight = self.inflight
         per_request = amplified * self.balance.ratio if inflight else 0.0
         more = st.get("more_tokens", 0)
@@ -502,9 +515,9 @@ class KvAwarePolicy:
                         hit = active.run(hashes, hit)
                         if lower and hit > gpu_hit:  # the run in flight covers part of the lower-tier run
                             lower = max(0, gpu_hit + lower - hit)
-                    load = len(active) + recent(key, 0.0)
+                    load = len(active) + recent(key, 0.0) * decay
                 else:
-                    load = recent(key, 0.0)
+                    load = recent(key, 0.0) * decay
                 if unhashed:
                     load += unhashed.get(key, 0)
                 if per_request:
@@ -529,8 +542,9 @@ class KvAwarePolicy:
         if len(tied) > 1:  # (cached blocks held, rotation): computed for the tied targets only
             offset = self._picks % n_targets
             least = None
+            held = self._block_count or _NOTHING_HELD
             for t in tied:
-                rank_key = (self._held(t[3]), (t[0] - offset) % n_targets)
+                rank_key = (held(t[3]), (t[0] - offset) % n_targets)
                 if least is None or rank_key < least:
                     least, chosen = rank_key, t
         _, worker, rank, key, hit, total, block_size, lower, blocks, view_hit = chosen
@@ -572,19 +586,34 @@ class KvAwarePolicy:
         caught_up = self._events_made_until(key) if self._events_made_until is not None else 0.0
         return landed.extend(hashes, hit, caught_up, now)
 
-    def _charge(self, key: str, missed: int, total: int) -> float:
-        # Decay per pick (not wall clock): bounded by the fleet size, not its history.
-        self._picks += 1
-        recent = self.recent
+    def recent_charge(self, key: str) -> float:
+        """What is left of the recent picks' charges on ``key``."""
+        return self.recent.get(key, 0.0) * self._decay
+
+    def _add_recent(self, key: str, charge: float) -> None:
+        self.recent[key] = self.recent.get(key, 0.0) + charge / self._decay
+
+    def _rebase(self) -> None:
+        """Fold the decay into the stored charges; the spent ones go (bounded by the fleet)."""
+        decay, recent = self._decay, self.recent
         for k in list(recent):
-            v = recent[k] * RECENT_DECAY
-            if v < 1e-3:
+            v = recent[k] * decay
+            if v < _SPENT:
                 del recent[k]
             else:
                 recent[k] = v
+        self._decay = 1.0
+
+    def _charge(self, key: str, missed: int, total: int) -> float:
+        # Decay per pick (not wall clock): one multiplication whatever the fleet's size.
+        self._picks += 1
+        self._decay *= RECENT_DECAY
+        if self._decay < _REBASE_BELOW:
+            self._rebase()
         charge = 1.0 if total == 0 else float(missed)
         if charge:
-            recent[key] = recent.get(key, 0.0) + charge
+            recent = self.recent
+            recent[key] = recent.get(key, 0.0) + charge / self._decay  # (_add_recent, inlined)
         if self.landed:
             # A target no pick looks at (it left, or lost every pick) would keep its expired claims
             # forever: a request still running on a worker that left lands after forget().
@@ -652,12 +681,13 @@ class KvAwarePolicy:
 
     def _release_charge(self, key: str, charge: float, at: int) -> None:
         """A request charged ``charge`` at pick ``at`` finished: what is left of it goes."""
-        if charge and key in self.recent:
-            left = self.recent[key] - charge * RECENT_DECAY ** (self._picks - at)
-            if left < 1e-3:
+        stored = self.recent.get(key)
+        if charge and stored is not None:
+            left = stored * self._decay - charge * RECENT_DECAY ** (self._picks - at)
+            if left < _SPENT:
                 del self.recent[key]
             else:
-                self.recent[key] = left
+                self.recent[key] = left / self._decay
 
     def _inflight_out(self, key: str) -> None:
         n = self.inflight.get(key, 0) - 1
@@ -848,7 +878,7 @@ class ReplicaShare:
         policy._count_in(key, blocks)
         policy.inflight[key] = policy.inflight.get(key, 0) + 1
         if charge:
-            policy.recent[key] = policy.recent.get(key, 0.0) + charge
+            policy._add_recent(key, charge)
         self.remote_started += 1
 
     def remote_finish(self, peer: _Peer, rid: int, finished_at: float) -> None:

@@ -152,7 +152,30 @@ def test_recent_misses_decay_and_spread_cold_load():
     a, b = worker("a"), worker("b")
     seq = [pick(policy, [a, b], request(list(range(1000 * i, 1000 * i + 32)))).worker_id for i in range(4)]
     assert seq == ["a", "b", "a", "b"]  # each cold prefill charges its worker
-    assert 0 < policy.recent["a"] < 16
+    assert 0 < policy.recent_charge("a") < 16
+
+
+@pytest.mark.parametrize("picks_after", [1, 10, 229, 240, 12_000])
+def test_a_charge_decays_per_pick_elsewhere_and_is_dropped_once_spent(picks_after):
+    # Lazy decay: one multiplication per pick, rebased past ~11,000 picks; the charge left is the
+    # same as decaying every entry on every pick, and a spent one leaves the table.
+    _, policy = make()
+    a, b = worker("a"), worker("b")
+    held = request(list(range(32)))  # 8 blocks missed on a, kept in flight
+    assert pick(policy, [a], held) is a
+    policy.on_started(a, held)
+    for i in range(picks_after):
+        r = request([100_000 + i])  # under a block: charges 1 on b, released at once
+        pick(policy, [b], r)
+        policy.on_started(b, r)
+        policy.on_finished(b, r)
+    left = 8 * 0.97 ** picks_after
+    assert policy.recent_charge("a") == pytest.approx(left if left >= 1e-3 else 0.0, rel=1e-9, abs=1e-3)
+    assert "b" not in policy.recent  # each released in full
+    if picks_after > 11_000:
+        assert "a" not in policy.recent  # spent, dropped at the rebase
+    policy.on_finished(a, held)
+    assert "a" not in policy.recent
 
 
 def test_unsized_workers_pay_no_overlap_but_are_still_candidates():

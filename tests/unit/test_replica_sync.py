@@ -155,9 +155,9 @@ def test_another_replicas_pick_charge_counts_until_its_request_finishes(fleet, c
     make, _, _, _ = fleet
     ra, rb = make("A"), make("B")
     w, req = ra.start([A_, B_], PROMPT)
-    assert req.state["charge"][0] == 8 and ra.policy.recent["a"] == 8
+    assert req.state["charge"][0] == 8 and ra.policy.recent_charge("a") == 8
     ra.tick()
-    assert rb.policy.recent["a"] == 8 and rb.policy.active_blocks("a") == 8
+    assert rb.policy.recent_charge("a") == 8 and rb.policy.active_blocks("a") == 8
     with caplog.at_level("DEBUG", logger="infera.router.kv_aware"):
         pick(rb.policy, [A_, B_], request(OTHER))
     line = next(r.getMessage() for r in caplog.records if "pick policy=kv-aware" in r.getMessage())
