@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 ERROR_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+assert BLOCK_BUCKETS[0] == ERROR_BUCKETS[0] == 0  # a 0 is counted in slot 0 directly on the hot path
 DELAY_SMOOTHING = 0.2  # weight of the newest batch in the cache view's delay_ms
 # A worker that got requests whose blocks it must have stored, yet sent no event batch for
 # this long, is "silent".
@@ -274,11 +275,16 @@ class KvEventsBridge:
         if h is None:
             h = self.pick_hits[role] = Histogram(BLOCK_BUCKETS)
             self.pick_blocks[role] = Histogram(BLOCK_BUCKETS)
-        h.observe(hit_blocks)
-        self.pick_blocks[role].observe(request_blocks)
-        state = self.targets.get(key)
-        if state is not None and request_blocks > hit_blocks and state.unconfirmed_since is None:
-            state.unconfirmed_since = self.clock()  # it must store new blocks: expect events
+        if request_blocks:
+            h.observe(hit_blocks)
+            self.pick_blocks[role].observe(request_blocks)
+            if request_blocks > hit_blocks:
+                state = self.targets.get(key)
+                if state is not None and state.unconfirmed_since is None:
+                    state.unconfirmed_since = self.clock()  # it must store new blocks: expect events
+        else:  # (a prompt under one block: both are 0, the first bucket)
+            h.counts[0] += 1
+            self.pick_blocks[role].counts[0] += 1
 
     def observe_usage(self, worker: WorkerRecord, request: RoutedRequest, cached_tokens: int | None) -> None:
         """A completed 200 reply (``cached_tokens`` None: it carried no usage, e.g. a stream without
@@ -288,12 +294,15 @@ class KvEventsBridge:
         state = self.targets.get(key) if key else None
         if state is None:
             return
-        block_size = st.get("block_size") or 0
         # The whole prompt: past the tokenization horizon its length is estimated (kv_aware.prepare).
         tokens = st.get("tokens")
         prompt_tokens = (len(tokens) if tokens else 0) + st.get("more_tokens", 0)
         hit = st.get("predicted_hit_blocks", 0)
-        predicted = predicted_cached_tokens(hit, block_size, prompt_tokens) if hit else 0
+        if hit:
+            block_size = st.get("block_size") or 0
+            predicted = predicted_cached_tokens(hit, block_size, prompt_tokens)
+        else:
+            predicted = 0
         # Counted for every reply, usage or not: engine_scrape.py compares these with the engine's
         # own prefix-cache counters, which see every request too.
         state.prompt_tokens += prompt_tokens
@@ -302,22 +311,32 @@ class KvEventsBridge:
             return
         state.reported_prompt_tokens += prompt_tokens
         state.reported_cached_tokens += cached_tokens
-        error = abs(cached_tokens - predicted)
-        self.prediction_error.observe(error)
-        blocks_off = error // block_size if block_size else 0
-        if blocks_off > 1:
-            if predicted > cached_tokens:
-                state.over += 1
-            else:
-                state.under += 1
         state.observations += 1
-        state.exact += error == 0
-        state.errors.append(blocks_off)
-        state.abs_error_sum += blocks_off
-        if len(state.errors) > DIVERGENCE_WINDOW:
-            state.abs_error_sum -= state.errors.popleft()
-        if not (cached_tokens or predicted):
-            return  # nothing cached either way: says nothing about the hash spaces agreeing
+        errors = state.errors
+        if cached_tokens == predicted:  # (the common case: none of the work below)
+            self.prediction_error.counts[0] += 1  # (its first bound is 0)
+            state.exact += 1
+            errors.append(0)
+            if len(errors) > DIVERGENCE_WINDOW:
+                state.abs_error_sum -= errors.popleft()
+            if not predicted:
+                return  # nothing cached either way: says nothing about the hash spaces agreeing
+            blocks_off = 0
+        else:
+            if not hit:
+                block_size = st.get("block_size") or 0
+            error = abs(cached_tokens - predicted)
+            self.prediction_error.observe(error)
+            blocks_off = error // block_size if block_size else 0
+            if blocks_off > 1:
+                if predicted > cached_tokens:
+                    state.over += 1
+                else:
+                    state.under += 1
+            errors.append(blocks_off)
+            state.abs_error_sum += blocks_off
+            if len(errors) > DIVERGENCE_WINDOW:
+                state.abs_error_sum -= errors.popleft()
         wrong = blocks_off > 1
         state.verdicts.append(wrong)
         state.wrong += wrong
