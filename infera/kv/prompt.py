@@ -102,7 +102,9 @@ class ByteLRU:
     kept. Shared by the event loop and the tokenizer threads, hence the lock around the changes
     (never held while encoding; lookups need none)."""
 
-    ENTRY_OVERHEAD = 160  # OrderedDict: hash-table slot + linked-list node (CPython 3.11, 64-bit)
+    # OrderedDict hash-table slot + linked-list node + the (value, cost) tuple, CPython 3.11 64-bit: 130
+    # to 200 bytes an entry, the most just after the table doubled (tests/unit/test_prompt_bounds.py)
+    ENTRY_OVERHEAD = 200
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -248,10 +250,12 @@ class PromptTokenizer:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
 
-    def _key_and_work(self, route: str, parsed: Any) -> tuple[bytes | None, Any, int]:
-        """(cache key, work for ``_compute``, size in chars that decides inline vs thread)."""
+    def _key_and_work(self, route: str, parsed: Any, parts: bool = True) -> tuple[bytes | None, Any, int]:
+        """(cache key, work for ``_compute``, size in chars that decides inline vs thread).
+        ``parts``: a plain ChatML chat may be keyed by its messages (False: ``lookup`` found it
+        cannot)."""
         if route == "/v1/chat/completions":
-            if self._chatml is not None:
+            if parts and self._chatml is not None:
                 # A ChatML chat of plain messages, keyed a message at a time in C without rendering
                 # it (its whole key is made of its parts' keys); a part is rendered only where its
                 # ids are not cached. bench/kv_path.py, "shared".
@@ -465,23 +469,49 @@ class PromptTokenizer:
         short (``_parts_now``: its earlier messages are cache lookups). On a miss, pass the second
         value to ``token_ids(keyed=...)`` for the same request, so the prompt is not keyed twice (a
         10 KB conversation is JSON-encoded and hashed for its key)."""
-        keyed = self._key_and_work(route, parsed)
+        if self._chatml is not None and route == "/v1/chat/completions":
+            # _key_and_work's first case and ByteLRU.get, inlined: this runs on every chat request.
+            parts = native.chat_part_keys(parsed.messages, *self._chatml, b"m", b"k")
+            if parts is not None:
+                whole, keys, lengths = parts
+                chars = sum(lengths)
+                if chars <= self.prefix_chars:
+                    keyed = whole, ("chat_parts", (parsed.messages, keys, lengths)), chars
+                    if chars <= _WHOLE_CHARS:
+                        table = self.cache._table
+                        entry = table.get(whole)
+                        if entry is not None:
+                            try:
+                                table.move_to_end(whole)
+                            except KeyError:  # (evicted by a tokenizer thread just now: still a hit)
+                                pass
+                            self.hits += 1
+                            return entry[0], keyed
+                    return self._parts_lookup(keyed)
+            keyed = self._key_and_work(route, parsed, False)  # (parts: tried above)
+        else:
+            keyed = self._key_and_work(route, parsed)
         key, work, chars = keyed
         if work[0] == "chat_parts":
             cached = self.cache.get(key) if chars <= _WHOLE_CHARS else None
             if cached is not None:
                 self.hits += 1
                 return cached, keyed
-            ids = self._parts_now(work[1])
-            if ids is not None and chars <= _WHOLE_CHARS:
-                self.cache.put(key, ids)
-            return ids, keyed
+            return self._parts_lookup(keyed)
         if key is None:
             return None, keyed
         cached = self.cache.get(key)
         if cached is not None:
             self.hits += 1
         return cached, keyed
+
+    def _parts_lookup(self, keyed: tuple) -> tuple[array | None, tuple]:
+        """``lookup`` of a plain chat not cached whole: from its parts' cached ids."""
+        key, work, chars = keyed
+        ids = self._parts_now(work[1])
+        if ids is not None and chars <= _WHOLE_CHARS:
+            self.cache.put(key, ids)
+        return ids, keyed
 
     def _parts_now(self, value: tuple) -> array | None:
         """A plain chat's ids (``chat_parts`` work) assembled from its parts' cached ids, the
