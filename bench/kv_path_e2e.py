@@ -82,6 +82,22 @@ def thread_cpu(pid: int) -> dict[str, float]:
     return out
 
 
+async def kv_event_totals(url: str) -> dict[str, float]:
+    """The server's KV-event batches, block events and their CPU seconds, summed over targets
+    (a round-robin server subscribes to none: zeros)."""
+    want = {"infera_kv_event_batches_total": "batches", "infera_kv_block_events_total": "block_events",
+            "infera_kv_event_cpu_seconds_total": "cpu_s"}
+    out = dict.fromkeys(want.values(), 0.0)
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
+            text = await r.text()
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in want:
+            out[want[name]] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
 class E2E:
     def __init__(self, a: argparse.Namespace, logs: str) -> None:
         self.a = a
@@ -172,6 +188,7 @@ class E2E:
             after = tree_cpu_seconds(roles)
             threads_after = thread_cpu(proc.proc.pid)
             res = json.loads(line)
+            res["kv_events"] = await kv_event_totals(url)
             res["server_threads_s"] = {k: round(v - threads_before.get(k, 0.0), 3) for k, v in threads_after.items()}
             n = res["completed"] + res["warmup_requests"]
             if before and after and n:
@@ -225,9 +242,12 @@ async def run(a: argparse.Namespace) -> dict:
                         res = await e.window(policy, c, stream, tag)
                         res.update(policy=policy, concurrency=c, stream=stream, run=run_i)
                         rows.append(res)
+                        ev, n = res["kv_events"], max(1, res["completed"] + res["warmup_requests"])
                         print(f"  run {run_i + 1} c={c:<3} {'stream' if stream else 'unary ':<6} {policy:<12} "
                               f"{res['rps']:>8.1f} req/s p50 {res['lat_p50_ms']:.2f} ms  server "
-                              f"{res.get('cpu_us_per_req', {}).get('server')} µs/req  errors {res['errors']}",
+                              f"{res.get('cpu_us_per_req', {}).get('server')} µs/req  errors {res['errors']}  "
+                              f"kv events/req {ev['batches'] / n:.2f} batches {ev['block_events'] / n:.2f} blocks "
+                              f"{ev['cpu_s'] / n * 1e6:.1f} µs",
                               flush=True)
     finally:
         await e.stop()
