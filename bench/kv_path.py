@@ -9,6 +9,9 @@ Sections (``--sections``, all by default):
   ``on_finished``, the self-check (``observe_usage``) — and round-robin's pick for comparison.
   Each step runs over the same requests in its own loop; the figure is the best of ``--runs``
   loops (the least disturbed by other processes).
+* ``fleet``: the pick's CPU µs per request against fleets of 2-128 workers, its loop over the
+  targets in C and in Python (``INFERA_NATIVE=0``'s), short prompts and behind a system prompt,
+  16 requests in flight; the two must pick alike.
 * ``shared``: kv_routing.py's workload replayed in-process: 32 system prompts of 2048 tokens,
   3-turn conversations of 96-token user turns and 12-word replies, four simulated engines (the
   sim's real ``KVCache`` and KV-event publisher, cache sized for 60 % of the prefixes). Each
@@ -150,6 +153,61 @@ async def short_section(runs: int, n: int) -> dict[str, Any]:
     kv_total = sum(v for k, v in best.items() if k != "round-robin")
     return {"us_per_request": {k: round(v, 2) for k, v in best.items()}, "kv_aware_total_us": round(kv_total, 2),
             "round_robin_us": round(best["round-robin"], 2), "requests": n, "runs": runs}
+
+
+# ------------------------------------------------------------------------------------------ fleet
+FLEET_SIZES = (2, 8, 32, 128)
+FLEET_IN_FLIGHT = 16  # requests kept in flight, as a closed loop at c=16 keeps them
+
+
+async def fleet_section(runs: int, n: int, sizes: tuple[int, ...] = FLEET_SIZES) -> dict[str, Any]:
+    """The pick's CPU µs per request against fleets of ``sizes`` workers, with its loop over the
+    targets in C (``native.score_targets``) and in Python (``policy._score = None``, as with
+    ``INFERA_NATIVE=0``), for the short prompts (no full block: every target ties on cost, the
+    tie-break decides) and behind an 80-word system prompt (6-7 blocks: the blocks in flight and
+    served decide). ``FLEET_IN_FLIGHT`` requests are in flight at each pick. Both loops must make
+    the same picks: the run fails if they do not."""
+    out: dict[str, Any] = {}
+    system = [{"role": "system", "content": " ".join(f"word{i}" for i in range(80))}]
+    for workload, head in (("short", []), ("system", system)):
+        bodies = [json.dumps({"model": "m", "messages": head + [{"role": "user", "content": p}],
+                              "max_tokens": 16}).encode() for p in SHORT_PROMPTS]
+        parsed = [parse_request(CHAT, b) for b in bodies]
+        for size in sizes:
+            row: dict[str, Any] = {}
+            picks: dict[str, list[str]] = {}
+            for loop in ("native", "python"):
+                best = 1e9
+                for _ in range(runs):
+                    ws, index, bridge, policy, _ = kv_fleet(size)
+                    policy.observer = None
+                    if loop == "python":
+                        policy._score = None
+                    elif policy._score is None:
+                        return {"skipped": "the C accelerator is not built"}
+                    reqs = [chat_request(i, bodies[i % 8], parsed[i % 8]) for i in range(n)]
+                    for r in reqs:
+                        if not policy.prepare_cached(r):
+                            await policy.prepare(r)
+                    spent = 0.0
+                    chosen: list[WorkerRecord] = []
+                    for i, r in enumerate(reqs):
+                        t0 = cpu()
+                        w = policy.pick(ws, r)
+                        spent += cpu() - t0
+                        chosen.append(w)
+                        policy.on_started(w, r)
+                        r.state["served"] = True
+                        if i >= FLEET_IN_FLIGHT:
+                            policy.on_finished(chosen[i - FLEET_IN_FLIGHT], reqs[i - FLEET_IN_FLIGHT])
+                    best = min(best, spent / n * 1e6)
+                    picks[loop] = [w.worker_id for w in chosen]
+                row[f"{loop}_us"] = round(best, 2)
+            if picks["native"] != picks["python"]:
+                raise SystemExit(f"fleet {workload}/{size}: the C and Python loops picked differently")
+            row["python_over_native"] = round(row["python_us"] / row["native_us"], 2)
+            out[f"{workload}/{size}"] = row
+    return out
 
 
 # ----------------------------------------------------------------------------------------- shared
@@ -436,6 +494,14 @@ def render(report: dict[str, Any]) -> str:
                 hc = last["hash_cache"]
                 lines.append(f"  hash cache: {hc['hits']} hits / {hc['misses']} misses, {hc['blocks_reused']} blocks "
                              f"reused, {hc['blocks_hashed']} hashed, {hc['bytes']} B")
+    fleet = report.get("fleet")
+    if fleet and "skipped" in fleet:
+        lines.append(f"\n[fleet] skipped: {fleet['skipped']}")
+    elif fleet:
+        lines.append(f"\n[fleet] pick CPU µs per request by fleet size ({FLEET_IN_FLIGHT} in flight; best of runs): "
+                     "loop over the targets in C | in Python")
+        for name, row in fleet.items():
+            lines.append(f"  {name:<12} {row['native_us']:8.2f} | {row['python_us']:8.2f}  (x{row['python_over_native']:.2f})")
     if report.get("zmq"):
         lines.append("\n[zmq] subscriber CPU µs per batch, by batches/s: "
                      + ", ".join(f"{r}/s {v}" for r, v in report["zmq"].items()))
@@ -457,6 +523,8 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     if "short" in a.sections:
         report["short"] = await short_section(runs * 4, 500 if a.quick else 2000)
     policy_kw = {"horizon": False} if a.no_horizon else {}
+    if "fleet" in a.sections:
+        report["fleet"] = await fleet_section(runs, 500 if a.quick else 2000)
     if "shared" in a.sections:
         report["shared"] = await shared_section(runs, a.quick, cold_kb=a.cold_kb, **policy_kw)
     if "rag" in a.sections:
@@ -469,8 +537,8 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python bench/kv_path.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--sections", nargs="+", default=["tokenize", "short", "shared", "rag", "zmq"],
-                   choices=["tokenize", "short", "shared", "rag", "zmq"])
+    p.add_argument("--sections", nargs="+", default=["tokenize", "short", "fleet", "shared", "rag", "zmq"],
+                   choices=["tokenize", "short", "fleet", "shared", "rag", "zmq"])
     p.add_argument("--runs", type=int, default=None, help="runs per figure [5; --quick 2]")
     p.add_argument("--zmq-rates", type=float, nargs="+", default=[2000.0, 20000.0])
     p.add_argument("--out", default=os.path.join(BENCH_DIR, "results", "kv_path.json"))

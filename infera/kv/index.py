@@ -208,6 +208,11 @@ class PyKvIndex:
         t = self._targets.get(key)
         return 0 if t is None else t.count
 
+    def block_counts(self, keys: Sequence[str]) -> list[int]:
+        """``[block_count(k) for k in keys]``."""
+        targets = self._targets
+        return [t.count if (t := targets.get(k)) is not None else 0 for k in keys]
+
     def events_made_until(self, key: str) -> float:
         """Engine wall-clock time up to which ``key``'s events are applied (batches arrive in
         order): what happened there before it is in the view. 0.0 if unknown."""
@@ -624,19 +629,22 @@ class NativeKvIndex(PyKvIndex):
     """:class:`PyKvIndex` with its GPU view in the C accelerator (``GpuView``): the same targets,
     bits, stats and lower tiers, the same results. Needs ``infera.kv._native``."""
 
-    __slots__ = ("_view",)
+    __slots__ = ("_view", "_generation", "_bits_memo")
 
     def __init__(self) -> None:
         if native is None:
             raise RuntimeError("NativeKvIndex needs the C accelerator (infera.kv.native says why it is missing)")
         super().__init__()
         self._view = native.GpuView(Stored, Removed, Cleared, FULL_ATTENTION_KINDS)
+        self._generation = 0  # targets added or removed: the bits of a list of keys may differ
+        self._bits_memo: tuple[list[str], int, list[int]] | None = None
 
     def add_target(self, key: str, block_size: int) -> None:
         known = key in self._targets
         super().add_target(key, block_size)
         if not known and key in self._targets:
             self._view.add(self._targets[key].bit)
+            self._generation += 1
 
     def remove_target(self, key: str) -> bool:
         t = self._targets.get(key)
@@ -644,11 +652,28 @@ class NativeKvIndex(PyKvIndex):
             return False
         super().remove_target(key)  # drops the view (_drop_view) and frees the bit
         self._view.remove(t.bit)
+        self._generation += 1
         return True
+
+    def _bits(self, keys: Sequence[str]) -> list[int]:
+        """The targets' bits (-1: unknown key). The policy asks for the same keys on every pick: the
+        last answer is kept while the targets are the same and so are the keys (compared by value:
+        a caller may reuse a list it changed; equal strings compare by identity first)."""
+        memo = self._bits_memo
+        if memo is not None and memo[1] == self._generation and memo[0] == keys:
+            return memo[2]
+        targets = self._targets
+        bits = [t.bit if (t := targets.get(k)) is not None else -1 for k in keys]
+        self._bits_memo = (list(keys), self._generation, bits)
+        return bits
 
     def block_count(self, key: str) -> int:
         t = self._targets.get(key)
         return 0 if t is None else self._view.count(t.bit)
+
+    def block_counts(self, keys: Sequence[str]) -> list[int]:
+        """``[block_count(k) for k in keys]``, in one C call."""
+        return self._view.counts(self._bits(keys))
 
     def mapped_count(self, key: str) -> int:
         t = self._targets.get(key)
@@ -775,8 +800,7 @@ class NativeKvIndex(PyKvIndex):
         return applied
 
     def match(self, hashes: Sequence[int], keys: Sequence[str]) -> list[int]:
-        targets = self._targets
-        return self._view.match(hashes, [t.bit if (t := targets.get(k)) is not None else -1 for k in keys])
+        return self._view.match(hashes, self._bits(keys))
 
     def match_one(self, hashes: Sequence[int], key: str) -> int:
         t = self._targets.get(key)

@@ -33,7 +33,9 @@ The hot path is kept to what can change the pick (bench/kv_path.py measures each
 tokenized only up to its ``Horizon`` (past the first block that no target holds, nothing can), the
 hashes of shared prefixes come from a ``BlockHashCache``, the grouping of the candidates is kept
 while the fleet hands out the same tuple, and a served request claims as landed only the blocks its
-target's view does not already hold.
+target's view does not already hold. The loop over a group's targets runs in C where the accelerator is
+built (``native.score_targets``; no lower tiers, images or debug log), tie-break included: a pick in
+front of 128 engines costs ~10-20 us instead of 40-65.
 """
 from __future__ import annotations
 
@@ -297,6 +299,11 @@ class KvAwarePolicy:
         self.wall_clock = wall_clock  # compared with engine event timestamps
         self._events_made_until = getattr(index, "events_made_until", None)
         self._block_count = getattr(index, "block_count", None)
+        # pick()'s loop over a group of targets in C (None: the Python loop there, which it matches)
+        self._score = native.score_targets if native is not None else None
+        self._block_counts = getattr(index, "block_counts", None)
+        if self._block_counts is None and self._block_count is not None:
+            self._block_counts = lambda keys: [self._block_count(k) for k in keys]
         self._match_one = getattr(index, "match_one", None)
         self.hash_cache = BlockHashCache(hash_cache_bytes)
         self.prompts = prompts
@@ -474,6 +481,8 @@ class KvAwarePolicy:
         n_tokens = len(tokens)
         has_lower = self._has_lower_tiers
         lower_discount = 1.0 - self.lower_tier_weight
+        score = self._score
+        one_group = len(layout) == 1
         for block_size, targets, keys in layout:
             if block_size:
                 hashes = self._hashes(request, block_size) if n_tokens >= block_size else _NO_BLOCKS
@@ -506,6 +515,28 @@ class KvAwarePolicy:
             else:  # nothing hashed: every target misses all of it, the load decides
                 hits = view_hits = _NO_HITS
                 pending, lowers, first = False, _NO_LOWER, None
+            if (score is not None and lowers is _NO_LOWER and not w_mm and scored is None
+                    and (not hashes or type(hits) is list)):
+                # The loop below in C (the common case: no lower tiers, images or debug log); with one
+                # group it settles the ties too.
+                if one_group:
+                    held, offset = self._block_counts, self._picks % n_targets
+                else:
+                    held, offset = None, 0
+                group, cost, load = score(keys, hits if hashes else None, self.active, self.recent, decay, unhashed,
+                                          inflight, per_request, w_overlap, total, hashes or None, pending, held,
+                                          offset)
+                if not tied or cost < best_cost or (cost == best_cost and load < best_load):
+                    best_cost, best_load = cost, load
+                    tied = []
+                elif not (cost == best_cost and load == best_load):
+                    group = ()
+                for i, hit in group:
+                    w, rank, key = targets[i]
+                    tied.append((position + i, w, rank, key, hit, total, block_size, 0,
+                                 hashes, view_hits[i] if hashes else 0))
+                position += len(targets)
+                continue
             missed_all = w_overlap * total
             for (w, rank, key), hit, lower, view_hit in zip(targets, hits, lowers, view_hits):
                 active = active_of(key)

@@ -214,6 +214,8 @@ def _same(py: PyKvIndex, nat: NativeKvIndex, keys: list[str], probes: list[list[
                           "skipped_events", "misaligned_events", "cleared", "lower_events", "lower_stored_blocks",
                           "lower_removed_blocks", "lower_cleared", "resets", "batches", "last_batch_ts"):
                 assert getattr(ps, field) == getattr(ns, field), (k, field)
+    with_unknown = keys + ["nobody"]
+    assert py.block_counts(with_unknown) == nat.block_counts(with_unknown) == [py.block_count(k) for k in with_unknown]
     for hashes in probes:
         as_array = array("Q", hashes)  # how the policy carries chains: read in place by the C walks
         assert py.match(hashes, keys) == nat.match(hashes, keys) == nat.match(as_array, keys)
@@ -265,6 +267,27 @@ def test_index_implementations_agree_on_random_streams(seed):
         if step % 10 == 0:
             _same(py, nat, keys, probes)
     _same(py, nat, keys, probes)
+
+
+def test_native_index_keeps_no_stale_bits_for_a_list_of_keys():
+    """``match``/``block_counts`` remember the bits of the last list of keys: a target removed or
+    added since, or the same list changed in place, must not reuse them."""
+    nat = NativeKvIndex()
+    for k in ("a", "b"):
+        nat.add_target(k, BS)
+    hashes = hashing.block_hashes(list(range(3 * BS)), BS)
+    nat.apply("b", EventBatch(1.0, [Stored(block_hashes=[11, 12, 13], parent=None, token_ids=list(range(3 * BS)),
+                                           block_size=BS)]))
+    keys = ["a", "b"]
+    assert nat.match(hashes, keys) == [0, 3] and nat.block_counts(keys) == [0, 3]
+    keys[0], keys[1] = "b", "a"  # changed in place
+    assert nat.match(hashes, keys) == [3, 0] and nat.block_counts(keys) == [3, 0]
+    nat.remove_target("b")
+    assert nat.match(hashes, keys) == [0, 0] and nat.block_counts(keys) == [0, 0]
+    nat.add_target("c", BS)  # takes b's freed bit: must not inherit its view
+    nat.add_target("b", BS)
+    assert nat.match(hashes, ["c", "b"]) == [0, 0] and nat.block_counts(["c", "b"]) == [0, 0]
+    assert nat._view.counts([-1, 99]) == [0, 0]
 
 
 def test_native_view_with_the_largest_bit_words():
