@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker", choices=("sim", "fake"), default="sim",
                    help="sim: infera.engine.sim workers via their launcher; fake: bench/_fake_worker.py")
     p.add_argument("--workers", type=int, default=2, help="number of workers (per transport)")
+    p.add_argument("--server-processes", type=int, default=1,
+                   help="our servers' --workers (processes sharing the port; the server's own default is one "
+                        "per core): 1 compares one process with the peers' one")
     p.add_argument("--routers", nargs="+", choices=ROUTERS, default=None,
                    help="routers measured beside direct [all; a peer that cannot be installed or started is "
                         "skipped]: ours (round-robin, kv-aware: one server per request transport) and peers "
@@ -156,8 +159,10 @@ def resolve_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.requests = args.requests if args.requests is not None else (300 if q else 50000)
     args.duration = args.duration if args.duration is not None else (1.0 if q else 4.0)
     args.warmup = args.warmup if args.warmup is not None else (0.3 if q else 1.0)
-    if args.runs < 1 or args.requests < 1 or args.duration <= 0 or args.warmup < 0 or args.workers < 1:
-        raise SystemExit("--runs, --requests, --workers must be >= 1, --duration > 0, --warmup >= 0")
+    if (args.runs < 1 or args.requests < 1 or args.duration <= 0 or args.warmup < 0 or args.workers < 1
+            or args.server_processes < 1):
+        raise SystemExit("--runs, --requests, --workers, --server-processes must be >= 1, --duration > 0, "
+                         "--warmup >= 0")
     if any(c < 1 for c in args.concurrency):
         raise SystemExit("--concurrency values must be >= 1")
     args.concurrency = sorted(set(args.concurrency))
@@ -420,11 +425,14 @@ class Bench:
         return extra
 
     def _server_proc(self, plane: Plane, policy: str, port: int, name: str) -> Proc:
-        cmd = [sys.executable, "-m", "infera.server", "--workers", "1", "--host", "127.0.0.1", "--port", str(port),
-               "--etcd-endpoint", self.etcd.url, "--router-policy", policy, "--log-level", "warning",
-               *self._plane_flags(plane)]
-        if policy == "kv-aware":  # one replica: nothing to sync; the token lets us see its views catch up
-            cmd += ["--replica-sync", "off", "--admin-token", ADMIN_TOKEN]
+        processes = self.args.server_processes
+        cmd = [sys.executable, "-m", "infera.server", "--workers", str(processes), "--host", "127.0.0.1",
+               "--port", str(port), "--etcd-endpoint", self.etcd.url, "--router-policy", policy,
+               "--log-level", "warning", *self._plane_flags(plane)]
+        if policy == "kv-aware":  # the token lets us see its views catch up
+            cmd += ["--admin-token", ADMIN_TOKEN]
+            if processes == 1:  # one replica: nothing to sync (more: the default, shared in-flight state)
+                cmd += ["--replica-sync", "off"]
         return Proc(name, cmd, os.path.join(self.logs_dir, f"{name}.log"))
 
     async def start_plane(self, plane: Plane, py: str) -> None:
@@ -1187,7 +1195,7 @@ async def run(args: argparse.Namespace) -> int:
             "peer_urls": bench.peer_urls,
             "concurrency": args.concurrency, "stream": args.stream, "runs": args.runs, "requests": args.requests,
             "duration_s": args.duration, "warmup_s": args.warmup, "max_tokens": args.max_tokens,
-            "speedup": args.speedup if args.worker == "sim" else None,
+            "server_processes": args.server_processes, "speedup": args.speedup if args.worker == "sim" else None,
             "max_num_seqs": args.max_num_seqs if args.worker == "sim" else None, "quick": args.quick,
             "router_url": (bench.planes.get("http") or direct_plane).router_url, "worker_urls": direct_plane.worker_urls,
             "planes": {t: {"router_url": p.router_url, "worker_urls": p.worker_urls, "etcd_prefix": p.etcd_prefix}
