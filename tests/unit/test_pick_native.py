@@ -16,31 +16,18 @@ from infera.kv.native import native, why_not
 from infera.kv.prompt import PromptTokenizer
 from infera.router.kv_aware import KvAwarePolicy
 from infera.router.policy import RoutedRequest
+from tests.unit.test_kv_aware_policy import FakeIndex
 
 pytestmark = pytest.mark.skipif(native is None, reason=f"C accelerator: {why_not}")
 
 
-class SetIndex:
+class SetIndex(FakeIndex):
     """Views as sets; ``block_counts`` only when asked for (else the policy derives it)."""
 
     def __init__(self, batch: bool) -> None:
-        self.views: dict[str, set[int]] = {}
+        super().__init__()
         if batch:
             self.block_counts = lambda keys: [len(self.views.get(k, ())) for k in keys]
-
-    def block_count(self, key: str) -> int:
-        return len(self.views.get(key, ()))
-
-    def match(self, hashes, keys):
-        out = []
-        for k in keys:
-            view, n = self.views.get(k, set()), 0
-            for h in hashes:
-                if h not in view:
-                    break
-                n += 1
-            out.append(n)
-        return out
 
 
 def fleet(rng: random.Random) -> tuple[WorkerRecord, ...]:
