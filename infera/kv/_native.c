@@ -2568,6 +2568,19 @@ BlockCounter_remove(BlockCounter *bc, PyObject *blocks)
     Py_RETURN_NONE;
 }
 
+/* The first position >= start of ``hs`` whose hash ``m`` does not hold (hs->n: all are held). */
+static Py_ssize_t
+counter_run(const Map64 *m, const Hashes *hs, Py_ssize_t start)
+{
+    Py_ssize_t i = start < 0 ? 0 : start;
+    for (; i < hs->n; i++) {
+        uint64_t key;
+        if (hashes_at(hs, i, &key) < 0 || map_find(m, key) < 0)
+            break;
+    }
+    return i < start ? start : i;
+}
+
 /* run(hashes, start) -> the first position >= start whose hash is not held (len: all are) */
 static PyObject *
 BlockCounter_run(BlockCounter *bc, PyObject *args)
@@ -2579,14 +2592,9 @@ BlockCounter_run(BlockCounter *bc, PyObject *args)
     Hashes hs;
     if (hashes_get(hashes, &hs) < 0)
         return NULL;
-    Py_ssize_t i = start < 0 ? 0 : start;
-    for (; i < hs.n; i++) {
-        uint64_t key;
-        if (hashes_at(&hs, i, &key) < 0 || map_find(&bc->counts, key) < 0)
-            break;
-    }
+    Py_ssize_t i = counter_run(&bc->counts, &hs, start);
     hashes_release(&hs);
-    return PyLong_FromSsize_t(i < start ? start : i);
+    return PyLong_FromSsize_t(i);
 }
 
 /* count(hash) -> how many hold it (0: none) */
@@ -3098,8 +3106,9 @@ dict_number(PyObject *d, PyObject *key, double dflt, double *out)
     return 0;
 }
 
-/* ``active``'s length, whether it holds ``first`` (when ``check``), and its run from ``hit`` over
- * ``hashes``, through the C type when it is one (else the Python protocol: the Python twin). */
+/* A table of blocks in flight (``active[key]``): its length, and (active_run) ``hit`` extended over
+ * the blocks of ``hashes`` it holds when it holds the first one, as pick() does. Through the C type
+ * when it is one, else the Python protocol (the Python twin). */
 static int
 active_len(PyObject *active, Py_ssize_t *n)
 {
@@ -3115,18 +3124,11 @@ static int
 active_run(PyObject *active, PyObject *hashes, const Hashes *hs, Py_ssize_t hit, Py_ssize_t *out)
 {
     if (Py_TYPE(active) == &BlockCounterType) {
-        Map64 *m = &((BlockCounter *)active)->counts;
+        const Map64 *m = &((BlockCounter *)active)->counts;
         uint64_t first;
         *out = hit;
-        if (hs->n == 0 || hashes_at(hs, 0, &first) < 0 || map_find(m, first) < 0)
-            return 0;
-        Py_ssize_t i = hit < 0 ? 0 : hit;
-        for (; i < hs->n; i++) {
-            uint64_t key;
-            if (hashes_at(hs, i, &key) < 0 || map_find(m, key) < 0)
-                break;
-        }
-        *out = i < hit ? hit : i;
+        if (hs->n > 0 && hashes_at(hs, 0, &first) == 0 && map_find(m, first) >= 0)
+            *out = counter_run(m, hs, hit);
         return 0;
     }
     PyObject *first = PySequence_GetItem(hashes, 0);
@@ -3151,14 +3153,15 @@ active_run(PyObject *active, PyObject *hashes, const Hashes *hs, Py_ssize_t hit,
  *               total, hashes, pending, held, offset) -> (tied, best_cost, best_load)
  *
  * KvAwarePolicy.pick's loop over one block-size group, for the case without lower tiers, images
- * or debug logging (the Python loop there is the reference; test_native checks them alike). Per
+ * or debug logging (the Python loop there is the reference; tests/unit/test_pick_native.py runs
+ * both in lockstep). Per
  * target: load = len(active[key]) + recent[key] x decay + unhashed[key] + per_request x
  * inflight[key]; hit = hits[i] (None: all 0), extended over the blocks in flight there when
  * ``pending`` and the target has the first one in flight; cost = w_overlap x (total - hit) + load.
  * ``tied``: [(index, hit)] of the targets at the least (cost, load), in order; with ``held`` (a
  * callable: held(keys) -> the blocks cached on each key), reduced to the one with the least
- * (blocks cached, (index - offset) mod len(keys)). Costs and loads are computed in the Python loop's order of operations,
- * so ties come out the same. */
+ * (blocks cached, (index - offset) mod len(keys)). Costs and loads are computed in the Python
+ * loop's order of operations, so ties come out the same. */
 static PyObject *
 py_score_targets(PyObject *self, PyObject *args)
 {
@@ -3225,7 +3228,6 @@ py_score_targets(PyObject *self, PyObject *args)
         if (ntied == 0 || cost < best_cost || (cost == best_cost && load < best_load)) {
             best_cost = cost;
             best_load = load;
-            ntied = 0;
             tied[0] = i;
             tied[1] = hit;
             ntied = 1;
