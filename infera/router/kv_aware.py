@@ -298,12 +298,12 @@ class KvAwarePolicy:
         self.clock = clock
         self.wall_clock = wall_clock  # compared with engine event timestamps
         self._events_made_until = getattr(index, "events_made_until", None)
-        self._block_count = getattr(index, "block_count", None)
-        # pick()'s loop over a group of targets in C (None: the Python loop there, which it matches)
+        # blocks cached on a target, for the tie-break (an index without counts: all alike)
+        self._held = getattr(index, "block_count", None) or _NOTHING_HELD
+        # pick()'s loop over a group of targets in C (None: the Python loop there, which it matches);
+        # it settles ties itself where the index gives every key's count in one call
         self._score = native.score_targets if native is not None else None
         self._block_counts = getattr(index, "block_counts", None)
-        if self._block_counts is None and self._block_count is not None:
-            self._block_counts = lambda keys: [self._block_count(k) for k in keys]
         self._match_one = getattr(index, "match_one", None)
         self.hash_cache = BlockHashCache(hash_cache_bytes)
         self.prompts = prompts
@@ -573,7 +573,7 @@ class KvAwarePolicy:
         if len(tied) > 1:  # (cached blocks held, rotation): computed for the tied targets only
             offset = self._picks % n_targets
             least = None
-            held = self._block_count or _NOTHING_HELD
+            held = self._held
             for t in tied:
                 rank_key = (held(t[3]), (t[0] - offset) % n_targets)
                 if least is None or rank_key < least:
@@ -603,9 +603,6 @@ class KvAwarePolicy:
                       "request_blocks=%d active_blocks=%d targets=[%s]", role, RETENTION_NAMES[(hints or _NO_HINTS).retention],
                       request.request_id, key, hit, total, len(self.active.get(key, ())), " ".join(scored))
         return worker
-
-    def _held(self, key: str) -> int:
-        return self._block_count(key) if self._block_count is not None else 0
 
     def _with_landed(self, key: str, hashes: Sequence[int], hit: int, now: float) -> int:
         """``hit`` extended by blocks served on ``key`` that its events have not caught up with

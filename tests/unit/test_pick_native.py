@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(native is None, reason=f"C accelerator: {why_not
 
 
 class SetIndex(FakeIndex):
-    """Views as sets; ``block_counts`` only when asked for (else the policy derives it)."""
+    """Views as sets; ``block_counts`` only when asked for (without it, ties are settled in Python)."""
 
     def __init__(self, batch: bool) -> None:
         super().__init__()
