@@ -250,23 +250,10 @@ class PromptTokenizer:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
 
-    def _key_and_work(self, route: str, parsed: Any, parts: bool = True) -> tuple[bytes | None, Any, int]:
-        """(cache key, work for ``_compute``, size in chars that decides inline vs thread).
-        ``parts``: a plain ChatML chat may be keyed by its messages (False: ``lookup`` found it
-        cannot)."""
+    def _key_and_work(self, route: str, parsed: Any) -> tuple[bytes | None, Any, int]:
+        """(cache key, work for ``_compute``, size in chars that decides inline vs thread)."""
         if route == "/v1/chat/completions":
-            if parts and self._chatml is not None:
-                # A ChatML chat of plain messages, keyed a message at a time in C without rendering
-                # it (its whole key is made of its parts' keys); a part is rendered only where its
-                # ids are not cached. bench/kv_path.py, "shared".
-                keyed = native.chat_part_keys(parsed.messages, *self._chatml, b"m", b"k")
-                if keyed is not None:
-                    whole, keys, lengths = keyed
-                    chars = sum(lengths)
-                    if chars <= self.prefix_chars:
-                        return whole, ("chat_parts", (parsed.messages, keys, lengths)), chars
-            raw = _encode_json(parsed.messages)
-            return xxhash.xxh3_128_digest(raw) + b"c", ("chat", parsed.messages), len(raw)
+            return self._chat_parts_keyed(parsed.messages) or self._chat_keyed(parsed.messages)
         prompt = parsed.prompt
         if isinstance(prompt, list):
             if prompt and all(isinstance(t, int) for t in prompt):
@@ -276,6 +263,26 @@ class PromptTokenizer:
             else:
                 return None, ("none", None), 0  # batched prompts: not routed by prefix
         return xxhash.xxh3_128_digest(prompt.encode("utf-8", "surrogatepass")) + b"p", ("text", prompt), len(prompt)
+
+    def _chat_parts_keyed(self, messages: Any) -> tuple[bytes, Any, int] | None:
+        """A ChatML chat of plain messages, keyed a message at a time in C without rendering it
+        (its whole key is made of its parts' keys); a part is rendered only where its ids are not
+        cached (bench/kv_path.py, "shared"). None: not such a chat (or no ChatML template)."""
+        if self._chatml is None:
+            return None
+        parts = native.chat_part_keys(messages, *self._chatml, b"m", b"k")
+        if parts is None:
+            return None
+        whole, keys, lengths = parts
+        chars = sum(lengths)
+        if chars > self.prefix_chars:
+            return None
+        return whole, ("chat_parts", (messages, keys, lengths)), chars
+
+    def _chat_keyed(self, messages: Any) -> tuple[bytes, Any, int]:
+        """Any other chat: keyed by its messages' JSON, rendered by the template when computed."""
+        raw = _encode_json(messages)
+        return xxhash.xxh3_128_digest(raw) + b"c", ("chat", messages), len(raw)
 
     def _encode_steps(self, texts: list[str], add_special_tokens: bool, stepwise: bool) -> Steps[list[array]]:
         """Each text's ids: in one call (one GIL release for HF tokenizers), or when ``stepwise``
@@ -469,26 +476,8 @@ class PromptTokenizer:
         short (``_parts_now``: its earlier messages are cache lookups). On a miss, pass the second
         value to ``token_ids(keyed=...)`` for the same request, so the prompt is not keyed twice (a
         10 KB conversation is JSON-encoded and hashed for its key)."""
-        if self._chatml is not None and route == "/v1/chat/completions":
-            # _key_and_work's first case and ByteLRU.get, inlined: this runs on every chat request.
-            parts = native.chat_part_keys(parsed.messages, *self._chatml, b"m", b"k")
-            if parts is not None:
-                whole, keys, lengths = parts
-                chars = sum(lengths)
-                if chars <= self.prefix_chars:
-                    keyed = whole, ("chat_parts", (parsed.messages, keys, lengths)), chars
-                    if chars <= _WHOLE_CHARS:
-                        table = self.cache._table
-                        entry = table.get(whole)
-                        if entry is not None:
-                            try:
-                                table.move_to_end(whole)
-                            except KeyError:  # (evicted by a tokenizer thread just now: still a hit)
-                                pass
-                            self.hits += 1
-                            return entry[0], keyed
-                    return self._parts_lookup(keyed)
-            keyed = self._key_and_work(route, parsed, False)  # (parts: tried above)
+        if route == "/v1/chat/completions":  # (_key_and_work's case, one call fewer: every chat request)
+            keyed = self._chat_parts_keyed(parsed.messages) or self._chat_keyed(parsed.messages)
         else:
             keyed = self._key_and_work(route, parsed)
         key, work, chars = keyed
@@ -497,21 +486,16 @@ class PromptTokenizer:
             if cached is not None:
                 self.hits += 1
                 return cached, keyed
-            return self._parts_lookup(keyed)
+            ids = self._parts_now(work[1])
+            if ids is not None and chars <= _WHOLE_CHARS:
+                self.cache.put(key, ids)
+            return ids, keyed
         if key is None:
             return None, keyed
         cached = self.cache.get(key)
         if cached is not None:
             self.hits += 1
         return cached, keyed
-
-    def _parts_lookup(self, keyed: tuple) -> tuple[array | None, tuple]:
-        """``lookup`` of a plain chat not cached whole: from its parts' cached ids."""
-        key, work, chars = keyed
-        ids = self._parts_now(work[1])
-        if ids is not None and chars <= _WHOLE_CHARS:
-            self.cache.put(key, ids)
-        return ids, keyed
 
     def _parts_now(self, value: tuple) -> array | None:
         """A plain chat's ids (``chat_parts`` work) assembled from its parts' cached ids, the
