@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 
 import openai
 import pytest
@@ -47,23 +48,32 @@ def pd_fleet(tmp_path_factory):
         fleet.stop()
 
 
-def warm_up_the_nixl_handshake(fleet: VllmFleet, attempts: int = 3) -> None:
+def warm_up_the_nixl_handshake(fleet: VllmFleet, failures: int = 3, deadline_s: float = 120.0) -> None:
     """vLLM's NIXL side-channel handshake, made on the pair's first transfer, gives up after a
     fixed 5 s; on a starved 2-core box (CI, engines just started) it once did, and that first
     request failed with the decode leg's 500. A later one handshakes anew. So the pair serves one
-    request (its own prompt: no cache the tests rely on) before the tests measure anything."""
+    request (its own prompt: no cache the tests rely on) before the tests measure anything.
+
+    A failed leg opens that worker's breaker: until its cooldown passes the server answers 503
+    with ``Retry-After``, which is waited out here (not counted as a failure), within the deadline."""
     import urllib.error
 
     body = {"model": "tiny", "max_tokens": 1, "temperature": 0,
             "messages": [{"role": "system", "content": "Warm-up."}, {"role": "user", "content": "Hi."}]}
-    errors = []
-    for _ in range(attempts):
+    errors: list[str] = []
+    failed = 0
+    deadline = time.monotonic() + deadline_s
+    while failed < failures and time.monotonic() < deadline:
         try:
             http_json(fleet.base + "/v1/chat/completions", body, timeout=120)
             return
         except urllib.error.HTTPError as exc:
             errors.append(f"HTTP {exc.code}: {exc.read()[:200]!r}")
-    pytest.fail(f"the PD pair never served a request ({attempts} attempts): {errors}")
+            if exc.code == 503 and exc.headers.get("Retry-After"):
+                time.sleep(float(exc.headers["Retry-After"]))
+            else:
+                failed += 1
+    pytest.fail(f"the PD pair never served a request ({failed} failures, {len(errors)} answers): {errors}")
 
 
 def metric_sum(port: int, name: str, label: str = "") -> float:
