@@ -62,6 +62,7 @@ _END_SEQ = -1
 # of silence.
 _FIRST_PROBE_S = 0.5
 _IDLE_PROBE_S = 5.0
+_STOP_WAIT_S = 5.0  # how long stop() waits for closing readers and connections
 OnBatch = Callable[[str, int, bytes], None]
 OnReset = Callable[[str], None]
 
@@ -197,7 +198,14 @@ class ZmqKvEventSubscriber(KvCallbacks):
             self._close(st)
         closing, self._closing = list(self._closing), set()
         if closing:
-            await asyncio.gather(*closing, return_exceptions=True)
+            # Bounded: a task that outlives its cancellation must not hold the server's shutdown.
+            done, late = await asyncio.wait(closing, timeout=_STOP_WAIT_S)
+            for task in done:
+                if not task.cancelled():
+                    task.exception()  # retrieved: a close that failed has nothing left to do
+            if late:
+                log.warning("KV events: %d task(s) still running %.0fs after stop; left behind",
+                            len(late), _STOP_WAIT_S)
         for st in self._keys.values():
             st.task = None
         if self._own_ctx and self._ctx is not None:
@@ -304,12 +312,16 @@ class ZmqKvEventSubscriber(KvCallbacks):
         repair, a restart, a first batch to catch up to) and the idle replay probes. Live batches
         in sequence never come here: ``_on_frames`` applies them as they are read."""
         assert st.conn is not None and st.wake is not None
+        conn = st.conn
         try:
             if st.replay_endpoint:
                 await self._catch_up(st, 0, None)  # blocks stored before we subscribed
             st.caught_up = True
             probe_after = _FIRST_PROBE_S
-            while True:
+            # Closing the key (or re-opening it) replaces ``st.conn``: the loop ends then even if its
+            # cancellation was lost on the way (3.11's wait_for can swallow one that lands as its
+            # wait ends), so a removed worker is not probed forever and stop() is not held.
+            while st.conn is conn:
                 frames, st.slow = st.slow, None
                 if frames is not None:
                     await self._on_message(st, frames)
@@ -467,6 +479,8 @@ class ZmqKvEventSubscriber(KvCallbacks):
     async def _fetch(self, st: _KeyState, start: int, counted: bool = True) -> list[tuple[int, bytes]] | None:
         """Every buffered batch with seq >= start from the replay socket; None on failure."""
         assert self._ctx is not None and st.replay_endpoint
+        if st.conn is None:  # closed: nothing to fetch for
+            return None
         if counted:
             st.replays += 1
         dealer = self._ctx.socket(zmq.DEALER)

@@ -530,3 +530,53 @@ async def test_one_frame_message_from_a_hand_driven_publisher():
         await sub.stop()
     assert [(seq, evs[0][1]) for _, seq, evs in sink.batches] == [(-1, [1]), (-1, [2]), (0, [3]), (-1, [4])]
     assert sink.resets == [] and sub.stats("a")["last_seq"] == 0
+
+
+async def test_a_reader_whose_cancellation_is_lost_still_ends_when_its_key_is_removed(sim, subscriber, monkeypatch):
+    """Python 3.11's wait_for can swallow a cancellation that lands just as its wait ends. A reader
+    that lost one must still end with its key, not probe a removed worker forever (seen in CI: a
+    server's shutdown hung on such a reader)."""
+    sub, _ = subscriber
+    server = await sim()
+    probing, swallowed = asyncio.Event(), []
+
+    async def probe_that_swallows_its_cancellation(st):
+        probing.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            swallowed.append(st.key)
+
+    monkeypatch.setattr(sub, "_probe", probe_that_swallows_its_cancellation)
+    sub.add("w", *endpoints(server))
+    await asyncio.wait_for(probing.wait(), 10)  # the first idle probe, 0.5 s after catching up
+    reader = sub._keys["w"].task
+    sub.remove("w")
+    await wait_for(reader.done, 3, message="the reader ended although its cancellation was swallowed")
+    assert swallowed == ["w"]
+
+
+async def test_stop_is_bounded_by_a_task_that_ignores_cancellation(monkeypatch):
+    import infera.transport.kv_events_zmq as module
+
+    monkeypatch.setattr(module, "_STOP_WAIT_S", 0.5)
+    sub = ZmqKvEventSubscriber(lambda *a: None, lambda *a: None)
+    await sub.start()
+    release = asyncio.Event()
+
+    async def stubborn():
+        while not release.is_set():
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                pass
+
+    task = asyncio.get_running_loop().create_task(stubborn())
+    sub._closing.add(task)
+    stopping = asyncio.ensure_future(sub.stop())
+    await asyncio.wait({stopping}, timeout=3)  # not wait_for: cancelling a stop() stuck on the task hangs too
+    release.set()
+    assert stopping.done(), "stop() waited on a task that ignores cancellation"
+    await stopping
+    task.cancel()
+    await asyncio.wait_for(task, 2)
