@@ -173,11 +173,22 @@ class VllmFleet:
                 w.proc.wait(60)
             except subprocess.TimeoutExpired:
                 os.killpg(w.proc.pid, signal.SIGKILL)
-        for server in self.servers:
-            server.terminate()
-            server.wait(15)
-        self.etcd.cleanup()
-        self.nats.cleanup()
+        try:
+            for server in self.servers:
+                server.terminate()
+            hung = []
+            for server in self.servers:
+                try:
+                    server.wait(15)
+                except subprocess.TimeoutExpired:  # a shutdown that hangs is a bug: fail, but leave nothing running
+                    server.kill()
+                    server.wait(5)
+                    hung.append(server.args)
+            if hung:
+                pytest.fail(f"{len(hung)} server(s) did not shut down within 15 s of SIGTERM: {hung}")
+        finally:
+            self.etcd.cleanup()
+            self.nats.cleanup()
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,12 @@ PROMPT = [{"role": "system", "content": "You are a careful assistant. " * 40},
 
 def nixl(role: str) -> WorkerSpec:
     cfg = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
-    return WorkerSpec(engine=["--kv-transfer-config", json.dumps(cfg)], launcher=["--disaggregation-allow-tcp"],
+    # Lease 90 s, not the fleet's 30: on this 2-core box a NIXL pull has starved every other
+    # process (launchers, etcd, even a shell loop) for 14-42 s at a time (perf: the engines' NIXL
+    # UCX progress threads and their shm-queue sched_yield spin took ~95 % of both cores), and
+    # a 30 s lease lapsed under it: both records vanished mid-module until their re-registration.
+    return WorkerSpec(engine=["--kv-transfer-config", json.dumps(cfg)],
+                      launcher=["--disaggregation-allow-tcp", "--lease-ttl", "90"],
                       env={**LOOPBACK_NIXL, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
 
 
@@ -81,9 +86,18 @@ def metric_sum(port: int, name: str, label: str = "") -> float:
     return sample_sum(text, name, label)
 
 
-def by_role(fleet: VllmFleet) -> dict[str, int]:
-    records = {r["worker_id"]: r for r in fleet.records()}
-    return {records[w.worker_id]["disagg_mode"]: w.port for w in fleet.workers}
+def by_role(fleet: VllmFleet, timeout: float = 60.0) -> dict[str, int]:
+    """Engine port by PD role, once both workers are registered (a lease that lapsed under load
+    comes back with the launcher's next keepalive)."""
+    ids = {w.worker_id for w in fleet.workers}
+    deadline = time.monotonic() + timeout
+    while True:
+        records = {r["worker_id"]: r for r in fleet.records()}
+        if ids <= records.keys():
+            return {records[w.worker_id]["disagg_mode"]: w.port for w in fleet.workers}
+        if time.monotonic() > deadline:
+            pytest.fail(f"workers {sorted(ids - records.keys())} not registered within {timeout:.0f}s")
+        time.sleep(0.2)
 
 
 def test_workers_register_their_pd_roles(pd_fleet):
