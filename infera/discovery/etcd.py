@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 # gRPC status code etcd uses for "requested lease not found" (and other not-found errors).
 _GRPC_NOT_FOUND = 5
+# How soon a keepalive that failed is tried again (never later than the normal ttl/3 cadence).
+KEEPALIVE_RETRY_S = 1.0
 _JSON_HEADERS = {"Content-Type": "application/json"}
 # A single watch line is one gateway message; guard memory against a runaway stream without a newline.
 _MAX_WATCH_LINE = 64 * 1024 * 1024
@@ -528,7 +530,8 @@ class EtcdRegistration:
     """Publish one worker record at ``<prefix><worker_id>`` under a lease kept alive in the background.
 
     If the lease is found gone (etcd wiped, lease expired while paused) the record is re-granted
-    and re-put; while etcd is unreachable the keepalive keeps retrying at its normal cadence.
+    and re-put; while etcd is unreachable the keepalive retries every ``KEEPALIVE_RETRY_S`` (at
+    most its normal cadence) until etcd answers.
     """
 
     def __init__(
@@ -633,7 +636,9 @@ class EtcdRegistration:
     async def _keepalive_loop(self) -> None:
         failing = False
         while True:
-            await asyncio.sleep(self.keepalive_interval)
+            # After a failure, try again soon rather than a whole interval later: at the default
+            # ttl/3 cadence a lease only gets two more tries before it lapses.
+            await asyncio.sleep(min(self.keepalive_interval, KEEPALIVE_RETRY_S) if failing else self.keepalive_interval)
             try:
                 # Bound each call by the cadence so one hung request can't outlive the lease.
                 timeout = max(self.keepalive_interval, 1.0)
@@ -654,7 +659,7 @@ class EtcdRegistration:
             except Exception as exc:  # keep trying at the same cadence; never die
                 if not failing:
                     log.warning("etcd keepalive for %s failed: %s (retrying every %.1fs)", self.key, exc,
-                                self.keepalive_interval)
+                                min(self.keepalive_interval, KEEPALIVE_RETRY_S))
                     failing = True
 
     async def deregister(self) -> None:
