@@ -150,14 +150,24 @@ def test_model_name_or_dir_without_tokenizer_is_builtin(tmp_path):
 # -- the ASCII fast path gives the str pattern's ids ---------------------------------------------------
 from hypothesis import given, settings, strategies as st  # noqa: E402
 import itertools  # noqa: E402
+import re  # noqa: E402
 import xxhash  # noqa: E402
 
-from infera.kv.tokenizer import _PIECE_RE, BuiltinTokenizer, NUM_RESERVED_IDS  # noqa: E402
+from infera.kv.tokenizer import _PIECE_RE, BUILTIN_SPECIAL_TOKENS, BuiltinTokenizer, NUM_RESERVED_IDS  # noqa: E402
 
 
 def _str_path_ids(text: str) -> list[int]:
-    """The ids by the str pattern alone (what the tokenizer did before the ASCII fast path)."""
-    return [xxhash.xxh3_64_intdigest(p.encode("utf-8")) % 50_000 + NUM_RESERVED_IDS for p in _PIECE_RE.findall(text)]
+    """The ids by the str pattern alone (what the tokenizer did before the ASCII fast path), after
+    the split at literal special tokens that comes before either path. (Hypothesis draws string
+    constants from the code under test, so a text like '<|im_start|>' does come up.)"""
+    ids: list[int] = []
+    for chunk in re.split("(" + "|".join(re.escape(t) for t in BUILTIN_SPECIAL_TOKENS) + ")", text):
+        if chunk in BUILTIN_SPECIAL_TOKENS:
+            ids.append(BUILTIN_SPECIAL_TOKENS[chunk])
+        else:
+            ids += [xxhash.xxh3_64_intdigest(p.encode("utf-8")) % 50_000 + NUM_RESERVED_IDS
+                    for p in _PIECE_RE.findall(chunk)]
+    return ids
 
 
 _ASCII_EDGES = "a Z0_'\t\n\r\x0b\x0c\x1c\x1f\x00!-s"
@@ -183,4 +193,9 @@ def test_mixed_text_matches_the_str_pattern(text):
     for special in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"):
         if special in text:
             return
+    assert BuiltinTokenizer().encode(text) == _str_path_ids(text)
+
+
+@pytest.mark.parametrize("text", ["<|im_start|>", "a<|im_end|>b c", "<|endoftext|><|im_start|>x", "<|im_start", "<<|im_end|>>"])
+def test_ascii_fast_path_matches_the_str_pattern_around_literal_special_tokens(text):
     assert BuiltinTokenizer().encode(text) == _str_path_ids(text)
