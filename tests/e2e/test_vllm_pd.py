@@ -19,7 +19,10 @@ from tests.e2e.conftest import VLLM_PYTHON, VllmFleet, WorkerSpec, _vllm_availab
 
 pytestmark = pytest.mark.e2e
 
-LOOPBACK_NIXL = {"VLLM_HOST_IP": "127.0.0.1", "UCX_NET_DEVICES": "lo", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+LOOPBACK_NIXL = {"VLLM_HOST_IP": "127.0.0.1", "UCX_NET_DEVICES": "lo", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                 # The starved stretches described in nixl() outlast vLLM's 30 s chat-template
+                 # render timeout too (CI: the decode leg's 500 "rendering timed out after 30.0s").
+                 "VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT": "300"}
 PROMPT = [{"role": "system", "content": "You are a careful assistant. " * 40},
           {"role": "user", "content": "Summarise the rules of chess in one line."}]
 
