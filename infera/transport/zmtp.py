@@ -191,9 +191,12 @@ class ZmtpSubProtocol(asyncio.Protocol):
 
     # -- flow --------------------------------------------------------------------------------------
     def pause(self) -> None:
-        """Deliver nothing more until ``resume`` (the kernel buffers, then the publisher)."""
+        """Deliver nothing more until ``resume`` (the kernel buffers, then the publisher). The
+        handshake goes on while paused: the subscription must be in place meanwhile, or the
+        publisher drops what it publishes during the caller's wait (a first-contact replay)."""
         self._paused = True
-        self._set_reading(False)
+        if self._ready:
+            self._set_reading(False)
 
     def resume(self) -> None:
         self._paused = False
@@ -242,7 +245,7 @@ class ZmtpSubProtocol(asyncio.Protocol):
             self._greeted = True
             self.transport.write(command(b"READY", {b"Socket-Type": b"SUB"}))  # type: ignore[union-attr]
         turn_ends = time.perf_counter() + _TURN_S
-        while not self._paused:
+        while not self._paused or not self._ready:  # paused: the handshake's commands still
             items, ends, broken = _split(buf, pos, self.max_frame_bytes)
             if not items and broken is None:
                 return pos
@@ -255,6 +258,8 @@ class ZmtpSubProtocol(asyncio.Protocol):
                 if not self._ready:
                     self._fail("a message before the handshake completed")
                     return ends[i]
+                if self._paused:  # the handshake completed while paused: messages wait for resume
+                    return ends[i - 1] if i else pos
                 self.messages += 1
                 self.on_message(item)
                 if self._paused:
@@ -302,6 +307,8 @@ class ZmtpSubProtocol(asyncio.Protocol):
                 return
             self._ready = True
             self.transport.write(message_frame(b"\x01" + self.topic))  # type: ignore[union-attr]
+            if self._paused:
+                self._set_reading(False)  # subscribed; nothing more is read until resume
             self.on_ready()
         elif name == b"PING":  # ZMTP 3.1 heartbeat: TTL (2 bytes) + context, echoed in PONG
             self.transport.write(_frame_header(_COMMAND, 5 + len(rest[2:])) + b"\x04PONG" + rest[2:])  # type: ignore[union-attr]

@@ -199,3 +199,29 @@ async def test_a_curve_publisher_is_refused_with_a_clear_log(caplog):
         await sub.stop()
         pub.close(0)
         ctx.destroy(linger=0)
+
+
+async def test_a_paused_subscription_still_subscribes_and_holds_delivery():
+    """Paused from the start (as during a first-contact replay), the connection still completes
+    its handshake and subscribes, so the publisher keeps what it publishes meanwhile; delivery
+    waits for resume. (It used to stop reading altogether: no subscription until resume, and the
+    slow-replay test above deadlocked on its wait for the subscription ~1 run in 5.)"""
+    from infera.transport.zmtp import ZmtpSubscription
+
+    p = TinyPublisher(replay=False)
+    got: list[list[bytes]] = []
+    conn = ZmtpSubscription(p.endpoint, TOPIC, got.append)
+    conn.pause()
+    conn.start()
+    try:
+        await p.subscribed()
+        await wait_for(lambda: conn.connected, 5, message="the handshake completed while paused")
+        p.batch(0)
+        await asyncio.sleep(0.3)
+        assert got == []
+        conn.resume()
+        await wait_for(lambda: len(got) == 1, 5, message="the held batch after resume")
+        assert got[0][1] == (0).to_bytes(8, "big")
+    finally:
+        await conn.close()
+        await p.close()

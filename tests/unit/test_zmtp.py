@@ -83,6 +83,25 @@ async def test_a_real_pub_session_cut_anywhere(size):
     assert t.written[3:] == [b"\x04\x05\x04PONG"] * PINGS and PINGS > 0
 
 
+@pytest.mark.parametrize("size", [1, 64, 100, len(SESSION)])
+async def test_paused_before_the_handshake_still_subscribes_and_holds_the_messages(size):
+    """Paused from the start (the subscriber's first contact waits on a replay): the handshake is
+    read and answered, the subscription sent, and only then is reading paused; the messages wait
+    for resume. Pausing the reads at once left the publisher without a subscription until resume."""
+    p, t, got, ready = client()
+    p.pause()
+    assert t.reading  # the handshake still has to be read
+    for piece in chunks(SESSION, size):
+        if not t.reading:
+            p._buf += piece  # what the kernel would hold until resume_reading
+            continue
+        p.data_received(piece)
+    assert ready == [True] and t.written[2] == message_frame(b"\x01" + TOPIC)
+    assert got == [] and not t.reading and not t.aborted
+    p.resume()
+    assert got == WANT and t.reading
+
+
 async def test_pause_holds_delivery_and_resume_delivers_the_rest_in_order():
     got = []
 
