@@ -252,14 +252,12 @@ class ZmtpSubProtocol(asyncio.Protocol):
             for i, item in enumerate(items):
                 if type(item) is bytes:  # a command
                     self._command(item)
-                    if self.closed.done():
-                        return ends[i]
+                    if self.closed.done() or (self._paused and self._ready):
+                        return ends[i]  # closed, or the handshake completed while paused: the rest waits
                     continue
                 if not self._ready:
                     self._fail("a message before the handshake completed")
                     return ends[i]
-                if self._paused:  # the handshake completed while paused: messages wait for resume
-                    return ends[i - 1] if i else pos
                 self.messages += 1
                 self.on_message(item)
                 if self._paused:

@@ -15,7 +15,8 @@ import pytest
 
 from infera.engine.base.prom import sample_sum
 from tests.conftest import free_port
-from tests.e2e.conftest import VLLM_PYTHON, VllmFleet, WorkerSpec, _vllm_available, http_json, urlopen_text
+from tests.e2e.conftest import (VLLM_PYTHON, VllmFleet, WorkerSpec, _vllm_available, http_json, urlopen_text,
+                                wait_until)
 
 pytestmark = pytest.mark.e2e
 
@@ -93,14 +94,13 @@ def by_role(fleet: VllmFleet, timeout: float = 60.0) -> dict[str, int]:
     """Engine port by PD role, once both workers are registered (a lease that lapsed under load
     comes back with the launcher's next keepalive)."""
     ids = {w.worker_id for w in fleet.workers}
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def registered() -> dict[str, dict] | None:
         records = {r["worker_id"]: r for r in fleet.records()}
-        if ids <= records.keys():
-            return {records[w.worker_id]["disagg_mode"]: w.port for w in fleet.workers}
-        if time.monotonic() > deadline:
-            pytest.fail(f"workers {sorted(ids - records.keys())} not registered within {timeout:.0f}s")
-        time.sleep(0.2)
+        return records if ids <= records.keys() else None
+
+    records = wait_until(registered, timeout, f"workers {sorted(ids)} registered")
+    return {records[w.worker_id]["disagg_mode"]: w.port for w in fleet.workers}
 
 
 def test_workers_register_their_pd_roles(pd_fleet):
