@@ -18,6 +18,16 @@ from infera.engine.base.kv_events import free_port_block
 from infera.engine.base.prom import samples
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# One hypothesis profile for the whole suite (no test module changes global settings): in CI the
+# same examples every run (derandomized, no example database), so a red run is reproducible and no
+# flaky discovery fails a landing; locally fresh examples each run. No deadline: a loaded 2-core box
+# is not a reason to fail a property.
+settings.register_profile("ci", derandomize=True, database=None, deadline=None,
+                          suppress_health_check=list(HealthCheck))
+settings.register_profile("dev", database=None, deadline=None, suppress_health_check=list(HealthCheck))
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
 # The tests' own ports come from below the launchers' range (10000 up to the ephemeral range), so

@@ -14,14 +14,13 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import os
 import re
 import threading
 import urllib.parse
 
 import pytest
 from aiohttp import web
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from infera.api.errors import ApiError
 from infera.api.requests import parse_request
@@ -30,10 +29,6 @@ from infera.server.cli import parse_args
 from infera.server.main import InferaServer
 from tests.integration.conftest import LoopbackEngine, NoDiscovery
 
-settings.register_profile("ci", derandomize=True, database=None, deadline=None,
-                          suppress_health_check=list(HealthCheck))
-settings.register_profile("dev", database=None, deadline=None, suppress_health_check=list(HealthCheck))
-settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 CHAT, COMP = "/v1/chat/completions", "/v1/completions"
 TOKEN = "fuzz-admin-token-0123456789"

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import pathlib
 import time
 from typing import Union
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from infera.api.errors import ApiError
 from infera.api.requests import MAX_JSON_DEPTH, json_structure_problem, parse_request
@@ -20,11 +19,6 @@ from infera.discovery.record import WorkerRecord
 from infera.router.auto import AutoRouter
 from infera.router.policy import RoutedRequest
 
-# CI: the same examples every run (no flaky discoveries there); locally: fresh ones each run.
-settings.register_profile("ci", derandomize=True, database=None, deadline=None,
-                          suppress_health_check=list(HealthCheck))
-settings.register_profile("dev", database=None, deadline=None, suppress_health_check=list(HealthCheck))
-settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
 def reference_depth(b: bytes) -> int:
