@@ -30,6 +30,23 @@ settings.register_profile("dev", database=None, deadline=None, suppress_health_c
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
+# Under INFERA_E2E_REQUIRED=1 (make test, so CI) every component a test needs is installed by the
+# Makefile, so a skip means something is missing or broken: it fails instead, with the skip's reason.
+# The pure-Python rerun (INFERA_NATIVE=0, without this variable) keeps its accelerator-only skips.
+def _skips_fail() -> bool:
+    return os.environ.get("INFERA_E2E_REQUIRED") == "1"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and _skips_fail() and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped under INFERA_E2E_REQUIRED=1, where nothing may be missing: {reason}"
+
+
 # The tests' own ports come from below the launchers' range (10000 up to the ephemeral range), so
 # a port a test hands to a server can never be one a launcher just chose for its engine and is
 # about to bind (CI once lost a 1P1D test to exactly that: "Address already in use").
