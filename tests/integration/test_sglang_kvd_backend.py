@@ -1,8 +1,10 @@
 """``InferaKvdBackend`` driven as SGLang 0.5.23's HiCache drives a ``dynamic`` storage backend
 (``managers/cache_controller.py``: ``_generic_page_set`` / ``_generic_page_get`` /
-``_storage_hit_query``), against a real ``python -m infera.kvd``. SGLang and torch are not installed
-here: the host pool's pages are ``array('H')`` buffers (2-byte items, like bf16), which the backend
-reads through the buffer protocol exactly as it reads a CPU tensor's uint8 view."""
+``_storage_hit_query``), against a real ``python -m infera.kvd``. Most tests run in this venv,
+which has neither SGLang nor torch: the host pool's pages are ``array('H')`` buffers (2-byte items,
+like bf16), which the backend reads through the buffer protocol exactly as it reads a CPU tensor's
+uint8 view. The last ones run SGLang's own HiCacheStorage / StorageBackendFactory on torch pages in
+the vLLM venv, with the SGLang wheel that ``make setup-sglang`` unpacks (tests/real_engines.py)."""
 from __future__ import annotations
 
 import hashlib
@@ -312,78 +314,95 @@ def test_a_daemon_that_dies_turns_calls_into_misses(kvd, monkeypatch, caplog):
         revived.stop()
 
 
-def test_torch_pages_as_sglang_hands_them(kvd):
-    """With torch (SGLang's own pages: bf16 CPU tensors; run under a venv that has torch): a
-    page_first host buffer's flat pages are stored and loaded in place, a non-contiguous page too."""
-    torch = pytest.importorskip("torch")
-    layers, item = 3, 16
-    src = torch.randn((4, layers, item), dtype=torch.bfloat16)  # a page_first kv_buffer: [page, layer, item]
-    backend = attach(StorageConfig(), HostPool(1))
-    hashes = page_hashes(4)
-    pages = [src[i].flatten() for i in range(3)] + [src[3].t()]  # the last one non-contiguous
-    assert not pages[3].is_contiguous()
-    assert backend.batch_set(hashes, pages)
-    dst = torch.zeros((4, layers, item), dtype=torch.bfloat16)
-    dummies = [torch.zeros((layers, item), dtype=torch.bfloat16).flatten() for _ in range(3)]
-    got = backend.batch_get(hashes[:3], dummies)
-    for i, page in enumerate(got):
-        assert page is dummies[i]  # filled in place and returned, as set_from_flat_data_page expects
-        dst[i] = page.view(torch.bfloat16).reshape(layers, item)
-    assert torch.equal(dst[:3], src[:3])
-    back = torch.zeros(layers * item, dtype=torch.bfloat16)
-    assert backend.get(hashes[3], back) is back and torch.equal(back, src[3].t().contiguous().flatten())
-    strided = torch.zeros((item, layers), dtype=torch.bfloat16).t()  # a GET target that cannot alias bytes
-    assert backend.get(hashes[3], strided) is None  # a logged miss, not an exception
-    backend.close()
+# -- SGLang's own code: its HiCacheStorage base, StorageBackendFactory and torch pages ---------------
+# Run under the vLLM venv's interpreter (it has torch) with SGLang 0.5.23's wheel unpacked beside it
+# (make setup-sglang): tests/real_engines.py.
 
-
-REAL_SGLANG_CHECK = r'''
-import json, os, sys, types
-root = os.environ["INFERA_TEST_SGLANG_DIR"]
-for name in ("sglang", "sglang.srt", "sglang.srt.mem_cache", "sglang.srt.mem_cache.storage"):
-    module = types.ModuleType(name)  # package shells: skip __init__s that import the whole engine
-    module.__path__ = [os.path.join(root, *name.split("."))]
-    sys.modules[name] = module
-import torch
+REAL_SGLANG_ATTACH = r'''
+import json, torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from infera.engine.sglang.adapter import KVD_BACKEND_CONFIG
 from infera.engine.sglang.kvd_adapter import InferaKvdBackend
-assert issubclass(InferaKvdBackend, HiCacheStorage)
-extra = json.loads(json.dumps(KVD_BACKEND_CONFIG))
-extra.pop("prefetch_threshold")  # SGLang pops it (parse_storage_backend_extra_config) before the factory
-config = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                              is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
-                              model_name="m", extra_config=extra)
-backend = StorageBackendFactory.create_backend("dynamic", config, None)
-assert type(backend) is InferaKvdBackend
-host = types.SimpleNamespace(layout="page_first", page_size=4, dtype=torch.bfloat16)
-backend.register_mem_pool_host(host)
-backend.on_host_pools_registered()
+assert issubclass(InferaKvdBackend, HiCacheStorage)  # the real base, not the fallback
+
+
+def attach(model="m"):
+    """As SGLang does it: parse the extra config, build through the factory, register the host pool."""
+    extra = json.loads(json.dumps(KVD_BACKEND_CONFIG))
+    extra.pop("prefetch_threshold")  # popped by parse_storage_backend_extra_config before the factory
+    config = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                  is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+                                  model_name=model, extra_config=extra)
+    backend = StorageBackendFactory.create_backend("dynamic", config, None)
+    assert type(backend) is InferaKvdBackend
+    backend.register_mem_pool_host(type("Host", (), dict(layout="page_first", page_size=4, dtype=torch.bfloat16))())
+    backend.on_host_pools_registered()
+    return backend
+'''
+
+REAL_SGLANG_ROUND_TRIP = REAL_SGLANG_ATTACH + r'''
+backend = attach()
+assert (backend.daemon.client.arena is not None) is ARENA
 page = torch.randn(64, dtype=torch.bfloat16)
-key = "ab" * 32
+key = page_hashes(1)[0]
+assert backend.batch_exists([key], HiCacheStorageExtraInfo()) == 0
 assert backend.batch_set([key], [page]) is True
 assert backend.batch_exists([key], HiCacheStorageExtraInfo()) == 1
-out = backend.batch_get([key], [torch.zeros(64, dtype=torch.bfloat16)])
-assert torch.equal(out[0], page)
+target = torch.zeros(64, dtype=torch.bfloat16)
+out = backend.batch_get([key], [target])
+assert out[0] is target and torch.equal(out[0], page)
+assert attach(model="other").batch_exists([key], HiCacheStorageExtraInfo()) == 0  # another model's namespace
+backend.close()
+print("OK")
+'''
+
+REAL_SGLANG_TORCH_PAGES = REAL_SGLANG_ATTACH + r'''
+layers, item = 3, 16
+src = torch.randn((4, layers, item), dtype=torch.bfloat16)  # a page_first kv_buffer: [page, layer, item]
+backend = attach()
+hashes = page_hashes(4)
+pages = [src[i].flatten() for i in range(3)] + [src[3].t()]  # the last one non-contiguous
+assert not pages[3].is_contiguous()
+assert backend.batch_set(hashes, pages)
+dst = torch.zeros((4, layers, item), dtype=torch.bfloat16)
+dummies = [torch.zeros((layers, item), dtype=torch.bfloat16).flatten() for _ in range(3)]
+got = backend.batch_get(hashes[:3], dummies)
+for i, page in enumerate(got):
+    assert page is dummies[i]  # filled in place and returned, as set_from_flat_data_page expects
+    dst[i] = page.view(torch.bfloat16).reshape(layers, item)
+assert torch.equal(dst[:3], src[:3])
+back = torch.zeros(layers * item, dtype=torch.bfloat16)
+assert backend.get(hashes[3], back) is back and torch.equal(back, src[3].t().contiguous().flatten())
+strided = torch.zeros((item, layers), dtype=torch.bfloat16).t()  # a GET target that cannot alias bytes
+assert backend.get(hashes[3], strided) is None  # a logged miss, not an exception
 backend.close()
 print("OK")
 '''
 
 
-def test_real_sglang_factory_builds_the_backend(kvd):
-    """Optional: SGLang 0.5.23's own HiCacheStorage and StorageBackendFactory (from an unpacked wheel
-    named by INFERA_TEST_SGLANG_DIR, in a venv with torch) create and drive the backend."""
-    root = os.environ.get("INFERA_TEST_SGLANG_DIR")
-    if not root:
-        pytest.skip("INFERA_TEST_SGLANG_DIR (an unpacked sglang wheel) is not set")
-    pytest.importorskip("torch")
-    import subprocess
-    import sys
+def _run_with_sglang(kvd, script: str) -> None:
+    from tests.real_engines import run_engine_python
 
-    done = subprocess.run([sys.executable, "-c", REAL_SGLANG_CHECK], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "INFERA_KVD_SOCKET": kvd.socket})
-    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]
+    import inspect
+
+    # this module imports pytest, which the vLLM venv lacks: the script gets page_hashes' source
+    prelude = f"import hashlib\nARENA = {kvd.arena!r}\n{inspect.getsource(page_hashes)}\n"
+    done = run_engine_python(prelude + script, sglang=True,
+                             env={"INFERA_KVD_SOCKET": kvd.socket})
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stdout[-2000:] + done.stderr[-3000:]
+
+
+def test_real_sglang_factory_builds_and_drives_the_backend(kvd):
+    """SGLang 0.5.23's own HiCacheStorage and StorageBackendFactory create the backend from the extra
+    config our launcher writes; a bf16 page round-trips through kvd (arena and socket)."""
+    _run_with_sglang(kvd, REAL_SGLANG_ROUND_TRIP)
+
+
+def test_torch_pages_as_sglang_hands_them(kvd):
+    """SGLang's own pages (bf16 CPU tensors): a page_first host buffer's flat pages are stored and
+    loaded in place, a non-contiguous page too; a target that cannot alias bytes is a miss."""
+    _run_with_sglang(kvd, REAL_SGLANG_TORCH_PAGES)
 
 
 # -- the launcher end to end: a stand-in SGLang worker started with --infera-kvd-socket ---------------
