@@ -1389,31 +1389,6 @@ GpuView_emap_get(GpuView *v, PyObject *args)
     return PyLong_FromUnsignedLongLong(v->targets[bit].emap.vals[i]);
 }
 
-/* emap_values(bit) -> list of router hashes (one per engine hash mapped) */
-static PyObject *
-GpuView_emap_values(GpuView *v, PyObject *arg)
-{
-    int bit;
-    if (parse_bit(v, arg, &bit) < 0)
-        return NULL;
-    Map64 *m = &v->targets[bit].emap;
-    PyObject *out = PyList_New(0);
-    if (out == NULL)
-        return NULL;
-    for (uint64_t i = 0; i < m->cap; i++) {
-        if (!m->used[i])
-            continue;
-        PyObject *h = PyLong_FromUnsignedLongLong(m->vals[i]);
-        if (h == NULL || PyList_Append(out, h) < 0) {
-            Py_XDECREF(h);
-            Py_DECREF(out);
-            return NULL;
-        }
-        Py_DECREF(h);
-    }
-    return out;
-}
-
 /* first_unheld(hashes, start=0) -> position of the first of hashes[start:] no target holds */
 static PyObject *
 GpuView_first_unheld(GpuView *v, PyObject *args)
@@ -2475,7 +2450,6 @@ static PyMethodDef GpuView_methods[] = {
     {"counters", (PyCFunction)GpuView_counters, METH_O, "counters(bit): the target's event counters"},
     {"holds", (PyCFunction)GpuView_holds, METH_VARARGS, "holds(bit, router_hash) -> bool"},
     {"emap_get", (PyCFunction)GpuView_emap_get, METH_VARARGS, "emap_get(bit, engine_hash) -> router hash or None"},
-    {"emap_values", (PyCFunction)GpuView_emap_values, METH_O, "emap_values(bit) -> the router hashes mapped"},
     {"first_unheld", (PyCFunction)GpuView_first_unheld, METH_VARARGS,
      "first_unheld(hashes, start=0) -> position of the first hash no target holds"},
     {"match_one", (PyCFunction)GpuView_match_one, METH_VARARGS, "match_one(hashes, bit) -> held prefix length"},
