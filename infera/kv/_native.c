@@ -2930,36 +2930,103 @@ static PyTypeObject LandedClaimsType = {
 };
 
 /* ------------------------------------------------------------------------------------------ */
-/* zmtp_split(buf, start, max_frame) -> (items, ends, error)                                   */
+/* zmtp_split(buf, start, max_frame, max_message, max_frames, partial) -> (items, ends, error,  */
+/*            partial)                                                                         */
 
-/* The complete items of a ZMTP frame stream from ``start`` (infera/transport/zmtp.py): a message
- * as the list of its frames' bytes, a command as its body (bytes); ``ends[i]`` is the offset just
- * after item i. An incomplete frame, or a message whose last frame has not arrived, ends the scan
- * (nothing of it is taken). ``error``: None, or why the stream is broken where the scan stopped
- * (a frame over ``max_frame`` bytes, a command among a message's frames): the items before it are
- * whole and delivered first. */
+/* Frame headers read by zmtp_split since the module was loaded (zmtp_headers_read()): what the
+ * tests count to show that a message arriving in many reads is scanned once, not from its start
+ * again on every read. */
+static unsigned long long zmtp_headers;
+
+/* The frames of a message of ``nframes`` frames at ``q`` (already scanned, so whole): a list of
+ * bytes. The bounds are checked all the same: ``q`` may come from a caller's partial state. */
+static PyObject *
+zmtp_frames(const unsigned char *p, Py_ssize_t n, Py_ssize_t q, Py_ssize_t nframes)
+{
+    PyObject *item = PyList_New(nframes);
+    for (Py_ssize_t f = 0; item != NULL && f < nframes; f++) {
+        Py_ssize_t hdr = 2;
+        unsigned long long size;
+        if (q + 2 > n)
+            goto bad;
+        size = p[q + 1];
+        if (p[q] & 0x02) {
+            if (q + 9 > n)
+                goto bad;
+            size = mp_be(p + q + 1, 8);
+            hdr = 9;
+        }
+        zmtp_headers++;
+        if ((unsigned long long)(n - q - hdr) < size)
+            goto bad;
+        PyObject *frame = PyBytes_FromStringAndSize((const char *)p + q + hdr, (Py_ssize_t)size);
+        if (frame == NULL)
+            Py_CLEAR(item);
+        else
+            PyList_SET_ITEM(item, f, frame);
+        q += hdr + (Py_ssize_t)size;
+    }
+    return item;
+bad:
+    Py_DECREF(item);
+    PyErr_SetString(PyExc_ValueError, "bad partial state");
+    return NULL;
+}
+
+/* The complete items of a ZMTP frame stream from ``start`` (infera/transport/zmtp.py ``split``,
+ * its Python twin, which documents the contract): a message as the list of its frames' bytes, a
+ * command as its body (bytes); ``ends[i]`` is the offset just after item i. An incomplete frame,
+ * or a message whose last frame has not arrived, ends the scan (nothing of it is taken); the
+ * fourth value is then ``(message start, scan offset, frames, payload bytes)`` of that message
+ * when it has whole frames already, to be passed back as ``partial`` with the next call so that
+ * the scan resumes there (the buffer only grew meanwhile; the offsets shifted by what the caller
+ * dropped from its front) instead of reading every frame of the message again on every read: a
+ * publisher that never ends a message would otherwise cost a rescan of all of it per read.
+ * ``error``: None, or why the stream is broken where the scan stopped, decided at the frame's
+ * header, before its body arrives: a frame over ``max_frame`` bytes, a command among a message's
+ * frames, a message of more than ``max_frames`` frames or ``max_message`` payload bytes; the items
+ * before it are whole and delivered first. */
 static PyObject *
 py_zmtp_split(PyObject *self, PyObject *args)
 {
     Py_buffer b;
-    Py_ssize_t pos;
-    unsigned long long max_frame;
-    if (!PyArg_ParseTuple(args, "y*nK:zmtp_split", &b, &pos, &max_frame))
+    Py_ssize_t pos, max_frames;
+    unsigned long long max_frame, max_message;
+    PyObject *partial = Py_None;
+    if (!PyArg_ParseTuple(args, "y*nKKn|O:zmtp_split", &b, &pos, &max_frame, &max_message, &max_frames,
+                          &partial))
         return NULL;
     const unsigned char *p = b.buf;
     Py_ssize_t n = b.len;
-    PyObject *items = PyList_New(0), *ends = PyList_New(0), *result = NULL, *error = NULL;
-    Py_ssize_t stack_off[16], stack_len[16];
-    Py_ssize_t *off = stack_off, *len = stack_len, cap = 16;
+    Py_ssize_t ms = -1, mscan = 0, mframes = 0, mtotal = 0;
+    PyObject *items = PyList_New(0), *ends = PyList_New(0), *result = NULL, *error = NULL, *out = NULL;
     if (items == NULL || ends == NULL)
         goto done;
     if (pos < 0 || pos > n) {
         PyErr_SetString(PyExc_ValueError, "start out of range");
         goto done;
     }
+    if (partial != Py_None) {
+        if (!PyTuple_Check(partial) || PyTuple_GET_SIZE(partial) != 4) {
+            PyErr_SetString(PyExc_TypeError, "partial must be None or a 4-tuple");
+            goto done;
+        }
+        if (!PyArg_ParseTuple(partial, "nnnn", &ms, &mscan, &mframes, &mtotal))
+            goto done;
+        if (!(0 <= ms && ms <= mscan && mscan <= n && mframes >= 1 && 0 <= mtotal && mtotal <= mscan - ms)) {
+            PyErr_SetString(PyExc_ValueError, "bad partial state");
+            goto done;
+        }
+    }
     for (;;) {
-        Py_ssize_t q = pos, nframes = 0;
+        Py_ssize_t q = pos, nframes = 0, body = 0;
+        unsigned long long total = 0;
         int complete = 0, is_command = 0;
+        if (pos == ms) {  /* the message the last call left incomplete: on from where its scan stopped */
+            q = mscan;
+            nframes = mframes;
+            total = (unsigned long long)mtotal;
+        }
         while (q + 2 <= n) {
             unsigned char flags = p[q];
             Py_ssize_t hdr = 2;
@@ -2970,68 +3037,47 @@ py_zmtp_split(PyObject *self, PyObject *args)
                 size = mp_be(p + q + 1, 8);
                 hdr = 9;
             }
+            zmtp_headers++;
             if (size > max_frame) {
                 error = PyUnicode_FromFormat("a frame of %llu bytes (the limit is %llu)", size, max_frame);
-                if (error == NULL)
-                    goto done;
                 break;
             }
-            if ((unsigned long long)(n - q - hdr) < size)
-                break;
             if (flags & 0x04) {
                 if (nframes) {
                     error = PyUnicode_FromString("a command among a message's frames");
-                    if (error == NULL)
-                        goto done;
                     break;
                 }
                 is_command = 1;
             }
-            if (nframes == cap) {
-                Py_ssize_t ncap = cap * 2;
-                Py_ssize_t *o = PyMem_Malloc((size_t)ncap * sizeof(Py_ssize_t));
-                Py_ssize_t *l = PyMem_Malloc((size_t)ncap * sizeof(Py_ssize_t));
-                if (o == NULL || l == NULL) {
-                    PyMem_Free(o);
-                    PyMem_Free(l);
-                    PyErr_NoMemory();
-                    goto done;
-                }
-                memcpy(o, off, (size_t)nframes * sizeof(Py_ssize_t));
-                memcpy(l, len, (size_t)nframes * sizeof(Py_ssize_t));
-                if (off != stack_off) {
-                    PyMem_Free(off);
-                    PyMem_Free(len);
-                }
-                off = o;
-                len = l;
-                cap = ncap;
+            else if (nframes >= max_frames) {
+                error = PyUnicode_FromFormat("a message of more than %zd frames", max_frames);
+                break;
             }
-            off[nframes] = q + hdr;
-            len[nframes] = (Py_ssize_t)size;
-            nframes++;
+            /* total <= max_message unless a caller's partial state says otherwise: no wrap either way */
+            else if (total > max_message || size > max_message - total) {
+                error = PyUnicode_FromFormat("a message of more than %llu bytes", max_message);
+                break;
+            }
+            if ((unsigned long long)(n - q - hdr) < size)
+                break;
+            body = q + hdr;
             q += hdr + (Py_ssize_t)size;
+            nframes++;
+            total += size;
             if (is_command || !(flags & 0x01)) {
                 complete = 1;
                 break;
             }
         }
-        if (!complete || error != NULL)
+        if (error != NULL || PyErr_Occurred())
             break;
-        PyObject *item;
-        if (is_command) {
-            item = PyBytes_FromStringAndSize((const char *)p + off[0], len[0]);
+        if (!complete) {
+            if (nframes && (out = Py_BuildValue("(nnnn)", pos, q, nframes, (Py_ssize_t)total)) == NULL)
+                goto done;
+            break;
         }
-        else {
-            item = PyList_New(nframes);
-            for (Py_ssize_t f = 0; item != NULL && f < nframes; f++) {
-                PyObject *frame = PyBytes_FromStringAndSize((const char *)p + off[f], len[f]);
-                if (frame == NULL)
-                    Py_CLEAR(item);
-                else
-                    PyList_SET_ITEM(item, f, frame);
-            }
-        }
+        PyObject *item = is_command ? PyBytes_FromStringAndSize((const char *)p + body, q - body)
+                                    : zmtp_frames(p, n, pos, nframes);
         PyObject *end = item ? PyLong_FromSsize_t(q) : NULL;
         if (end == NULL || PyList_Append(items, item) < 0 || PyList_Append(ends, end) < 0) {
             Py_XDECREF(item);
@@ -3042,17 +3088,22 @@ py_zmtp_split(PyObject *self, PyObject *args)
         Py_DECREF(end);
         pos = q;
     }
-    result = PyTuple_Pack(3, items, ends, error != NULL ? error : Py_None);
+    if (PyErr_Occurred())
+        goto done;
+    result = PyTuple_Pack(4, items, ends, error != NULL ? error : Py_None, out != NULL ? out : Py_None);
 done:
     Py_XDECREF(error);
-    if (off != stack_off) {
-        PyMem_Free(off);
-        PyMem_Free(len);
-    }
+    Py_XDECREF(out);
     Py_XDECREF(items);
     Py_XDECREF(ends);
     PyBuffer_Release(&b);
     return result;
+}
+
+static PyObject *
+py_zmtp_headers_read(PyObject *self, PyObject *noargs)
+{
+    return PyLong_FromUnsignedLongLong(zmtp_headers);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -3272,7 +3323,10 @@ static PyMethodDef module_methods[] = {
     {"prefix_keys", py_prefix_keys, METH_VARARGS,
      "prefix_keys(data, stride, tag) -> tag + XXH3-128 digest of data[:k*stride] for each k"},
     {"zmtp_split", py_zmtp_split, METH_VARARGS,
-     "zmtp_split(buf, start, max_frame) -> (items, ends, error): whole ZMTP messages (frame lists) and commands"},
+     "zmtp_split(buf, start, max_frame, max_message, max_frames, partial=None) -> (items, ends, error, partial): "
+     "whole ZMTP messages (frame lists) and commands"},
+    {"zmtp_headers_read", py_zmtp_headers_read, METH_NOARGS,
+     "zmtp_headers_read() -> frame headers zmtp_split has read (a work counter for the tests)"},
     {"chat_part_keys", py_chat_part_keys, METH_VARARGS,
      "chat_part_keys(messages, prefix, sep, suffix, generation, tag, whole_tag) -> (whole key, part keys, "
      "part lengths) or None"},

@@ -171,10 +171,10 @@ def test_bad_endpoints(endpoint):
 def test_the_splitters_agree_on_every_prefix_of_the_session():
     body = SESSION[64:]  # after the greeting
     for cut in range(len(body) + 1):
-        want = split(body[:cut], 0, 1 << 20)
+        want = split(body[:cut], 0, 1 << 20, 1 << 20, 16)
         if native is not None:
-            assert native.zmtp_split(body[:cut], 0, 1 << 20) == want, cut
-        items, ends, broken = want
+            assert native.zmtp_split(body[:cut], 0, 1 << 20, 1 << 20, 16) == want, cut
+        items, ends, broken, partial = want
         assert broken is None and (not ends or ends[-1] <= cut)
 
 
@@ -189,6 +189,172 @@ def test_the_splitters_agree_on_every_prefix_of_the_session():
 ])
 def test_split_cases(stream, items, broken):
     for impl in SPLITS.values():
-        got_items, ends, why = impl(stream, 0, 10)
+        got_items, ends, why, _ = impl(stream, 0, 10, 100, 8)
         assert got_items == items and why == broken
         assert len(ends) == len(items)
+
+
+# -- bounded messages (issue 26, item 7) --------------------------------------------------------------
+
+LIMITS = (10, 30, 4)  # max_frame, max_message (payload bytes), max_frames
+
+
+@pytest.mark.parametrize("stream, items, broken", [
+    (b"\x01\x0a" + b"a" * 10 + b"\x01\x0a" + b"b" * 10 + b"\x00\x0a" + b"c" * 10, [[b"a" * 10, b"b" * 10, b"c" * 10]],
+     None),  # exactly the byte limit
+    (b"\x01\x0a" + b"a" * 10 + b"\x01\x0a" + b"b" * 10 + b"\x00\x0b", [], "a frame of 11 bytes (the limit is 10)"),
+    (b"\x00\x00" + b"\x01\x0a" + b"a" * 10 + b"\x01\x0a" + b"b" * 10 + b"\x01\x0a" + b"c" * 10 + b"\x01\x01", [[b""]],
+     "a message of more than 30 bytes"),  # decided at the header: the body never arrived
+    (b"\x01\x00" * 3 + b"\x00\x00", [[b""] * 4], None),  # exactly the frame limit
+    (b"\x01\x00" * 4 + b"\x00", [], None),  # the 5th header is not whole yet: no verdict...
+    (b"\x01\x00" * 4 + b"\x00\x00", [], "a message of more than 4 frames"),  # ...now it is
+    (b"\x04\x0a" + b"X" * 10 + b"\x04\x0a" + b"Y" * 10 + b"\x04\x0a" + b"Z" * 10 + b"\x04\x00",
+     [b"X" * 10, b"Y" * 10, b"Z" * 10, b""], None),  # commands are bounded by the frame limit alone
+    (b"\x01\x01a\x06" + (1).to_bytes(8, "big") + b"b", [], "a command among a message's frames"),  # LONG|COMMAND
+])
+def test_split_message_limits(stream, items, broken):
+    for impl in SPLITS.values():
+        got, ends, why, _ = impl(stream, 0, *LIMITS)
+        assert (got, why) == (items, broken) and len(ends) == len(items)
+
+
+def test_split_resumes_an_incomplete_message_where_its_scan_stopped():
+    """The partial state names the incomplete message at the end; passed back (offsets shifted by
+    what the caller dropped), the next scan resumes after its whole frames: the same items and
+    verdict as one scan of everything, each header read once (plus once when the message is
+    collected)."""
+    msg = [bytes([i]) * (i + 1) for i in range(6)]
+    stream = b"\x04\x02\x01X" + b"".join(message_frame(f, more=i < 5) for i, f in enumerate(msg)) + b"\x00\x01z"
+    for impl in SPLITS.values():
+        first = impl(stream[:20], 0, 100, 1000, 10)
+        # the command, then the message's frames 0..2 whole (2+1, 2+2, 2+3 bytes), frame 3 cut
+        assert first == ([b"\x01X"], [4], None, (4, 16, 3, 6))
+        buf, partial = bytearray(stream[4:]), (0, 12, 3, 6)  # the caller dropped the 4 bytes taken
+        before = headers_read(impl)
+        items, ends, why, out = impl(buf, 0, 100, 1000, 10, partial)
+        after = headers_read(impl)
+        assert (items, why, out) == ([msg, [b"z"]], None, None) and ends == [len(buf) - 3, len(buf)]
+        # frames 3, 4, 5 scanned, the 6 collected, then b"z" scanned and collected: 11, not 6 + 11
+        assert after - before == 3 + 6 + 2
+        assert impl(buf, 0, 100, 1000, 10)[:3] == (items, ends, why)  # what one scan of it all finds
+        with pytest.raises(ValueError):
+            impl(buf, 0, 100, 1000, 10, (0, len(buf) + 1, 3, 6))  # a state that does not fit the buffer
+        with pytest.raises(ValueError):
+            impl(buf, 0, 100, 1000, 10, (0, 12, 0, 6))
+
+
+def headers_read(impl) -> int:
+    return zmtp._headers_read if impl is split else native.zmtp_headers_read()
+
+
+def _handshaken(**kw):
+    p, t, got, ready = client(**kw)
+    p.data_received(SESSION[:64] + command(b"READY", {b"Socket-Type": b"PUB"}))
+    assert ready == [True] and not t.aborted
+    return p, t, got
+
+
+@pytest.mark.parametrize("frame, cap, dropped_at, why", [
+    (100, dict(max_message_bytes=10_000), 101, "a message of more than 10000 bytes"),
+    (0, dict(max_message_frames=500), 501, "a message of more than 500 frames"),
+])
+async def test_a_message_that_never_ends_is_dropped_at_the_cap(frame, cap, dropped_at, why):
+    """A publisher sets MORE on every frame, one frame a read: the connection is dropped at the
+    header of the frame that passes the cap (not when memory runs out), with one reason naming
+    only the limit, and the scan reads each header once, not the whole message again every read
+    (quadratic: ~dropped_at**2 / 2 headers)."""
+    p, t, got = _handshaken(**cap)
+    before = zmtp.headers_read()
+    for i in range(1, dropped_at + 1):
+        assert not t.aborted, i
+        p.data_received(message_frame(b"x" * frame, more=True))
+    assert t.aborted and got == [] and str(p.closed.result()) == why
+    assert zmtp.headers_read() - before == dropped_at  # each header once
+    assert len(p._buf) <= dropped_at * (frame + 2)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 64, 1000])
+async def test_a_long_message_in_many_reads_is_scanned_once(chunk):
+    """Linear work whatever the reads: a 3000-frame message cut into ``chunk``-byte reads reads
+    each frame header at most once per read it spans plus once more to collect the frames."""
+    frames = [bytes([i % 251]) * 5 for i in range(3000)]
+    wire = b"".join(message_frame(f, more=i < len(frames) - 1) for i, f in enumerate(frames))
+    p, t, got = _handshaken(max_message_frames=4096)
+    before, reads = zmtp.headers_read(), 0
+    for piece in chunks(wire, chunk):
+        p.data_received(piece)
+        reads += 1
+    assert got == [frames] and not t.aborted and p._buf == b"" and p._partial is None
+    work = zmtp.headers_read() - before
+    assert work <= 2 * len(frames) + reads  # a rescan per read: ~len(frames) * reads / 2
+    assert work >= 2 * len(frames)
+
+
+async def test_the_default_caps():
+    """64 MiB of payload per message, 4096 frames: at the header of the frame that passes either."""
+    assert zmtp.DEFAULT_MAX_MESSAGE_BYTES == zmtp.DEFAULT_MAX_FRAME_BYTES == 64 << 20
+    p, t, _ = _handshaken()
+    mib = message_frame(b"\x00" * (1 << 20), more=True)
+    for _ in range(64):
+        p.data_received(mib)
+    assert not t.aborted  # exactly 64 MiB so far: allowed
+    p.data_received(mib[:9])  # the next frame's header alone
+    assert t.aborted and str(p.closed.result()) == f"a message of more than {64 << 20} bytes"
+    p, t, _ = _handshaken()
+    p.data_received(message_frame(b"", more=True) * 4096)
+    assert not t.aborted
+    p.data_received(message_frame(b"", more=True))
+    assert t.aborted and str(p.closed.result()) == "a message of more than 4096 frames"
+
+
+async def test_the_drop_is_one_log_line_without_content(caplog):
+    """Over a real loopback connection: a peer that never ends its message is dropped once the cap
+    is passed, with one WARNING line (a repeat on the reconnection is DEBUG), the limit its only
+    detail; the frames' bytes appear nowhere in the log."""
+    import asyncio
+    import logging
+
+    from infera.transport.zmtp import ZmtpSubscription
+
+    secret = b"SECRET-PROMPT-TEXT"
+    conns, dropped = [], asyncio.Event()
+
+    async def never_ending_pub(reader, writer):
+        conns.append(writer)
+        writer.write(SESSION[:64] + command(b"READY", {b"Socket-Type": b"PUB"}))
+        await reader.readexactly(64)  # its greeting
+        try:
+            while True:
+                writer.write(message_frame(secret * 10, more=True))
+                await writer.drain()
+                await asyncio.sleep(0)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            if len(conns) >= 2:
+                dropped.set()
+
+    server = await asyncio.start_server(never_ending_pub, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    caplog.set_level(logging.DEBUG, logger="infera.transport.zmtp")
+    sub = ZmtpSubscription(f"tcp://127.0.0.1:{port}", b"", lambda frames: pytest.fail("delivered"),
+                           reconnect_s=0.01, max_message_bytes=100_000)
+    sub.start()
+    try:
+        await asyncio.wait_for(dropped.wait(), 10)  # dropped twice (the first, then its reconnection)
+        await asyncio.wait_for(_until(lambda: sub.failures >= 2), 10)
+    finally:
+        await sub.close()
+        server.close()
+        await server.wait_closed()
+    records = [r for r in caplog.records if r.name == "infera.transport.zmtp"]
+    warnings = [r for r in records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "a message of more than 100000 bytes" in warnings[0].getMessage()
+    assert len(records) == sub.failures  # one line a drop, none a frame
+    assert all(secret.decode() not in r.getMessage() for r in records)
+
+
+async def _until(cond, interval=0.01):
+    import asyncio
+    while not cond():
+        await asyncio.sleep(interval)
