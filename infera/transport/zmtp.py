@@ -201,6 +201,13 @@ def parse_properties(data: bytes) -> dict[bytes, bytes]:
     return props
 
 
+def _peer_text(data: bytes, limit: int = 40) -> str:
+    """What the peer said (a mechanism, a socket type, an ERROR reason) fit for a log line: at most
+    ``limit`` characters, non-ASCII and control characters escaped (no newline can split the line)."""
+    text = ascii(data[:limit].decode("utf-8", "replace"))[1:-1]
+    return text[:limit] + "..." if len(data) > limit or len(text) > limit else text
+
+
 def parse_endpoint(endpoint: str) -> tuple[str, str, int]:
     """``("tcp", host, port)`` or ``("ipc", path, 0)``; ValueError for anything else."""
     if endpoint.startswith("tcp://"):
@@ -250,6 +257,8 @@ class ZmtpSubProtocol(asyncio.Protocol):
         transport.write(GREETING)  # type: ignore[attr-defined]
 
     def data_received(self, data: bytes) -> None:
+        if self.closed.done():  # dropped: what a transport still hands over is not parsed
+            return
         if self._buf:
             self._buf += data
             self._consume_buffer()
@@ -377,7 +386,7 @@ class ZmtpSubProtocol(asyncio.Protocol):
         elif g[10] < 3:
             self._fail(f"ZMTP {g[10]}.{g[11]} peer (3.0 or newer needed)")
         elif g[12:32].rstrip(b"\x00") != b"NULL":
-            self._fail(f"the publisher wants the {g[12:32].rstrip(bytes(1)).decode('ascii', 'replace')} "
+            self._fail(f"the publisher wants the {_peer_text(g[12:32].rstrip(bytes(1)))} "
                        "security mechanism; only NULL is supported")
 
     def _command(self, body: bytes) -> None:
@@ -396,7 +405,7 @@ class ZmtpSubProtocol(asyncio.Protocol):
                 return
             socket_type = props.get(b"socket-type", b"")
             if socket_type not in (b"PUB", b"XPUB"):
-                self._fail(f"the peer is a {socket_type.decode('ascii', 'replace') or '?'} socket, not a PUB")
+                self._fail(f"the peer is a {_peer_text(socket_type) or '?'} socket, not a PUB")
                 return
             self._ready = True
             self.transport.write(message_frame(b"\x01" + self.topic))  # type: ignore[union-attr]
@@ -406,8 +415,7 @@ class ZmtpSubProtocol(asyncio.Protocol):
         elif name == b"PING":  # ZMTP 3.1 heartbeat: TTL (2 bytes) + context, echoed in PONG
             self.transport.write(_frame_header(_COMMAND, 5 + len(rest[2:])) + b"\x04PONG" + rest[2:])  # type: ignore[union-attr]
         elif name == b"ERROR":
-            reason = rest[1:1 + rest[0]].decode("utf-8", "replace") if rest else ""
-            self._fail(f"the publisher sent ERROR: {reason}")
+            self._fail(f"the publisher sent ERROR: {_peer_text(rest[1:1 + rest[0]], 100) if rest else ''}")
         # other commands (PONG, SUBSCRIBE echoes of a 3.1 peer...) are not ours to act on
 
 
