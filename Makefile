@@ -12,7 +12,7 @@ NIXL_VERSION ?= 1.5.1
 SGLANG_VERSION ?= 0.5.23
 SGLANG_DIR := $(VLLM_VENV)/sglang-$(SGLANG_VERSION)
 
-.PHONY: setup setup-vllm setup-sglang run smoke test test-unit test-integration test-e2e bench clean
+.PHONY: setup setup-vllm setup-sglang run smoke test test-asan test-unit test-integration test-e2e bench clean
 
 setup: $(VENV)/.installed
 
@@ -60,6 +60,28 @@ test: setup setup-vllm setup-sglang
 	INFERA_VLLM_PYTHON=$(CURDIR)/$(VLLM_PY) INFERA_TEST_SGLANG_DIR=$(CURDIR)/$(SGLANG_DIR) INFERA_E2E_REQUIRED=1 INFERA_NATIVE_REQUIRED=1 \
 		$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 	INFERA_NATIVE=0 $(PY) -m pytest -q -p no:cacheprovider tests/unit
+
+# The C accelerator under AddressSanitizer and UBSan (any finding aborts the run): built into a copy
+# of the package under build/asan, where its differential and fuzz tests run with the sanitizer
+# runtimes preloaded into this venv's Python. PYTHONMALLOC=malloc hands the module's PyMem buffers
+# to ASan's malloc (pymalloc's pools would hide small overflows); --capture=sys leaves fd 2 to ASan's
+# report. The copy's module is checked to be the one imported and to carry ASan, so a silently
+# skipped optional build cannot pass.
+ASAN_DIR := build/asan
+ASAN_TESTS := tests/unit/test_native_guard.py tests/unit/test_native.py tests/unit/test_pick_native.py \
+	tests/unit/test_zmtp.py $(wildcard tests/unit/test_fuzz_*.py)
+SAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g
+SAN_RUN := LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" PYTHONMALLOC=malloc \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 INFERA_NATIVE_REQUIRED=1
+test-asan: setup
+	rm -rf $(ASAN_DIR) && mkdir -p $(ASAN_DIR)
+	cp -r infera tests setup.py pyproject.toml README.md $(ASAN_DIR)/
+	rm -f $(ASAN_DIR)/infera/kv/_native*.so
+	cd $(ASAN_DIR) && CFLAGS="$(SAN_FLAGS)" LDFLAGS="$(SAN_FLAGS)" $(CURDIR)/$(PY) setup.py -q build_ext --inplace
+	cd $(ASAN_DIR) && ldd infera/kv/_native*.so | grep -q libasan
+	cd $(ASAN_DIR) && $(SAN_RUN) $(CURDIR)/$(PY) -c \
+		"import infera.kv._native as n, os; assert n.__file__.startswith(os.getcwd()), n.__file__"
+	cd $(ASAN_DIR) && $(SAN_RUN) $(CURDIR)/$(PY) -m pytest -q -p no:cacheprovider --capture=sys $(ASAN_TESTS)
 
 test-e2e: setup setup-vllm
 	INFERA_VLLM_PYTHON=$(CURDIR)/$(VLLM_PY) INFERA_E2E_REQUIRED=1 $(PY) -m pytest -q tests/e2e
