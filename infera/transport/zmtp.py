@@ -412,8 +412,9 @@ class ZmtpSubProtocol(asyncio.Protocol):
             if self._paused:
                 self._set_reading(False)  # subscribed; nothing more is read until resume
             self.on_ready()
-        elif name == b"PING":  # ZMTP 3.1 heartbeat: TTL (2 bytes) + context, echoed in PONG
-            self.transport.write(_frame_header(_COMMAND, 5 + len(rest[2:])) + b"\x04PONG" + rest[2:])  # type: ignore[union-attr]
+        elif name == b"PING":  # ZMTP 3.1 heartbeat: TTL (2 bytes) + context (at most 16 bytes), echoed in PONG
+            context = rest[2:18]  # as libzmq: no more is echoed, whatever the peer sent
+            self.transport.write(_frame_header(_COMMAND, 5 + len(context)) + b"\x04PONG" + context)  # type: ignore[union-attr]
         elif name == b"ERROR":
             self._fail(f"the publisher sent ERROR: {_peer_text(rest[1:1 + rest[0]], 100) if rest else ''}")
         # other commands (PONG, SUBSCRIBE echoes of a 3.1 peer...) are not ours to act on

@@ -283,6 +283,8 @@ def run_reader(impl, stream: bytes, sizes: list[int] | None) -> tuple:
 @example(stream=PUB_GREETING + command(b"READY", {b"Socket-Type": b"PUB"}) * 2 + message_frame(b"m"), sizes=[7])
 @example(stream=PUB_GREETING + command(b"READY", {b"Socket-Type": b"PUB"}) + b"\x04\x05\x04PING", sizes=[3])
 @example(stream=PUB_GREETING + b"\x04\x00", sizes=[80])  # an empty command
+@example(stream=PUB_GREETING + command(b"READY", {b"Socket-Type": b"PUB"}) + bytes([0x04, 45]) + b"\x04PING\x00\x01"
+         + b"c" * 38, sizes=[80])  # a context over 16 bytes
 @example(stream=b"\xff" + bytes(8) + b"\x7e" + PUB_GREETING[10:], sizes=[5])  # the signature's last bit
 @example(stream=PUB_GREETING + command(b"READY", {b"Socket-Type": b"P\nUB" * 100}), sizes=[80])  # a long, odd type
 @example(stream=PUB_GREETING + bytes([0x04, 13]) + b"\x05ERROR\x06\nfake\r", sizes=[80])  # a newline in a reason
@@ -294,6 +296,7 @@ def test_the_handshake_on_any_bytes(stream, sizes):
         assert run_reader(impl, stream, sizes) == whole["python"]
     got, ready, written, reason = whole["python"]
     assert written[0] == GREETING
-    if ready:  # READY answered, the subscription sent, each PING ponged
+    if ready:  # READY answered, the subscription sent, each PING ponged (its context, 16 bytes at most)
         assert written[1] == command(b"READY", {b"Socket-Type": b"SUB"}) and written[2] == message_frame(b"\x01")
+        assert all(w[0] == 0x04 and w[2:7] == b"\x04PONG" and w[1] == len(w) - 2 <= 5 + 16 for w in written[3:])
     assert ready or not got
