@@ -2,8 +2,12 @@
 
 * :class:`KubernetesDiscovery` (server side): list the Pods matching a label selector, reconcile
   the fleet, then watch from the list's resourceVersion (with bookmarks, so a quiet selector still
-  advances its resourceVersion). A broken watch resumes from the last resourceVersion seen; 410 Gone
-  (the history moved on) means re-list and reconcile; other failures back off and retry while the
+  advances its resourceVersion). A broken watch resumes from the last resourceVersion seen. Two
+  answers mean that resourceVersion cannot be watched from, so only a re-list (from the latest
+  state) and a reconcile help, as in client-go's reflector: 410 Gone (the history moved on, e.g. a
+  restarted API server rebuilt its watch cache) and 504 "Too large resource version" (the server is
+  behind the version, e.g. etcd restored from a backup, or another API server's lagging cache).
+  Re-lists that keep meeting them back off. Other failures back off and retry the watch while the
   fleet keeps its last known content.
 * :class:`KubernetesRegistration` (worker side): JSON-merge-patch the record into the annotation of
   its own Pod and re-assert it every ``refresh_s``; deregistering patches the annotation to null.
@@ -16,7 +20,8 @@ lightkube's public ``list``/``watch`` take label selectors only as dicts of oper
 for bookmarks, so list and watch requests are built with its ``GenericAsyncClient``
 (``AsyncClient._client``: ``prepare_request`` + ``list``/``watch``), passing ``labelSelector`` and
 ``allowWatchBookmarks`` as raw query parameters. Decoding, ERROR events (raised as ``ApiError``) and
-auth stay lightkube's.
+auth stay lightkube's. lightkube does not read the body of an error answer to a watch request (a
+stream); a response hook on its HTTP client reads it, so such an answer's ``Status`` is known too.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from typing import Any, NamedTuple, Union
 import msgspec
 from lightkube import ApiError, AsyncClient, ConfigError, KubeConfig, SingleConfig
 from lightkube.core import generic_client as _generic_client
+from lightkube.models.meta_v1 import Status
 from lightkube.resources.core_v1 import Pod
 from lightkube.types import PatchType
 
@@ -90,9 +96,30 @@ def _config(config: KubeConfigLike | None) -> KubeConfigLike:
     return config if config is not None else load_kube_config()
 
 
+def _api_status(exc: BaseException) -> Status | None:
+    """The Kubernetes ``Status`` an error carries: an ``ApiError``'s (a watch ERROR event, an error
+    answer lightkube decoded), or the body of an HTTP error answer that was read (see
+    :func:`_read_error_body`)."""
+    if isinstance(exc, ApiError):
+        return exc.status
+    if isinstance(exc, _httpx.HTTPStatusError):
+        try:
+            body = exc.response.json()
+        except Exception:  # not read (a stream), not JSON: no Status to go by
+            return None
+        if isinstance(body, dict) and body.get("kind") == "Status":
+            try:
+                return Status.from_dict(body)
+            except Exception:
+                return None
+    return None
+
+
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, ApiError) and exc.status is not None:
-        return f"HTTP {exc.status.code} {exc.status.reason or ''}: {exc.status.message or ''}".strip()
+    status = _api_status(exc)
+    if status is not None:
+        code = status.code or _status_code(exc)
+        return f"HTTP {code} {status.reason or ''}: {status.message or ''}".strip()
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
@@ -103,6 +130,43 @@ def _status_code(exc: BaseException) -> int | None:
     if isinstance(exc, _httpx.HTTPStatusError):
         return exc.response.status_code
     return None
+
+
+TOO_LARGE_CAUSE = "ResourceVersionTooLarge"  # metav1.CauseTypeResourceVersionTooLarge
+TOO_LARGE_MESSAGE = "Too large resource version"
+
+
+def _too_large_resource_version(exc: BaseException) -> bool:
+    """kube-apiserver's answer to a watch (or a list) from a resourceVersion newer than it has: a
+    504 Timeout ``Status`` whose cause is ``ResourceVersionTooLarge`` (servers before 1.18.6: only
+    the cause message or the status message says "Too large resource version"). The same test as
+    client-go's reflector (``isTooLargeResourceVersionError``)."""
+    status = _api_status(exc)
+    if status is None:
+        return False
+    causes = (status.details.causes or []) if status.details is not None else []
+    if any(c.reason == TOO_LARGE_CAUSE for c in causes):
+        return True
+    if (status.code or _status_code(exc)) != 504:
+        return False
+    return any(c.message == TOO_LARGE_MESSAGE for c in causes) or TOO_LARGE_MESSAGE in (status.message or "")
+
+
+def _stale_resource_version(exc: BaseException) -> str | None:
+    """Why the watch cannot resume from our resourceVersion ("expired" / "too-large"), or None."""
+    if _status_code(exc) == 410:
+        return "expired"
+    if _too_large_resource_version(exc):
+        return "too-large"
+    return None
+
+
+async def _read_error_body(response: Any) -> None:
+    """An httpx response hook: read the (small) body of an error answer before lightkube sees it.
+    lightkube streams a watch and raises on its status without reading the body, which holds the
+    ``Status`` (why: 410 Expired, 504 Too large resource version, 403 Forbidden...)."""
+    if response.status_code >= 400:
+        await response.aread()
 
 
 def _retryable(exc: BaseException) -> bool:
@@ -187,13 +251,15 @@ class KubernetesDiscovery:
         self.resource_version: str | None = None  # latest seen (list, events, bookmarks); None = re-list
         self.relists = 0  # successful lists (the first one included)
         self.expired = 0  # 410 Gone answers (each one forces a re-list)
+        self.too_large = 0  # "Too large resource version" answers (each one forces a re-list)
         self.bookmarks = 0
         self.last_error: str | None = None
         self._client: AsyncClient | None = None
         self._task: asyncio.Task[None] | None = None
         self._failures = 0  # failed attempts in the current outage
         self._backoff = backoff_initial
-        self._expired_in_a_row = 0  # 410s with no watch event in between (a loop guard)
+        self._stale_in_a_row = 0  # 410s / too-large answers with no watch event in between (a loop guard)
+        self._sleep = asyncio.sleep  # every backoff wait goes through here (tests record them)
         # Pod name → the record applied from it: a Pod whose annotation changes worker_id, or that
         # goes away, removes the id it held (unless another Pod still holds it).
         self._records_by_pod: dict[str, WorkerRecord] = {}
@@ -206,7 +272,10 @@ class KubernetesDiscovery:
             raise RuntimeError("KubernetesDiscovery already started")
         self._stopping = False
         self._client = AsyncClient(config=self.config, namespace=self.namespace, field_manager="infera")
-        _generic(self._client)  # an incompatible lightkube fails here, not in the background
+        generic = _generic(self._client)  # an incompatible lightkube fails here, not in the background
+        hooks = getattr(getattr(generic, "_client", None), "event_hooks", None)
+        if isinstance(hooks, dict) and isinstance(hooks.get("response"), list):
+            hooks["response"].append(_read_error_body)  # else: errors are described by their HTTP status only
         self._task = asyncio.create_task(self._run(fleet), name=f"k8s-discovery:{self.namespace}/{self.label_selector}")
 
     async def stop(self) -> None:
@@ -240,22 +309,30 @@ class KubernetesDiscovery:
                     return
                 error = exc
             self.last_error = _describe(error)
-            if _status_code(error) == 410:
-                # Our resourceVersion is older than the server's history: only a re-list
-                # (replace_all) can tell which Pods vanished meanwhile.
-                self.expired += 1
-                self._expired_in_a_row += 1
+            stale = _stale_resource_version(error)
+            if stale is not None:
+                # 410: our resourceVersion is older than the server's history. Too large: the
+                # server is behind it (etcd restored from a backup, a lagging API server); retrying
+                # the same version would fail for as long as that lasts, and what we hold may be
+                # ahead of what the server will ever have. Either way only a re-list from the
+                # latest state (replace_all) can tell which Pods there are.
+                if stale == "expired":
+                    self.expired += 1
+                else:
+                    self.too_large += 1
+                self._stale_in_a_row += 1
+                log.info("kubernetes watch cannot resume from resourceVersion %s (%s); re-listing",
+                         self.resource_version, self.last_error)
                 self.resource_version = None
-                log.info("kubernetes watch expired (%s); re-listing", self.last_error)
-                if self._expired_in_a_row > 1:  # normal once; again and again means back off
-                    await asyncio.sleep(min(self.backoff_initial * 2 ** (self._expired_in_a_row - 2), self.backoff_max))
+                if self._stale_in_a_row > 1:  # normal once; again and again means back off
+                    await self._sleep(min(self.backoff_initial * 2 ** (self._stale_in_a_row - 2), self.backoff_max))
                 continue
             self._failures += 1
             # First failure of an outage at WARNING; repeats at DEBUG so an outage isn't log spam.
             log.log(logging.WARNING if self._failures == 1 else logging.DEBUG,
                     "kubernetes discovery of %r in %s failed (%s); retrying in %.1fs from resourceVersion %s",
                     self.label_selector, self.namespace, self.last_error, self._backoff, self.resource_version)
-            await asyncio.sleep(self._backoff)
+            await self._sleep(self._backoff)
             self._backoff = min(self._backoff * 2, self.backoff_max)
 
     def _progress(self) -> None:
@@ -307,7 +384,7 @@ class KubernetesDiscovery:
                              "resourceVersion %s", self.idle_timeout_s, self.resource_version)
                     return
                 self._progress()
-                self._expired_in_a_row = 0
+                self._stale_in_a_row = 0
                 if kind == "BOOKMARK":
                     self.bookmarks += 1
                 else:

@@ -8,6 +8,10 @@ Serves just what Infera's Kubernetes discovery and registration use, with the se
   ``application/merge-patch+json`` (RFC 7386: objects merge recursively, ``null`` deletes a key);
 * ``labelSelector``: ``a=b``, ``a==b``, ``a!=b``, ``a in (x,y)``, ``a notin (x,y)``, ``a``, ``!a``;
   a comma is AND;
+* ``fieldSelector`` on lists and watches: ``=``, ``==``, ``!=`` on the Pod fields in
+  :data:`FIELDS` (a comma is AND; a field's change in or out of the selector is ADDED / DELETED
+  on a watch, as for labels). Any other field answers 400 ``field label not supported: <field>``,
+  as a real server does for a field it does not index: a selector is never silently ignored;
 * one global, monotonically increasing ``resourceVersion``, set on every written object and on list
   metadata; a no-op PATCH changes nothing and emits nothing (as on a real server);
 * watches: newline-delimited ``{"type", "object"}`` events after the given resourceVersion (the
@@ -17,7 +21,15 @@ Serves just what Infera's Kubernetes discovery and registration use, with the se
   ``bookmark_interval`` seconds when set); ``timeoutSeconds`` (the server ends the stream cleanly);
   a resourceVersion older than the kept history → an ``ERROR`` event carrying a ``Status`` with
   ``code: 410, reason: Expired`` (what a real server sends once a watch is open);
-* ``Authorization: Bearer <token>`` is required when the fake has a token (401 otherwise).
+  a resourceVersion newer than the server's own: it waits ``too_large_wait_s`` for the store to
+  get there (a real watch cache waits 3 s), then answers what kube-apiserver's
+  ``storage.NewTooLargeResourceVersionError`` builds — a ``Status`` with ``code: 504``,
+  ``reason: Timeout``, ``message: "Timeout: Too large resource version: X, current: Y"`` and the
+  cause ``{reason: ResourceVersionTooLarge, message: "Too large resource version"}`` — as a watch
+  ``ERROR`` event (``too_large_as="event"``, the cacher's errWatcher) or as the HTTP 504 answer
+  itself (``too_large_as="http"``, an error returned before the watch opened);
+* ``Authorization: Bearer <token>`` is required when the fake has a token (401 otherwise);
+* every request is logged in :attr:`FakeKubeApi.request_log` as (loop time, kind, query).
 
 Test helpers: :meth:`~FakeKubeApi.add_pod`, :meth:`~FakeKubeApi.set_phase`,
 :meth:`~FakeKubeApi.set_annotation`, :meth:`~FakeKubeApi.set_labels`,
@@ -25,7 +37,11 @@ Test helpers: :meth:`~FakeKubeApi.add_pod`, :meth:`~FakeKubeApi.set_phase`,
 :meth:`~FakeKubeApi.finish_delete` (DELETED), like the kubelet during the grace period;
 :meth:`~FakeKubeApi.compact`, :meth:`~FakeKubeApi.close_watches` (clean end or abrupt drop),
 :meth:`~FakeKubeApi.fail_next` (answer the next requests with an error status),
-:meth:`~FakeKubeApi.stop` / :meth:`~FakeKubeApi.start` (an outage on the same port, state kept).
+:meth:`~FakeKubeApi.stop` / :meth:`~FakeKubeApi.start` (an outage on the same port, state kept;
+``start(fresh_watch_cache=True)`` is a restarted API server: its watch cache is rebuilt from
+storage, so a watch from any earlier resourceVersion gets 410 Gone);
+:meth:`~FakeKubeApi.snapshot` / :meth:`~FakeKubeApi.restore` (etcd restored from a backup: the
+Pods and the resourceVersion go back, so a client's newer resourceVersion is "too large").
 
 Where it differs from a real API server:
 
@@ -38,11 +54,10 @@ Where it differs from a real API server:
 * DELETE over HTTP deletes at once (as a force delete, or a Pod not bound to a node); the
   graceful two-step delete is only reachable through the test helpers; DeleteOptions,
   finalizers and owner references are ignored.
-* Lists ignore ``resourceVersion``/``resourceVersionMatch``, ``limit``/``continue`` (always one
-  page, always the latest state) and ``fieldSelector``. Watches ignore ``fieldSelector``,
-  ``sendInitialEvents`` and ``resourceVersionMatch``.
-* A watch from a resourceVersion newer than the server's is accepted as is (a real server waits
-  for it or answers "Too large resource version").
+* Lists ignore ``resourceVersion``/``resourceVersionMatch`` and ``limit``/``continue`` (always
+  one page, always the latest state). Watches ignore ``sendInitialEvents`` and
+  ``resourceVersionMatch``. Field selectors cover only :data:`FIELDS` (a real server has a few
+  more, e.g. ``spec.restartPolicy``; those answer 400 here).
 * History is kept in full until :meth:`compact` (or past ``history_limit`` events); a real server
   keeps a time/size-bounded watch cache. No periodic bookmarks unless ``bookmark_interval`` is set.
 * No HTTP/2, TLS, RBAC, admission, rate limiting (429) or request timeouts; tokens are compared
@@ -149,6 +164,61 @@ def selector_matches(requirements: Iterable[Requirement], labels: dict[str, str]
     return True
 
 
+# Pod fields a field selector may name here (a subset of what kube-apiserver indexes for Pods),
+# with where each one lives in the object. Anything else: 400, never silently ignored.
+FIELDS: dict[str, tuple[str, ...]] = {
+    "metadata.name": ("metadata", "name"),
+    "metadata.namespace": ("metadata", "namespace"),
+    "spec.nodeName": ("spec", "nodeName"),
+    "status.phase": ("status", "phase"),
+    "status.podIP": ("status", "podIP"),
+}
+_FIELD_TERM = re.compile(r"^\s*(?P<key>[A-Za-z0-9.]+)\s*(?P<op>==|=|!=)\s*(?P<value>[^,=!]*?)\s*$")
+
+
+class FieldSelectorError(ValueError):
+    """A field selector the fake (or a real server) refuses; ``unsupported`` names the field, if that is why."""
+
+    def __init__(self, message: str, unsupported: str | None = None) -> None:
+        super().__init__(message)
+        self.unsupported = unsupported
+
+
+def parse_field_selector(text: str | None) -> list[Requirement]:
+    """Parse a field selector (``=``, ``==``, ``!=``; a comma is AND); ``""``/None selects everything.
+    FieldSelectorError on a malformed term or a field not in :data:`FIELDS`."""
+    if text is None or not text.strip():
+        return []
+    requirements = []
+    for part in text.split(","):
+        m = _FIELD_TERM.match(part)
+        if m is None:
+            raise FieldSelectorError(f"invalid selector: '{text}'; can't understand '{part}'")
+        if m["key"] not in FIELDS:
+            raise FieldSelectorError(f"field label not supported: {m['key']}", unsupported=m["key"])
+        requirements.append(Requirement(m["key"], "!=" if m["op"] == "!=" else "=", (m["value"],)))
+    return requirements
+
+
+def pod_fields(pod: dict[str, Any]) -> dict[str, str]:
+    """The :data:`FIELDS` of a Pod as a real server indexes them (a missing one is ``""``)."""
+    out = {}
+    for name, path in FIELDS.items():
+        value: Any = pod
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+        out[name] = "" if value is None else str(value)
+    return out
+
+
+def fields_match(requirements: Iterable[Requirement], pod: dict[str, Any]) -> bool:
+    fields = pod_fields(pod)
+    for key, op, (value,) in requirements:
+        if (fields[key] == value) != (op == "="):
+            return False
+    return True
+
+
 # --------------------------------------------------------------------------------------------
 # JSON merge patch (RFC 7386)
 # --------------------------------------------------------------------------------------------
@@ -167,9 +237,21 @@ def merge_patch(target: Any, patch: Any) -> Any:
 # --------------------------------------------------------------------------------------------
 # The server
 # --------------------------------------------------------------------------------------------
-def status_body(code: int, reason: str, message: str) -> dict[str, Any]:
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
-            "reason": reason, "code": code}
+def status_body(code: int, reason: str, message: str, details: dict[str, Any] | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                            "message": message, "reason": reason, "code": code}
+    if details is not None:
+        body["details"] = details
+    return body
+
+
+def too_large_status(requested: int, current: int, retry_after_s: int = 1) -> dict[str, Any]:
+    """kube-apiserver's ``storage.NewTooLargeResourceVersionError``: ``errors.NewTimeoutError`` (504,
+    reason Timeout, message prefixed "Timeout: ") plus the cause client-go's reflector looks for
+    (``metav1.StatusCause`` serializes its type as ``reason``)."""
+    return status_body(504, "Timeout", f"Timeout: Too large resource version: {requested}, current: {current}",
+                       {"causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}],
+                        "retryAfterSeconds": retry_after_s})
 
 
 def _json_response(body: Any, status: int = 200) -> web.Response:
@@ -179,6 +261,10 @@ def _json_response(body: Any, status: int = 200) -> web.Response:
 
 def _error(code: int, reason: str, message: str) -> web.Response:
     return _json_response(status_body(code, reason, message), code)
+
+
+def _error_status(body: dict[str, Any]) -> web.Response:
+    return _json_response(body, body["code"])
 
 
 def _now() -> str:
@@ -202,15 +288,19 @@ class _Watcher:
     namespace: str | None  # None = all namespaces
     selector: list[Requirement]
     bookmarks: bool
+    fields: list[Requirement] = field(default_factory=list)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def matches(self, pod: dict[str, Any]) -> bool:
+        return selector_matches(self.selector, pod["metadata"].get("labels")) and fields_match(self.fields, pod)
 
     def translate(self, event: _Event) -> dict[str, Any] | None:
         """The event as this watcher sees it (selector transitions become ADDED / DELETED)."""
         if self.namespace is not None and event.namespace != self.namespace:
             return None
-        now = selector_matches(self.selector, event.obj["metadata"].get("labels"))
+        now = self.matches(event.obj)
         if event.type == "MODIFIED":
-            before = event.prev is not None and selector_matches(self.selector, event.prev["metadata"].get("labels"))
+            before = event.prev is not None and self.matches(event.prev)
             kind = "MODIFIED" if before and now else "ADDED" if now else "DELETED" if before else None
         else:
             kind = event.type if now else None
@@ -221,20 +311,29 @@ class FakeKubeApi:
     """In-memory Pods behind an aiohttp server; see the module docstring for what it honours."""
 
     def __init__(self, *, namespace: str = "default", token: str | None = "test-token",
-                 history_limit: int | None = None, bookmark_interval: float | None = None) -> None:
+                 history_limit: int | None = None, bookmark_interval: float | None = None,
+                 too_large_wait_s: float = 0.2, too_large_as: str = "event") -> None:
+        if too_large_as not in ("event", "http"):
+            raise ValueError("too_large_as is 'event' (a watch ERROR event) or 'http' (the HTTP 504 itself)")
         self.namespace = namespace  # the helpers' default namespace
         self.token = token
         self.history_limit = history_limit
         self.bookmark_interval = bookmark_interval
+        self.too_large_wait_s = too_large_wait_s  # a real watch cache waits 3 s for a newer resourceVersion
+        self.too_large_as = too_large_as
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
         self.history: list[_Event] = []
         self.rv = 0
         self.compacted_rv = 0  # watches from an older resourceVersion get 410 Gone
         self.requests: dict[str, int] = {}  # "list" / "watch" / "get" / "patch" / "create" / "delete"
         self.watch_params: list[dict[str, str]] = []  # query of every watch request, in order
+        self.list_params: list[dict[str, str]] = []  # query of every list request, in order
+        self.request_log: list[tuple[float, str, dict[str, str]]] = []  # (loop time, kind, query)
+        self.too_large = 0  # watches answered "Too large resource version"
         self.patches: list[tuple[str, dict[str, Any]]] = []  # (pod name, patch body)
         self._watchers: set[_Watcher] = set()
         self._failures: list[tuple[int, str | None]] = []  # (status, only this request kind | None)
+        self._rv_waiters: list[asyncio.Future] = []  # watches waiting for a newer resourceVersion
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -243,8 +342,13 @@ class FakeKubeApi:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    async def start(self, port: int | None = None) -> "FakeKubeApi":
-        """Serve on ``port`` (default: the previous port, else a free one). State survives restarts."""
+    async def start(self, port: int | None = None, *, fresh_watch_cache: bool = False) -> "FakeKubeApi":
+        """Serve on ``port`` (default: the previous port, else a free one). The stored state survives
+        restarts; with ``fresh_watch_cache`` the watch history does not (a restarted kube-apiserver
+        rebuilds its watch cache from a list at the current resourceVersion: a watch from any
+        earlier one gets 410 Gone, "too old resource version")."""
+        if fresh_watch_cache:
+            self.compact()
         app = web.Application(middlewares=[self._middleware])
         app.router.add_get("/api/v1/pods", self._list_or_watch)
         app.router.add_get("/api/v1/namespaces/{ns}/pods", self._list_or_watch)
@@ -336,6 +440,18 @@ class FakeKubeApi:
         self.compacted_rv = self.rv
         return self.rv
 
+    def snapshot(self) -> dict[str, Any]:
+        """The stored state (Pods and resourceVersion), for :meth:`restore`."""
+        return {"pods": copy.deepcopy(self.pods), "rv": self.rv}
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        """etcd restored from a backup (do it while stopped): the Pods and the resourceVersion go
+        back to ``snapshot``, and no watch history survives. A client's resourceVersion from after
+        the backup is now "too large"; one from before it, "too old"."""
+        self.pods = copy.deepcopy(snapshot["pods"])
+        self.rv = snapshot["rv"]
+        self.compact()
+
     def close_watches(self, abrupt: bool = False) -> int:
         """End every open watch: cleanly (stream terminated) or, with ``abrupt``, by dropping the
         connection mid-stream. Returns how many were open."""
@@ -363,7 +479,28 @@ class FakeKubeApi:
     # -- storage ------------------------------------------------------------------------------
     def _bump(self) -> int:
         self.rv += 1
+        waiters, self._rv_waiters = self._rv_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
         return self.rv
+
+    async def _wait_for_rv(self, rv: int, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the store to reach ``rv`` (as a watch cache does before
+        answering "Too large resource version")."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.rv < rv:
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            waiter = loop.create_future()
+            self._rv_waiters.append(waiter)
+            try:
+                await asyncio.wait_for(waiter, left)
+            except asyncio.TimeoutError:
+                pass
+        return True
 
     def _record(self, kind: str, ns: str, obj: dict[str, Any], prev: dict[str, Any] | None = None) -> None:
         event = _Event(self.rv, kind, ns, copy.deepcopy(obj), copy.deepcopy(prev) if prev is not None else None)
@@ -430,6 +567,7 @@ class FakeKubeApi:
     async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
         kind = _request_kind(request)
         self.requests[kind] = self.requests.get(kind, 0) + 1
+        self.request_log.append((asyncio.get_running_loop().time(), kind, dict(request.query)))
         if self.token is not None and request.headers.get("Authorization") != f"Bearer {self.token}":
             return _error(401, "Unauthorized", "Unauthorized")
         for i, (status, only) in enumerate(self._failures):
@@ -446,24 +584,41 @@ class FakeKubeApi:
             selector = parse_selector(request.query.get("labelSelector"))
         except ValueError as exc:
             return _error(400, "BadRequest", f"unable to parse requirement: {exc}")
+        try:
+            fields = parse_field_selector(request.query.get("fieldSelector"))
+        except FieldSelectorError as exc:
+            return _error(400, "BadRequest", str(exc))
         if request.query.get("watch") in _TRUE:
-            return await self._watch(request, ns, selector)
+            return await self._watch(request, ns, selector, fields)
+        self.list_params.append(dict(request.query))
         items = [copy.deepcopy(p) for (pns, _), p in sorted(self.pods.items())
-                 if (ns is None or pns == ns) and selector_matches(selector, p["metadata"].get("labels"))]
+                 if (ns is None or pns == ns) and selector_matches(selector, p["metadata"].get("labels"))
+                 and fields_match(fields, p)]
         return _json_response({"kind": "PodList", "apiVersion": "v1",
                                "metadata": {"resourceVersion": str(self.rv)}, "items": items})
 
-    async def _watch(self, request: web.Request, ns: str | None, selector: list[Requirement]) -> web.StreamResponse:
+    async def _watch(self, request: web.Request, ns: str | None, selector: list[Requirement],
+                     fields: list[Requirement]) -> web.StreamResponse:
         query = request.query
         self.watch_params.append(dict(query))
         since = query.get("resourceVersion") or ""
         if since and not since.isdigit():
             return _error(400, "BadRequest", f"invalid resourceVersion {since!r}")
         timeout = float(query["timeoutSeconds"]) if query.get("timeoutSeconds") else None
-        watcher = _Watcher(ns, selector, query.get("allowWatchBookmarks") in _TRUE)
+        watcher = _Watcher(ns, selector, query.get("allowWatchBookmarks") in _TRUE, fields)
+        too_large = None
+        if since and int(since) > self.rv and not await self._wait_for_rv(int(since), self.too_large_wait_s):
+            self.too_large += 1
+            too_large = too_large_status(int(since), self.rv)
+            if self.too_large_as == "http":
+                return _error_status(too_large)
         resp = web.StreamResponse(status=200, headers={"Content-Type": JSON})
         resp.enable_chunked_encoding()
         await resp.prepare(request)
+        if too_large is not None:
+            await resp.write(_line({"type": "ERROR", "object": too_large}))
+            await resp.write_eof()
+            return resp
         if since and int(since) < self.compacted_rv:
             # A real server answers 200 and then one ERROR event once the watch is open.
             message = f"too old resource version: {since} ({self.compacted_rv})"
@@ -473,7 +628,7 @@ class FakeKubeApi:
         # Snapshot + register with no await in between, so no event can slip through the gap.
         if not since or since == "0":
             backlog = [{"type": "ADDED", "object": copy.deepcopy(p)} for (pns, _), p in sorted(self.pods.items())
-                       if (ns is None or pns == ns) and selector_matches(selector, p["metadata"].get("labels"))]
+                       if (ns is None or pns == ns) and watcher.matches(p)]
         else:
             backlog = [out for e in self.history if e.rv > int(since) if (out := watcher.translate(e)) is not None]
         for item in backlog:
@@ -574,4 +729,6 @@ def _request_kind(request: web.Request) -> str:
     return {"POST": "create", "PATCH": "patch", "DELETE": "delete"}.get(request.method, request.method.lower())
 
 
-__all__ = ["FakeKubeApi", "Requirement", "merge_patch", "parse_selector", "selector_matches", "status_body"]
+__all__ = ["FIELDS", "FakeKubeApi", "FieldSelectorError", "Requirement", "fields_match", "merge_patch",
+           "parse_field_selector", "parse_selector", "pod_fields", "selector_matches", "status_body",
+           "too_large_status"]

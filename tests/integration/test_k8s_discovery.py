@@ -1,9 +1,11 @@
 """KubernetesDiscovery / KubernetesRegistration through lightkube against the fake API server
 (tests/fakes/kube_api.py): list + watch, selectors, drain-before-signal, re-watch, 410 re-list,
-bookmarks, outages, and the annotation a registration writes."""
+"too large resource version" re-list, a restarted API server, bookmarks, outages, the fake's
+field selectors, and the annotation a registration writes."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import AsyncIterator, Awaitable, Callable
@@ -112,6 +114,9 @@ async def test_list_then_watch_adds_and_honours_selector(api: FakeKubeApi, start
     assert api.watch_params[0]["labelSelector"] == SELECTOR
     assert api.watch_params[0]["allowWatchBookmarks"] == "true"
     assert d.resource_version == str(api.rv)
+    # No field selector: the product filters phase and annotation itself (the fake would answer 400
+    # to one it does not implement, so a product relying on one could not pass here silently).
+    assert all("fieldSelector" not in q for q in api.list_params + api.watch_params)
 
 
 async def test_relabel_in_and_out_of_selector(api: FakeKubeApi, start_discovery: StartDiscovery) -> None:
@@ -209,15 +214,111 @@ async def test_http_410_on_watch_request_relists(api: FakeKubeApi, start_discove
     assert d.expired == 1
 
 
+def record_sleeps(d: KubernetesDiscovery) -> list[float]:
+    """Every backoff wait the discovery asks for, in order (it still sleeps them)."""
+    waits: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        await asyncio.sleep(seconds)
+
+    d._sleep = sleep
+    return waits
+
+
 async def test_repeated_410_backs_off_and_recovers(api: FakeKubeApi, start_discovery: StartDiscovery) -> None:
     api.add_pod("p1", {"app": "w"}, ann("w1"))
-    d, fleet = await start_discovery()
+    d, fleet = await start_discovery(backoff_initial=0.02, backoff_max=0.05)
     await wait_watching(api)
-    api.fail_next(410, count=4, kind="watch")
-    api.close_watches(abrupt=True)
+    waits = record_sleeps(d)
+    log_from = len(api.request_log)
+    api.fail_next(410, count=6, kind="watch")
+    api.close_watches()  # a clean end: the re-watch meets the 410s (a dropped one would back off first)
     api.add_pod("p2", {"app": "w"}, ann("w2"))
     await wait_for(lambda: ids(fleet) == {"w1", "w2"} and api.open_watches == 1, T, message="recovered")
-    assert d.expired == 4 and d.relists == 5 and api.requests["list"] == 5
+    assert d.expired == 6 and d.relists == 7 and api.requests["list"] == 7
+    # The first 410 re-lists at once; each further one in a row waits twice as long as the one
+    # before, up to backoff_max: it grows, and it is bounded.
+    assert waits == [0.02, 0.04, 0.05, 0.05, 0.05]
+    # And the waits really passed between the re-lists the server saw (a lower bound: never flaky).
+    lists = [t for t, kind, _ in api.request_log[log_from:] if kind == "list"]
+    gaps = [b - a for a, b in zip(lists, lists[1:])]
+    assert len(gaps) == len(waits) == 5
+    assert all(gap >= wait - 0.002 for gap, wait in zip(gaps, waits)), (gaps, waits)
+
+
+@pytest.mark.parametrize("answer", ["event", "http"])
+async def test_too_large_resource_version_relists(start_discovery: StartDiscovery, answer: str) -> None:
+    """etcd restored from a backup: the server's resourceVersion went back, so the one the
+    discovery resumes from is "too large" (a watch ERROR event, or the HTTP 504 itself). The same
+    version can never work; a re-list from the latest state can, and the fleet becomes what the
+    restored server holds."""
+    api = await FakeKubeApi(namespace=NS, too_large_as=answer, too_large_wait_s=0.1).start()
+    try:
+        d = KubernetesDiscovery(SELECTOR, NS, config=api.kubeconfig(), backoff_initial=0.02, backoff_max=0.1)
+        fleet = Fleet()
+        await d.start(fleet)
+        try:
+            await asyncio.wait_for(d.ready.wait(), T)
+            api.add_pod("p1", {"app": "w"}, ann("w1"))
+            api.add_pod("p2", {"app": "w"}, ann("w2"))
+            await wait_for(lambda: ids(fleet) == {"w1", "w2"}, T, message="w1, w2 watched")
+            backup = api.snapshot()
+            api.finish_delete("p1")
+            api.add_pod("p3", {"app": "w"}, ann("w3"))
+            for i in range(3):
+                api.add_pod(f"x{i}", {"app": "x"})  # the resourceVersion moves further on
+            await wait_for(lambda: ids(fleet) == {"w2", "w3"}, T, message="after the backup")
+            assert api.bookmark() == 1
+            await wait_for(lambda: d.resource_version == str(api.rv), T, message="the latest resourceVersion")
+            ahead = d.resource_version
+
+            await api.stop()
+            api.restore(backup)  # p1 back, p3 never existed, the resourceVersion went back
+            assert int(ahead) > api.rv
+            log_from = len(api.request_log)
+            await api.start()
+            await wait_for(lambda: ids(fleet) == {"w1", "w2"}, T, message="the restored server's Pods")
+            assert api.too_large == 1 and d.too_large == 1 and d.expired == 0 and d.relists == 2
+            assert "Too large resource version" in (d.last_error or "") and "504" in d.last_error
+            # Not retried with the same version: one watch from it, then a list, then a watch from the list's.
+            seen = [(kind, q.get("resourceVersion")) for _, kind, q in api.request_log[log_from:]]
+            assert seen[:3] == [("watch", ahead), ("list", None), ("watch", str(api.rv))], seen
+            await wait_watching(api)
+            api.add_pod("p4", {"app": "w"}, ann("w4"))  # and the new watch works
+            await wait_for(lambda: ids(fleet) == {"w1", "w2", "w4"}, T, message="watch after the re-list")
+        finally:
+            await d.stop()
+    finally:
+        await api.stop()
+
+
+async def test_restarted_api_server_lost_its_watch_cache(api: FakeKubeApi, start_discovery: StartDiscovery) -> None:
+    """A restarted API server rebuilt its watch cache from a list: a watch from an older
+    resourceVersion gets 410 Gone. The discovery re-lists and converges: no stale worker stays,
+    the new ones are found."""
+    api.add_pod("p1", {"app": "w"}, ann("w1"))
+    api.add_pod("p2", {"app": "w"}, ann("w2"))
+    api.add_pod("p3", {"app": "w"}, ann("w3"))
+    d, fleet = await start_discovery()
+    await wait_watching(api)
+    assert ids(fleet) == {"w1", "w2", "w3"}
+    await api.stop()
+    await wait_for(lambda: d.last_error is not None, T, message="discovery noticed the outage")
+    # While it was down the cluster moved on (other API servers, the kubelets):
+    api.finish_delete("p1")  # gone
+    api.begin_graceful_delete("p2")
+    api.finish_delete("p2")  # gone too, after a drain nobody here saw
+    api.set_annotation("p3", ANNOTATION, encode_record(rec("w3b")).decode())  # a new worker in p3
+    api.add_pod("p4", {"app": "w"}, ann("w4"))
+    api.add_pod("p5", {"app": "w"}, ann("w5"), phase="Pending")
+    await api.start(fresh_watch_cache=True)
+    await wait_for(lambda: ids(fleet) == {"w3b", "w4"}, T, message="converged after the restart")
+    assert d.expired == 1 and d.relists == 2 and d.too_large == 0
+    assert "410" in (d.last_error or "")
+    await wait_watching(api)
+    api.set_phase("p5", "Running")
+    await wait_for(lambda: ids(fleet) == {"w3b", "w4", "w5"}, T, message="watching after the re-list")
 
 
 async def test_bookmark_advances_resource_version(api: FakeKubeApi, start_discovery: StartDiscovery) -> None:
@@ -325,10 +426,13 @@ async def test_refresh_reasserts_a_lost_annotation(api: FakeKubeApi, start_disco
     api.set_annotation("worker-0", ANNOTATION, None)  # someone removed it
     await wait_for(lambda: ANNOTATION in api.annotations("worker-0"), T, message="annotation re-asserted")
     await wait_for(lambda: ids(fleet) == {"w0"}, T, message="worker back in the fleet")
+    refresh = reg._refresh_task
     await reg.deregister()
-    patches = api.requests["patch"]
-    await asyncio.sleep(0.25)  # five refresh periods: the stopped loop must not re-add it
-    assert api.requests["patch"] == patches and ANNOTATION not in api.annotations("worker-0")
+    # The refresh loop has ended (deregister waited for it, and for any patch it had in flight,
+    # before its own): nothing is left that could re-add the annotation.
+    assert refresh is not None and refresh.done() and reg._refresh_task is None
+    assert api.patches[-1] == ("worker-0", {"metadata": {"annotations": {ANNOTATION: None}}})
+    assert ANNOTATION not in api.annotations("worker-0")
 
 
 async def test_register_retries_server_errors(api: FakeKubeApi, registrations: list) -> None:
@@ -358,15 +462,74 @@ async def test_register_gives_up_when_unreachable(registrations: list) -> None:
     assert time.monotonic() - start < 3
 
 
-async def test_deregister_never_raises(api: FakeKubeApi, registrations: list) -> None:
+async def test_deregister_never_raises(api: FakeKubeApi, registrations: list, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="infera.discovery.kubernetes")
     api.add_pod("worker-0", {"app": "w"})
-    reg = registration(api, registrations, "worker-0", refresh_s=60)
+    reg = registration(api, registrations, "worker-0", refresh_s=60, request_timeout=2)
     await reg.register(rec("w0"))
+    patches = len(api.patches)
     await api.stop()
     await reg.deregister()  # logged, not raised
+    failed = [r for r in caplog.records if r.getMessage().startswith("deregister: could not clear")]
+    assert len(failed) == 1 and failed[0].levelno == logging.WARNING, [r.getMessage() for r in caplog.records]
+    assert "worker-0" in failed[0].getMessage() and "ConnectError" in failed[0].getMessage()
+    # The Pod is left behind still carrying the record (the Pod's deletion removes it).
+    assert decode_record(api.annotations("worker-0")[ANNOTATION]).worker_id == "w0"
+    assert len(api.patches) == patches
     api.finish_delete("worker-0")
     await api.start()
     await reg.deregister()  # the Pod is gone: fine too
+    gone = [r for r in caplog.records if r.getMessage() == "deregister: Pod worker-0 is already gone"]
+    assert len(gone) == 1 and gone[0].levelno == logging.INFO
+    assert api.get_pod("worker-0") is None and api.requests["patch"] == patches + 1  # it was asked: 404
+
+
+# -- the fake's field selectors: implemented or refused, never ignored -------------------------------
+
+async def test_fake_refuses_field_selectors_it_does_not_implement(api: FakeKubeApi) -> None:
+    api.add_pod("p1", {"app": "w"})
+    headers = {"Authorization": f"Bearer {api.token}"}
+    async with aiohttp.ClientSession(headers=headers) as s:
+        for query in ({"fieldSelector": "spec.restartPolicy=Always"},
+                      {"fieldSelector": "spec.restartPolicy=Always", "watch": "true"},
+                      {"fieldSelector": "status.phase=Running,spec.schedulerName=x"}):
+            async with s.get(f"{api.url}/api/v1/namespaces/{NS}/pods", params=query) as r:
+                assert r.status == 400, query
+                body = await r.json()
+            assert body["kind"] == "Status" and body["reason"] == "BadRequest"
+            assert body["message"].startswith("field label not supported: spec."), body
+        async with s.get(f"{api.url}/api/v1/namespaces/{NS}/pods", params={"fieldSelector": "status.phase"}) as r:
+            assert r.status == 400  # malformed
+    assert api.open_watches == 0
+
+
+async def test_fake_field_selectors_filter_lists_and_watches(api: FakeKubeApi) -> None:
+    api.add_pod("run", {"app": "w"})
+    api.add_pod("wait", {"app": "w"}, phase="Pending")
+    api.add_pod("other", {"app": "w"}, namespace="elsewhere")
+    url = f"{api.url}/api/v1/namespaces/{NS}/pods"
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {api.token}"}) as s:
+        async with s.get(url, params={"fieldSelector": "status.phase=Running"}) as r:
+            assert [p["metadata"]["name"] for p in (await r.json())["items"]] == ["run"]
+        async with s.get(url, params={"fieldSelector": "status.phase!=Running,metadata.name!=x"}) as r:
+            assert [p["metadata"]["name"] for p in (await r.json())["items"]] == ["wait"]
+        async with s.get(f"{api.url}/api/v1/pods", params={"fieldSelector": "metadata.namespace==elsewhere"}) as r:
+            assert [p["metadata"]["name"] for p in (await r.json())["items"]] == ["other"]
+        params = {"watch": "true", "fieldSelector": "status.phase=Running", "resourceVersion": str(api.rv)}
+        async with s.get(url, params=params) as r:
+            await wait_watching(api)
+            api.set_phase("wait", "Running")  # into the selector: ADDED
+            api.set_phase("run", "Failed")  # out of it: DELETED
+            api.set_annotation("wait", "a", "1")  # in it before and after: MODIFIED
+            api.set_annotation("run", "a", "1")  # in it neither before nor after: nothing
+            api.add_pod("sentinel", {"app": "w"})  # Running: the last event this watch must see
+            events = []
+            async for line in r.content:
+                event = json.loads(line)
+                events.append((event["type"], event["object"]["metadata"]["name"]))
+                if events[-1][1] == "sentinel":
+                    break
+    assert events == [("ADDED", "wait"), ("DELETED", "run"), ("MODIFIED", "wait"), ("ADDED", "sentinel")]
 
 
 # -- the server, configured from flags and KUBECONFIG ----------------------------------------------

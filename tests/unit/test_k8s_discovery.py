@@ -16,13 +16,24 @@ from infera.discovery.kubernetes import (
     ANNOTATION,
     KubeConfigError,
     KubernetesDiscovery,
+    _describe,
     _httpx,
     _retryable,
+    _stale_resource_version,
     load_kube_config,
     pod_state,
 )
 from infera.discovery.record import WorkerRecord, encode_record
-from tests.fakes.kube_api import merge_patch, parse_selector, selector_matches
+from tests.fakes.kube_api import (
+    FieldSelectorError,
+    fields_match,
+    merge_patch,
+    parse_field_selector,
+    parse_selector,
+    selector_matches,
+    status_body,
+    too_large_status,
+)
 
 
 def record_json(worker_id: str = "10.0.0.1:8000", **fields: Any) -> str:
@@ -191,7 +202,82 @@ def test_retryable(exc: BaseException, retry: bool) -> None:
     assert _retryable(exc) is retry
 
 
+def _http_error(body: dict[str, Any] | bytes, code: int) -> _httpx.HTTPStatusError:
+    """What lightkube raises for an error answer to a watch request (the body read by the hook)."""
+    request = _httpx.Request("GET", "http://k8s/api/v1/namespaces/ns/pods?watch=true")
+    content = body if isinstance(body, bytes) else msgspec.json.encode(body)
+    response = _httpx.Response(code, content=content, request=request,
+                               headers={"Content-Type": "application/json"})
+    return _httpx.HTTPStatusError(f"{code}", request=request, response=response)
+
+
+_OLD_TOO_LARGE = status_body(504, "Timeout", "Timeout: Too large resource version: 9, current: 5",
+                             {"causes": [{"message": "Too large resource version"}]})  # 1.17.0-1.18.5: no cause type
+_OLDEST_TOO_LARGE = status_body(504, "Timeout", "Timeout: Too large resource version: 9, current: 5")  # < 1.17
+
+
+@pytest.mark.parametrize("exc, stale", [
+    (ApiError(status=Status.from_dict(too_large_status(9, 5))), "too-large"),  # a watch ERROR event
+    (_http_error(too_large_status(9, 5), 504), "too-large"),  # the HTTP 504 itself
+    (ApiError(status=Status.from_dict(_OLD_TOO_LARGE)), "too-large"),
+    (ApiError(status=Status.from_dict(_OLDEST_TOO_LARGE)), "too-large"),
+    (ApiError(status=Status.from_dict(status_body(410, "Expired", "too old resource version: 1 (5)"))), "expired"),
+    (_http_error(status_body(410, "Expired", "too old"), 410), "expired"),
+    (_http_error(b"", 410), "expired"),
+    # A 504 for another reason, or a bare one (a proxy's, no Status), is an ordinary failure.
+    (ApiError(status=Status.from_dict(status_body(504, "Timeout", "Timeout: request did not complete"))), None),
+    (_http_error(b"<html>gateway timeout</html>", 504), None),
+    (ApiError(status=Status.from_dict(status_body(500, "InternalError", "Too large resource version"))), None),
+    (_httpx.ConnectError("refused"), None),
+])
+def test_stale_resource_version(exc: BaseException, stale: str | None) -> None:
+    assert _stale_resource_version(exc) == stale
+
+
+def test_describe_uses_the_status_of_an_http_error_answer() -> None:
+    assert _describe(_http_error(too_large_status(9, 5), 504)) == (
+        "HTTP 504 Timeout: Timeout: Too large resource version: 9, current: 5")
+    forbidden = status_body(403, "Forbidden", 'pods is forbidden: User "x" cannot watch resource "pods"')
+    assert _describe(_http_error(forbidden, 403)).startswith('HTTP 403 Forbidden: pods is forbidden')
+    assert _describe(_http_error(b"nope", 502)).startswith("HTTPStatusError: ")
+
+
 # -- the fake API server's own logic -----------------------------------------------------------------
+
+def _pod_dict(phase: str = "Running", name: str = "p", node: str | None = "n1") -> dict[str, Any]:
+    return {"metadata": {"name": name, "namespace": "ns"}, "spec": {"nodeName": node} if node else {},
+            "status": {"phase": phase}}
+
+
+@pytest.mark.parametrize("selector, pod_kw, match", [
+    ("", {}, True),
+    ("status.phase=Running", {}, True),
+    ("status.phase==Running", {"phase": "Pending"}, False),
+    ("status.phase!=Running", {"phase": "Pending"}, True),
+    ("metadata.name=p,status.phase=Running", {}, True),
+    ("metadata.name=p,status.phase=Running", {"name": "q"}, False),
+    ("spec.nodeName=", {"node": None}, True),  # unscheduled: an empty nodeName
+    ("spec.nodeName!=", {}, True),
+    (" metadata.namespace = ns ", {}, True),
+])
+def test_fake_field_selector(selector: str, pod_kw: dict[str, Any], match: bool) -> None:
+    assert fields_match(parse_field_selector(selector), _pod_dict(**pod_kw)) is match
+
+
+@pytest.mark.parametrize("bad, unsupported", [
+    ("spec.restartPolicy=Always", "spec.restartPolicy"),  # a real server has it; the fake does not
+    ("status.phase=Running,spec.foo=x", "spec.foo"),
+    ("status.phase", None),
+    ("status.phase in (Running)", None),
+    ("status.phase=Running,", None),
+])
+def test_fake_field_selector_refuses(bad: str, unsupported: str | None) -> None:
+    with pytest.raises(FieldSelectorError) as exc:
+        parse_field_selector(bad)
+    assert exc.value.unsupported == unsupported
+    if unsupported:
+        assert str(exc.value) == f"field label not supported: {unsupported}"
+
 
 @pytest.mark.parametrize("selector, labels, match", [
     ("", {}, True),
