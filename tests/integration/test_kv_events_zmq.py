@@ -580,3 +580,69 @@ async def test_stop_is_bounded_by_a_task_that_ignores_cancellation(monkeypatch):
     await stopping
     task.cancel()
     await asyncio.wait_for(task, 2)
+
+
+# -- bounded messages from a real libzmq publisher (issue 26, item 7) ---------------------------------------
+
+@pytest.mark.parametrize("splitter", ["native", "python"])
+async def test_a_real_publishers_oversized_message_drops_the_connection_once_then_it_recovers(
+        splitter, caplog, monkeypatch):
+    """pyzmq's XPUB over tcp loopback, read by the ZMTP SUB with a 1 MiB / 64-frame message cap: a
+    message under the caps arrives whole; one over either cap drops the connection at the header of
+    the frame that passes it, with one warning naming only the limit; the SUB reconnects,
+    resubscribes and reads on. (libzmq sends a multipart message only once its last part is queued,
+    so a message that never ends cannot come from it: tests/unit/test_zmtp.py feeds that one from a
+    raw socket.)"""
+    import logging
+
+    from infera.kv.native import native
+    from infera.transport import zmtp
+    from infera.transport.zmtp import ZmtpSubscription
+
+    if splitter == "native":
+        if native is None:
+            pytest.skip("the C accelerator is not built")
+    else:
+        monkeypatch.setattr(zmtp, "_split", zmtp.split)
+    caplog.set_level(logging.DEBUG, logger="infera.transport.zmtp")
+    got: list[list[bytes]] = []
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.XPUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every (re)subscription is seen, not only the first
+    pub.bind("tcp://127.0.0.1:*")
+    sub = ZmtpSubscription(pub.getsockopt_string(zmq.LAST_ENDPOINT), b"", got.append, reconnect_s=0.05,
+                           max_message_bytes=1 << 20, max_message_frames=64)
+
+    async def subscribed() -> None:
+        while await asyncio.wait_for(pub.recv(), 10) != b"\x01":
+            pass  # an unsubscription of the dropped connection
+
+    secret = b"PROMPT-TEXT-"
+    chunk = secret * (100_000 // len(secret))  # ~100 KB
+    sub.start()
+    try:
+        await subscribed()
+        under = [chunk] * 10 + [b"end"]  # ~1.0 MB in 11 frames: under both caps
+        await pub.send_multipart(under)
+        await wait_for(lambda: got == [under], 10, message="the message under the caps")
+
+        await pub.send_multipart([chunk] * 12)  # ~1.2 MB
+        await wait_for(lambda: sub.failures == 1, 10, message="the drop at the byte cap")
+        await subscribed()
+        await pub.send_multipart([b"after"])
+        await wait_for(lambda: got[-1:] == [[b"after"]], 10, message="a message after the reconnection")
+
+        await pub.send_multipart([b""] * 65)  # one frame over the frame cap
+        await wait_for(lambda: sub.failures == 2, 10, message="the drop at the frame cap")
+        await subscribed()
+        await pub.send_multipart([b"again"])
+        await wait_for(lambda: got[-1:] == [[b"again"]], 10, message="a message after the second reconnection")
+    finally:
+        await sub.close()
+        ctx.destroy(linger=0)
+    assert got == [under, [b"after"], [b"again"]] and sub.connects == 3
+    lines = [r.getMessage() for r in caplog.records if r.name == "infera.transport.zmtp"]
+    assert len(lines) == 2, lines  # one a drop: nothing per frame
+    assert "a message of more than 1048576 bytes" in lines[0] and "a message of more than 64 frames" in lines[1]
+    assert all(secret.decode() not in line for line in lines)
