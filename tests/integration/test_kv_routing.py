@@ -1,8 +1,12 @@
 """KV-aware routing end to end on sim workers: real KV events over ZMQ, real etcd, real HTTP."""
 from __future__ import annotations
 
+import os
 
 import aiohttp
+
+from infera.kv.index import NativeKvIndex, PyKvIndex
+from infera.kv.native import native
 
 from tests.conftest import wait_for
 from tests.integration.conftest import wait_workers
@@ -43,6 +47,10 @@ async def cache_view(s, base, worker_id) -> dict:
 
 async def test_shared_prefixes_stick_to_the_worker_that_holds_them(make_server, spawn_worker):
     server = await make_server("--admin-token", ADMIN_TOKEN)  # kv-aware is the default policy
+    # make test runs this module again with INFERA_NATIVE=0: the router must then run the Python index
+    if os.environ.get("INFERA_NATIVE") == "0":
+        assert native is None
+    assert type(server.kv.index) is (PyKvIndex if native is None else NativeKvIndex)
     workers = [await spawn_worker("--num-gpu-blocks", "2048") for _ in range(3)]
     await wait_workers(server, {w.worker_id for w in workers})
     base = f"http://127.0.0.1:{server.port}"
