@@ -4,7 +4,8 @@ SIGSTOP of workers: test_migration.py and test_http_timeouts.py.)"""
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import time
+from typing import Callable
 
 import aiohttp
 
@@ -17,6 +18,17 @@ from tests.conftest import wait_for
 from tests.integration.conftest import wait_workers
 
 MODEL = "sim-model"
+
+
+async def became_true(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
+    """Whether ``predicate`` holds within ``timeout`` (polled); unlike ``wait_for``, not holding is
+    an answer, not a failure."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(interval)
+    return True
 
 
 class Load:
@@ -96,22 +108,22 @@ async def test_a_flapping_worker_costs_no_request(make_server, spawn_worker, etc
     await flapper.start()
     record = WorkerRecord(worker_id=f"flapper-{flapper.url.rsplit(':', 1)[1]}", url=flapper.url, model_name=MODEL)
     flaps = 0
-    seen_flapper = False
+    seen_flaps = 0
     try:
         async with Load(f"http://127.0.0.1:{server.port}") as load:
             for _ in range(6):  # register for ~0.5 s, gone for ~0.5 s: every second, six times
                 reg = EtcdRegistration(f"http://{etcd.endpoint}", prefix, ttl=2)
                 await reg.register(record)
-                with contextlib.suppress(AssertionError):
-                    await wait_for(lambda: server.fleet.get(record.worker_id) is not None, 2)
-                seen_flapper |= server.fleet.get(record.worker_id) is not None
+                # A flap the server does not see within 2 s is tolerated (the box is loaded); one
+                # it sees must cost nothing, and it must see at least one (asserted below).
+                seen_flaps += await became_true(lambda: server.fleet.get(record.worker_id) is not None, 2)
                 await load.wait_ok(10)
                 await reg.deregister()
                 await reg.close()
                 await wait_for(lambda: server.fleet.get(record.worker_id) is None, 5, message="flapper gone")
                 await load.wait_ok(10)
                 flaps += 1
-        assert flaps == 6 and seen_flapper
+        assert flaps == 6 and seen_flaps >= 1, f"the server saw {seen_flaps} of 6 registrations"
         assert not load.failures, load.failures[:5]
         async with aiohttp.ClientSession() as http, http.get(flapper.url + "/metrics") as r:
             served = sample_sum(await r.text(), "vllm:request_success_total")
