@@ -160,7 +160,10 @@ _map_bigram_event = msgspec.msgpack.Decoder(Union[_StoredBigramM, Removed, Clear
 _array_event = msgspec.msgpack.Decoder(Union[_StoredA, _RemovedA, _ClearedA]).decode
 _bigram_event = msgspec.msgpack.Decoder(Union[_StoredBigramA, _RemovedA, _ClearedA]).decode
 _any = msgspec.msgpack.Decoder().decode
-_DecodeErrors = (msgspec.DecodeError, msgspec.ValidationError)
+# RecursionError: msgspec refuses a value nested past Python's recursion limit with it (a
+# payload of ``[[[[...]]]]`` from the wire, a few KiB deep), not with a DecodeError; it is a
+# malformed payload like any other, never an exception that escapes the decoders.
+_DecodeErrors = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 
 
 def _flatten(tokens: list) -> list[int]:
