@@ -91,6 +91,7 @@ class SleeperAdapter:
     def __init__(self, exit_code: int | None = None) -> None:
         self.exit_code = exit_code
         self.prepared = 0
+        self.probed = 0  # ready() / describe() calls: a leader's, never a follower's
 
     def add_flags(self, parser):
         pass
@@ -101,9 +102,11 @@ class SleeperAdapter:
         return EngineProcessSpec(cmd=[sys.executable, "-c", code], port=1)
 
     async def ready(self, session, base_url):
+        self.probed += 1
         raise AssertionError("a follower never probes readiness")
 
     async def describe(self, *a):
+        self.probed += 1
         raise AssertionError("a follower never builds a record")
 
     def inflight(self, metrics_text):
@@ -121,17 +124,40 @@ def _follower(adapter) -> Launcher:
     return Launcher(adapter, args, ["--model", "m"], registration=NoRegistration(), node_rank=1)
 
 
+def _signal_when_waiting_on_the_engine(launcher: Launcher) -> asyncio.Event:
+    """An event set when the launcher first awaits its engine's exit: a follower does that right
+    after starting the engine; a leader only after ready() and describe() (or when it stops it)."""
+    waiting = asyncio.Event()
+    start_engine = launcher.start_engine
+
+    async def start_and_watch() -> None:
+        await start_engine()
+        proc_wait = launcher.proc.wait
+
+        async def wait():
+            waiting.set()
+            return await proc_wait()
+
+        launcher.proc.wait = wait
+
+    launcher.start_engine = start_and_watch
+    return waiting
+
+
 async def test_follower_keeps_its_engine_until_sigterm_then_stops_it():
-    launcher = _follower(SleeperAdapter())
+    adapter = SleeperAdapter()
+    launcher = _follower(adapter)
+    waiting = _signal_when_waiting_on_the_engine(launcher)
     run = asyncio.ensure_future(launcher.run())
     try:
-        await wait_for(lambda: launcher.proc is not None, 10, message="the engine started")
+        # The barrier: the launcher is parked on its engine's exit (or a signal). A leader could
+        # only get there through a readiness probe, which counts (and raises) here.
+        await asyncio.wait_for(waiting.wait(), 10)
         pid = launcher.proc.pid
-        await asyncio.sleep(0.3)  # a leader would have probed readiness by now (it raises here)
-        assert alive(pid) and not run.done()
+        assert adapter.probed == 0 and alive(pid) and not run.done()
         os.kill(os.getpid(), signal.SIGTERM)  # through the launcher's own handler
         assert await asyncio.wait_for(run, 10) == 0
-        assert not alive(pid)
+        assert not alive(pid) and adapter.probed == 0
         with pytest.raises(ProcessLookupError):
             os.killpg(pid, 0)
     finally:
