@@ -13,6 +13,7 @@ import aiohttp
 import openai
 import pytest
 
+from infera.engine.sim.scheduler import greedy_output, prose_run
 from infera.engine.sim.server import SimServer, parse_args
 
 pytestmark = pytest.mark.integration
@@ -184,14 +185,44 @@ async def test_completions_default_max_tokens_and_token_id_prompt(client):
     assert comp.usage.prompt_tokens == 4 and comp.usage.completion_tokens == 16
 
 
-async def test_ignore_eos_and_natural_stop(client):
-    natural = await client.completions.create(model=MODEL, prompt="Tell me a story", max_tokens=300)
-    assert natural.choices[0].finish_reason == "stop"
-    assert 8 <= natural.usage.completion_tokens <= 256
+async def test_ignore_eos_and_natural_stop(server, client):
+    natural = await client.completions.create(model=MODEL, prompt="Tell me a story", max_tokens=300,
+                                              extra_body={"return_token_ids": True})
+    choice = natural.choices[0]
+    assert choice.finish_reason == "stop"
+    # The model's own stop: 8..256 tokens of prose, counting the prompt's trailing output words
+    # (" story" is one), exactly as the scheduler's reference says.
+    prompt_ids, ids = choice.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]
+    assert (ids, "stop") == greedy_output(0, prompt_ids, server.engine.tokenizer.output_token_ids, 300)
+    prose = prose_run(prompt_ids, frozenset(server.engine.tokenizer.output_token_ids))
+    assert prose == 1 and 8 - prose <= natural.usage.completion_tokens <= 256 - prose
+    assert choice.text == server.engine.tokenizer.decode_output(ids)
     forced = await client.completions.create(model=MODEL, prompt="Tell me a story", max_tokens=300,
                                              extra_body={"ignore_eos": True})
     assert forced.choices[0].finish_reason == "length" and forced.usage.completion_tokens == 300
     assert forced.choices[0].text.startswith(natural.choices[0].text)
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+async def test_a_chat_answer_continued_from_its_ids_is_the_unbroken_answer(http, ignore_eos):
+    """What request migration sends: /v1/completions from the chat prompt's ids + the first k
+    output ids continues with exactly the unbroken answer's remaining ids and text, and stops
+    where it did."""
+    body = chat_body("Tell me a long story", max_tokens=300, ignore_eos=ignore_eos, return_token_ids=True)
+    async with http.post("/v1/chat/completions", json=body) as r:
+        full = await r.json()
+    prompt_ids, ids = full["prompt_token_ids"], full["choices"][0]["token_ids"]
+    text, reason = full["choices"][0]["message"]["content"], full["choices"][0]["finish_reason"]
+    assert reason == ("length" if ignore_eos else "stop") and len(ids) > 20
+    for k in (1, 7, len(ids) // 2, len(ids) - 1):
+        cont = {"model": MODEL, "prompt": prompt_ids + ids[:k], "max_tokens": 300 - k, "ignore_eos": ignore_eos,
+                "return_token_ids": True}
+        async with http.post("/v1/completions", json=cont) as r:
+            rest = (await r.json())["choices"][0]
+        assert rest["token_ids"] == ids[k:] and rest["finish_reason"] == reason, k
+        head = await (await http.post("/v1/completions", json={**cont, "max_tokens": k, "prompt": prompt_ids,
+                                                             "ignore_eos": True})).json()
+        assert head["choices"][0]["text"] + rest["text"] == text, k
 
 
 @pytest.mark.parametrize("stream", [False, True])

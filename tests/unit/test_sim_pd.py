@@ -111,7 +111,7 @@ class FakeClock:
 
 def finished_prefill(cache: KVCache, prompt: list[int]) -> Sequence:
     """A sequence that still holds its blocks, as the scheduler calls a kv_hold hook."""
-    seq = Sequence(seq_id=1, request_id="r", prompt_token_ids=prompt, max_tokens=1, natural_length=None, digest=0)
+    seq = Sequence(seq_id=1, request_id="r", prompt_token_ids=prompt, max_tokens=1, ignore_eos=True)
     assert cache.allocate(seq.seq_id, prompt) is not None
     seq.num_cached_tokens = 0
     return seq

@@ -7,14 +7,16 @@ import pytest
 
 from infera.engine.sim.cache import KVCache
 from infera.engine.sim.scheduler import (
+    DEFAULT_OUTPUT_VOCAB,
     MAX_NATURAL_LENGTH,
     MIN_NATURAL_LENGTH,
+    Context,
     Scheduler,
     Sequence,
+    context_digest,
     decode_time_ms,
-    natural_stop_length,
+    greedy_output,
     prefill_time_ms,
-    prompt_digest,
     step_time_ms,
 )
 
@@ -51,10 +53,74 @@ def test_step_time(prefill, decode, usage, speedup, expected):
 
 
 def test_natural_length_range_and_determinism():
-    lengths = [natural_stop_length(prompt_digest(0, [i, i + 1])) for i in range(500)]
+    # Prompts that end in a non-output token (5), as a chat template's generation prompt does.
+    lengths = [len(greedy_output(0, [i + 100, 5], DEFAULT_OUTPUT_VOCAB, 1000)[0]) for i in range(500)]
     assert all(MIN_NATURAL_LENGTH <= n <= MAX_NATURAL_LENGTH for n in lengths)
     assert len(set(lengths)) > 50  # actually spread out
-    assert lengths == [natural_stop_length(prompt_digest(0, [i, i + 1])) for i in range(500)]
+    assert 100 < sum(lengths) / len(lengths) < 165  # uniform in [8, 256]: mean 132
+    assert lengths == [len(greedy_output(0, [i + 100, 5], DEFAULT_OUTPUT_VOCAB, 1000)[0]) for i in range(500)]
+
+
+def test_a_prompt_ending_in_output_words_counts_them_toward_the_stop():
+    """The stop depends on the context's prose run (trailing output words), not on where the
+    request began: a prompt already ending in 5 output words stops after 3..251 more tokens, one
+    that ends in 256 of them after exactly one."""
+    vocab = DEFAULT_OUTPUT_VOCAB
+    lengths = [len(greedy_output(0, [5] + list(range(1000 + i, 1005 + i)), vocab, 1000)[0]) for i in range(300)]
+    assert min(lengths) >= MIN_NATURAL_LENGTH - 5 and max(lengths) <= MAX_NATURAL_LENGTH - 5
+    assert min(lengths) < MIN_NATURAL_LENGTH  # some do stop sooner than a chat answer could
+    long_prose = list(range(1000, 1000 + MAX_NATURAL_LENGTH))
+    out, reason = greedy_output(0, long_prose, vocab, 1000)
+    assert (len(out), reason) == (1, "stop")
+
+
+def test_context_digest_is_the_same_however_the_tokens_came():
+    for prompt in ([1] + list(range(100, 139)), [1] + list(range(100, 1099))):  # xxh3's short and long inputs
+        whole = Context(7, prompt, DEFAULT_OUTPUT_VOCAB)
+        fed = Context(7, prompt[:3], DEFAULT_OUTPUT_VOCAB)
+        for t in prompt[3:]:
+            fed.append(t)
+        assert whole.digest == fed.digest == context_digest(7, prompt) != context_digest(8, prompt)
+        assert whole.prose == fed.prose == min(len(prompt) - 1, MAX_NATURAL_LENGTH)
+    fed.append(5)  # not an output word: the prose run starts over
+    assert fed.prose == 0 and fed.digest == context_digest(7, prompt + [5])
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_continuing_from_prompt_plus_generated_ids_gives_the_unbroken_output(ignore_eos):
+    """What request migration relies on: generation from prompt + the first k generated ids yields
+    exactly the unbroken run's remaining tokens, and stops where it did, for every k."""
+    prompt = [3, 1, 4, 1, 5]
+    for seed in range(20):
+        full, reason = greedy_output(seed, prompt, DEFAULT_OUTPUT_VOCAB, 300, ignore_eos=ignore_eos)
+        assert reason == ("length" if ignore_eos else "stop")
+        for k in range(1, len(full)):
+            assert greedy_output(seed, prompt + full[:k], DEFAULT_OUTPUT_VOCAB, 300 - k,
+                                 ignore_eos=ignore_eos) == (full[k:], reason), (seed, k)
+
+
+def test_a_continuation_that_repeats_or_drops_a_token_diverges():
+    """The comparison has teeth: a continuation whose context repeats or drops a token at the seam
+    emits as many tokens as the unbroken run but not the same ones (the output is a function of the
+    whole context), so a count-only check would pass it and the content check does not."""
+    prompt = [3, 1, 4, 1, 5]
+    n = 200
+    full, _ = greedy_output(0, prompt, DEFAULT_OUTPUT_VOCAB, n, ignore_eos=True)
+    for k in (1, 2, 30, 199):
+        exact = greedy_output(0, prompt + full[:k], DEFAULT_OUTPUT_VOCAB, n - k, ignore_eos=True)[0]
+        repeated = greedy_output(0, prompt + full[:k] + full[k - 1:k], DEFAULT_OUTPUT_VOCAB, n - k, ignore_eos=True)[0]
+        dropped = greedy_output(0, prompt + full[:k - 1], DEFAULT_OUTPUT_VOCAB, n - k, ignore_eos=True)[0]
+        assert full[:k] + exact == full
+        for bad in (repeated, dropped):
+            assert len(full[:k] + bad) == n and full[:k] + bad != full, k
+
+
+async def test_the_scheduler_generates_the_reference_output():
+    prompt = list(range(10, 30))
+    for ignore_eos in (False, True):
+        sched = make(seed=5)
+        assert await run_one(sched, prompt, 300, ignore_eos=ignore_eos) == \
+            greedy_output(5, prompt, DEFAULT_OUTPUT_VOCAB, 300, ignore_eos=ignore_eos)
 
 
 async def collect(seq: Sequence) -> tuple[list[int], str]:
@@ -99,7 +165,8 @@ async def test_natural_stop_without_ignore_eos():
     sched = make(seed=3)
     tokens, reason = await run_one(sched, prompt, 1000, ignore_eos=False)
     assert reason == "stop"
-    assert len(tokens) == natural_stop_length(prompt_digest(3, prompt))
+    assert (tokens, reason) == greedy_output(3, prompt, DEFAULT_OUTPUT_VOCAB, 1000)
+    assert MIN_NATURAL_LENGTH <= len(tokens) <= MAX_NATURAL_LENGTH
     assert sched.stats.request_success["stop"] == 1
     # max_tokens below the natural length: "length" wins.
     tokens, reason = await run_one(make(seed=3), prompt, 4, ignore_eos=False)

@@ -184,10 +184,10 @@ def test_schedule_reports_the_blocks_a_step_loads():
 
 
 def _seq(sched: Scheduler, tokens: list[int]):
-    from infera.engine.sim.scheduler import Sequence, prompt_digest
+    from infera.engine.sim.scheduler import Context, Sequence
 
-    return Sequence(seq_id=id(tokens), request_id="", prompt_token_ids=tokens, max_tokens=4, natural_length=None,
-                    digest=prompt_digest(0, tokens))
+    return Sequence(seq_id=id(tokens), request_id="", prompt_token_ids=tokens, max_tokens=4, ignore_eos=True,
+                    context=Context(0, tokens, sched._vocab_set))
 
 
 def test_default_load_time_is_a_few_percent_of_prefill():

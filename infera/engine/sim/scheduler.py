@@ -11,8 +11,15 @@ One asyncio task runs engine "steps" like vLLM's engine core loop:
    that needs a new KV block when none is free preempts the most recently admitted other running
    sequence, which goes back to the front of the queue and recomputes later.
 
-Output is deterministic: token ``i`` of a request is a hash of (seed, prompt token ids, i), and the
-natural stop length is a hash of (seed, prompt) in [8, 256].
+Output is greedy and, like a language model's, a pure function of the context (prompt + what was
+generated so far): the next token is drawn from a digest of (seed, every previous token id), and so is
+the decision to stop after it. The stop depends on the context's *prose run*, how many tokens at its
+end are output words: never below 8, surely at 256, uniform in between -- so a chat answer (its prompt
+ends in template tokens) stops after 8..256 tokens, and a completions prompt that already ends in
+output words counts them. The digest is one streamed xxh3 per sequence, so each token costs O(1), and
+a request continued elsewhere from prompt + generated ids (request migration) generates exactly the
+tokens, and stops exactly where, the unbroken run would have. Per-request ``temperature``/``seed``
+are accepted and ignored: every request is greedy.
 
 Prefill/decode disaggregation hooks (driven by ``pd.py``): a sequence with ``kv_hold`` gets it
 called at a normal finish while it still holds its blocks (a PD prefill pins its prompt's KV for
@@ -86,20 +93,80 @@ def step_time_ms(prefill_tokens: int, has_decode: bool, kv_usage: float, speedup
 # ------------------------------------------------------------- deterministic output
 
 
-def prompt_digest(seed: int, prompt_token_ids: SequenceT[int]) -> int:
-    """Identity of (seed, prompt) that all of a request's output derives from."""
-    return xxhash.xxh3_64_intdigest(tokens_le_bytes(prompt_token_ids), seed=seed & 0xFFFFFFFFFFFFFFFF)
+_SEED_MASK = 0xFFFFFFFFFFFFFFFF
 
 
-def natural_stop_length(digest: int) -> int:
-    """How many tokens the "model" generates before EOS, in [8, 256]."""
-    span = MAX_NATURAL_LENGTH - MIN_NATURAL_LENGTH + 1
-    return MIN_NATURAL_LENGTH + xxhash.xxh3_64_intdigest(b"natural-length", seed=digest) % span
+def context_digest(seed: int, token_ids: SequenceT[int]) -> int:
+    """Digest of (seed, a whole context): what ``Context.digest`` is after those tokens, however they
+    were fed (one shot here; token by token while generating)."""
+    return xxhash.xxh3_64_intdigest(tokens_le_bytes(token_ids), seed=seed & _SEED_MASK)
 
 
-def output_token_id(digest: int, position: int, vocab: SequenceT[int]) -> int:
-    """The token generated at ``position`` (0-based) of the output."""
-    return vocab[xxhash.xxh3_64_intdigest(position.to_bytes(8, "little"), seed=digest) % len(vocab)]
+def next_token_id(digest: int, vocab: SequenceT[int]) -> int:
+    """The greedy next token of the context with ``digest`` (its low 32 bits pick the word)."""
+    return vocab[(digest & 0xFFFFFFFF) % len(vocab)]
+
+
+def stops_after(digest: int, prose: int) -> bool:
+    """Whether the "model" ends its answer at a context with ``digest`` whose last ``prose`` tokens
+    are output words: never below MIN_NATURAL_LENGTH, always at MAX_NATURAL_LENGTH, with the hazard
+    of a uniform length in between (the high 32 bits draw it, independent of the word)."""
+    if prose < MIN_NATURAL_LENGTH:
+        return False
+    if prose >= MAX_NATURAL_LENGTH:
+        return True
+    return (digest >> 32) % (MAX_NATURAL_LENGTH - prose + 1) == 0
+
+
+def prose_run(token_ids: SequenceT[int], vocab: "frozenset[int] | range") -> int:
+    """How many tokens at the end of ``token_ids`` are in ``vocab``, counted up to MAX_NATURAL_LENGTH."""
+    n = 0
+    for t in reversed(token_ids):
+        if n >= MAX_NATURAL_LENGTH or t not in vocab:
+            break
+        n += 1
+    return n
+
+
+class Context:
+    """The sim "model"'s state of one token sequence: its running digest and prose run. Both depend on
+    the token ids only, so a context built from prompt + k generated ids equals the one that fed
+    those k tokens one by one (what makes a migrated continuation exact)."""
+
+    __slots__ = ("_hash", "digest", "prose", "_vocab")
+
+    def __init__(self, seed: int, token_ids: SequenceT[int], vocab: "frozenset[int] | range") -> None:
+        self._hash = xxhash.xxh3_64(tokens_le_bytes(token_ids), seed=seed & _SEED_MASK)
+        self.digest = self._hash.intdigest()
+        self.prose = prose_run(token_ids, vocab)
+        self._vocab = vocab
+
+    def append(self, token_id: int) -> None:
+        """The context with ``token_id`` at its end: O(1) (xxh3's streaming state, not a rehash)."""
+        self._hash.update(token_id.to_bytes(4, "little"))
+        self.digest = self._hash.intdigest()
+        self.prose = min(self.prose + 1, MAX_NATURAL_LENGTH) if token_id in self._vocab else 0
+
+
+def vocab_set(vocab: SequenceT[int]) -> "frozenset[int] | range":
+    """``vocab`` for membership tests (a range already is one)."""
+    return vocab if isinstance(vocab, range) else frozenset(vocab)
+
+
+def greedy_output(seed: int, prompt_token_ids: SequenceT[int], vocab: SequenceT[int], max_tokens: int, *,
+                  ignore_eos: bool = False) -> tuple[list[int], str]:
+    """What the scheduler generates for a prompt, without the scheduler: (token ids, finish reason).
+    The reference the tests compare the engine's (and a migrated stream's) output with."""
+    ctx = Context(seed, prompt_token_ids, vocab_set(vocab))
+    out: list[int] = []
+    while True:
+        token_id = next_token_id(ctx.digest, vocab)
+        out.append(token_id)
+        ctx.append(token_id)
+        if not ignore_eos and stops_after(ctx.digest, ctx.prose):
+            return out, FINISH_STOP
+        if len(out) >= max_tokens:
+            return out, FINISH_LENGTH
 
 
 # ---------------------------------------------------------------------- sequences
@@ -135,9 +202,10 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     max_tokens: int
-    # None when ignore_eos: only max_tokens ends it.
-    natural_length: int | None
-    digest: int
+    # True: only max_tokens ends it (the model's own stop is ignored).
+    ignore_eos: bool = False
+    # The model's state of prompt + output so far (set by Scheduler.submit).
+    context: Context | None = field(default=None, repr=False)
     output_token_ids: list[int] = field(default_factory=list)
     state: str = WAITING
     finish_reason: str | None = None
@@ -209,6 +277,7 @@ class Scheduler:
         self.speedup = speedup
         self.seed = seed
         self.output_vocab: SequenceT[int] = output_vocab if output_vocab else DEFAULT_OUTPUT_VOCAB
+        self._vocab_set = vocab_set(self.output_vocab)
         # vLLM queries a configured KV connector for every request, transfer or not.
         self.kv_connector = kv_connector
         # Time to load one block from the cache's host tier (before ``speedup``).
@@ -262,14 +331,13 @@ class Scheduler:
             raise ValueError(
                 f"request needs {needed} KV blocks but the cache only has {self.cache.num_blocks}")
         prompt = list(prompt_token_ids)
-        digest = prompt_digest(self.seed, prompt)
         seq = Sequence(
             seq_id=next(self._ids),
             request_id=request_id,
             prompt_token_ids=prompt,
             max_tokens=max_tokens,
-            natural_length=None if ignore_eos else natural_stop_length(digest),
-            digest=digest,
+            ignore_eos=ignore_eos,
+            context=Context(self.seed, prompt, self._vocab_set),
             kv_hold=kv_hold,
             kv_import=kv_import,
         )
@@ -364,13 +432,14 @@ class Scheduler:
         for seq in scheduled:
             if seq.state != RUNNING:  # aborted or preempted while the step ran
                 continue
-            position = len(seq.output_token_ids)
-            token_id = output_token_id(seq.digest, position, self.output_vocab)
+            ctx = seq.context
+            token_id = next_token_id(ctx.digest, self.output_vocab)
             seq.output_token_ids.append(token_id)
+            ctx.append(token_id)
             self.stats.generation_tokens += 1
             n = len(seq.output_token_ids)
             # EOS is checked before length, as in vLLM's stop checker.
-            if seq.natural_length is not None and n >= seq.natural_length:
+            if not seq.ignore_eos and stops_after(ctx.digest, ctx.prose):
                 reason = FINISH_STOP
             elif n >= seq.max_tokens:
                 reason = FINISH_LENGTH
