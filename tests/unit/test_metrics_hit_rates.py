@@ -15,6 +15,7 @@ from infera.router.policy import RoutedRequest
 from infera.server import engine_scrape
 from infera.server.engine_scrape import EngineHitWindow, engine_hit_counters
 from infera.server.kv import KvEventsBridge
+from tests.conftest import wait_for
 
 BS = 16
 
@@ -248,14 +249,15 @@ async def test_the_background_task_scrapes_every_interval_and_stops():
     win = EngineHitWindow(fleet, fakes.totals, interval_s=0.05, window_s=1, fetch=fakes.fetch)
     assert win.window_s == 1
     await win.start()
-    deadline = asyncio.get_running_loop().time() + 5
-    while win.rounds < 3:
-        assert asyncio.get_running_loop().time() < deadline, "fewer than 3 rounds in 5 s"
-        await asyncio.sleep(0.02)
+    await wait_for(lambda: win.rounds >= 3, 5, interval=0.01, message="3 scrape rounds")
+    task = win._task
     await win.stop()
-    rounds = win.rounds
-    await asyncio.sleep(0.15)
-    assert win.rounds == rounds
+    # Stopped means the scraping task has ended (not just "no round in the next few intervals"):
+    # nothing is left that could scrape again.
+    assert task is not None and task.done() and win._task is None
+    rounds, fetched = win.rounds, len(fakes.fetched)
+    await win.scrape_once()  # the sentinel: a round still works by hand, and is the only one
+    assert (win.rounds, len(fakes.fetched)) == (rounds + 1, fetched + 1)
 
 
 def test_window_is_at_least_two_intervals():
