@@ -153,3 +153,75 @@ def test_streams_that_cannot_move(route, request_, sse, reason):
 
 def test_assert_poison_reason_of_plain_requests_is_none():
     assert poison_reason(CHAT, CHAT_REQ) is None and poison_reason(COMPLETIONS, {**CMPL_REQ, "prompt": [1, 2]}) is None
+
+
+# -- by content, on the simulator: the client's stream across a move is the unbroken stream -------------------
+
+SIM_REQ = {"model": "sim", "messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 40,
+           "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+
+
+@pytest.fixture
+async def sim():
+    import aiohttp
+
+    from infera.engine.sim.server import SimServer, parse_args
+
+    async with SimServer(parse_args(["--model", "sim", "--host", "127.0.0.1", "--port", "0", "--speedup", "1000"])) as s:
+        async with aiohttp.ClientSession(s.url) as http:
+            yield http
+
+
+async def post_sse(http, route: str, body: dict | bytes) -> bytes:
+    kw = {"data": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    async with http.post(route, **kw) as r:
+        assert r.status == 200, await r.text()
+        return await r.read()
+
+
+def client_view(out: bytes) -> tuple[str, list[int], int]:
+    """What the client read: the text, the token ids (when it asked for them), completion tokens."""
+    chunks = payloads(out)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    ids = [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids") or []]
+    return text, ids, chunks[-1]["usage"]["completion_tokens"]
+
+
+@pytest.mark.parametrize("client_ids", [False, True])
+@pytest.mark.parametrize("torn", [False, True])
+async def test_after_an_exact_move_at_any_token_the_client_reads_the_unbroken_stream(sim, client_ids, torn):
+    request = {**SIM_REQ, "return_token_ids": True} if client_ids else SIM_REQ
+    whole = StreamTracker(CHAT, request, strip_ids=False)
+    ref_text, ref_ids, _ = client_view(feed_all(whole, [await post_sse(sim, CHAT, {**SIM_REQ, "return_token_ids": True})]))
+    assert len(whole.output_ids) == len(ref_ids) == 40 and ref_text
+    for cut in (1, 2, 13, 39):
+        body, strip = request_for_migration(CHAT, request, "sim")
+        t = StreamTracker(CHAT, request, strip_ids=strip)
+        evs = events(await post_sse(sim, CHAT, body))
+        first = feed_all(t, evs[:1 + cut] + ([evs[1 + cut][:25]] if torn else []))  # role chunk + cut tokens
+        assert t.produced == cut and t.can_migrate() is None
+        route, cont = t.continuation("sim")
+        t.commit()
+        out = first + feed_all(t, [await post_sse(sim, route, cont)])
+        text, ids, completion = client_view(out)
+        assert (text, completion) == (ref_text, 40), cut
+        assert ids == (ref_ids if client_ids else []), cut
+        assert t.done and t.output_ids == whole.output_ids
+
+
+async def test_a_seam_that_repeats_or_drops_a_token_is_caught_by_content_not_by_count(sim):
+    """The check above has teeth: a continuation sent from a context with a token repeated or
+    dropped gives the client as many tokens as the unbroken stream, but other text."""
+    whole = StreamTracker(CHAT, SIM_REQ, strip_ids=True)
+    ref_text, _, _ = client_view(feed_all(whole, [await post_sse(sim, CHAT, {**SIM_REQ, "return_token_ids": True})]))
+    for mangle in (lambda ids: ids + ids[-1:], lambda ids: ids[:-1]):
+        body, strip = request_for_migration(CHAT, SIM_REQ, "sim")
+        t = StreamTracker(CHAT, SIM_REQ, strip_ids=strip)
+        first = feed_all(t, events(await post_sse(sim, CHAT, body))[:11])
+        route, cont = t.continuation("sim")
+        t.commit()
+        req = msgspec.json.decode(cont)
+        req["prompt"] = t.prompt_ids + mangle(t.output_ids)
+        text, _, completion = client_view(first + feed_all(t, [await post_sse(sim, route, req)]))
+        assert completion == 40 and text.count(" ") == ref_text.count(" ")  # the count is right...
+        assert text != ref_text  # ...the content is not
