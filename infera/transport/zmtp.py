@@ -12,8 +12,10 @@ What it speaks, as a SUB peer announcing ZMTP 3.0 with the NULL mechanism (what 
 PUB uses): the greeting, the READY command with ``Socket-Type: SUB``, the subscription as a message
 (``0x01`` + topic, the 3.0 form libzmq's PUB accepts from 3.0 and 3.1 peers alike), then messages of
 one or more frames (short or long), delivered whole. A PING command is answered with PONG. A peer
-that is not a ZMTP 3.x PUB/XPUB, wants another security mechanism, sends an ERROR or breaks the
-framing is dropped and logged. Like a libzmq SUB it reconnects by itself, forever, after
+that is not a ZMTP 3.x PUB/XPUB, wants another security mechanism, sends an ERROR, breaks the
+framing or sends a frame or a message over its cap (``DEFAULT_MAX_*``, checked at the frame's
+header) is dropped, with one log line. A message arriving in many reads is scanned once: each read
+resumes where the last one stopped. Like a libzmq SUB it reconnects by itself, forever, after
 ``reconnect_s`` doubling up to ``reconnect_max_s``; what was published meanwhile is lost, which the
 caller's sequence tracking sees as a gap (``infera.transport.kv_events_zmq``).
 
