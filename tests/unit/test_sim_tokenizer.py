@@ -187,12 +187,15 @@ def test_ascii_fast_path_matches_the_str_pattern_on_any_ascii_text(text):
     assert BuiltinTokenizer().encode(text) == _str_path_ids(text)
 
 
+# Any text, with literal special tokens (and pieces of them) mixed in: the reference splits at them
+# as encode() does, so no drawn text needs skipping.
+_SPECIAL_BITS = [*BUILTIN_SPECIAL_TOKENS, "<|", "|>", "<|im_start", "im_end|>"]
+mixed_text = st.lists(st.one_of(st.text(max_size=30), st.sampled_from(_SPECIAL_BITS)), max_size=8).map("".join)
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.text(max_size=120))
+@given(mixed_text)
 def test_mixed_text_matches_the_str_pattern(text):
-    for special in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"):
-        if special in text:
-            return
     assert BuiltinTokenizer().encode(text) == _str_path_ids(text)
 
 
