@@ -168,24 +168,29 @@ STALL_TOKENS = 1800
 
 
 def test_a_stream_whose_engine_stalls_moves_to_the_other_worker_and_gets_every_token(vllm_fleet):
-    """Real vLLM, the exact path: the router asked for return_token_ids, so when the serving engine
-    freezes (SIGSTOP) the continuation is a /v1/completions request from the prompt's and the
-    produced tokens' ids on the other worker (other plane, too), reshaped into chat chunks."""
+    """Real vLLM, the exact path: the tracker has the prompt's and every output token's ids, so when
+    the serving engine freezes (SIGSTOP) the continuation is a /v1/completions request from those ids
+    on the other worker (other plane, too), reshaped into chat chunks. Checked by content: the
+    client's text and token ids equal an unbroken greedy run of the same request on the engine that
+    continued it, so a seam that repeated or dropped a token fails even with the right count.
+    (The client asks for the ids itself here, which the router passes on verbatim; that the ids the
+    router asks for itself stay with it is checked on the sims, test_migration.py.)"""
     client = openai.OpenAI(base_url=f"{vllm_fleet.base}/v1", api_key="none", max_retries=0, timeout=180)
-    got: dict = {"content": [], "ids": set(), "usage": None, "error": None, "finish": None}
+    request = dict(model="tiny", messages=[{"role": "user", "content": "Tell me a long story."}],
+                   max_tokens=STALL_TOKENS, temperature=0)
+    got: dict = {"content": [], "token_ids": [], "ids": set(), "usage": None, "error": None, "finish": None}
     started = threading.Event()
 
     def stream() -> None:
         try:
             for chunk in client.chat.completions.create(
-                    model="tiny", messages=[{"role": "user", "content": "Tell me a long story."}], max_tokens=STALL_TOKENS,
-                    temperature=0, stream=True, stream_options={"include_usage": True},
-                    extra_body={"ignore_eos": True}):
+                    **request, stream=True, stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True, "return_token_ids": True}):
                 got["ids"].add(chunk.id)
-                assert "token_ids" not in chunk.model_dump_json()  # the router's ids stay with the router
                 if chunk.usage is not None:
                     got["usage"] = chunk.usage
                 for c in chunk.choices:
+                    got["token_ids"].extend((c.model_extra or {}).get("token_ids") or [])
                     if c.delta.content:
                         got["content"].append(c.delta.content)
                         if len(got["content"]) >= 5:
@@ -220,6 +225,19 @@ def test_a_stream_whose_engine_stalls_moves_to_the_other_worker_and_gets_every_t
     assert got["usage"] is not None and got["usage"].completion_tokens == STALL_TOKENS
     moved = sample_sum(urlopen_text(vllm_fleet.base + "/metrics"), "infera_migrations_total")
     assert moved >= 1
+
+    # The reference: the same request, greedy and unbroken, on the engine that continued the stream.
+    (other,) = [w for w in vllm_fleet.workers if w is not serving[0]]
+    ref = http_json(f"http://127.0.0.1:{other.port}/v1/chat/completions",
+                    {**request, "ignore_eos": True, "return_token_ids": True}, timeout=180)["choices"][0]
+    assert len(ref["token_ids"]) == STALL_TOKENS
+    assert got["token_ids"] == ref["token_ids"], first_difference(got["token_ids"], ref["token_ids"])
+    assert "".join(got["content"]) == ref["message"]["content"]
+
+
+def first_difference(a: list, b: list) -> str:
+    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"lengths {len(a)} and {len(b)}, first difference at {i}: {a[max(i - 2, 0):i + 3]} != {b[max(i - 2, 0):i + 3]}"
 
 
 def test_sigterm_with_a_stream_in_flight_drains_after_deregistering(vllm_fleet):
