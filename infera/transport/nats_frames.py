@@ -36,6 +36,7 @@ missed heartbeats instead (then they fail over, migrate, or end with an error ev
 """
 from __future__ import annotations
 
+import re
 import struct
 
 import msgspec
@@ -59,6 +60,12 @@ PREFIX_ROOM = 512
 
 _meta_encoder = msgspec.msgpack.Encoder()
 _meta_decoder = msgspec.msgpack.Decoder(tuple[str, bool, float, list[tuple[str, str]]])
+# What an engine-bound header pair may hold: the worker writes it into the engine's HTTP request as
+# ``name: value\r\n`` in latin-1. A name that is no HTTP token, or a CR, LF or other control character
+# or a non-latin-1 character in either, would split the request (header injection) or fail its
+# encoding after the request was accepted (no reply until the router's idle timeout).
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_HEADER_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*")
 
 
 class FrameError(ValueError):
@@ -91,6 +98,10 @@ def decode_request(payload: bytes) -> tuple[str, bool, float, list[tuple[str, st
         path, stream, max_duration, headers = _meta_decoder.decode(payload[4:4 + n])
     except (struct.error, msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise FrameError(f"malformed request message: {exc}") from None
+    for name, value in headers:
+        if not _HEADER_NAME.fullmatch(name) or not _HEADER_VALUE.fullmatch(value):
+            raise FrameError(f"malformed request message: header {name[:64]!r}: {value[:64]!r} is not a valid "
+                             "HTTP header")
     return path, stream, max_duration, headers, payload[4 + n:]
 
 
@@ -126,6 +137,8 @@ def decode_frame(payload: bytes) -> tuple[int, bool, int, int | None, str | None
         (status,) = _STATUS.unpack_from(payload, FRAME_PREFIX)
         n = payload[FRAME_PREFIX + 2]
         start = FRAME_PREFIX + 3
+        if len(payload) < start + n:  # else a cut frame would pass as a shorter content type
+            raise FrameError(f"head frame's content type ({n} bytes) is cut short")
         return kind, end, seq, status, payload[start:start + n].decode("latin-1"), payload[start + n:]
     if kind == ERROR:
         if len(payload) < FRAME_PREFIX + 2:
