@@ -386,13 +386,19 @@ class ReplicaSync(abc.ABC):
             return
         try:
             m = _decode(data)
+            # A NaN charge would poison the policy's recent-charge sums for good (no comparison
+            # drops it), a NaN time claim nothing sensible: no sender writes one, the message is bad.
+            if any(s.charge != s.charge for s in m.started) or any(f.finished_at != f.finished_at for f in m.finished):
+                raise ValueError("NaN in a replica sync message")
             model = self._models_by_subject.get(subject)
             if model is None:  # a base64 decode per message is a quarter of applying one: cached
                 model = model_of(subject)
                 if len(self._models_by_subject) >= MODELS_CAP:
                     self._models_by_subject.clear()
                 self._models_by_subject[subject] = model
-        except (msgspec.DecodeError, ValueError, UnicodeDecodeError):
+        # RecursionError: msgspec's for a value nested past the recursion limit (in an extra
+        # trailing item, which it skips), a malformed message like the others
+        except (msgspec.DecodeError, ValueError, UnicodeDecodeError, RecursionError):
             self.decode_errors += 1
             return
         if m.replica == self.replica_id or m.v != VERSION:
