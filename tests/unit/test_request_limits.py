@@ -5,7 +5,6 @@ from __future__ import annotations
 import ast
 import json
 import pathlib
-import time
 from typing import Union
 
 import msgspec
@@ -97,33 +96,29 @@ def test_structure_table(body, problem):
     assert (got is None) if problem is None else (problem in got)
 
 
-def _mean_seconds(fn, n: int = 2000) -> float:
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - start) / n
-
-
-def test_the_check_costs_microseconds_on_a_normal_request():
-    # measured here: ~1 µs for this body, 80-120 µs for the 45 KB 100-message conversation
+def test_normal_and_long_requests_pass_the_check():
+    # What it costs is measured by bench/request_limits.py (~1 µs for this body, ~120 µs for the
+    # 45 KB 100-message conversation): timing bounds do not belong in a unit test on a shared box.
     normal = json.dumps({"model": "m", "stream": True, "max_tokens": 64,
                          "messages": [{"role": "system", "content": "You are helpful. " * 20},
                                       {"role": "user", "content": "Hello there, how are you? " * 10}]}).encode()
     long_chat = json.dumps({"model": "m", "messages": [
         {"role": "user", "content": "def f(x):\n    return {'a': [x]}  # \"q\" " * 10} for _ in range(100)]}).encode()
-    assert _mean_seconds(lambda: json_structure_problem(normal)) < 20e-6
-    assert _mean_seconds(lambda: json_structure_problem(long_chat), 200) < 2e-3
+    assert json_structure_problem(normal) is None
+    assert json_structure_problem(long_chat) is None
     assert parse_request("/v1/chat/completions", long_chat).model == "m"
 
 
-def test_worst_case_bodies_stay_linear():
-    """32 MiB of brackets (the default body cap) costs about what decoding it costs, never seconds per level."""
-    for body in (b"[" * (8 << 20) + b"]" * (8 << 20),
-                 b"[" + b",".join([b"[" * 60 + b"]" * 60] * 60000) + b"]",
-                 b"[" + b'"[",' * (2 << 20) + b'""]'):
-        start = time.perf_counter()
-        json_structure_problem(body)
-        assert time.perf_counter() - start < 2.0
+@pytest.mark.parametrize("make_body, problem", [  # built in the test: not held for the whole session
+    (lambda: b"[" * (8 << 20) + b"]" * (8 << 20), "more than 100000"),  # 8 Mi levels: counted, never recursed
+    (lambda: b"[" + b",".join([b"[" * 60 + b"]" * 60] * 60000) + b"]", "more than 100000"),
+    (lambda: b"[" + b'"[",' * (2 << 20) + b'""]', None),  # 2 Mi strings holding a bracket: text, one array
+], ids=["deep", "many-nested", "strings"])
+def test_worst_case_bodies_get_an_answer(make_body, problem):
+    """The worst bodies within the 32 MiB cap get the right answer without recursion (their cost, a
+    few linear passes, is measured by bench/request_limits.py)."""
+    got = json_structure_problem(make_body())
+    assert (got is None) if problem is None else (problem in got)
 
 
 # -- direct mode checks roles (item 3) ---------------------------------------------------------------
