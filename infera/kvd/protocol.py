@@ -258,19 +258,35 @@ def decode_request(body: bytes | bytearray | memoryview) -> Request:
     try:
         req = _request_decoder.decode(body)
     except msgspec.ValidationError as e:  # a subclass of DecodeError: test it first
-        raw = _any_decoder.decode(body)
+        try:
+            raw = _any_decoder.decode(body)
+        except (msgspec.DecodeError, RecursionError) as exc:  # the typed decoder stopped before the flaw
+            raise ProtocolError(BAD_FRAME, f"not msgpack: {exc}") from None
         if not isinstance(raw, dict):
             raise ProtocolError(BAD_FRAME, "frame is not a msgpack map") from None
         op = raw.get("op")
         if not isinstance(op, str) or op not in REQUEST_OPS:
             raise ProtocolError(BAD_OP, f"unknown op {op!r}") from None
         raise ProtocolError(BAD_REQUEST, f"{op}: {e}") from None
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, RecursionError) as e:  # RecursionError: msgspec's, for nesting past the limit
         raise ProtocolError(BAD_FRAME, f"not msgpack: {e}") from None
     for key in _keys_of(req):
         if not key or len(key) > MAX_KEY_BYTES:
             raise ProtocolError(BAD_REQUEST, f"keys must be 1..{MAX_KEY_BYTES} bytes")
+    # A NaN TTL is no duration (the store took it as "never expires": no comparison with it is
+    # true); infinities stay (``inf``: never expires, ``-inf``: expired on arrival, as said).
+    for ttl in _ttls_of(req):
+        if ttl is not None and ttl != ttl:
+            raise ProtocolError(BAD_REQUEST, f"{req.__struct_config__.tag}: a TTL must be a number, not NaN")
     return req
+
+
+def _ttls_of(req: Request) -> list[float | None]:
+    if isinstance(req, (Set, SetCommit)):
+        return [req.ttl_seconds]
+    if isinstance(req, BatchSet):
+        return req.ttls_seconds or []
+    return []
 
 
 def _keys_of(req: Request) -> list[bytes]:
@@ -284,7 +300,7 @@ def _keys_of(req: Request) -> list[bytes]:
 def decode_response(body: bytes | bytearray | memoryview) -> Response:
     try:
         return _response_decoder.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
         raise ProtocolError(BAD_FRAME, f"undecodable response: {e}") from None
 
 
