@@ -36,6 +36,9 @@ ANTHROPIC_VERSION = "2023-06-01"
 
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.decode
+# A worker's reply is read with these: msgspec refuses JSON nested past the recursion limit with
+# RecursionError, not DecodeError, and a worker's odd reply must not fail ours with an exception.
+_DecodeErrors = (msgspec.DecodeError, RecursionError)
 
 # -- errors ---------------------------------------------------------------------------------------------
 _ERROR_TYPES = {
@@ -66,7 +69,7 @@ def error_message_of(body: bytes | None, status: int) -> str:
     ``{"error":{"message"}}``, ``{"error":"..."}``, FastAPI's ``{"detail"}``), else its text."""
     try:
         payload = _decode(body or b"")
-    except msgspec.DecodeError:
+    except _DecodeErrors:
         text = (body or b"").decode("utf-8", "replace").strip()
         return text[:500] or f"worker answered HTTP {status}"
     if isinstance(payload, dict):
@@ -415,6 +418,8 @@ def stop_reason_of(finish_reason: Any, matched: Any, stop_sequences: tuple[str, 
     the engine reports (vLLM's ``stop_reason``, SGLang's ``matched_stop``)."""
     if finish_reason is None:
         return None, None
+    if not isinstance(finish_reason, str):  # a worker's odd value (a list is no dict key)
+        finish_reason = "stop"
     if isinstance(matched, str) and matched in stop_sequences:
         return "stop_sequence", matched
     if has_tool_calls and finish_reason in ("stop", "tool_calls", "function_call"):
@@ -427,14 +432,20 @@ def _matched_stop(choice: dict[str, Any]) -> Any:
     return matched if matched is not None else choice.get("matched_stop")
 
 
+def _tokens(value: Any) -> int:
+    """A token count of a worker's usage: a non-negative int, else 0 (a string or a list there
+    made the arithmetic below raise TypeError, a 500 for a reply the worker had served)."""
+    return value if type(value) is int and value > 0 else 0
+
+
 def usage_of(usage: Any) -> dict[str, int]:
     """OpenAI usage → Anthropic's (input_tokens excludes the tokens read from the cache)."""
     usage = usage if isinstance(usage, dict) else {}
-    prompt = usage.get("prompt_tokens") or 0
+    prompt = _tokens(usage.get("prompt_tokens"))
     details = usage.get("prompt_tokens_details")
-    cached = (details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+    cached = _tokens(details.get("cached_tokens")) if isinstance(details, dict) else 0
     cached = min(cached, prompt)
-    return {"input_tokens": prompt - cached, "output_tokens": usage.get("completion_tokens") or 0,
+    return {"input_tokens": prompt - cached, "output_tokens": _tokens(usage.get("completion_tokens")),
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
@@ -445,7 +456,7 @@ def tool_input(arguments: Any) -> dict[str, Any]:
     if isinstance(arguments, str) and arguments:
         try:
             value = _decode(arguments)
-        except msgspec.DecodeError:
+        except _DecodeErrors:
             return {}
         return value if isinstance(value, dict) else {}
     return {}
@@ -548,7 +559,7 @@ class StreamTranslator:
             return
         try:
             chunk = _decode(data)
-        except msgspec.DecodeError:
+        except _DecodeErrors:
             return  # not a frame of ours: ignored, as SSE clients do
         if not isinstance(chunk, dict):
             return
@@ -586,6 +597,8 @@ class StreamTranslator:
 
     def _on_tool_delta(self, call: dict[str, Any], out: list[bytes]) -> None:
         index = call.get("index", 0)
+        if type(index) is not int:
+            return  # not a tool call delta of OpenAI's shape (a list index is no dict key): ignored
         tool = self._tools.get(index)
         if tool is None:
             tool = self._tools[index] = {"id": None, "name": None, "pending": "", "block": None, "closed": False}
@@ -664,7 +677,9 @@ class StreamTranslator:
         if isinstance(err, dict):
             message = err.get("message") if isinstance(err.get("message"), str) else message
             code = err.get("code")
-            if isinstance(code, int) or (isinstance(code, str) and code.isdigit()):
+            # isascii: str.isdigit() is true of "²", which int() refuses; 3 digits: an HTTP status
+            if isinstance(code, int) or (isinstance(code, str) and code.isascii() and code.isdigit()
+                                         and len(code) <= 3):
                 status = int(code)
         elif isinstance(err, str):
             message = err
