@@ -105,7 +105,7 @@ def _api_status(exc: BaseException) -> Status | None:
     if isinstance(exc, _httpx.HTTPStatusError):
         try:
             body = exc.response.json()
-        except Exception:  # not read (a stream), not JSON: no Status to go by
+        except Exception:  # not read (a stream, a body past the bound), not JSON: no Status to go by
             return None
         if isinstance(body, dict) and body.get("kind") == "Status":
             try:
@@ -161,12 +161,27 @@ def _stale_resource_version(exc: BaseException) -> str | None:
     return None
 
 
+MAX_ERROR_BODY_BYTES = 64 * 1024  # a Status is a few hundred bytes; a longer error body is not one
+
+
 async def _read_error_body(response: Any) -> None:
-    """An httpx response hook: read the (small) body of an error answer before lightkube sees it.
+    """An httpx response hook: read the body of an error answer before lightkube sees it, up to
+    ``MAX_ERROR_BODY_BYTES`` (a hostile or broken server's endless error body is closed, not read on).
     lightkube streams a watch and raises on its status without reading the body, which holds the
     ``Status`` (why: 410 Expired, 504 Too large resource version, 403 Forbidden...)."""
-    if response.status_code >= 400:
-        await response.aread()
+    if response.status_code < 400:
+        return
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_bytes():
+        size += len(chunk)
+        if size > MAX_ERROR_BODY_BYTES:
+            await response.aclose()
+            return
+        chunks.append(chunk)
+    # what httpx's own aread() leaves behind (a bounded aread): .content and .json() read it, and a
+    # later aread() by lightkube (a non-streamed request) returns it instead of re-reading the stream
+    response._content = b"".join(chunks)
 
 
 def _retryable(exc: BaseException) -> bool:

@@ -15,8 +15,10 @@ from infera.discovery.fleet import Fleet
 from infera.discovery.kubernetes import (
     ANNOTATION,
     KubeConfigError,
+    MAX_ERROR_BODY_BYTES,
     KubernetesDiscovery,
     _describe,
+    _read_error_body,
     _httpx,
     _retryable,
     _stale_resource_version,
@@ -341,3 +343,43 @@ def test_backend_factories_build_kubernetes_classes() -> None:
     assert isinstance(d, KubernetesDiscovery) and (d.label_selector, d.namespace) == ("app=w", "ns")
     r = make_registration("kubernetes", k8s_namespace="ns", k8s_pod_name="p-0", config=config, refresh_s=5)
     assert isinstance(r, KubernetesRegistration) and (r.namespace, r.pod_name, r.refresh_s) == ("ns", "p-0", 5)
+
+
+# -- the error-body hook: bounded -------------------------------------------------------------------
+
+class _Chunks(_httpx.AsyncByteStream):
+    """A streamed body of ``count`` chunks (an error answer that may never end)."""
+
+    def __init__(self, chunk: bytes, count: int) -> None:
+        self.chunk, self.count, self.sent, self.closed = chunk, count, 0, False
+
+    async def __aiter__(self):
+        while self.sent < self.count:
+            self.sent += 1
+            yield self.chunk
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def _streamed(code: int, stream: _Chunks) -> Any:
+    return _httpx.Response(code, stream=stream, request=_httpx.Request("GET", "http://k8s/api/v1/pods?watch=true"))
+
+
+async def test_the_error_body_hook_reads_a_status_and_stops_at_its_bound() -> None:
+    body = msgspec.json.encode(too_large_status(9, 5))
+    small = _streamed(504, _Chunks(body, 1))
+    await _read_error_body(small)
+    assert _stale_resource_version(_httpx.HTTPStatusError("504", request=small.request, response=small)) == "too-large"
+    assert small.json()["code"] == 504  # what lightkube reads afterwards is the same body
+
+    endless = _Chunks(b"x" * 4096, 10**9)
+    huge = _streamed(504, endless)
+    await _read_error_body(huge)  # returns: it stops reading just past the bound
+    assert endless.sent * 4096 <= MAX_ERROR_BODY_BYTES + 4096 and endless.closed
+    error = _httpx.HTTPStatusError("504", request=huge.request, response=huge)
+    assert _stale_resource_version(error) is None and _describe(error) == "HTTPStatusError: 504"
+
+    ok = _streamed(200, _Chunks(b"{}", 1))
+    await _read_error_body(ok)  # a success is never read here: a watch's stream stays lightkube's
+    assert ok.stream.sent == 0
