@@ -2232,6 +2232,9 @@ parse_event(GpuView *v, Cur *c, RawEvent *ev)
                 return -1;
         }
         else if (key_is(key, klen, "kv_cache_spec_kind")) {
+            /* each value decides, so a repeated key's last one does, as msgspec's decoders keep the
+             * last (a nil after "sliding_window" once left the event skipped here, stored there) */
+            ev->skipped = 0;
             if (!mp_nil(c)) {
                 const char *kind;
                 uint32_t kn;
