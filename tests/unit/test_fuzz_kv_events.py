@@ -45,6 +45,11 @@ BS = 4
 DEEP_EVENT = b"\x92\xcb" + bytes(8) + b"\x91" + b"\x91" * 20_000 + b"\xc0"
 DEEP_FIELD = (b"\x92\xcb" + bytes(8) + b"\x91\x82\xa4type\xabBlockStored\xa1x" + b"\x91" * 20_000 + b"\xc0")
 DEEP_BATCH = b"\x91" * 20_000 + b"\xc0"
+# A key given twice: msgspec keeps the last value, and the fast path once kept a skipping kind
+# ("sliding_window") through a later nil, skipping a store the decoders take.
+KIND_TWICE = (b"\x92\xcb" + bytes(8) + b"\x91\x87\xa4type\xabBlockStored\xacblock_hashes\x91\x07"
+              b"\xb1parent_block_hash\xc0\xa9token_ids\x94\x00\x01\x02\x03\xaablock_size\x04"
+              b"\xb2kv_cache_spec_kind\xaesliding_window\xb2kv_cache_spec_kind\xc0")
 
 
 # -- checks ----------------------------------------------------------------------------------------------
@@ -454,8 +459,21 @@ def test_fast_path_agrees_on_arbitrary_bytes(payload, engine):
 @needs_native
 @settings(max_examples=300)
 @given(payloads=st.lists(structured_payloads(), min_size=1, max_size=4), engine=st.sampled_from(sorted(DECODERS)))
+@example(payloads=[KIND_TWICE], engine="vllm")
 def test_fast_path_agrees_on_structured_payloads(payloads, engine):
     _differential(payloads, engine)
+
+
+@needs_native
+@pytest.mark.parametrize("first, last, stored", [(b"\xaesliding_window", b"\xc0", True),
+                                                 (b"\xc0", b"\xaesliding_window", False),
+                                                 (b"\xaesliding_window", b"\xaefull_attention", True),
+                                                 (b"\xaefull_attention", b"\xa5mamba", False)])
+def test_a_repeated_kind_is_its_last_value(first, last, stored):
+    payload = KIND_TWICE.replace(b"\xaesliding_window\xb2kv_cache_spec_kind\xc0",
+                                 first + b"\xb2kv_cache_spec_kind" + last)
+    assert (DECODERS["vllm"](payload).events[0].spec_kind in (None, "full_attention")) == stored
+    assert _differential([payload]) == 1  # taken by the fast path, with the decoders' result
 
 
 @needs_native
