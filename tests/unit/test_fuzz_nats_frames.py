@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import socket
 import struct
 
 import msgspec
@@ -28,7 +29,6 @@ from infera.transport.nats_request_server import NatsRequestServer, _Request
 from infera.transport.replica_sync import (SUBJECT_PREFIX, VERSION, Finished, ReplicaMsg, Started, _encode,
                                            pack_blocks, subject_for)
 from infera.transport.replica_sync_local import MAX_FRAME_BYTES, _Reader, frame
-from tests.conftest import free_port
 from tests.unit.test_kv_aware_policy import BS, PROMPT, FakeIndex, pick, request, worker
 from tests.unit.test_replica_sync import Bus, Clock, Replica
 
@@ -78,7 +78,7 @@ def request_messages(draw) -> bytes:
         data = encode_request(draw(paths), draw(st.booleans()), draw(headers_ok if r < 3 else headers_any), body,
                               draw(durations))
     else:
-        meta = msgspec.msgpack.encode(draw(st.lists(st.none() | st.booleans() | st.integers() | st.floats()
+        meta = msgspec.msgpack.encode(draw(st.lists(st.none() | st.booleans() | st.integers(-2**63, 2**63) | st.floats()
                                                     | st.text(max_size=8) | st.lists(st.tuples(any_text, any_text)),
                                                     max_size=5)))
         n = len(meta) if r < 8 else draw(st.integers(0, 2**32 - 1))
@@ -155,7 +155,11 @@ class _Nats:
         return self._core
 
 
-ENGINE_PORT = free_port()  # nothing listens: every request the server takes ends in a 502 at once
+# The engine's port: bound here and never listened on, so a connection is refused at once (every
+# request the server takes ends in a 502) and no other process can take the port meanwhile.
+_ENGINE = socket.socket()
+_ENGINE.bind(("127.0.0.1", 0))
+ENGINE_PORT = _ENGINE.getsockname()[1]
 
 
 @settings(max_examples=100)
