@@ -315,7 +315,7 @@ class DisaggRouter:
             reply = _decode_json(data)
             if not isinstance(reply, dict):
                 raise ValueError("not a JSON object")
-        except (msgspec.DecodeError, ValueError) as exc:
+        except (msgspec.DecodeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
             p_leg.score_failure()
             raise LegFailure(p_leg.worker.worker_id, 502,
                              f"prefill reply from {p_leg.worker.worker_id} is not a JSON object: {exc}",

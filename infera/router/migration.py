@@ -138,7 +138,7 @@ class StreamTracker:
             return raw
         try:
             obj = _decode(payload)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):  # RecursionError: msgspec's, for JSON nested too deep
             self.poisoned = self.poisoned or "malformed_event"
             return raw
         if not isinstance(obj, dict):

@@ -311,7 +311,7 @@ async def _anthropic_messages(request: web.Request) -> web.StreamResponse:
             return _anthropic_error(reply.status, _anthropic.error_message_of(reply.body, reply.status), request_id)
         try:
             answer = msgspec.json.decode(reply.body or b"")
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):  # RecursionError: msgspec's, for JSON nested too deep
             return _anthropic_error(502, f"worker {reply.worker_id} returned a body that is not JSON", request_id)
         message = _anthropic.translate_response(answer if isinstance(answer, dict) else {}, translated, msg_id)
         return web.Response(body=_json.encode(message), content_type="application/json", headers=headers)

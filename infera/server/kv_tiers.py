@@ -118,7 +118,7 @@ def parse_prewarm(raw: bytes) -> PrewarmRequest:
     """The prewarm body, checked as spec §2.2 has it; 400 (OpenAI shape) otherwise."""
     try:
         obj = _decode_json.decode(raw)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: msgspec's, for JSON nested too deep
         raise _bad(f"invalid JSON body: {exc}") from None
     if not isinstance(obj, dict):
         raise _bad("the body must be a JSON object")

@@ -506,6 +506,13 @@ def test_odd_engine_answers_that_were_500s(door, reply):
     assert status == 200
 
 
+def test_an_engine_answer_nested_past_the_recursion_limit_is_a_502(door):
+    """msgspec refuses JSON nested this deep with RecursionError, not DecodeError: it was a plain-text 500."""
+    status, data, _ = door.anthropic(door.auto_port, MESSAGES, json.dumps(ANTHROPIC_BASE).encode(),
+                                     script=(200, "application/json", [b"[" * 5000 + b"]" * 5000]))
+    assert status == 502 and json.loads(data)["type"] == "error", data[:200]
+
+
 @pytest.mark.parametrize("frame", [
     b'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":[1],"function":{"name":"f"}}]}}]}\n\n',
     b'data: {"error":{"message":"m","code":"\xc2\xb2"}}\n\n',  # "\u00b2".isdigit(), but no int

@@ -144,6 +144,7 @@ def test_text_continuation_of_completions():
     (CHAT, CHAT_REQ, b'data: {"choices":[{"index":0,"delta":{}},{"index":1,"delta":{}}]}\n\n', "several_choices"),
     (CHAT, CHAT_REQ, b'data: {"error":{"message":"boom"}}\n\n', "engine_error"),
     (CHAT, CHAT_REQ, b"data: {not json\n\n", "malformed_event"),
+    (CHAT, CHAT_REQ, b"data: " + b"[" * 5000 + b"\n\n", "malformed_event"),  # msgspec: RecursionError
 ])
 def test_streams_that_cannot_move(route, request_, sse, reason):
     t = StreamTracker(route, request_, strip_ids=False)
