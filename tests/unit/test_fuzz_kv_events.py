@@ -29,6 +29,7 @@ from infera.kv.events import (Cleared, EventBatch, KvEventDecodeError, Removed, 
                               decode_map_form, decoder_for)
 from infera.kv.index import NativeKvIndex, PyKvIndex
 from infera.kv.native import native, why_not
+from tests.fuzzing import mutated
 
 needs_native = pytest.mark.skipif(native is None, reason=f"C accelerator: {why_not}")
 
@@ -355,31 +356,6 @@ def payload_objects(draw):
     if r < 0.9:
         return [ts, evs, *tail]
     return draw(st.sampled_from([evs, {"ts": ts, "events": evs}, [ts]]) | odd)
-
-
-@st.composite
-def mutated(draw, payload: bytes) -> bytes:
-    """A payload as a flaky wire or a buggy publisher might deliver it: a byte flipped, cut short,
-    a byte inserted or dropped, a span repeated, or unchanged."""
-    b = bytearray(payload)
-    for _ in range(draw(st.integers(0, 2))):
-        how = draw(st.sampled_from(["flip", "cut", "insert", "drop", "dup"]))
-        if not b:
-            b += draw(st.binary(min_size=1, max_size=4))
-            continue
-        i = draw(st.integers(0, len(b) - 1))
-        if how == "flip":
-            b[i] = draw(st.integers(0, 255))
-        elif how == "cut":
-            del b[i:]
-        elif how == "insert":
-            b[i:i] = draw(st.binary(min_size=1, max_size=3))
-        elif how == "drop":
-            del b[i]
-        else:
-            j = draw(st.integers(i, min(len(b), i + 16)))
-            b[j:j] = b[i:j]
-    return bytes(b)
 
 
 @st.composite

@@ -29,33 +29,13 @@ from infera.transport.nats_request_server import NatsRequestServer, _Request
 from infera.transport.replica_sync import (SUBJECT_PREFIX, VERSION, Finished, ReplicaMsg, Started, _encode,
                                            pack_blocks, subject_for)
 from infera.transport.replica_sync_local import MAX_FRAME_BYTES, _Reader, frame
+from tests.fuzzing import mutated
 from tests.unit.test_kv_aware_policy import BS, PROMPT, FakeIndex, pick, request, worker
 from tests.unit.test_replica_sync import Bus, Clock, Replica
 
 CHAT = "/v1/chat/completions"
 # What the worker writes into the engine's HTTP request for each header pair (HttpTransport.post).
 HEADER_LINE = "{}: {}\r\n"
-
-
-@st.composite
-def mutated(draw, data: bytes) -> bytes:
-    """``data`` as a flaky or hostile sender might deliver it: bytes flipped, cut, inserted, dropped."""
-    b = bytearray(data)
-    for _ in range(draw(st.integers(0, 3))):
-        how = draw(st.sampled_from(["flip", "cut", "insert", "drop"]))
-        if not b:
-            b += draw(st.binary(min_size=1, max_size=4))
-            continue
-        i = draw(st.integers(0, len(b) - 1))
-        if how == "flip":
-            b[i] = draw(st.integers(0, 255))
-        elif how == "cut":
-            del b[i:]
-        elif how == "insert":
-            b[i:i] = draw(st.binary(min_size=1, max_size=4))
-        else:
-            del b[i]
-    return bytes(b)
 
 
 # -- request messages ------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from hypothesis import example, given, settings, strategies as st
 from infera.kv.native import native
 from infera.transport import zmtp
 from infera.transport.zmtp import GREETING, ZmtpError, ZmtpSubProtocol, command, message_frame, split
+from tests.fuzzing import mutated
 
 SPLITS = {"python": split, **({"native": native.zmtp_split} if native is not None else {})}
 # a libzmq PUB's greeting (tests/fixtures/zmtp/pub_session.bin): version 3.1, NULL, as-server 0
@@ -54,30 +55,6 @@ def frames(draw) -> bytes:
     if len(body) > 255 or draw(st.booleans()):
         return bytes([flags | 0x02]) + len(body).to_bytes(8, "big") + body
     return bytes([flags & ~0x02]) + bytes([len(body)]) + body
-
-
-@st.composite
-def mutated(draw, base: bytes) -> bytes:
-    """``base`` with a few bits flipped, bytes overwritten (a size's bytes too), bytes inserted or
-    deleted, or cut short."""
-    data = bytearray(base)
-    for _ in range(draw(st.integers(0, 3))):
-        kind = draw(st.sampled_from(["flip", "byte", "insert", "delete", "truncate"]))
-        if not data:
-            data += draw(st.binary(min_size=1, max_size=4))
-            continue
-        i = draw(st.integers(0, len(data) - 1))
-        if kind == "flip":
-            data[i] ^= 1 << draw(st.integers(0, 7))
-        elif kind == "byte":
-            data[i] = draw(st.sampled_from([0x00, 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x7F, 0xFF]))
-        elif kind == "insert":
-            data[i:i] = draw(st.binary(min_size=1, max_size=9))
-        elif kind == "delete":
-            del data[i:i + draw(st.integers(1, 9))]
-        else:
-            del data[i:]
-    return bytes(data)
 
 
 @st.composite
