@@ -104,3 +104,30 @@ async def test_set_commit_without_lease_is_refused(service):
     r = await call(service, p.SetCommit(lease_token=5, key=K[0], length=1))
     assert r == p.SetCommitResponse(accepted=False, reason="unknown_lease")
     assert await call(service, p.SetCancel(lease_token=5)) == p.SetCancelResponse()
+
+
+async def test_a_big_prefetch_hint_yields_to_other_clients():
+    # no L3: every key is "absent" without an await; the loop must still let others run between keys
+    svc = KvdService(HostStore(64 * 1024))
+    svc.start()
+    try:
+        n = 50_000
+        keys = [i.to_bytes(8, "big") for i in range(n)]
+        assert await call(svc, p.PrefetchHint(keys=keys, deadline_ms=60_000)) is None
+        seen = []
+        while (done := sample(svc, "infera_kvd_prefetch_keys_total", outcome="absent")) < n:
+            seen.append(done)  # what another client sees between its own turns on the loop
+            assert (await call(svc, p.Get(key=K[0]))).value is None
+            await asyncio.sleep(0)
+            assert len(seen) < 10 * n  # (a deadline: never spins forever)
+        assert any(0 < x < n for x in seen), "the prefetch loop never yielded mid-hint"
+    finally:
+        await svc.close()
+
+
+async def test_an_expired_prefetch_hint_counts_its_rest_at_once(service):
+    await call(service, p.PrefetchHint(keys=K, deadline_ms=1))  # queued before the worker runs
+    await asyncio.sleep(0.01)
+    service.start()
+    await wait_for(lambda: sample(service, "infera_kvd_prefetch_keys_total", outcome="expired") == len(K), 10,
+                   message="expired")
