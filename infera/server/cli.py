@@ -10,6 +10,8 @@ from infera.config import (add_flag, add_plane_flags, choice_of, non_negative_fl
                            positive_float, positive_int)
 from infera.kv.prompt import DEFAULT_CACHE_BYTES, DEFAULT_PREFIX_CHARS
 from infera.router.kv_aware import DEFAULT_LOWER_TIER_WEIGHT
+from infera.server.limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEPALIVE_TIMEOUT,
+                                 DEFAULT_MAX_INFLIGHT_BYTES)
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 DEFAULT_KV_OVERLAP_WEIGHT = 16.0
@@ -168,6 +170,23 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
       help="cap of the cooldown, which doubles each time a probe fails")
     f("--max-request-bytes", env="INFERA_MAX_REQUEST_BYTES", default=DEFAULT_MAX_REQUEST_BYTES,
       type=positive_int, help="largest accepted request body (413 above)")
+    # -- the front door's own limits against slow or hostile clients (infera/server/limits.py) --
+    f("--header-timeout", env="INFERA_HEADER_TIMEOUT", default=DEFAULT_HEADER_TIMEOUT, type=non_negative_float,
+      help="seconds a client has to send a request's head (request line and headers) once its connection "
+           "opens or its next request begins; the connection is closed after (0: off)")
+    f("--body-timeout", env="INFERA_BODY_TIMEOUT", default=DEFAULT_BODY_TIMEOUT, type=non_negative_float,
+      help="seconds a client has to send a request's whole body after its head; the connection is closed "
+           "after (0: off)")
+    f("--keepalive-timeout", env="INFERA_KEEPALIVE_TIMEOUT", default=DEFAULT_KEEPALIVE_TIMEOUT, type=positive_float,
+      help="seconds an idle client connection is kept open between requests")
+    f("--max-connections", env="INFERA_MAX_CONNECTIONS", default=0, type=non_negative_int,
+      help="open client connections per server process; a new one past it closes the oldest idle one, or is "
+           "refused when every one has a request in progress (0: derived from the open-files limit, "
+           "(RLIMIT_NOFILE - 64) / 2, which keeps descriptors free for upstream connections and /health)")
+    f("--max-inflight-bytes", env="INFERA_MAX_INFLIGHT_BYTES", default=DEFAULT_MAX_INFLIGHT_BYTES,
+      type=positive_int,
+      help="request body bytes all requests in progress may hold together, per server process (a chunked body "
+           "counts as --max-request-bytes); past it a request gets 503 with Retry-After before its body is read")
     f("--admin-token", env="INFERA_ADMIN_TOKEN", default=None, type=optional_secret,
       help="enables the /v1/admin/ endpoints, which then need 'Authorization: Bearer <token>'; off (403) "
            "without it. Prefer the env variable: a flag shows in the process list")

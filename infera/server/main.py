@@ -29,6 +29,7 @@ from infera.server.cli import parse_args
 from infera.server.kv import KvEventsBridge
 from infera.server.engine_scrape import EngineHitWindow
 from infera.server.tokenizers import RouterTokenizers
+from infera.server.limits import LimitedAppRunner, ServerLimits, limits_middleware
 from infera.server.metrics import NatsMetrics, ProcessMetrics, ReplicaSyncMetrics, ServerMetrics, drop_worker_keys
 from infera.server.supervisor import ChildContext, Supervisor
 from infera.transport.http import HttpTransport
@@ -145,6 +146,7 @@ class InferaServer:
         self._workers: dict[str, WorkerRecord] = {}
         self.fleet.subscribe(self._on_fleet_change)
         self._runner: web.AppRunner | None = None
+        self.limits = ServerLimits.from_args(args)
         self.port: int | None = None
 
     def _on_fleet_change(self, worker_id: str, record) -> None:
@@ -188,10 +190,13 @@ class InferaServer:
                                     metrics_gather=self.process_metrics,
                                     enable_profiling=self.args.enable_profiling,
                                     kvd_socket_path=self.args.kvd_socket_path))
+        app.middlewares.append(limits_middleware(self.limits))  # body timeout, request bytes in flight
         # handler_cancellation: a client that disconnects cancels its handler, which closes the
         # upstream connection, which makes the engine abort the request and free its slot.
-        self._runner = web.AppRunner(app, handler_cancellation=True,
-                                     access_log=logging.getLogger("infera.access") if self.args.access_log else None)
+        # The front door's own limits (infera/server/limits.py): header, body and keep-alive
+        # timeouts, the connection cap, the request bytes in flight; in every --workers process.
+        self._runner = LimitedAppRunner(app, self.limits, handler_cancellation=True,
+                                        access_log=logging.getLogger("infera.access") if self.args.access_log else None)
         await self._runner.setup()
         # The children of a --workers N server share the port: the kernel spreads connections over them.
         site = web.TCPSite(self._runner, self.args.host, self.args.port, backlog=2048, reuse_address=True,
