@@ -95,6 +95,11 @@ def _has_port(hostport: str) -> bool:
     return hostport.count(":") == 1 and hostport.rsplit(":", 1)[1].isdigit()
 
 
+def optional_file(value: str) -> str | None:
+    """A file-path flag: surrounding blanks dropped, empty = unset (an empty env variable turns it off)."""
+    return value.strip() or None
+
+
 def etcd_prefix(value: str) -> str:
     v = value.strip()
     if not v:
@@ -193,6 +198,10 @@ def add_plane_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str] 
       help="host:port, host (→ :2379) or http(s)://host:port")
     f("--etcd-prefix", env="INFERA_ETCD_PREFIX", default="/infera/workers/", type=etcd_prefix,
       help="key prefix of worker records")
+    f("--fleet-key-file", env="INFERA_FLEET_KEY_FILE", default=None, type=optional_file,
+      help="file holding the fleet's shared secret (>= 16 bytes, e.g. `openssl rand -hex 32`): workers sign "
+           "their records with it (HMAC-SHA256), servers ignore records it did not sign, so writing to etcd or "
+           "to a Pod's annotations is not enough to receive traffic (default: off, records are trusted)")
     f("--k8s-namespace", env="INFERA_K8S_NAMESPACE", default=default_k8s_namespace(environ),
       help="namespace of the worker Pods (default: POD_NAMESPACE, the service account's, else default)")
     f("--request-transport", env="INFERA_REQUEST_TRANSPORT", default=request_transport,

@@ -58,4 +58,17 @@ def make_registration(backend: str, *, etcd_endpoint: str | None = None, etcd_pr
                                      "(host:port or http://host:port)"), etcd_prefix, lease_ttl, **kw)
 
 
-__all__ = ["DISCOVERY_BACKENDS", "make_discovery", "make_registration"]
+def discovery_options(args: Any) -> dict[str, Any]:
+    """The security keywords for make_discovery / make_registration from parsed plane flags
+    (``--fleet-key-file``): ``fleet_key`` read from its file now. ValueError with a readable message
+    when a file cannot be read or holds too short a key (entry points turn it into a usage error)."""
+    options: dict[str, Any] = {}
+    path = getattr(args, "fleet_key_file", None)
+    if path:
+        from infera.discovery.record import FleetKey
+
+        options["fleet_key"] = FleetKey.from_file(path)
+    return options
+
+
+__all__ = ["DISCOVERY_BACKENDS", "discovery_options", "make_discovery", "make_registration"]

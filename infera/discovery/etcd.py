@@ -26,7 +26,7 @@ import msgspec
 
 from infera.config import etcd_url
 from infera.discovery.fleet import Fleet
-from infera.discovery.record import WorkerRecord, decode_record, encode_record
+from infera.discovery.record import FleetKey, RecordSignatureError, WorkerRecord, decode_record, encode_record
 
 log = logging.getLogger(__name__)
 
@@ -407,9 +407,13 @@ class EtcdDiscovery:
         client: EtcdClient | None = None,
         backoff_initial: float = 0.2,
         backoff_max: float = 5.0,
+        fleet_key: FleetKey | None = None,
     ) -> None:
         self.client, self._owns_client = _client_for(endpoint_url, client, "EtcdDiscovery")
         self.prefix = prefix
+        # With a fleet key, only records it signed are applied (anyone able to write to etcd could
+        # otherwise announce a worker and receive prompts).
+        self.fleet_key = fleet_key
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
         self.ready = asyncio.Event()  # set after the first successful list
@@ -421,6 +425,7 @@ class EtcdDiscovery:
         # when it differs from the key suffix (we trust the record).
         self._records_by_key: dict[str, WorkerRecord] = {}
         self._undecodable_keys: set[str] = set()  # log a bad value once, not on every re-list
+        self._rejected_keys: set[str] = set()  # unsigned / wrongly signed records: logged once per key
 
     async def start(self, fleet: Fleet) -> None:
         """Launch the background loop and return at once (etcd may well be down right now)."""
@@ -500,6 +505,7 @@ class EtcdDiscovery:
         else:
             old = self._records_by_key.pop(event.key, None)
             self._undecodable_keys.discard(event.key)
+            self._rejected_keys.discard(event.key)
             if old is not None:
                 fleet.release(old.worker_id, self._records_by_key.values())
             else:
@@ -507,13 +513,20 @@ class EtcdDiscovery:
 
     def _decode(self, key: str, value: bytes) -> WorkerRecord | None:
         try:
-            record = decode_record(value)
+            record = decode_record(value, self.fleet_key)
+        except RecordSignatureError as exc:
+            if key not in self._rejected_keys:
+                self._rejected_keys.add(key)
+                log.warning("ignoring worker record at %s: %s; it is not routed to (a fleet key is set: only "
+                            "records signed with it count)", key, exc)
+            return None
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             if key not in self._undecodable_keys:
                 self._undecodable_keys.add(key)
                 log.warning("skipping undecodable worker record at %s: %s", key, exc)
             return None
         self._undecodable_keys.discard(key)
+        self._rejected_keys.discard(key)
         suffix = self._key_suffix(key)
         if record.worker_id != suffix:
             log.debug("record at %s names worker_id %r; trusting the record", key, record.worker_id)
@@ -542,9 +555,11 @@ class EtcdRegistration:
         *,
         client: EtcdClient | None = None,
         first_timeout: float = 30.0,
+        fleet_key: FleetKey | None = None,
     ) -> None:
         self.client, self._owns_client = _client_for(endpoint_url, client, "EtcdRegistration")
         self.prefix = prefix
+        self.fleet_key = fleet_key  # signs every record put (servers with the key ignore unsigned ones)
         self.lease_ttl = max(1, math.ceil(ttl))  # etcd leases are whole seconds
         self.keepalive_interval = max(self.lease_ttl / 3, 0.5)
         self.first_timeout = first_timeout
@@ -601,7 +616,7 @@ class EtcdRegistration:
             assert self.record is not None
             # A lease that failed halfway (granted, put failed) is simply left to expire.
             self.lease_id = await self.client.grant(self.lease_ttl)
-            await self.client.put(self.key, encode_record(self.record), self.lease_id)
+            await self.client.put(self.key, encode_record(self.record, self.fleet_key), self.lease_id)
             self._pending_put = False
             log.info("registered %s in etcd (lease %x, ttl %ds)", self.key, self.lease_id, self.lease_ttl)
 
@@ -618,7 +633,7 @@ class EtcdRegistration:
         self.record = record
         try:
             async with self._lock:
-                await self.client.put(self.key, encode_record(record), self.lease_id)
+                await self.client.put(self.key, encode_record(record, self.fleet_key), self.lease_id)
                 self._pending_put = False
             return True
         except LeaseNotFound:
@@ -649,7 +664,8 @@ class EtcdRegistration:
                     self.reregistrations += 1
                 elif self._pending_put:
                     async with self._lock:
-                        await self.client.put(self.key, encode_record(self.record), self.lease_id, timeout=timeout)
+                        await self.client.put(self.key, encode_record(self.record, self.fleet_key), self.lease_id,
+                                              timeout=timeout)
                         self._pending_put = False
                 if failing:
                     log.info("etcd reachable again; %s is registered", self.key)

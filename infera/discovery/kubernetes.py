@@ -39,7 +39,7 @@ from lightkube.types import PatchType
 
 from infera.config import SERVICE_ACCOUNT_DIR
 from infera.discovery.fleet import Fleet
-from infera.discovery.record import WorkerRecord, decode_record, encode_record
+from infera.discovery.record import FleetKey, RecordSignatureError, WorkerRecord, decode_record, encode_record
 
 log = logging.getLogger(__name__)
 
@@ -197,12 +197,13 @@ def _retryable(exc: BaseException) -> bool:
 # --------------------------------------------------------------------------------------------
 class PodState(NamedTuple):
     record: WorkerRecord | None  # what the fleet should hold for this Pod (None: nothing)
-    reason: str  # "active" | "draining" | "no-annotation" | "not-running" | "bad-annotation"
+    reason: str  # "active" | "draining" | "no-annotation" | "not-running" | "bad-annotation" | "bad-signature"
     detail: str = ""
 
 
-def pod_state(pod: Pod) -> PodState:
-    """Decide what a (not deleted) Pod contributes to the fleet."""
+def pod_state(pod: Pod, fleet_key: FleetKey | None = None) -> PodState:
+    """Decide what a (not deleted) Pod contributes to the fleet; with ``fleet_key``, only a record
+    signed with it counts."""
     meta = pod.metadata
     raw = (meta.annotations or {}).get(ANNOTATION) if meta is not None else None
     if not raw:
@@ -211,7 +212,9 @@ def pod_state(pod: Pod) -> PodState:
     if phase != "Running":
         return PodState(None, "not-running", phase or "unknown")
     try:
-        record = decode_record(raw)
+        record = decode_record(raw, fleet_key)
+    except RecordSignatureError as exc:
+        return PodState(None, "bad-signature", str(exc))
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         return PodState(None, "bad-annotation", str(exc))
     if meta.deletionTimestamp is not None:
@@ -254,8 +257,10 @@ class KubernetesDiscovery:
         backoff_max: float = 10.0,
         watch_timeout_s: float = 290.0,
         idle_timeout_s: float | None = None,
+        fleet_key: FleetKey | None = None,
     ) -> None:
         self.label_selector = label_selector
+        self.fleet_key = fleet_key  # set: only records signed with it are applied
         self.namespace = namespace
         self.config = _config(config)  # fail fast (at server start) when there is no API to talk to
         self.backoff_initial = backoff_initial
@@ -279,6 +284,7 @@ class KubernetesDiscovery:
         # goes away, removes the id it held (unless another Pod still holds it).
         self._records_by_pod: dict[str, WorkerRecord] = {}
         self._bad_annotations: dict[str, str] = {}  # Pod → bad value already logged (log once)
+        self._rejected_pods: set[str] = set()  # Pods whose unsigned/wrongly signed record was logged
         self._stopping = False
 
     async def start(self, fleet: Fleet) -> None:
@@ -375,6 +381,7 @@ class KubernetesDiscovery:
                 records[_pod_name(pod)] = record
         self._records_by_pod = records
         self._bad_annotations = {n: v for n, v in self._bad_annotations.items() if n in names}
+        self._rejected_pods &= names
         fleet.replace_all(records.values())
         self.resource_version = pods.resourceVersion
         self.relists += 1
@@ -416,7 +423,14 @@ class KubernetesDiscovery:
     # -- applying --------------------------------------------------------------------------
     def _record_for(self, pod: Pod) -> WorkerRecord | None:
         name = _pod_name(pod)
-        state = pod_state(pod)
+        state = pod_state(pod, self.fleet_key)
+        if state.reason == "bad-signature":
+            if name not in self._rejected_pods:
+                self._rejected_pods.add(name)
+                log.warning("ignoring the worker record on Pod %s: %s; it is not routed to (a fleet key is set: "
+                            "only records signed with it count)", name, state.detail)
+        else:
+            self._rejected_pods.discard(name)
         if state.reason == "bad-annotation":
             raw = (pod.metadata.annotations or {}).get(ANNOTATION, "")
             if self._bad_annotations.get(name) != raw:
@@ -431,6 +445,7 @@ class KubernetesDiscovery:
         if kind == "DELETED":
             record = None
             self._bad_annotations.pop(name, None)
+            self._rejected_pods.discard(name)
         else:  # ADDED / MODIFIED
             record = self._record_for(pod)
         old = self._records_by_pod.pop(name, None)
@@ -460,9 +475,11 @@ class KubernetesRegistration:
         refresh_s: float = 30.0,
         first_timeout: float = 30.0,
         request_timeout: float = 10.0,
+        fleet_key: FleetKey | None = None,
     ) -> None:
         self.namespace = namespace
         self.pod_name = pod_name
+        self.fleet_key = fleet_key  # signs the record (servers with the key ignore unsigned ones)
         self.config = _config(config)
         self.refresh_s = refresh_s
         self.first_timeout = first_timeout
@@ -489,7 +506,7 @@ class KubernetesRegistration:
     async def _write_record(self) -> None:
         async with self._lock:
             assert self.record is not None
-            await self._patch(encode_record(self.record).decode())
+            await self._patch(encode_record(self.record, self.fleet_key).decode())
 
     async def register(self, record: WorkerRecord) -> None:
         """Annotate the Pod, then keep re-asserting it in the background.

@@ -5,7 +5,9 @@ Unknown fields are ignored on decode so records can grow; ``schema`` versions th
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
+import time
 from typing import Any, Literal, Optional
 
 import msgspec
@@ -58,13 +60,112 @@ _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(WorkerRecord)
 
 
-def encode_record(record: WorkerRecord) -> bytes:
-    return _encoder.encode(record)
+def encode_record(record: WorkerRecord, key: "FleetKey | None" = None) -> bytes:
+    """The record's JSON; with ``key``, signed (see :class:`FleetKey`)."""
+    return _encoder.encode(record) if key is None else key.sign(record)
 
 
-def decode_record(data: bytes | str) -> WorkerRecord:
-    """Decode a record; raises ``msgspec.ValidationError``/``DecodeError`` on a bad value."""
-    return _decoder.decode(data)
+def decode_record(data: bytes | str, key: "FleetKey | None" = None) -> WorkerRecord:
+    """Decode a record; raises ``msgspec.ValidationError``/``DecodeError`` on a bad value.
+
+    With ``key``, only a record signed with that key decodes: else :class:`RecordSignatureError`.
+    Without, a signature is an unknown field, ignored (as by servers older than signing)."""
+    return _decoder.decode(data) if key is None else key.verify(data)
+
+
+# -- signed records ------------------------------------------------------------------------------
+# Anyone who can write to the registry (etcd, a Pod's annotations) could otherwise announce a
+# "worker" and receive prompts. With a shared fleet key, workers sign their records and servers drop
+# the rest. The signature is one more field of the record's JSON object, so servers without the key
+# (or older than signing) read signed records as before.
+SIGNATURE_FIELD = "signature"
+SIGNATURE_ALG = "hmac-sha256"
+MIN_FLEET_KEY_BYTES = 16
+_MAC_DOMAIN = b"infera-worker-record-v1\n"
+_canonical_encoder = msgspec.json.Encoder(order="sorted")
+
+
+class RecordSignatureError(ValueError):
+    """A record that is unsigned, signed with another key, or altered after signing."""
+
+
+class _Signature(msgspec.Struct, kw_only=True):
+    alg: str
+    kid: str
+    ts: int
+    mac: str
+
+
+def _fingerprint(key: bytes) -> str:
+    return hashlib.sha256(b"infera-fleet-key-id\n" + key).hexdigest()[:12]
+
+
+class FleetKey:
+    """A shared HMAC-SHA256 key (``--fleet-key-file``) that signs and verifies worker records.
+
+    Signed bytes: every field of the record's JSON object except ``signature``, re-encoded with keys
+    sorted (unknown fields included, so a newer launcher's fields are covered too), preceded by the
+    key id and the signing time, which ``signature`` also carries. A verified record is decoded from
+    exactly those bytes, so no parser difference can slip an unsigned value past the check.
+    Not covered: replaying a record the key once signed (it names a real worker's own address).
+    """
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) < MIN_FLEET_KEY_BYTES:
+            raise ValueError(f"fleet key too short: {len(key)} bytes, at least {MIN_FLEET_KEY_BYTES} needed")
+        self._key = bytes(key)
+        self.kid = _fingerprint(self._key)  # names the key in logs; reveals nothing of it
+
+    @classmethod
+    def from_file(cls, path: str) -> "FleetKey":
+        """The key is the file's content, surrounding blanks (a trailing newline) dropped.
+        ValueError with a readable message when the file cannot be read or the key is too short."""
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as exc:
+            raise ValueError(f"cannot read the fleet key file {path}: {exc.strerror or exc}") from None
+        try:
+            return cls(data.strip())
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+
+    def __repr__(self) -> str:  # never the key itself
+        return f"FleetKey(kid={self.kid})"
+
+    def _mac(self, kid: str, ts: int, canonical: bytes) -> str:
+        message = b"".join((_MAC_DOMAIN, kid.encode(), b"\n", str(ts).encode(), b"\n", canonical))
+        return hmac.new(self._key, message, hashlib.sha256).hexdigest()
+
+    def sign(self, record: WorkerRecord, ts: int | None = None) -> bytes:
+        fields = msgspec.json.decode(_encoder.encode(record))
+        canonical = _canonical_encoder.encode(fields)
+        ts = int(time.time()) if ts is None else ts
+        fields[SIGNATURE_FIELD] = {"alg": SIGNATURE_ALG, "kid": self.kid, "ts": ts,
+                                   "mac": self._mac(self.kid, ts, canonical)}
+        return _encoder.encode(fields)
+
+    def verify(self, data: bytes | str) -> WorkerRecord:
+        """The record ``data`` holds when this key signed it; RecordSignatureError if not (and
+        msgspec's DecodeError/ValidationError for a value that is no record at all)."""
+        fields = msgspec.json.decode(data)
+        if not isinstance(fields, dict):
+            raise msgspec.ValidationError("a worker record must be a JSON object")
+        raw_signature = fields.pop(SIGNATURE_FIELD, None)
+        if raw_signature is None:
+            raise RecordSignatureError("unsigned record")
+        try:
+            signature = msgspec.convert(raw_signature, _Signature)
+        except msgspec.ValidationError as exc:
+            raise RecordSignatureError(f"malformed signature: {exc}") from None
+        if signature.alg != SIGNATURE_ALG:
+            raise RecordSignatureError(f"unsupported signature algorithm {signature.alg!r}")
+        if signature.kid != self.kid:
+            raise RecordSignatureError(f"signed with another fleet key (key id {signature.kid}, ours {self.kid})")
+        canonical = _canonical_encoder.encode(fields)
+        if not hmac.compare_digest(self._mac(signature.kid, signature.ts, canonical), signature.mac):
+            raise RecordSignatureError("bad signature (the record was altered or forged)")
+        return _decoder.decode(canonical)
 
 
 def record_to_dict(record: WorkerRecord) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from typing import Mapping, Sequence
 
 from infera.config import (add_flag, add_plane_flags, choice_of, non_negative_float, non_negative_int, port_number,
                            positive_float, positive_int)
+from infera.discovery import discovery_options
 from infera.kv.prompt import DEFAULT_CACHE_BYTES, DEFAULT_PREFIX_CHARS
 from infera.router.kv_aware import DEFAULT_LOWER_TIER_WEIGHT
 from infera.server.limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEPALIVE_TIMEOUT,
@@ -250,6 +251,10 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
     if args.discovery_backend == "kubernetes" and not args.k8s_label_selector:
         parser.error("--k8s-label-selector (or INFERA_K8S_LABEL_SELECTOR) is required with --discovery-backend "
                      "kubernetes: it names the worker Pods to route to")
+    try:
+        discovery_options(args)  # the fleet key is read at start: a bad file stops the server here
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.workers is None:
         args.workers = default_server_workers()
     if args.replica_sync is None:

@@ -10,7 +10,7 @@ from typing import Sequence
 
 from aiohttp import web
 
-from infera.discovery import make_discovery
+from infera.discovery import discovery_options, make_discovery
 from infera.discovery.base import Discovery
 from infera.discovery.fleet import Fleet
 from infera.discovery.record import WorkerRecord
@@ -58,7 +58,8 @@ class InferaServer:
         self.fleet = Fleet(unroutable=lambda record: self.transport.unreachable_reason(record))
         self.discovery = discovery or make_discovery(args.discovery_backend, etcd_endpoint=args.etcd_endpoint,
                                                      etcd_prefix=args.etcd_prefix, k8s_namespace=args.k8s_namespace,
-                                                     k8s_label_selector=args.k8s_label_selector)
+                                                     k8s_label_selector=args.k8s_label_selector,
+                                                     **discovery_options(args))
         # One breaker for mixed and PD dispatch: a worker's verdict holds whichever router sent to it.
         self.breaker = CircuitBreaker(failure_threshold=args.breaker_failure_threshold,
                                       cooldown_s=args.breaker_cooldown_s, max_cooldown_s=args.breaker_max_cooldown_s,

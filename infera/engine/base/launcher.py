@@ -26,7 +26,7 @@ from typing import Mapping, Protocol, Sequence
 import aiohttp
 
 from infera.config import add_flag, add_plane_flags, choice_of, non_negative_float, positive_float
-from infera.discovery import make_registration
+from infera.discovery import discovery_options, make_registration
 from infera.discovery.base import Registration
 from infera.discovery.record import WorkerRecord
 from infera.engine.base.follower import NodeRankError, is_follower, node_rank
@@ -291,7 +291,8 @@ class Launcher:
             a = self.args
             self.registration = make_registration(a.discovery_backend, etcd_endpoint=a.etcd_endpoint,
                                                   etcd_prefix=a.etcd_prefix, lease_ttl=a.lease_ttl,
-                                                  k8s_namespace=a.k8s_namespace, k8s_pod_name=a.k8s_pod_name)
+                                                  k8s_namespace=a.k8s_namespace, k8s_pod_name=a.k8s_pod_name,
+                                                  **discovery_options(a))
         registered = False
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
             try:
@@ -488,6 +489,10 @@ def launch(adapter: EngineAdapter, prog: str, argv: Sequence[str] | None = None)
         if args.discovery_backend == "kubernetes" and not args.k8s_pod_name:
             parser.error("--k8s-pod-name (or POD_NAME, set from the Downward API) is required with "
                          "--discovery-backend kubernetes: the worker's record goes on its own Pod")
+        try:
+            discovery_options(args)  # the fleet key is read at start: a bad file stops the worker here
+        except ValueError as exc:
+            parser.error(str(exc))
     problems = pd_preflight_problems(adapter, args, engine_argv)
     if problems:
         parser.error("PD preflight refused this worker:\n  - " + "\n  - ".join(problems))
