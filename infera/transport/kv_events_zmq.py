@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 from time import monotonic as _monotonic
@@ -63,6 +64,13 @@ _END_SEQ = -1
 _FIRST_PROBE_S = 0.5
 _IDLE_PROBE_S = 5.0
 _STOP_WAIT_S = 5.0  # how long stop() waits for closing readers and connections
+# A reader that fails (fd exhaustion: "Too many open files" on the replay socket, a bug) restarts
+# after a backoff doubling from _RECOVER_MIN_S to _RECOVER_MAX_S (+-25% jitter), not at once: a
+# failure that repeats immediately spun 100k tracebacks (110 MB of log) in 30 s and reset the view
+# each time. The failure count starts over once a reader has run _RECOVER_RESET_S without failing.
+_RECOVER_MIN_S = 0.1
+_RECOVER_MAX_S = 30.0
+_RECOVER_RESET_S = 60.0
 OnBatch = Callable[[str, int, bytes], None]
 OnReset = Callable[[str], None]
 
@@ -110,6 +118,10 @@ class _KeyState:
     duplicates: int = 0
     callback_errors: int = 0
     last_batch_at: float | None = None
+    failures: int = 0  # reader failures in a row (backoff), 0: healthy
+    failed_at: float = 0.0  # monotonic time of the last one
+    batches_at_failure: int = 0  # batches delivered when it happened: none since, no view to reset
+    recovering: bool = False  # failed, and no reader has reached its steady state since
 
     def forget_replayed(self) -> None:
         self.replayed.clear()
@@ -307,16 +319,22 @@ class ZmqKvEventSubscriber(KvCallbacks):
                 st.task.cancel()
             self._recover(st)
 
-    async def _reader(self, st: _KeyState) -> None:
-        """First contact, then whatever the connection's reads cannot do without waiting (a gap to
-        repair, a restart, a first batch to catch up to) and the idle replay probes. Live batches
-        in sequence never come here: ``_on_frames`` applies them as they are read."""
+    async def _reader(self, st: _KeyState, delay: float = 0.0) -> None:
+        """First contact (after ``delay`` s: a restarted reader's backoff), then whatever the
+        connection's reads cannot do without waiting (a gap to repair, a restart, a first batch to
+        catch up to) and the idle replay probes. Live batches in sequence never come here:
+        ``_on_frames`` applies them as they are read."""
         assert st.conn is not None and st.wake is not None
         conn = st.conn
         try:
+            if delay > 0:
+                await asyncio.sleep(delay)
             if st.replay_endpoint:
                 await self._catch_up(st, 0, None)  # blocks stored before we subscribed
             st.caught_up = True
+            if st.recovering:
+                st.recovering = False
+                log.info("KV events %s: reader recovered after %d failure(s)", st.key, st.failures)
             probe_after = _FIRST_PROBE_S
             # Closing the key (or re-opening it) replaces ``st.conn``: the loop ends then even if its
             # cancellation was lost on the way (3.11's wait_for can swallow one that lands as its
@@ -353,15 +371,34 @@ class ZmqKvEventSubscriber(KvCallbacks):
             self._recover(st)
 
     def _recover(self, st: _KeyState) -> None:
-        log.exception("KV events %s: reader failed; resetting the view", st.key)
+        """A reader failed: reset the view (unless nothing was delivered since the last failure)
+        and start a new reader after a backoff. One ERROR line (with the traceback) when the key
+        enters the failing state, DEBUG for the repeats, INFO when a reader recovers."""
+        now = _monotonic()
+        if st.failures and now - st.failed_at > _RECOVER_RESET_S:
+            st.failures = 0  # the last failure is long past: a new episode
+        st.failures += 1
+        st.failed_at = now
+        delay = min(_RECOVER_MAX_S, _RECOVER_MIN_S * 2 ** (st.failures - 1)) * random.uniform(0.75, 1.25)
+        if not st.recovering:
+            st.recovering = True
+            log.exception("KV events %s: reader failed; resetting the view, retrying with backoff (up to %.0f s)",
+                          st.key, _RECOVER_MAX_S)
+        else:
+            log.debug("KV events %s: reader failed again (%d in a row); retrying in %.2f s", st.key, st.failures,
+                      delay, exc_info=True)
+        reset = st.failures == 1 or st.batches != st.batches_at_failure or st.last_seq is not None
         st.last_seq = None
         st.forget_replayed()
-        self._reset(st)
+        if reset:
+            self._reset(st)
+        st.batches_at_failure = st.batches
         st.slow, st.pending = None, []
         if self._keys.get(st.key) is st and st.conn is not None:
             st.live = False
             st.conn.pause()
-            st.task = asyncio.get_running_loop().create_task(self._reader(st), name=f"kv-events-sub:{st.key}")
+            st.task = asyncio.get_running_loop().create_task(self._reader(st, delay),
+                                                             name=f"kv-events-sub:{st.key}")
 
     def _in_order(self, st: _KeyState, frames: list[bytes]) -> bool:
         """The common case: the next batch in sequence, nothing replayed to check against; delivered
