@@ -134,9 +134,18 @@ def _param_of(message: str) -> str | None:
     return (m.group(1) or None) if m else None
 
 
-def _at_least_one(value: Any, name: str) -> None:
+# Upper bounds a client cannot exceed whatever the model: n copies of a reply, each up to max_tokens
+# (OpenAI caps n at 128; no served context reaches 2**20 tokens). Engines check the model's own
+# context; these only stop a request that would pin an engine or a relay for nothing.
+MAX_N = 128
+MAX_TOKENS = 1 << 20  # 1,048,576
+
+
+def _at_least_one(value: Any, name: str, most: int | None = None) -> None:
     if value is not None and value < 1:
         raise ApiError(400, f"{name} must be at least 1", "invalid_request", param=name)
+    if value is not None and most is not None and value > most:
+        raise ApiError(400, f"{name} must be at most {most}", "invalid_request", param=name)
 
 
 def parse_request(route: str, body: bytes, *, max_depth: int = MAX_JSON_DEPTH,
@@ -164,10 +173,10 @@ def parse_request(route: str, body: bytes, *, max_depth: int = MAX_JSON_DEPTH,
         raise ApiError(400, "JSON nested too deep", "json_too_complex") from None
     if not req.model:
         raise ApiError(400, "'model' is required", "invalid_request", param="model")
-    _at_least_one(req.max_tokens, "max_tokens")
-    _at_least_one(req.n, "n")
+    _at_least_one(req.max_tokens, "max_tokens", MAX_TOKENS)
+    _at_least_one(req.n, "n", MAX_N)
     if isinstance(req, ChatCompletionRequest):
-        _at_least_one(req.max_completion_tokens, "max_completion_tokens")
+        _at_least_one(req.max_completion_tokens, "max_completion_tokens", MAX_TOKENS)
         if not req.messages:
             raise ApiError(400, "'messages' must hold at least one message", "invalid_request", param="messages")
     elif isinstance(req.prompt, list) and not req.prompt:

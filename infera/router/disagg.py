@@ -160,10 +160,11 @@ class DisaggRouter:
             kind = pd_kind(prefill)
             d_pool = [w for w in d_pool if pd_kind(w) == kind]
             if not d_pool:
+                log.error("request %s: no decode worker for model %r speaks %r on %s like prefill worker %r "
+                          "(decode workers: %s)", req.request_id, req.model, kind[1], kind[0], prefill.worker_id,
+                          ", ".join(f"{w.worker_id}={pd_kind(w)[1]}" for w in decodes))
                 raise ApiError(500, f"no decode worker for model {req.model!r} speaks {kind[1]!r} on {kind[0]} like "
-                               f"prefill worker {prefill.worker_id!r} (decode workers: "
-                               f"{', '.join(f'{w.worker_id}={pd_kind(w)[1]}' for w in decodes)})",
-                               "pd_protocol_mismatch")
+                               "the prefill worker picked (see the server log)", "pd_protocol_mismatch")
             # Filtered after the kind match, so an open decode is avoided only while a healthy one of
             # the same kind exists (and all of that kind are tried rather than none).
             decode = self.policy.pick(self.breaker.filter(d_pool), d_req, "decode")
@@ -175,7 +176,7 @@ class DisaggRouter:
                 failure = exc
                 failed.add(exc.worker_id)
                 log.warning("request %s: PD %s leg on %s failed: %s (attempt %d)", req.request_id, exc.role,
-                            exc.worker_id, exc.message, attempt + 1)
+                            exc.worker_id, exc.detail, attempt + 1)
                 self.metrics.count_retry(req.route, f"{exc.role}_{exc.reason}")
         if failure is None:
             raise ApiError(503, f"no untried prefill/decode pair left for model {req.model!r}", "no_active_worker",
@@ -285,8 +286,10 @@ class DisaggRouter:
         except asyncio.TimeoutError:
             leg.score_failure()
             raise LegFailure(leg.worker.worker_id, 504,
-                             f"prefill on {leg.worker.worker_id} did not finish within {self.prefill_timeout:g}s",
-                             "prefill_timeout", role="prefill") from None
+                             f"the prefill did not finish within {self.prefill_timeout:g}s",
+                             "prefill_timeout", role="prefill",
+                             detail=f"prefill on {leg.worker.worker_id} did not finish within {self.prefill_timeout:g}s"
+                             ) from None
         except BaseException:
             # Cancelled: the decode failed first, the decode stream ended, or the client left.
             leg.score_neutral()
@@ -317,9 +320,9 @@ class DisaggRouter:
                 raise ValueError("not a JSON object")
         except (msgspec.DecodeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
             p_leg.score_failure()
-            raise LegFailure(p_leg.worker.worker_id, 502,
-                             f"prefill reply from {p_leg.worker.worker_id} is not a JSON object: {exc}",
-                             "bad_prefill_reply", role="prefill") from None
+            raise LegFailure(p_leg.worker.worker_id, 502, "the prefill reply is not a JSON object",
+                             "bad_prefill_reply", role="prefill",
+                             detail=f"prefill reply from {p_leg.worker.worker_id} is not a JSON object: {exc}") from None
         try:
             d_body = protocol.decode_body(body, pair, reply)
         except PdError as exc:

@@ -128,7 +128,7 @@ class MixedRouter:
                 failure = exc
                 if not exc.retryable:
                     break
-            log.warning("request %s: %s (attempt %d)", req.request_id, failure.message, attempt + 1)
+            log.warning("request %s: %s (attempt %d)", req.request_id, failure.detail, attempt + 1)
             self.metrics.count_retry(req.route, failure.reason)
         assert failure is not None
         raise ApiError(failure.status, failure.message, failure.reason, headers=failure.headers)
@@ -193,8 +193,9 @@ class MixedRouter:
                 continue
             if opened.resp is None:  # refused (4xx) or unary: no stream to continue with
                 release()
-                failure = LegFailure(worker.worker_id, opened.status, f"worker {worker.worker_id} answered "
-                                     f"{opened.status} to the continuation", "continuation_refused")
+                failure = LegFailure(worker.worker_id, opened.status, f"the worker answered {opened.status} to the "
+                                     "continuation", "continuation_refused",
+                                     detail=f"worker {worker.worker_id} answered {opened.status} to the continuation")
                 continue
             return worker, opened, release
         if failure is not None:

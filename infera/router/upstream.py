@@ -9,6 +9,7 @@ reached the client. A unary reply over the transport's byte cap is a non-retryab
 from __future__ import annotations
 
 import logging
+import re
 from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence
@@ -37,11 +38,13 @@ class LegFailure(Exception):
     """A worker failed before the first byte. ``retryable`` False: the client's fault (a 4xx)."""
 
     def __init__(self, worker_id: str, status: int, message: str, reason: str, body: bytes | None = None,
-                 *, role: str = "mixed", content_type: str = "application/json", retryable: bool = True) -> None:
-        super().__init__(message)
+                 *, role: str = "mixed", content_type: str = "application/json", retryable: bool = True,
+                 detail: str | None = None) -> None:
+        super().__init__(detail or message)
         self.worker_id = worker_id
         self.status = status
-        self.message = message
+        self.message = message  # what the client is told: names no worker, address or socket
+        self.detail = detail or message  # for the logs: which worker, and the transport's own words
         self.reason = reason
         self.body = body
         self.role = role
@@ -71,6 +74,22 @@ class Opened:
     first: bytes = b""
 
 
+# What a client is told of a transport failure: the transport's own words, less what names the
+# worker's address (its id is host:port today, URLs, socket addresses), which stays in the logs
+# (LegFailure.detail). Issue 27: error replies handed out every worker's address.
+_ADDRESS = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s,;)\]]+"  # URLs (http://h:p/..., nats://...)
+                      r"|\(\s*'[^']*'\s*,\s*\d+[^)]*\)"  # Python socket addresses ('10.0.0.1', 8000)
+                      r"|\[[0-9A-Fa-f:.]+\](?::\d+)?"  # [IPv6]:port
+                      r"|(?<![\w.:/-])[A-Za-z0-9_.-]+:\d{1,5}(?!\w|[.:]\d)")  # host:port
+
+
+def public_text(text: str, worker_id: str = "") -> str:
+    """``text`` with the worker's id and any address in it replaced, for a client."""
+    if worker_id:  # (a whole word only: a short NATS worker name may be part of other words)
+        text = re.sub(rf"(?:\bworker )?(?<![\w.:-]){re.escape(worker_id)}(?![\w-]|[.:]\w)", "the worker", text)
+    return _ADDRESS.sub("<address>", text)
+
+
 async def open_upstream(transport: RequestTransport, worker: WorkerRecord, route: str, body: bytes,
                         headers: Sequence[tuple[str, str]], stream: bool, role: str = "mixed") -> Opened:
     """POST ``body`` to ``worker`` and wait for its first byte; ``LegFailure`` if it failed first.
@@ -84,13 +103,14 @@ async def open_upstream(transport: RequestTransport, worker: WorkerRecord, route
             data = await resp.read()
             resp.release()
             if status >= 500:
-                raise LegFailure(wid, status, f"worker {wid} returned {status}", f"http_{status}", data, role=role)
+                raise LegFailure(wid, status, f"the worker returned {status}", f"http_{status}", data, role=role,
+                                 detail=f"worker {wid} returned {status}")
             return Opened(status, resp.content_type, body=data)
         first = await resp.next_chunk()
         if not first:
             resp.release()
-            raise LegFailure(wid, 502, f"worker {wid} closed the stream before the first byte", "empty_stream",
-                             role=role)
+            raise LegFailure(wid, 502, "the worker closed the stream before the first byte", "empty_stream",
+                             role=role, detail=f"worker {wid} closed the stream before the first byte")
         return Opened(200, resp.content_type, resp=resp, first=first)
     except LegFailure:
         raise
@@ -98,17 +118,19 @@ async def open_upstream(transport: RequestTransport, worker: WorkerRecord, route
         if resp is not None:
             resp.release()  # unfinished: the connection is closed, so the engine aborts
         if isinstance(exc, ReplyTooLarge):  # as large on any worker: neither retried nor blamed
-            message = f"worker {wid} replied with more than {exc.limit} bytes (--max-upstream-reply-bytes)"
+            message = f"the worker replied with more than {exc.limit} bytes (--max-upstream-reply-bytes)"
             raise LegFailure(wid, 502, message, "upstream_reply_too_large",
                              error_bytes(message, 502, "upstream_reply_too_large"), role=role,
-                             retryable=False) from None
+                             retryable=False, detail=f"worker {wid}: {message}") from None
         status = getattr(exc, "status", None)
         # No first byte in time (504, HTTP or NATS), NATS backlog full (429), body over the broker's limit (413)
         if status is not None:
             reason = {429: "admission", 504: "timeout", 413: "body_too_large"}.get(status, "unreachable")
-            raise LegFailure(wid, status, str(exc), reason, error_bytes(str(exc), status, reason), role=role,
-                             retryable=status != 413) from None
-        raise LegFailure(wid, 502, f"worker {wid} unreachable: {exc}", "unreachable", role=role) from None
+            message = public_text(str(exc), wid)
+            raise LegFailure(wid, status, message, reason, error_bytes(message, status, reason), role=role,
+                             retryable=status != 413, detail=str(exc)) from None
+        raise LegFailure(wid, 502, f"the worker is unreachable: {public_text(str(exc), wid)}", "unreachable", role=role,
+                         detail=f"worker {wid} unreachable: {exc}") from None
     except BaseException:
         if resp is not None:
             resp.release()
@@ -119,8 +141,9 @@ def midstream_error_event(worker_id: str, exc: BaseException | None) -> bytes:
     """The SSE event that ends a stream its worker broke (``exc``; None: it ended without
     ``[DONE]``) or stalled past the idle timeout."""
     if getattr(exc, "status", None) == 504:  # idle timeout: the connection is already closed
-        return sse_error_event(f"worker {worker_id} stalled mid-stream: {exc}", 504, "worker_timeout_midstream")
-    return sse_error_event(f"worker {worker_id} failed mid-stream", 502, "worker_failed_midstream")
+        return sse_error_event(f"the worker stalled mid-stream: {public_text(str(exc), worker_id)}", 504,
+                               "worker_timeout_midstream")
+    return sse_error_event("the worker failed mid-stream", 502, "worker_failed_midstream")
 
 
 class StreamTail:

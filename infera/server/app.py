@@ -55,6 +55,8 @@ class ServerState:
     metrics_gather: Any = None  # a --workers N child: ProcessMetrics, /metrics of every process
     enable_profiling: bool = False  # --enable-profiling: POST /v1/admin/profile/{start,stop}
     kvd_socket_path: str | None = None  # --kvd-socket-path: POST /v1/cache/prewarm, kvd stats in /v1/kv-stats
+    metrics_token: str | None = None  # --metrics-token: opens /metrics, /v1/workers, detailed /health (scrapers)
+    dashboard_session_s: float = _dashboard.DEFAULT_SESSION_S  # --dashboard-session-s: the cookie's server-side life
 
 
 STATE_KEY = web.AppKey("state", ServerState)
@@ -204,8 +206,33 @@ async def _models(request: web.Request) -> web.Response:
     return web.Response(body=_json.encode({"object": "list", "data": data}), content_type="application/json")
 
 
+def _bearer_matches(request: web.Request, *tokens: str | None) -> bool:
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    raw = given.strip().encode("utf-8", "surrogateescape")
+    # every configured token compared (constant time each), so timing does not say which one matched
+    return any([hmac.compare_digest(raw, t.encode("utf-8")) for t in tokens if t])
+
+
+def _observer_authorized(request: web.Request) -> bool:
+    """``/metrics``, ``/v1/workers`` and the detailed ``/health``: open when no token is configured
+    at all (dev mode); else the admin or the metrics token as a Bearer header."""
+    state: ServerState = request.app[STATE_KEY]
+    if not state.admin_token and not state.metrics_token:
+        return True
+    return _bearer_matches(request, state.admin_token, state.metrics_token)
+
+
+def _observer_denied(path: str) -> ApiError:
+    return ApiError(401, f"{path} needs 'Authorization: Bearer <the --metrics-token or --admin-token>'",
+                    "invalid_token", headers={"WWW-Authenticate": 'Bearer realm="infera-metrics"'})
+
+
 async def _workers(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE_KEY]
+    if not _observer_authorized(request):  # every engine's URL, event endpoints, tokenizer and kvd paths
+        raise _observer_denied("/v1/workers")
     reasons = state.fleet.unroutable_reasons
     workers = []
     for r in state.fleet.all():
@@ -227,6 +254,8 @@ async def _health(request: web.Request) -> web.Response:
     body = {"status": "ok", "active_workers": len(state.fleet.active()), "workers": len(state.fleet)}
     if state.nats is not None:  # still "ok": HTTP workers are served while the broker is away
         body["nats"] = "connected" if state.nats.connected else "disconnected"
+    if not _observer_authorized(request):  # a token is set: what a load balancer needs, no paths or pids
+        return web.Response(body=_json.encode(body), content_type="application/json")
     if state.tokenizers is not None:  # still "ok": a degraded model is served, routed by load
         body["kv_routing"] = state.tokenizers.health()
     if state.process is not None:  # one of a --workers N server's processes: which one answered
@@ -236,6 +265,8 @@ async def _health(request: web.Request) -> web.Response:
 
 async def _metrics(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE_KEY]
+    if not _observer_authorized(request):  # per-worker series name every worker's address
+        raise _observer_denied("/metrics")
     # a --workers N child answers for every process (each series labelled process="<i>")
     body = await state.metrics_gather.render() if state.metrics_gather is not None else state.metrics.render()
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
@@ -312,7 +343,8 @@ async def _anthropic_messages(request: web.Request) -> web.StreamResponse:
         try:
             answer = msgspec.json.decode(reply.body or b"")
         except (msgspec.DecodeError, RecursionError):  # RecursionError: msgspec's, for JSON nested too deep
-            return _anthropic_error(502, f"worker {reply.worker_id} returned a body that is not JSON", request_id)
+            log.warning("request %s: worker %s returned a body that is not JSON", request_id, reply.worker_id)
+            return _anthropic_error(502, "the worker returned a body that is not JSON", request_id)
         message = _anthropic.translate_response(answer if isinstance(answer, dict) else {}, translated, msg_id)
         return web.Response(body=_json.encode(message), content_type="application/json", headers=headers)
     metrics.observe_ttft(route, (reply.first_byte_at or time.perf_counter()) - started)
@@ -343,6 +375,9 @@ async def _anthropic_messages(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+_COUNT_INLINE_CHARS = 4096  # count_tokens: smaller prompts are counted on the loop (a thread hop costs more)
+
+
 async def _anthropic_count_tokens(request: web.Request) -> web.Response:
     """``{"input_tokens": N}`` with the model's tokenizer, where the router keeps one (kv-aware)."""
     state: ServerState = request.app[STATE_KEY]
@@ -364,9 +399,17 @@ async def _anthropic_count_tokens(request: web.Request) -> web.Response:
         if prompts is None:
             raise ApiError(503, f"the tokenizer of model {translated.model!r} is still loading; retry shortly",
                            "tokenizer_loading", headers={"Retry-After": "1"})
-        # big prompts off the loop (a HF tokenizer releases the GIL; see infera/kv/prompt.py)
-        if (request.content_length or 0) > 16 * 1024:
-            count = await asyncio.to_thread(_anthropic.count_prompt_tokens, prompts.tokenizer, translated)
+        # The cap and the threads of routing (infera/kv/prompt.py): a prompt past --router-prefix-chars is
+        # not tokenized whole here either (a 413: an estimate is no answer to "does it fit"; no served
+        # context holds 512 KiB of text), and anything past a few KB goes to the tokenizer threads.
+        size = len(_json.encode(translated.body["messages"])) + (len(_json.encode(translated.tools))
+                                                                 if translated.tools else 0)
+        if size > prompts.prefix_chars:
+            raise ApiError(413, f"count_tokens counts prompts of up to {prompts.prefix_chars} characters (as JSON; "
+                           "--router-prefix-chars); this one is longer", "prompt_too_large")
+        if size > _COUNT_INLINE_CHARS:
+            count = await asyncio.get_running_loop().run_in_executor(
+                prompts._pool(), _anthropic.count_prompt_tokens, prompts.tokenizer, translated)
         else:
             count = _anthropic.count_prompt_tokens(prompts.tokenizer, translated)
     except ApiError as exc:
@@ -418,8 +461,7 @@ async def _dashboard_page(request: web.Request) -> web.Response:
         if request.content_length is not None and request.content_length > 64 * 1024:
             raise web.HTTPRequestEntityTooLarge(max_size=64 * 1024, actual_size=request.content_length)
         given = str((await request.post()).get("token", ""))
-    elif "token" in request.query:
-        given = request.query["token"]
+    # (no ?token=: a URL lands in access logs, proxies and browser history; a stale link just gets the form)
     headers = {"Cache-Control": "no-store", "Content-Security-Policy": _dashboard.CONTENT_SECURITY_POLICY,
                "Referrer-Policy": "no-referrer", "X-Content-Type-Options": "nosniff"}
     if token and given is not None:
@@ -427,7 +469,8 @@ async def _dashboard_page(request: web.Request) -> web.Response:
             return web.Response(status=401, body=_dashboard.login_page("That is not the admin token."),
                                 content_type="text/html", headers=headers)
         # to the bare page: the token leaves the address bar (and a reload does not post it again)
-        headers.update({"Location": "dashboard", "Set-Cookie": _dashboard.cookie_header(token, request.secure)})
+        headers.update({"Location": "dashboard", "Set-Cookie": _dashboard.cookie_header(
+            token, request.secure, request.app[STATE_KEY].dashboard_session_s)})
         return web.Response(status=303, headers=headers)
     if not _dashboard_authorized(request):
         return web.Response(status=401, body=_dashboard.login_page("This server has an admin token: enter it."),
@@ -456,6 +499,11 @@ async def _kv_stats(request: web.Request) -> web.Response:
 
 
 async def _prewarm(request: web.Request) -> web.Response:
+    # it makes the kvd load blocks: an admin action (open without --admin-token, as /v1/kv-stats and /v1/fleet)
+    token = request.app[STATE_KEY].admin_token
+    if token and not _bearer_matches(request, token):
+        raise ApiError(401, f"{_kv_tiers.PREWARM_ROUTE} needs 'Authorization: Bearer <the --admin-token>'",
+                       "invalid_admin_token", headers={"WWW-Authenticate": 'Bearer realm="infera-admin"'})
     state: ServerState = request.app[STATE_KEY]
     body = await _kv_tiers.handle_prewarm(await request.read(), state.kvd_socket_path, state.fleet.get)
     return web.Response(status=202, body=body, content_type="application/json")

@@ -191,6 +191,12 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     f("--admin-token", env="INFERA_ADMIN_TOKEN", default=None, type=optional_secret,
       help="enables the /v1/admin/ endpoints, which then need 'Authorization: Bearer <token>'; off (403) "
            "without it. Prefer the env variable: a flag shows in the process list")
+    f("--metrics-token", env="INFERA_METRICS_TOKEN", default=None, type=optional_secret,
+      help="a read-only token for scrapers: 'Authorization: Bearer <token>' (or the admin token) opens /metrics, "
+           "/v1/workers and the detailed /health once either token is set; without one /health shows status "
+           "and counts only")
+    f("--dashboard-session-s", env="INFERA_DASHBOARD_SESSION_S", default=12 * 3600.0, type=positive_float,
+      help="seconds a /dashboard sign-in (its cookie) stays valid; the server refuses it afterwards")
     f("--allow-client-kv-transfer-params", env="INFERA_ALLOW_CLIENT_KV_TRANSFER_PARAMS", default=False,
       action="store_true",
       help="pass a client's own kv_transfer_params to the engines (they tell a vLLM KV connector which host to "

@@ -2,21 +2,25 @@
 
 With a token set, the page and ``/v1/fleet`` take either ``Authorization: Bearer <token>`` (curl,
 scrapers) or the dashboard cookie. A browser gets the cookie by posting the token in the page's
-small form (``POST /dashboard``), or once from ``/dashboard?token=<token>`` (handy for a link; the
-query string shows in access logs and browser history, the form does not); either answers with a
-redirect to the bare ``/dashboard``. The cookie is ``HttpOnly``, ``SameSite=Strict``, lives for the
-browser session and holds an HMAC of the token, never the token: it opens the dashboard and
-``/v1/fleet`` only, not ``/v1/admin/*``, and a new token voids it.
+small form (``POST /dashboard``), which answers with a redirect to the bare ``/dashboard``. The
+token is never taken from the URL (``?token=`` would land in access logs and browser history). The
+cookie is ``HttpOnly``, ``SameSite=Strict`` and holds ``<expiry>.<HMAC of the expiry keyed by the
+token>``, never the token: the server refuses it after its expiry (``--dashboard-session-s``,
+default 12 h) whatever the browser does, it opens the dashboard, ``/v1/fleet`` and
+``/v1/kv-stats`` only, not ``/v1/admin/*``, and a new token voids it. Being derived from the token
+alone, it is valid in every process of a ``--workers N`` server and every replica sharing the token.
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
 import html
+import time
 from importlib import resources
 
 COOKIE_NAME = "infera_dashboard"
-_COOKIE_CONTEXT = b"infera dashboard session v1"
+_COOKIE_CONTEXT = b"infera dashboard session v2"
+DEFAULT_SESSION_S = 12 * 3600.0  # --dashboard-session-s
 
 # The page pulls nothing from elsewhere and talks only to this server.
 CONTENT_SECURITY_POLICY = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
@@ -29,9 +33,22 @@ def load_page() -> bytes:
     return resources.files("infera.server").joinpath("dashboard.html").read_bytes()
 
 
-def session_value(token: str) -> str:
-    """The cookie value for ``token``: proves the token was shown without holding it."""
-    return hmac.new(token.encode("utf-8"), _COOKIE_CONTEXT, hashlib.sha256).hexdigest()
+def session_value(token: str, expires_at: float) -> str:
+    """The cookie value for ``token`` valid until ``expires_at`` (unix seconds): proves the token
+    was shown without holding it, and carries its own expiry under the same MAC."""
+    expiry = str(int(expires_at))
+    mac = hmac.new(token.encode("utf-8"), _COOKIE_CONTEXT + b"|" + expiry.encode(), hashlib.sha256).hexdigest()
+    return f"{expiry}.{mac}"
+
+
+def session_valid(cookie: str, token: str, now: float | None = None) -> bool:
+    """Whether ``cookie`` was issued for ``token`` and has not expired."""
+    expiry, dot, _ = cookie.partition(".")
+    if not dot or not expiry.isascii() or not expiry.isdigit() or len(expiry) > 12:
+        return False
+    if int(expiry) <= (time.time() if now is None else now):
+        return False
+    return _same(cookie, session_value(token, int(expiry)))
 
 
 def _same(given: str, expected: str) -> bool:
@@ -50,12 +67,14 @@ def authorized(token: str | None, authorization: str | None, cookie: str | None)
     scheme, _, given = (authorization or "").partition(" ")
     if scheme.lower() == "bearer" and _same(given.strip(), token):
         return True
-    return cookie is not None and _same(cookie, session_value(token))
+    return cookie is not None and session_valid(cookie, token)
 
 
-def cookie_header(token: str, secure: bool) -> str:
-    return (f"{COOKIE_NAME}={session_value(token)}; Path=/; HttpOnly; SameSite=Strict"
-            + ("; Secure" if secure else ""))
+def cookie_header(token: str, secure: bool, lifetime_s: float = DEFAULT_SESSION_S, now: float | None = None) -> str:
+    """Set-Cookie for a fresh session; Max-Age matches the server-side expiry."""
+    expires_at = (time.time() if now is None else now) + lifetime_s
+    return (f"{COOKIE_NAME}={session_value(token, expires_at)}; Path=/; Max-Age={int(lifetime_s)}; HttpOnly; "
+            "SameSite=Strict" + ("; Secure" if secure else ""))
 
 
 def login_page(message: str) -> bytes:

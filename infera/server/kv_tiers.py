@@ -9,14 +9,17 @@
 * ``POST /v1/cache/prewarm``: a prefetch hint for the kvd on this host. The body is checked as the
   spec has it (400 in the OpenAI error shape); one ``PrefetchHint`` goes over a short-lived
   connection, 202 ``{"accepted": true, "n_keys": N}``; no socket configured, or the daemon not
-  reachable: 503. An optional ``worker_id`` names the worker whose kvd should load the blocks (the
-  ``kvd_socket`` its record names, else ``--kvd-socket-path``): the router reaches only the kvd on
-  its own host, so a worker elsewhere is a 400 that says so.
+  reachable: 503 (its socket path only in the log). An optional ``worker_id`` names the worker whose
+  kvd should load the blocks (the ``kvd_socket`` its record names, else ``--kvd-socket-path``): the
+  router reaches only the kvd on its own host, so a worker elsewhere is a 400 that says so. With
+  ``--admin-token`` it needs the Bearer token (it makes a daemon read its disk tier); at most
+  ``MAX_PREWARM_KEYS`` keys (413) of 1..64 bytes and a ``deadline_ms`` of at most a minute (400).
 """
 from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import socket
 from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
@@ -26,12 +29,19 @@ import msgspec
 from infera.api.errors import ApiError
 from infera.discovery.record import WorkerRecord
 from infera.kvd.client import KvdClient
+from infera.kvd.protocol import MAX_KEY_BYTES
 from infera.router.kv_aware import expand_targets
+
+log = logging.getLogger(__name__)
 
 PREWARM_ROUTE = "/v1/cache/prewarm"
 KV_STATS_ROUTE = "/v1/kv-stats"
 PREFETCH_CLIENT_ID = "infera-router-prefetch"
 KVD_TIMEOUT_S = 2.0  # connect + one request: a wedged daemon must not hold a handler
+# One prewarm is one prompt's blocks: 65 536 blocks is a 1M-token prompt at 16 tokens a block (413 past it),
+# and a prefetch worth doing lands within a minute (400 past it). Bigger hints only tie up the kvd.
+MAX_PREWARM_KEYS = 65_536
+MAX_PREWARM_DEADLINE_MS = 60_000
 GPU_TIER = "GPU"
 
 _json = msgspec.json.Encoder()
@@ -128,20 +138,26 @@ def parse_prewarm(raw: bytes) -> PrewarmRequest:
     hashes = obj.get("block_hashes")
     if not isinstance(hashes, list):
         raise _bad("'block_hashes' is required: a list of hex strings (the kvd keys of the blocks)", "block_hashes")
+    if len(hashes) > MAX_PREWARM_KEYS:
+        raise ApiError(413, f"'block_hashes' holds {len(hashes)} keys; at most {MAX_PREWARM_KEYS} per prewarm",
+                       "too_many_keys", param="block_hashes")
     keys = []
     for i, h in enumerate(hashes):
         try:
             if not isinstance(h, str):
                 raise ValueError
-            keys.append(bytes.fromhex(h))
+            key = bytes.fromhex(h)
+            if not 1 <= len(key) <= MAX_KEY_BYTES:
+                raise ValueError
+            keys.append(key)
         except ValueError:
-            raise _bad(f"block_hashes[{i}] is not a hex string: {h!r}", "block_hashes") from None
+            raise _bad(f"block_hashes[{i}] is not a hex string of 1 to {MAX_KEY_BYTES} bytes", "block_hashes") from None
     compat_key = obj.get("compat_key", "")
     if not isinstance(compat_key, str):
         raise _bad("'compat_key' must be a string", "compat_key")
     deadline = obj.get("deadline_ms", 1000)
-    if isinstance(deadline, bool) or not isinstance(deadline, int) or deadline <= 0:
-        raise _bad("'deadline_ms' must be a positive integer", "deadline_ms")
+    if isinstance(deadline, bool) or not isinstance(deadline, int) or not 0 < deadline <= MAX_PREWARM_DEADLINE_MS:
+        raise _bad(f"'deadline_ms' must be an integer from 1 to {MAX_PREWARM_DEADLINE_MS}", "deadline_ms")
     worker_id = obj.get("worker_id")
     if worker_id is not None and (not isinstance(worker_id, str) or not worker_id):
         raise _bad("'worker_id' must be a non-empty string", "worker_id")
@@ -156,11 +172,11 @@ async def handle_prewarm(raw: bytes, kvd_socket_path: Optional[str],
     if req.worker_id is not None:
         worker = find_worker(req.worker_id)
         if worker is None:
-            raise ApiError(404, f"no worker {req.worker_id!r} in the fleet", "worker_not_found", param="worker_id")
+            raise ApiError(404, "no such worker in the fleet", "worker_not_found", param="worker_id")
         host = worker_host(worker)
         if not is_local_host(host):
-            raise _bad(f"worker {req.worker_id!r} runs on {host!r}: this router reaches only the kvd on its own "
-                       f"host (--kvd-socket-path); send the prewarm to a router on that host", "worker_id")
+            raise _bad("that worker runs on another host: this router reaches only the kvd on its own host "
+                       "(--kvd-socket-path); send the prewarm to a router on that host", "worker_id")
         # the kvd behind that worker's engine, as its launcher registered it (same host: same socket space)
         kvd_socket_path = worker.kvd_socket or kvd_socket_path
     if not req.keys:
@@ -172,14 +188,15 @@ async def handle_prewarm(raw: bytes, kvd_socket_path: Optional[str],
     try:
         client = await KvdClient.connect(kvd_socket_path, client_id=PREFETCH_CLIENT_ID, timeout=KVD_TIMEOUT_S)
     except (OSError, asyncio.TimeoutError) as exc:
-        raise ApiError(503, f"kvd at {kvd_socket_path} is not reachable: {exc or type(exc).__name__}",
-                       "kvd_unavailable") from None
+        # (the socket path and the OS error stay in the log: a client learns nothing of the host's layout)
+        log.warning("prewarm: kvd at %s is not reachable: %s", kvd_socket_path, exc or type(exc).__name__)
+        raise ApiError(503, "the kvd is not reachable", "kvd_unavailable") from None
     try:
         await asyncio.wait_for(client.prefetch_hint(req.keys, model=req.model, compat_key=req.compat_key,
                                                     deadline_ms=req.deadline_ms), KVD_TIMEOUT_S)
     except (OSError, asyncio.TimeoutError) as exc:
-        raise ApiError(503, f"kvd at {kvd_socket_path} did not take the hint: {exc or type(exc).__name__}",
-                       "kvd_unavailable") from None
+        log.warning("prewarm: kvd at %s did not take the hint: %s", kvd_socket_path, exc or type(exc).__name__)
+        raise ApiError(503, "the kvd did not take the hint", "kvd_unavailable") from None
     finally:
         await client.close()
     return _json.encode({"accepted": True, "n_keys": len(req.keys)})

@@ -190,7 +190,9 @@ class InferaServer:
                                     process=self.process.info() if self.process is not None else None,
                                     metrics_gather=self.process_metrics,
                                     enable_profiling=self.args.enable_profiling,
-                                    kvd_socket_path=self.args.kvd_socket_path))
+                                    kvd_socket_path=self.args.kvd_socket_path,
+                                    metrics_token=self.args.metrics_token,
+                                    dashboard_session_s=self.args.dashboard_session_s))
         app.middlewares.append(limits_middleware(self.limits))  # body timeout, request bytes in flight
         # handler_cancellation: a client that disconnects cancels its handler, which closes the
         # upstream connection, which makes the engine abort the request and free its slot.

@@ -54,8 +54,13 @@ async def test_the_token_opens_them_and_nothing_else_needs_it(fed_server, caplog
             assert r.status == 400
         async with s.get(base + "/v1/admin/nope", headers={"Authorization": f"Bearer {TOKEN}"}) as r:
             assert r.status == 404
-        for path in ("/health", "/v1/models", "/v1/workers", "/metrics"):  # not admin: open as before
+        for path in ("/health", "/v1/models"):  # not admin: open as before
             async with s.get(base + path) as r:
+                assert r.status == 200, path
+        for path in ("/v1/workers", "/metrics"):  # every worker's address: a token is set, so they need it
+            async with s.get(base + path) as r:
+                assert r.status == 401, path
+            async with s.get(base + path, headers={"Authorization": f"Bearer {TOKEN}"}) as r:
                 assert r.status == 200, path
     assert TOKEN not in caplog.text
 

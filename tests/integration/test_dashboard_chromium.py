@@ -1,6 +1,7 @@
 """The /dashboard page in a real headless Chromium, driven over the Chrome DevTools Protocol with
 aiohttp's websocket client: a sim fleet (two mixed workers and a 1P1D pair) in a real etcd, a real
-server with an admin token; the page signs in with ?token=, shows every worker, and shows a worker
+server with an admin token; a ?token= link only gets the sign-in form, the page signs in through
+that form (POST), shows every worker, and shows a worker
 gone after its launcher is SIGKILLed. Screenshots land in $INFERA_TEST_ARTIFACTS (default
 /tmp/infera-artifacts)."""
 from __future__ import annotations
@@ -198,7 +199,21 @@ async def test_dashboard_shows_the_fleet_and_a_killed_worker_leaving(browser, ma
 
 
 async def _watch(browser: Cdp, base: str, a, b, p, d, ids: set[str]) -> None:
+    # a token in the URL signs nobody in (it would sit in access logs and history): the form does
     session = await open_page(browser, f"{base}/dashboard?token={TOKEN}")
+    await wait_for(lambda: evaluate(browser, session, "!!document.getElementById('login')"), 10,
+                   message="the sign-in form")
+    await evaluate(browser, session, f"document.getElementById('token').value = {json.dumps(TOKEN)}; "
+                                     "document.getElementById('login').submit(); true")
+
+    async def signed_in() -> bool:
+        try:  # (mid-navigation the page's context may be gone: not yet)
+            return await evaluate(browser, session, "location.pathname === '/dashboard' && "
+                                  "!document.getElementById('login') && document.readyState === 'complete'")
+        except Exception:
+            return False
+
+    await wait_for(signed_in, 10, interval=0.1, message="signed in through the form")
 
     async def cards() -> dict[str, str]:
         return json.loads(await evaluate(browser, session, CARDS) or "{}")

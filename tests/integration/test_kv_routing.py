@@ -79,7 +79,7 @@ async def test_shared_prefixes_stick_to_the_worker_that_holds_them(make_server, 
         observed = sum(v["prediction"]["observations"] for v in views)
         exact = sum(v["prediction"]["exact"] for v in views)
         assert observed == 6 and exact == 6, views
-        async with s.get(base + "/metrics") as r:
+        async with s.get(base + "/metrics", headers=ADMIN) as r:  # (a token is set: /metrics needs one)
             metrics = await r.text()
         assert "infera_router_picks_total" in metrics and "infera_kv_prediction_error_tokens_bucket" in metrics
         assert 'infera_kv_events_silent{worker_id="' in metrics

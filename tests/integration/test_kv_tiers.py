@@ -110,7 +110,8 @@ async def test_prewarm_sends_one_hint_to_the_local_kvd(make_server, kvd_with_met
         kvd.stop()
         async with s.post(base + "/v1/cache/prewarm", json=body) as r:
             assert r.status == 503
-            assert (await r.json())["error"]["code"] == "kvd_unavailable"
+            err = (await r.json())["error"]
+            assert err["code"] == "kvd_unavailable" and kvd.socket not in err["message"]  # (the path: logs only)
         status, stats = await get_json(s, base + "/v1/kv-stats")
         assert status == 200 and stats["kvd"]["reachable"] is False
 

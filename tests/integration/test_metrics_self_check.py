@@ -99,7 +99,7 @@ async def test_streams_without_usage_move_the_window_comparison(make_server, spa
         hit_rates = [window.rates(w.worker_id)[1] for w in workers]
         assert max(r or 0 for r in hit_rates) > 0.5  # follow-up turns hit their group's prefix
 
-        async with s.get(base + "/metrics") as r:
+        async with s.get(base + "/metrics", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as r:
             text = await r.text()
     for w in workers:
         if window.rates(w.worker_id)[0] is not None:

@@ -94,7 +94,7 @@ async def test_unloadable_tokenizer_is_degraded_and_the_self_check_flags_it(make
             (record,) = (await get_json(s, base + "/v1/workers"))["workers"]
             assert record["kv_routing"] == "degraded" and model_dir in record["kv_routing_reason"]
             assert any(model_dir in r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
-            async with s.get(base + "/metrics") as r:
+            async with s.get(base + "/metrics", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as r:
                 assert 'infera_router_tokenizer_degraded{model="tiny"} 1.0' in await r.text()
 
             # Traffic: the engine caches the shared prefix, the router (built-in tokenizer) cannot
