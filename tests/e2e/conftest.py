@@ -55,7 +55,9 @@ def http_json(url: str, body: dict | None = None, timeout: float = 60) -> dict:
 
 
 def urlopen_text(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as r:
+    # the admin token too: with one set, the router's /metrics needs it (engines ignore it)
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
         return r.read().decode()
 
 
