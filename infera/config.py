@@ -212,6 +212,26 @@ def add_plane_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str] 
       help="how KV events reach routers (default: nats inside a Pod, else zmq)")
     f("--nats-server", env="NATS_SERVER", default=DEFAULT_NATS_SERVER,
       help="NATS URL(s), comma-separated (requests, KV events and replica sync on the NATS plane)")
+    # NATS credentials and TLS (infera/transport/nats_auth.py); a file that cannot be read is a usage error
+    # at start. Secrets never come as flags (argv is readable by every local user): files or env only.
+    from infera.transport.nats_auth import readable_file
+
+    f("--nats-user", env="INFERA_NATS_USER", default=None,
+      help="NATS user; its password from --nats-password-file or the INFERA_NATS_PASSWORD env variable")
+    f("--nats-password-file", env="INFERA_NATS_PASSWORD_FILE", default=None, type=readable_file,
+      help="file holding the NATS password (else INFERA_NATS_PASSWORD)")
+    f("--nats-token-file", env="INFERA_NATS_TOKEN_FILE", default=None, type=readable_file,
+      help="file holding a NATS auth token (else INFERA_NATS_TOKEN)")
+    f("--nats-creds", env="INFERA_NATS_CREDS", default=None, type=readable_file,
+      help="NATS JWT .creds file (user JWT + NKey seed; needs the nkeys package)")
+    f("--nats-nkey-seed", env="INFERA_NATS_NKEY_SEED", default=None, type=readable_file,
+      help="file holding a NATS NKey user seed (SU...; needs the nkeys package)")
+    f("--nats-tls-ca", env="INFERA_NATS_TLS_CA", default=None, type=readable_file,
+      help="CA bundle (PEM) that verifies the NATS server; turns TLS on")
+    f("--nats-tls-cert", env="INFERA_NATS_TLS_CERT", default=None, type=readable_file,
+      help="client certificate (PEM) for NATS TLS; with --nats-tls-key")
+    f("--nats-tls-key", env="INFERA_NATS_TLS_KEY", default=None, type=readable_file,
+      help="client certificate's private key (PEM) for NATS TLS")
     f("--nats-req-idle-timeout", env="INFERA_NATS_REQ_IDLE_TIMEOUT", default=900.0, type=non_negative_float,
       help="NATS requests: longest wait for the next reply chunk before 504 and a cancel (0 = forever)")
     f("--nats-req-max-duration", env="INFERA_NATS_REQ_MAX_DURATION", default=0.0, type=non_negative_float,

@@ -271,6 +271,13 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
     elif args.replica_sync == "local" and args.workers == 1:
         parser.error("--replica-sync local shares among the processes of one server: it needs --workers > 1 "
                      "(or INFERA_SERVER_WORKERS); use nats to share with other server replicas")
+    if "nats" in (args.request_transport, args.kv_event_transport) or args.replica_sync == "nats":
+        from infera.transport.nats_auth import NatsAuth
+
+        try:  # NATS credentials and TLS files are read at start: a bad one stops the server here
+            NatsAuth.from_args(args, environ)
+        except ValueError as exc:
+            parser.error(str(exc))
     if args.breaker_max_cooldown_s < args.breaker_cooldown_s:
         parser.error(f"--breaker-max-cooldown-s ({args.breaker_max_cooldown_s:g}) must be >= --breaker-cooldown-s "
                      f"({args.breaker_cooldown_s:g})")

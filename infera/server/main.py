@@ -68,7 +68,7 @@ class InferaServer:
         # One NATS connection for every NATS use, opened only when a flag asks for the broker plane.
         self.nats: NatsConnection | None = None
         if "nats" in (args.request_transport, args.kv_event_transport) or args.replica_sync == "nats":
-            self.nats = NatsConnection(args.nats_server, name="infera-server")
+            self.nats = NatsConnection.from_args(args, name="infera-server")
         nats_requests = None
         if args.request_transport == "nats":
             assert self.nats is not None

@@ -17,7 +17,9 @@ in the background forever; after a loss it reconnects forever, cycling through t
 re-subscribes; listeners hear ``disconnected``/``reconnected``; PINGs every ``ping_interval``
 detect a dead peer (``max_outstanding_pings`` unanswered: the connection is dropped). Credentials
 in the URL (``nats://user:pass@host``, ``nats://token@host``) and TLS (``tls://`` or a server that
-requires it) work as in nats-py.
+requires it) work as in nats-py, and so do the process's ``NatsAuth`` (user/password or token, a
+.creds file or NKey seed signing the server's nonce, TLS with a custom CA and a client certificate).
+No log line or error message carries a password or token.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from typing import Awaitable, Callable
 from urllib.parse import unquote, urlsplit
 
 from infera.runtime import cancel_and_wait
+from infera.transport.nats_auth import NatsAuth, redact, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +63,7 @@ class _Server:
             url = "nats://" + url
         u = urlsplit(url)
         if u.scheme not in ("nats", "tls"):
-            raise ValueError(f"unsupported NATS URL scheme {u.scheme!r} in {url!r} (nats:// or tls://)")
+            raise ValueError(f"unsupported NATS URL scheme {u.scheme!r} in {redact_url(url)!r} (nats:// or tls://)")
         self.host = u.hostname or "127.0.0.1"
         self.port = u.port or 4222
         self.tls = u.scheme == "tls"
@@ -219,11 +222,14 @@ class ConnectionEvents:
 
 class NatsCoreClient(ConnectionEvents):
     def __init__(self, servers: str | list[str], *, name: str = "infera", reconnect_wait: float = 0.5,
-                 connect_timeout: float = 2.0, ping_interval: float = 5.0, max_outstanding_pings: int = 2) -> None:
+                 connect_timeout: float = 2.0, ping_interval: float = 5.0, max_outstanding_pings: int = 2,
+                 auth: NatsAuth | None = None) -> None:
         urls = servers.split(",") if isinstance(servers, str) else servers
         self.servers = [_Server(s.strip()) for s in urls if s.strip()]
         if not self.servers:
             raise ValueError("no NATS server given")
+        self.auth = auth or NatsAuth()
+        self._secrets = self.auth.secrets + tuple(x for s in self.servers for x in (s.password, s.token) if x)
         self.name = name
         self.reconnect_wait = reconnect_wait
         self.connect_timeout = connect_timeout
@@ -363,8 +369,8 @@ class NatsCoreClient(ConnectionEvents):
             except Exception as exc:
                 if not warned:
                     log.warning("cannot reach NATS at %s (%s); retrying every %.1fs",
-                                ",".join(s.netloc for s in self.servers), str(exc) or type(exc).__name__,
-                                self.reconnect_wait)
+                                ",".join(s.netloc for s in self.servers),
+                                redact(str(exc), self._secrets) or type(exc).__name__, self.reconnect_wait)
                     warned = True
                 await asyncio.sleep(self.reconnect_wait)
                 continue
@@ -388,8 +394,9 @@ class NatsCoreClient(ConnectionEvents):
         try:
             info = await proto.info
             self.max_payload = int(info.get("max_payload") or _DEFAULT_MAX_PAYLOAD)
-            if server.tls or info.get("tls_required"):
-                ctx = ssl.create_default_context()
+            auth = self.auth
+            if server.tls or info.get("tls_required") or auth.tls_enabled:
+                ctx = auth.ssl_context() if auth.tls_enabled else ssl.create_default_context()
                 transport = await loop.start_tls(transport, proto, ctx, server_hostname=server.host)
                 proto.transport = transport
             connect = {"verbose": False, "pedantic": False, "lang": "python3", "version": "infera",
@@ -398,6 +405,12 @@ class NatsCoreClient(ConnectionEvents):
                 connect.update(user=server.user, **{"pass": server.password})
             elif server.token is not None:
                 connect["auth_token"] = server.token
+            elif auth.user is not None:
+                connect.update(user=auth.user, **{"pass": auth.password})
+            elif auth.token is not None:
+                connect["auth_token"] = auth.token
+            if info.get("nonce") is not None:
+                connect.update(auth.sign_nonce(info["nonce"]))
             pong = loop.create_future()
             self._pongs.clear()
             self._pongs.append(pong)
@@ -467,4 +480,4 @@ class NatsCoreClient(ConnectionEvents):
 
     def _server_error(self, message: str) -> None:
         # Authorization and protocol errors are followed by the server closing the connection.
-        log.error("NATS server %s: %s", self.connected_url, message)
+        log.error("NATS server %s: %s", self.connected_url, redact(message, self._secrets))

@@ -386,10 +386,11 @@ class Launcher:
         wants_kv_relay = a.kv_event_transport == "nats" and bool(record.kv_events_endpoint)
         if a.request_transport != "nats" and not wants_kv_relay:
             return
-        self.nats = NatsConnection(a.nats_server, name=f"infera-worker {record.worker_id}")
+        self.nats = NatsConnection.from_args(a, name=f"infera-worker {record.worker_id}")
         await self.nats.start()
         if not await self.nats.wait_connected(a.ready_timeout):
-            raise TimeoutError(f"NATS at {a.nats_server} not reachable after {a.ready_timeout:.0f}s (--nats-server)")
+            raise TimeoutError(f"NATS at {','.join(self.nats.servers)} not reachable after {a.ready_timeout:.0f}s "
+                               "(--nats-server, and its credentials: --nats-user, --nats-creds, --nats-tls-ca, ...)")
         if a.request_transport == "nats":
             from infera.transport.nats_request_server import NatsRequestServer
 
@@ -496,6 +497,13 @@ def launch(adapter: EngineAdapter, prog: str, argv: Sequence[str] | None = None)
     problems = pd_preflight_problems(adapter, args, engine_argv)
     if problems:
         parser.error("PD preflight refused this worker:\n  - " + "\n  - ".join(problems))
+    if "nats" in (args.request_transport, args.kv_event_transport):
+        from infera.transport.nats_auth import NatsAuth
+
+        try:  # NATS credentials and TLS files are read at start: a bad one stops the worker here
+            NatsAuth.from_args(args)
+        except ValueError as exc:
+            parser.error(str(exc))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_event_loop()
     code = asyncio.run(Launcher(adapter, args, engine_argv, node_rank=rank).run())
