@@ -42,6 +42,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import random
 import sys
 import time
 import uuid
@@ -126,6 +127,15 @@ def bye_message(replica_id: str) -> tuple[str, bytes]:
     """(subject, payload) telling the others that ``replica_id`` is gone: they drop what it had.
     A replica sends it on its way out; a supervisor sends it for a child that died."""
     return subject_for(""), _encode(ReplicaMsg(VERSION, replica_id, 0, bye=True))
+
+
+RETRY_MAX_S = 10.0  # cap of the retry backoffs below
+
+
+def retry_delay(failures: int, first: float, cap: float) -> float:
+    """The wait before retry number ``failures`` (1, 2, ...): ``first`` doubling up to ``cap``,
+    +-25% jitter (replicas that failed together do not retry in step)."""
+    return min(cap, first * 2 ** (failures - 1)) * random.uniform(0.75, 1.25)
 
 
 class ReplicaSync(abc.ABC):
@@ -233,6 +243,9 @@ class ReplicaSync(abc.ABC):
         return out
 
     async def _run(self) -> None:
+        # Both loops retry with an exponential backoff (jittered) and log once per state change:
+        # a failure that repeats at once (fd exhaustion) must not flood the log.
+        failures = 0
         while True:
             try:
                 await self._open()
@@ -241,9 +254,14 @@ class ReplicaSync(abc.ABC):
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the transport is not there (yet): retry
-                log.warning("replica sync (%s): cannot subscribe yet (%s)", self.transport, exc)
-                await asyncio.sleep(0.5)
+                failures += 1
+                (log.warning if failures == 1 else log.debug)(
+                    "replica sync (%s): cannot subscribe yet (%s); retrying with backoff", self.transport, exc)
+                await asyncio.sleep(retry_delay(failures, 0.5, RETRY_MAX_S))
+        if failures:
+            log.info("replica sync (%s): subscribed after %d failed attempt(s)", self.transport, failures)
         self._beat()
+        failures = 0
         while True:
             try:
                 await self._wake.wait()  # a delta, a request of another replica, or the heartbeat
@@ -251,11 +269,18 @@ class ReplicaSync(abc.ABC):
                 self._wake.clear()
                 beat, self._beat_due = self._beat_due, False
                 await self.tick(self.clock(), heartbeat=beat)
+                if failures:
+                    log.info("replica sync ticks again after %d failure(s)", failures)
+                    failures = 0
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bug must not end the sync: log it, carry on
-                log.exception("replica sync tick failed")
-                await asyncio.sleep(0.1)
+                failures += 1
+                if failures == 1:
+                    log.exception("replica sync tick failed; retrying with backoff")
+                else:
+                    log.debug("replica sync tick failed again (%d in a row)", failures, exc_info=True)
+                await asyncio.sleep(retry_delay(failures, 0.1, RETRY_MAX_S))
 
     def _beat(self) -> None:
         self._beat_due = True
