@@ -82,7 +82,7 @@ def login_page(message: str) -> bytes:
     path prefix)."""
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>Infera dashboard: sign in</title>
-<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta name="viewport" content="width=device-width, initial-scale=1"><link rel="icon" href="data:,">
 <style>body{{font:15px system-ui,sans-serif;background:#11151c;color:#dde3ea;display:flex;justify-content:center;
 margin-top:12vh}}form{{background:#1b212b;padding:24px 28px;border-radius:8px;min-width:320px}}
 input{{width:100%;box-sizing:border-box;margin:10px 0;padding:8px;background:#0d1117;color:#dde3ea;
