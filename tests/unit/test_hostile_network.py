@@ -82,3 +82,13 @@ def test_midstream_events_name_no_worker():
         event = midstream_error_event("10.9.8.7:8123", exc)
         assert b"10.9.8.7" not in event and b"8123" not in event
     assert b"idle timeout" in midstream_error_event("10.9.8.7:8123", UpstreamTimeout("worker x stalled (idle timeout)"))
+
+
+def test_a_misconfigured_pd_worker_is_named_in_the_log_not_to_the_client(caplog):
+    from infera.router.pd.base import misconfigured
+
+    worker = WorkerRecord(worker_id="10.9.8.7:8123", url="http://10.9.8.7:8123", model_name="m", disagg_mode="prefill")
+    err = misconfigured("vllm-mori", worker, "advertises kv_connector_extra_config.host_ip '10.9.8.6'")
+    assert err.status == 500 and err.code == "pd_misconfigured" and "prefill" in err.message
+    assert "10.9.8" not in err.message and "8123" not in err.message
+    assert "10.9.8.7:8123" in caplog.text and "10.9.8.6" in caplog.text

@@ -14,10 +14,13 @@ Topologies:
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from infera.discovery.record import WorkerRecord
+
+log = logging.getLogger(__name__)
 
 Topology = Literal["concurrent", "serial"]
 
@@ -120,9 +123,11 @@ def require_route(protocol: str, route: str, allowed: tuple[str, ...] = OPENAI_R
 
 
 def misconfigured(protocol: str, worker: WorkerRecord, problem: str) -> PdError:
-    """A worker record that cannot drive this protocol: the operator's fault, not the client's."""
-    return PdError(500, f"PD protocol {protocol}: {worker.disagg_mode} worker {worker.worker_id} {problem}",
-                   "pd_misconfigured")
+    """A worker record that cannot drive this protocol: the operator's fault, not the client's.
+    The worker and what is wrong (its id, hosts, ports) go to the log; the client is told no address."""
+    log.error("PD protocol %s: %s worker %s %s", protocol, worker.disagg_mode, worker.worker_id, problem)
+    return PdError(500, f"PD protocol {protocol}: a {worker.disagg_mode} worker's record cannot drive it (see the "
+                   "server log)", "pd_misconfigured")
 
 
 def as_port(value: Any) -> int | None:
