@@ -27,10 +27,11 @@ import asyncio
 import logging
 import resource
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterator
 
 from aiohttp import web, web_server
 from aiohttp.web_protocol import RequestHandler
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from infera.api.errors import ApiError
 
@@ -101,6 +102,30 @@ class ServerLimits:
             return False  # one request alone may always go (it is under --max-request-bytes)
         self.inflight_bytes += n
         return True
+
+
+class LimitsMetrics:
+    """The limits' state and what they closed or refused, for /metrics."""
+
+    def __init__(self, limits: ServerLimits) -> None:
+        self.limits = limits
+
+    def collect(self) -> Iterator[Metric]:
+        lim = self.limits
+        yield GaugeMetricFamily("infera_http_connections", "open client connections (this process)",
+                                value=len(lim.connections))
+        yield GaugeMetricFamily("infera_http_inflight_request_bytes",
+                                "request body bytes held by the requests in progress (--max-inflight-bytes)",
+                                value=lim.inflight_bytes)
+        closed = CounterMetricFamily("infera_http_connections_closed_total",
+                                     "client connections the limits closed or refused, by reason", labels=["reason"])
+        for reason, value in (("header_timeout", lim.header_timeouts), ("body_timeout", lim.body_timeouts),
+                              ("evicted", lim.evicted), ("refused", lim.refused)):
+            closed.add_metric([reason], value)
+        yield closed
+        yield CounterMetricFamily("infera_http_busy_rejections_total",
+                                  "requests answered 503 server_busy: past --max-inflight-bytes",
+                                  value=lim.busy_rejections)
 
 
 class LimitedRequestHandler(RequestHandler):

@@ -29,7 +29,7 @@ from infera.server.cli import parse_args
 from infera.server.kv import KvEventsBridge
 from infera.server.engine_scrape import EngineHitWindow
 from infera.server.tokenizers import RouterTokenizers
-from infera.server.limits import LimitedAppRunner, ServerLimits, limits_middleware
+from infera.server.limits import LimitedAppRunner, LimitsMetrics, ServerLimits, limits_middleware
 from infera.server.metrics import NatsMetrics, ProcessMetrics, ReplicaSyncMetrics, ServerMetrics, drop_worker_keys
 from infera.server.supervisor import ChildContext, Supervisor
 from infera.transport.http import HttpTransport
@@ -148,6 +148,7 @@ class InferaServer:
         self.fleet.subscribe(self._on_fleet_change)
         self._runner: web.AppRunner | None = None
         self.limits = ServerLimits.from_args(args)
+        self.metrics.registry.register(LimitsMetrics(self.limits))
         self.port: int | None = None
 
     def _on_fleet_change(self, worker_id: str, record) -> None:

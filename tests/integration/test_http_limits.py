@@ -16,6 +16,7 @@ import time
 import aiohttp
 import pytest
 
+from infera.engine.base.prom import sample_sum, samples
 from tests.conftest import free_port, wait_for
 
 T = 1.0  # the timeouts under test
@@ -80,6 +81,12 @@ async def health(server: Server, timeout: float = 3.0) -> int:
         async with s.get(server.base + "/health") as r:
             await r.read()
             return r.status
+
+
+async def metric(server: Server, name: str, label: str = "") -> float:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
+        async with s.get(server.base + "/metrics") as r:
+            return sample_sum(await r.text(), name, label)
 
 
 async def connect(server: Server) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -155,6 +162,7 @@ async def test_slowloris_heads_are_closed_after_the_header_timeout(start_server)
     assert slowest >= T * 0.9
     assert statuses and all(s == 200 for s in statuses), statuses
     assert await health(server) == 200
+    assert await metric(server, "infera_http_connections_closed_total", 'reason="header_timeout"') >= 30
 
 
 async def test_connect_and_say_nothing_is_closed_after_the_header_timeout(start_server):
@@ -193,6 +201,8 @@ async def test_trickled_bodies_are_closed_after_the_body_timeout(start_server):
     assert all(closed), f"{closed.count(False)} of 30 trickling bodies still open after {T + SLACK} s"
     assert slowest >= T * 0.9
     assert statuses and all(s == 200 for s in statuses), statuses
+    assert await metric(server, "infera_http_connections_closed_total", 'reason="body_timeout"') >= 30
+    assert await metric(server, "infera_http_inflight_request_bytes") == 0  # released with the requests
 
 
 async def test_idle_connections_are_closed_after_the_keepalive_timeout(start_server):
@@ -220,6 +230,8 @@ async def test_more_idle_connections_than_file_descriptors_leave_health_answerin
         assert statuses and all(s == 200 for s in statuses), statuses
         closed = await asyncio.gather(*(is_closed(r, 0.5) for r, _ in conns))
         assert closed.count(True) >= 300 - 96, f"only {closed.count(True)} of 300 idle connections were closed"
+        assert await metric(server, "infera_http_connections") <= 96
+        assert await metric(server, "infera_http_connections_closed_total", 'reason="evicted"') >= 300 - 96
         assert server.proc.returncode is None
         assert "Too many open files" not in server.log()
     finally:
@@ -249,6 +261,8 @@ async def test_request_bytes_past_the_inflight_cap_get_503(start_server):
             assert retry_after == "1"
             assert payload["error"]["code"] == "server_busy"
             assert payload["error"]["type"] and "--max-inflight-bytes" in payload["error"]["message"]
+        assert await metric(server, "infera_http_busy_rejections_total") == 4
+        assert await metric(server, "infera_http_inflight_request_bytes") == 800000
         # a body over --max-request-bytes is still a 413
         async with s.post(server.base + "/v1/chat/completions", data=b"x" * 950000) as r:
             assert r.status == 413
@@ -260,3 +274,18 @@ async def test_request_bytes_past_the_inflight_cap_get_503(start_server):
             return payload.get("error", {}).get("code") != "server_busy"
 
         await wait_for(admitted, 10, interval=0.1, message="a request admitted once the held bytes are released")
+
+
+async def test_every_process_of_a_workers_server_has_the_limits(start_server):
+    """--workers 2: the kernel spreads the connections over both children; each closes its share."""
+    server = await start_server("--header-timeout", str(T), workers=2)
+    closed, statuses, _ = await attack(server, 30, b"GET /health HTTP/1.1\r\nHost: x\r\n", b"X-A: b\r\n")
+    assert all(closed), f"{closed.count(False)} of 30 trickling heads still open after {T + SLACK} s"
+    assert statuses and all(s == 200 for s in statuses), statuses
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
+        async with s.get(server.base + "/metrics") as r:
+            text = await r.text()
+    per_process = [v for n, labels, v in samples(text)
+                   if n == "infera_http_connections_closed_total" and 'reason="header_timeout"' in labels]
+    assert sum(per_process) >= 30
+    assert len(per_process) == 2 and all(v > 0 for v in per_process), per_process  # both children closed some
