@@ -185,6 +185,98 @@ async def test_nkey_seed_connects_and_a_client_without_it_is_refused(tmp_path, c
     assert seed.decode() not in caplog.text
 
 
+# -- a NATS JWT .creds file (operator mode, accounts preloaded in memory) and a token ----------------------
+def _b64(b: bytes) -> str:
+    import base64
+
+    return base64.urlsafe_b64encode(b).decode().rstrip("=")
+
+
+def _jwt(signer, iss: str, sub: str, nats_claims: dict) -> str:
+    """A NATS JWT (v2) signed with an nkey, as nsc writes them."""
+    import hashlib
+    import json
+    import time
+
+    claims = {"jti": "", "iat": int(time.time()), "iss": iss, "name": sub[:8], "sub": sub, "nats": nats_claims}
+    claims["jti"] = _b64(hashlib.sha256(json.dumps(claims).encode()).digest())
+    head = _b64(json.dumps({"typ": "JWT", "alg": "ed25519-nkey"}).encode())
+    body = _b64(json.dumps(claims).encode())
+    return f"{head}.{body}." + _b64(signer.sign(f"{head}.{body}".encode()))
+
+
+def make_operator(d, nkeys) -> tuple[str, str, str]:
+    """(nats-server config lines, a user's .creds path, another operator's user's .creds path)."""
+    def keypair(prefix):
+        seed = nkeys.encode_seed(os.urandom(32), prefix)
+        kp = nkeys.from_seed(bytearray(seed))
+        return seed.decode(), kp, kp.public_key.decode()
+
+    limits = {"subs": -1, "conn": -1, "leaf": -1, "imports": -1, "exports": -1, "data": -1, "payload": -1,
+              "wildcards": True}
+    user_claims = {"type": "user", "version": 2, "pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1}
+    out = []
+    for name in ("ours", "foreign"):
+        _, op, op_pub = keypair(nkeys.PREFIX_BYTE_OPERATOR)
+        _, acc, acc_pub = keypair(nkeys.PREFIX_BYTE_ACCOUNT)
+        user_seed, _, user_pub = keypair(nkeys.PREFIX_BYTE_USER)
+        creds = d / f"{name}.creds"
+        creds.write_text(f"-----BEGIN NATS USER JWT-----\n{_jwt(acc, acc_pub, user_pub, user_claims)}\n"
+                         "------END NATS USER JWT------\n\n-----BEGIN USER NKEY SEED-----\n"
+                         f"{user_seed}\n------END USER NKEY SEED------\n")
+        (d / f"{name}-op.jwt").write_text(_jwt(op, op_pub, op_pub, {"type": "operator", "version": 2}))
+        acc_jwt = _jwt(op, op_pub, acc_pub, {"type": "account", "version": 2, "limits": limits})
+        _, _, sys_pub = keypair(nkeys.PREFIX_BYTE_ACCOUNT)  # JetStream needs a system account
+        sys_jwt = _jwt(op, op_pub, sys_pub, {"type": "account", "version": 2, "limits": limits})
+        out.append((f'operator: "{d / f"{name}-op.jwt"}"\nresolver: MEMORY\nsystem_account: {sys_pub}\n'
+                     f'resolver_preload: {{ {acc_pub}: "{acc_jwt}", {sys_pub}: "{sys_jwt}" }}', str(creds)))
+    return out[0][0], out[0][1], out[1][1]
+
+
+async def test_a_creds_file_connects_and_a_foreign_or_missing_one_is_refused(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG)
+    nkeys = pytest.importorskip("nkeys")  # a test dependency (pyproject's test extra)
+    conf, creds, foreign = make_operator(tmp_path, nkeys)
+    n = NatsProcess(extra_conf=conf)
+    n.start()
+    args = parse_args(["--etcd-endpoint", "127.0.0.1:2379", "--request-transport", "nats", "--nats-server", n.url],
+                      environ={"INFERA_NATS_CREDS": creds})  # env: flag > env > default
+    conn = NatsConnection.from_args(args, name="t-creds")
+    other = NatsConnection(n.url, name="t-creds-foreign", reconnect_wait=0.2, auth=NatsAuth(creds_file=foreign))
+    anonymous = NatsConnection(n.url, name="t-anon", reconnect_wait=0.2)
+    try:
+        assert await _connects(conn)
+        assert await _refused(other)
+        assert await _refused(anonymous)
+    finally:
+        for c in (conn, other, anonymous):
+            await c.close()
+        n.cleanup()
+    seed = re.search(r"BEGIN USER NKEY SEED-+\n(\S+)", open(creds).read()).group(1)
+    assert seed not in caplog.text
+
+
+async def test_a_token_from_a_file_connects_and_a_wrong_one_is_refused(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG)
+    token = "tok-" + os.urandom(12).hex()
+    n = NatsProcess(extra_conf=f'authorization {{ token: "{token}" }}')
+    n.start()
+    (tmp_path / "token").write_text(token + "\n")
+    args = parse_args(["--etcd-endpoint", "127.0.0.1:2379", "--request-transport", "nats", "--nats-server", n.url,
+                       "--nats-token-file", str(tmp_path / "token")], environ={"INFERA_NATS_TOKEN": "env-loses"})
+    conn = NatsConnection.from_args(args, name="t-token")
+    assert NatsAuth.from_args(args, {"INFERA_NATS_TOKEN": "env-loses"}).token == token  # the file flag wins
+    wrong = NatsConnection(n.url, name="t-token-wrong", reconnect_wait=0.2, auth=NatsAuth(token="nope-" + token))
+    try:
+        assert await _connects(conn)
+        assert await _refused(wrong)
+    finally:
+        await conn.close()
+        await wrong.close()
+        n.cleanup()
+    assert token not in caplog.text
+
+
 # -- TLS with a CA of the test's own and a client certificate -----------------------------------------
 def _openssl(*args: str, cwd) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
