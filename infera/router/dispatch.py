@@ -47,6 +47,32 @@ def reported_cached_tokens(data: bytes) -> int | None:
     return None
 
 
+def is_engine_error(exc: LegFailure) -> bool:
+    """The worker's engine answered 5xx (it ran the request and failed on it), as opposed to a
+    transport failure or a missing first byte, which always count against the worker."""
+    return exc.status >= 500 and exc.reason.startswith("http_")
+
+
+def engine_error_message(body: bytes | None, limit: int = 1000) -> str:
+    """What an engine's error body says (OpenAI/vLLM ``{"error": {"message"}}``, SGLang/older
+    vLLM ``{"message"}``, FastAPI ``{"detail"}``, or plain text), at most ``limit`` characters."""
+    if not body:
+        return ""
+    text: object = None
+    try:
+        data = msgspec.json.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        data = None
+    if isinstance(data, dict):
+        err = data.get("error")
+        text = err.get("message") if isinstance(err, dict) else err if isinstance(err, str) else None
+        text = text if isinstance(text, str) else data.get("message") or data.get("detail")
+    if not isinstance(text, str):
+        text = body.decode("utf-8", "replace")
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
 @dataclass(slots=True)
 class Reply:
     status: int
@@ -116,6 +142,9 @@ class MixedRouter:
             await self._prepare(req)
         tried: set[str] = set()
         failure: LegFailure | None = None
+        # A worker whose engine answered 5xx, its breaker vote held until another worker has been
+        # tried: a success there confirms it; a second engine 5xx makes it the request's fault.
+        suspect: str | None = None
         for attempt in range(1 + self.max_retries):
             pool = candidates if not tried else [w for w in candidates if w.worker_id not in tried]
             if not pool:
@@ -123,25 +152,47 @@ class MixedRouter:
             worker = self.policy.pick(self.breaker.filter(pool), req)
             tried.add(worker.worker_id)
             try:
-                return await self._attempt(worker, req)
+                reply = await self._attempt(worker, req, hold_engine_error=True)
             except LegFailure as exc:
                 failure = exc
                 if not exc.retryable:
                     break
+                if is_engine_error(exc):
+                    if suspect is not None:
+                        raise self._repeated_engine_error(req, suspect, exc) from None
+                    suspect = worker.worker_id
+            else:
+                if suspect is not None and reply.status < 400:
+                    self.breaker.record_failure(suspect)  # another worker served it: the 5xx was the worker's
+                return reply
             log.warning("request %s: %s (attempt %d)", req.request_id, failure.detail, attempt + 1)
             self.metrics.count_retry(req.route, failure.reason)
+        if suspect is not None:
+            self.breaker.record_failure(suspect)  # no other engine's answer to weigh it against
         assert failure is not None
         raise ApiError(failure.status, failure.message, failure.reason, headers=failure.headers)
 
-    async def _attempt(self, worker: WorkerRecord, req: RoutedRequest) -> Reply:
+    def _repeated_engine_error(self, req: RoutedRequest, suspect: str, exc: LegFailure) -> ApiError:
+        """The engines of two workers answered 5xx to this request: the request is what fails
+        (a client can send one that crashes every engine), so it goes back to the client with the
+        engine's words, no other worker is tried, and neither breaker counts it. Otherwise two
+        such requests per worker would open every breaker of the fleet."""
+        log.warning("request %s: engines of %s and %s both answered 5xx (%s); returned to the client, not held "
+                    "against either", req.request_id, suspect, exc.worker_id, exc.status)
+        detail = engine_error_message(exc.body)
+        message = "the engines of two workers failed on this request" + (f": {detail}" if detail else "")
+        return ApiError(exc.status, message, "engine_error", headers=exc.headers)
+
+    async def _attempt(self, worker: WorkerRecord, req: RoutedRequest, *, hold_engine_error: bool = False) -> Reply:
         """One worker; ``LegFailure`` if it failed before the first byte. A 4xx is the client's
-        fault: returned as is, never retried elsewhere. The breaker hears the outcome either way."""
+        fault: returned as is, never retried elsewhere. The breaker hears the outcome either way,
+        except an engine's 5xx with ``hold_engine_error`` (scored neutral: the caller decides)."""
         tracker = None
         route, body = req.route, req.body
         if self.migration_limit > 0 and req.stream and req.direct_worker is None:
             route, body, tracker = self._tracked(worker, req)
         sent = self._clock()
-        opened, release = await self._open(worker, req, route, body)
+        opened, release = await self._open(worker, req, route, body, hold_engine_error=hold_engine_error)
         observer = self.usage_observer
         if opened.resp is None:
             release()
@@ -202,10 +253,11 @@ class MixedRouter:
             raise failure
         raise LegFailure("", 503, "no other worker to continue the stream on", "no_candidate")
 
-    async def _open(self, worker: WorkerRecord, req: RoutedRequest, route: str,
-                    body: bytes) -> tuple[Opened, Callable[[], None]]:
+    async def _open(self, worker: WorkerRecord, req: RoutedRequest, route: str, body: bytes, *,
+                    hold_engine_error: bool = False) -> tuple[Opened, Callable[[], None]]:
         """Send to one worker up to its first byte, with the policy, in-flight and breaker
-        accounting; returns the answer and the release to call when done with it."""
+        accounting; returns the answer and the release to call when done with it.
+        ``hold_engine_error``: an engine's 5xx is scored neutral here (the caller scores it)."""
         body = self.engine_hints.apply_bytes(body, worker, req)
         policy = self.policy
         breaker = self.breaker
@@ -229,7 +281,7 @@ class MixedRouter:
             opened = await open_upstream(self.transport, worker, route, body, headers, req.stream)
         except LegFailure as exc:  # 5xx or transport error before the first byte: the worker's fault
             release()
-            if exc.blames_worker:
+            if exc.blames_worker and not (hold_engine_error and is_engine_error(exc)):
                 breaker.record_failure(worker.worker_id)
             else:
                 breaker.record_neutral(worker.worker_id)

@@ -901,4 +901,10 @@ def main(argv: Iterable[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as ``python -m infera.engine.sim.server`` (the launcher does) this file is ``__main__``, a
+    # second copy beside the ``infera.engine.sim.server`` its helpers import (tool_calls): its app
+    # keys and ApiError would not be theirs (a forced tool call raised KeyError, a 500). Serve from
+    # the one module everything else imports.
+    from infera.engine.sim.server import main as _main
+
+    sys.exit(_main())
