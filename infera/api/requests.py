@@ -12,6 +12,7 @@ split; itertools over builtins).
 from __future__ import annotations
 
 import itertools
+import json
 import operator
 import re
 from typing import Any, Optional, Union
@@ -123,6 +124,50 @@ def json_structure_problem(body: bytes, max_depth: int = MAX_JSON_DEPTH,
     return None
 
 
+# -- duplicate keys -----------------------------------------------------------------------------------
+# Top-level keys whose value the router acts on (routing, the relay's mode, bounds, the PD handoff,
+# the queue priority, the retention it writes). msgspec keeps the last of duplicate keys, and so do
+# the Python engines, but the body is forwarded as received: an engine (or a hop before it) that
+# kept the first would act on a value the router never checked. So such a key given twice is a 400.
+GUARDED_KEYS = ("model", "stream", "n", "max_tokens", "max_completion_tokens", "kv_transfer_params", "priority",
+                "infera_retention")
+_GUARDED_BYTES = tuple(b'"' + k.encode() + b'"' for k in GUARDED_KEYS)
+# A \u escape of an ASCII character (U+0020-U+007F): how a key could spell a guarded name without
+# its literal bytes. Text escapes (non-ASCII, \u00e9, \u4e2d, ...) do not match.
+_ESCAPED_ASCII = re.compile(rb"\\u00[2-7][0-9A-Fa-f]")
+
+
+def duplicate_key_problem(body: bytes) -> tuple[str, str] | None:
+    """(message, key) when a guarded top-level key is given twice, or spelled with escapes (which
+    the router's byte checks, e.g. engine_hints' priority scan, would not see); None when fine.
+
+    Cost: a substring count per guarded key, ~0.2 ns a byte each, and one regex search for an
+    escaped ASCII character; only a body where a guarded name occurs twice (anywhere: a message may
+    quote one) or that holds such an escape is parsed again, in Python, to decide."""
+    if not any(body.count(name) > 1 for name in _GUARDED_BYTES) and _ESCAPED_ASCII.search(body) is None:
+        return None
+    top: list[tuple[str, Any]] = []
+
+    def pairs(members: list[tuple[str, Any]]) -> None:  # every object, the top-level one last
+        nonlocal top
+        top = members
+
+    try:
+        json.loads(body, object_pairs_hook=pairs)
+    except (ValueError, RecursionError):  # msgspec accepted it; refuse what the check cannot read
+        return "malformed JSON body", ""
+    seen: dict[str, int] = {}
+    for key, _ in top:
+        seen[key] = seen.get(key, 0) + 1
+    for key, name in zip(GUARDED_KEYS, _GUARDED_BYTES):
+        count = seen.get(key, 0)
+        if count > 1:
+            return f"duplicate key '{key}' in the request body", key
+        if count and name not in body:
+            return f"key '{key}' spelled with escapes in the request body; write it plainly", key
+    return None
+
+
 # -- validation ---------------------------------------------------------------------------------------
 _AT_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
 _MISSING = re.compile(r"missing required field `([^`]+)`")
@@ -171,6 +216,9 @@ def parse_request(route: str, body: bytes, *, max_depth: int = MAX_JSON_DEPTH,
         raise ApiError(400, f"malformed JSON body: {exc}", "invalid_json") from None
     except RecursionError:  # unreachable below max_depth; kept so no input is ever a 500
         raise ApiError(400, "JSON nested too deep", "json_too_complex") from None
+    duplicate = duplicate_key_problem(body)
+    if duplicate is not None:
+        raise ApiError(400, duplicate[0], "duplicate_key", param=duplicate[1] or None)
     if not req.model:
         raise ApiError(400, "'model' is required", "invalid_request", param="model")
     _at_least_one(req.max_tokens, "max_tokens", MAX_TOKENS)

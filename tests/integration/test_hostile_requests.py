@@ -110,3 +110,26 @@ async def test_sim_answers_required_tool_choice(make_server, spawn_worker):
             else:
                 (call,) = json.loads(text)["choices"][0]["message"]["tool_calls"]
                 assert call["function"]["name"] == "weather" and "city" in json.loads(call["function"]["arguments"])
+
+
+# -- duplicate keys -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tail, key", [
+    (b'"kv_transfer_params":{"remote_host":"10.9.9.9","remote_port":1},"kv_transfer_params":null', "kv_transfer_params"),
+    (b'"priority":2147483647,"priority":0', "priority"),
+    (b'"stream":true,"stream":false', "stream"),
+    (b'"\\u0070riority":2147483647', "priority"),
+])
+async def test_duplicate_keys_are_refused_and_never_forwarded(fed_server, sims, tail, key):  # noqa: F811
+    sim = await sims("vllm")
+    server, base = await fed_server()
+    server.fleet.upsert(record("w", sim, "vllm"))
+    raw = json.dumps(CHAT).encode()[:-1] + b"," + tail + b"}"
+    async with aiohttp.ClientSession() as s:
+        async with s.post(base + "/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"}) as r:
+            assert r.status == 400
+            err = (await r.json())["error"]
+        assert (err["code"], err["param"], err["type"]) == ("duplicate_key", key, "invalid_request_error")
+        async with s.post(base + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 200
+    assert len(sim.bodies.bodies) == 1  # only the clean request reached the engine

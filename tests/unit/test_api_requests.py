@@ -131,3 +131,42 @@ def test_client_kv_transfer_params_need_the_operators_leave():
     assert parse_request(COMP, b'{"model":"m","prompt":"x","kv_transfer_params":null}').model == "m"
     with pytest.raises(ApiError):
         parse_request(COMP, b'{"model":"m","prompt":"x","kv_transfer_params":"x"}', allow_kv_transfer_params=True)
+
+
+# -- duplicate keys (issue 27): a guarded key twice is a 400, never forwarded for an engine to pick one --
+CHAT_HEAD = b'{"model":"m","messages":[{"role":"user","content":"hi"}]'
+
+
+@pytest.mark.parametrize("route, body, key", [
+    # the probe's body: a bad value first, null last (msgspec, keeping the last, saw no kv_transfer_params)
+    (CHAT, CHAT_HEAD + b',"kv_transfer_params":{"remote_host":"10.9.9.9"},"kv_transfer_params":null}',
+     "kv_transfer_params"),
+    (CHAT, CHAT_HEAD + b',"priority":2147483647,"priority":1}', "priority"),
+    (CHAT, b'{"model":"other","model":"m","messages":[{"role":"user","content":"hi"}]}', "model"),
+    (CHAT, CHAT_HEAD + b',"stream":true, "stream" :false}', "stream"),
+    (CHAT, CHAT_HEAD + b',"max_tokens":99999999,"max_tokens":4}', "max_tokens"),
+    (CHAT, CHAT_HEAD + b',"n":1000,"n":1}', "n"),
+    (CHAT, CHAT_HEAD + b',"infera_retention":"long","infera_retention":"none"}', "infera_retention"),
+    (COMP, b'{"model":"m","prompt":"x","max_completion_tokens":1,"max_completion_tokens":2}', "max_completion_tokens"),
+    # one spelled with escapes: a parser's "priority", invisible to a byte scan; alone or beside the plain one
+    (CHAT, CHAT_HEAD + b',"\\u0070riority":5}', "priority"),
+    (CHAT, CHAT_HEAD + b',"kv_transfer_para\\u006ds":null,"kv_transfer_params":null}', "kv_transfer_params"),
+])
+def test_duplicate_guarded_key_is_400(route, body, key):
+    with pytest.raises(ApiError) as info:
+        parse_request(route, body, allow_kv_transfer_params=True)
+    err = info.value
+    assert (err.status, err.code, err.param) == (400, "duplicate_key", key)
+    assert error_body(err.message, err.status, err.code, err.param)["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body", [
+    # the names inside text, or nested, or an unguarded key twice: fine
+    b'{"model":"m","messages":[{"role":"user","content":"\\"model\\": 1, \\"model\\": 2, \\"priority\\""}]}',
+    b'{"model":"m","messages":[{"role":"user","content":"hi","model":1},{"role":"user","content":"x","model":2}]}',
+    b'{"model":"m","messages":[{"role":"user","content":"hi"}],"vendor":1,"vendor":2}',
+    # text escapes (non-ASCII, and an escaped ASCII letter in a value) are not keys
+    b'{"model":"m","messages":[{"role":"user","content":"caf\\u00e9 \\u4e2d \\u0041"}]}',
+])
+def test_no_duplicate_guarded_key_passes(body):
+    assert parse_request(CHAT, body).model == "m"

@@ -149,12 +149,14 @@ def test_the_splice_handles_blanks_and_keeps_the_rest_byte_for_byte():
                                                                                    "infera_retention": "long"}
 
 
-def test_an_escaped_key_still_lets_the_client_win():
-    """``\\u0070riority`` is "priority" to a JSON parser but not to the textual check: ours goes
-    first, the client's after it, and parsers keep the last of duplicate keys."""
+def test_an_escaped_priority_key_never_reaches_the_hints():
+    """``\\u0070riority`` is "priority" to a JSON parser but not to the textual scan: parse_request
+    refuses it (a guarded key spelled with escapes), so the scan is sound."""
+    from infera.api.errors import ApiError
     raw = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"\\u0070riority":5}'
-    out = EngineHints().apply_bytes(raw, worker("sglang"), request(raw))
-    assert json.loads(out)["priority"] == 5 and msgspec.json.decode(out)["priority"] == 5
+    with pytest.raises(ApiError) as info:
+        request(raw)
+    assert (info.value.status, info.value.code, info.value.param) == (400, "duplicate_key", "priority")
 
 
 def test_apply_dict_never_mutates_the_callers_body():
