@@ -14,8 +14,15 @@ What each engine gets, on a mixed request and on both legs of a PD pair:
   ``kv_transfer_params`` to an engine without a KV connector.
 * ATOM: nothing.
 
-The client's own fields win: a key it set (``priority``, or ``infera_retention`` inside its
-``kv_transfer_params``) is never overwritten. A body is only rebuilt when something is added.
+The client's own fields win: its ``infera_retention``, top-level or inside its
+``kv_transfer_params``, is never overwritten. A body is only rebuilt when something is added.
+
+Except ``priority``, which orders an engine's queue: a client's own is dropped, for every engine
+(SGLang gets the router's in its place), unless the operator allows it (``--allow-client-priority``);
+then a JSON integer is clamped into the router's range, 0-100 (the scale of the router's own
+0/50/100), and anything else is dropped. Unchecked, any client could send ``2147483647`` and jump
+every queue. Finding it costs one substring scan of the body (``"priority"``); only a body that names
+it is decoded (parse_request refuses a guarded key spelled with escapes, so the scan cannot miss one).
 """
 from __future__ import annotations
 
@@ -28,6 +35,10 @@ from infera.discovery.record import WorkerRecord
 from infera.router.policy import RoutedRequest
 
 ENGINE_PRIORITY = {NONE: 0, SHORT: 50, LONG: 100}
+PRIORITY_KEY = "priority"
+_PRIORITY_BYTES = b'"priority"'
+# A client's priority, when allowed, is clamped into the router's own range.
+MIN_PRIORITY, MAX_PRIORITY = min(ENGINE_PRIORITY.values()), max(ENGINE_PRIORITY.values())
 KV_TRANSFER_PARAMS = "kv_transfer_params"
 RETENTION_KEY = "infera_retention"
 # Engines by the request fields they take: "sglang" (priority + retention), "vllm" (retention for kvd).
@@ -55,10 +66,12 @@ def _additions(dialect: str | None, retention: int, kvd: bool) -> dict[str, Any]
 class EngineHints:
     """Adds the engine fields of §3.9 to the body sent to one worker."""
 
-    def __init__(self, default_retention: int = LONG) -> None:
+    def __init__(self, default_retention: int = LONG, *, allow_client_priority: bool = False) -> None:
         if default_retention not in RETENTION_NAMES:
             raise ValueError(f"unknown retention {default_retention!r}")
         self.default_retention = default_retention
+        # --allow-client-priority: a client's integer priority reaches the engine, clamped; off: dropped.
+        self.allow_client_priority = allow_client_priority
         # (dialect, retention, kvd) → the fields, and their JSON members ready to splice into a body
         self._fields: dict[tuple[str | None, int, bool], tuple[dict[str, Any], tuple[bytes, ...], bytes] | None] = {}
         for dialect in (None, *set(_DIALECTS.values())):
@@ -88,7 +101,21 @@ class EngineHints:
         """``body`` with the fields added: a new dict (shallow copy; a merged ``kv_transfer_params``
         is a new dict too), or ``body`` itself when nothing is added. Never mutates ``body``."""
         found = self._for(worker, req)
-        return body if found is None else _merged(body, found[0])
+        checked = self._client_priority(body)
+        return checked if found is None else _merged(checked, found[0])
+
+    def _client_priority(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``body`` with a client's ``priority`` dropped, or clamped when allowed (a new dict), or
+        ``body`` itself when it has none or an allowed one in range."""
+        if PRIORITY_KEY not in body:
+            return body
+        value = body[PRIORITY_KEY]
+        if self.allow_client_priority and type(value) is int:  # (not a bool, a float or a string)
+            clamped = min(max(value, MIN_PRIORITY), MAX_PRIORITY)
+            return body if clamped == value else {**body, PRIORITY_KEY: clamped}
+        out = dict(body)
+        del out[PRIORITY_KEY]
+        return out
 
     def apply_bytes(self, body: bytes, worker: WorkerRecord, req: RoutedRequest) -> bytes:
         """``body`` (a JSON object) with the fields added, or ``body`` itself when nothing is.
@@ -98,22 +125,23 @@ class EngineHints:
         (A key spelled with JSON escapes slips past the check; the client's member then comes
         after ours, and JSON parsers keep the last of duplicate keys, so the client still wins.)"""
         found = self._for(worker, req)
-        if found is None:
+        named = _PRIORITY_BYTES in body  # a client's priority, or the word in some text: decode to tell
+        if found is None and not named:
             return body
-        fields, keys, members = found
-        if not any(k in body for k in keys):
+        if found is not None and not named and not any(k in body for k in found[1]):
             brace = _skip_blanks(body, 0)
             if body[brace:brace + 1] == b"{":
                 after = brace + 1
                 empty = body[_skip_blanks(body, after):][:1] == b"}"
-                return b"".join((b"{", members, b"" if empty else b",", memoryview(body)[after:]))
+                return b"".join((b"{", found[2], b"" if empty else b",", memoryview(body)[after:]))
         try:
             decoded = _decode(body)
         except msgspec.DecodeError:
             return body  # not ours to judge: the engine answers it
         if not isinstance(decoded, dict):
             return body
-        merged = _merged(decoded, fields)
+        checked = self._client_priority(decoded)
+        merged = checked if found is None else _merged(checked, found[0])
         return body if merged is decoded else _encode(merged)
 
 

@@ -201,6 +201,9 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
       action="store_true",
       help="pass a client's own kv_transfer_params to the engines (they tell a vLLM KV connector which host to "
            "pull KV from); off: such a request gets a 400")
+    f("--allow-client-priority", env="INFERA_ALLOW_CLIENT_PRIORITY", default=False, action="store_true",
+      help="pass a client's own integer 'priority' to the engines, clamped to the router's range 0-100; off: it "
+           "is dropped (SGLang gets the router's own 0/50/100 from the cache retention)")
     # -- cache hints to engines, profiling fan-out (infera/router/engine_hints.py, infera/server/profiling.py)
     f("--router-default-retention", env="INFERA_ROUTER_DEFAULT_RETENTION", default="long",
       type=choice_of("none", "short", "long"),

@@ -118,7 +118,8 @@ class InferaServer:
             self.policy = make_policy(args.router_policy)
         direct = args.router_mode == "direct"
         # What each engine is told about a request's cache retention (--router-default-retention).
-        engine_hints = EngineHints(RETENTION_BY_NAME[args.router_default_retention])
+        engine_hints = EngineHints(RETENTION_BY_NAME[args.router_default_retention],
+                                   allow_client_priority=args.allow_client_priority)
         mixed = MixedRouter(self.fleet, self.policy, self.transport, self.metrics,
                             max_retries=args.request_max_retries, direct=direct, usage_observer=usage_observer,
                             breaker=self.breaker, migration_limit=args.migration_limit,

@@ -90,9 +90,10 @@ def system(**cache_control) -> list[dict]:
     ({"prompt_cache_retention": "5m"}, {"priority": 50, "infera_retention": "short"}),
     ({"prompt_cache_key": "conversation-7"}, {"priority": 50, "infera_retention": "short"}),
     ({"prompt_cache_retention": "none"}, {"priority": 0, "infera_retention": "none"}),
-    ({"priority": -4}, {"priority": -4, "infera_retention": "long"}),  # the client's own priority wins
+    # a client's own priority is the router's (issue 27), its own infera_retention wins
+    ({"priority": -4}, {"priority": 100, "infera_retention": "long"}),
     ({"priority": 9, "infera_retention": "none", "prompt_cache_retention": "1h"},
-     {"priority": 9, "infera_retention": "none"}),
+     {"priority": 100, "infera_retention": "none"}),
 ])
 async def test_openai_request_reaches_sglang_with_priority(fed_server, sims, extra, expect):
     sim = await sims("sglang")
@@ -101,7 +102,8 @@ async def test_openai_request_reaches_sglang_with_priority(fed_server, sims, ext
     await openai_chat(base, extra_body={**FIXED, **extra})
     (got,) = sim.bodies.bodies
     assert hints_of(got) == expect
-    assert {k: got[k] for k in extra} == extra  # the client's fields arrive as it sent them
+    own = {k: v for k, v in extra.items() if k != "priority"}
+    assert {k: got[k] for k in own} == own  # the client's other fields arrive as it sent them
 
 
 @pytest.mark.parametrize("cache_control, extra, expect", [
@@ -109,7 +111,7 @@ async def test_openai_request_reaches_sglang_with_priority(fed_server, sims, ext
     ({"type": "ephemeral"}, {}, {"priority": 50, "infera_retention": "short"}),
     ({"type": "ephemeral", "ttl": "5m"}, {}, {"priority": 50, "infera_retention": "short"}),
     ({"type": "ephemeral", "ttl": "1h"}, {}, {"priority": 100, "infera_retention": "long"}),
-    ({"type": "ephemeral"}, {"priority": 3}, {"priority": 3, "infera_retention": "short"}),  # client wins
+    ({"type": "ephemeral"}, {"priority": 3}, {"priority": 50, "infera_retention": "short"}),  # the router's
 ])
 async def test_anthropic_request_reaches_sglang_with_priority(fed_server, sims, cache_control, extra, expect):
     sim = await sims("sglang")
@@ -171,11 +173,11 @@ async def test_sglang_pd_legs_both_carry_priority(fed_server, sims):
                disagg_meta={"protocol": "sglang-bootstrap", "params": {}}),
     ])
     await openai_chat(base, extra_body={**FIXED, "prompt_cache_retention": "5m"})
-    await anthropic_message(base, system(type="ephemeral", ttl="1h"), extra_body={**FIXED, "priority": 1})
+    await anthropic_message(base, system(type="ephemeral", ttl="1h"), extra_body={**FIXED, "priority": 1})  # dropped
     for sim in (prefill, decode):
         first, second = sim.bodies.bodies
         assert hints_of(first) == {"priority": 50, "infera_retention": "short"}
-        assert hints_of(second) == {"priority": 1, "infera_retention": "long"}
+        assert hints_of(second) == {"priority": 100, "infera_retention": "long"}
         assert first["bootstrap_host"] == "127.0.0.1"
         assert first["bootstrap_room"] == decode.bodies.bodies[0]["bootstrap_room"]
 

@@ -112,6 +112,29 @@ async def test_sim_answers_required_tool_choice(make_server, spawn_worker):
                 assert call["function"]["name"] == "weather" and "city" in json.loads(call["function"]["arguments"])
 
 
+# -- a client's priority ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flags, sent, sglang, vllm", [
+    ((), 2147483647, 100, None),  # dropped: SGLang gets the router's own (long retention: 100), vLLM none
+    ((), 0, 100, None),
+    (("--allow-client-priority",), 2147483647, 100, 100),  # allowed: clamped to 0-100
+    (("--allow-client-priority",), -7, 0, 0),
+    (("--allow-client-priority",), 42, 42, 42),
+    (("--allow-client-priority",), "42", 100, None),  # not an integer: dropped
+])
+async def test_client_priority_reaching_the_engine(fed_server, sims, flags, sent, sglang, vllm):  # noqa: F811
+    sg, vl = await sims("sglang"), await sims("vllm")
+    server, base = await fed_server(*flags)
+    server.fleet.upsert(record("a-sglang", sg, "sglang"))
+    server.fleet.upsert(record("b-vllm", vl, "vllm"))
+    async with aiohttp.ClientSession() as s:
+        for _ in range(2):  # round-robin: one each
+            async with s.post(base + "/v1/chat/completions", json={**CHAT, "priority": sent}) as r:
+                assert r.status == 200, await r.text()
+    (got_sg,), (got_vl,) = sg.bodies.bodies, vl.bodies.bodies
+    assert got_sg.get("priority") == sglang and got_vl.get("priority") == vllm
+
+
 # -- duplicate keys -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("tail, key", [

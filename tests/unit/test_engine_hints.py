@@ -111,19 +111,57 @@ def test_default_retention_flag_env_default(argv, environ, expect):
 
 
 @pytest.mark.parametrize("client, expect", [
-    ({"priority": -3}, {"priority": -3, "infera_retention": "long"}),
     ({"infera_retention": "short"}, {"priority": 100, "infera_retention": "short"}),
-    ({"priority": 7, "infera_retention": "none"}, {"priority": 7, "infera_retention": "none"}),
-    ({"priority": None}, {"priority": None, "infera_retention": "long"}),  # set, even to null: the client's
+    ({"priority": 7, "infera_retention": "none"}, {"priority": 100, "infera_retention": "none"}),
+    # a client's priority is never its own: the router's takes its place (issue 27: 2147483647 jumped the queue)
+    ({"priority": 2147483647}, {"priority": 100, "infera_retention": "long"}),
+    ({"priority": -3, "prompt_cache_key": "k"}, {"priority": 50, "infera_retention": "short"}),
+    ({"priority": None}, {"priority": 100, "infera_retention": "long"}),
 ])
-def test_sglang_client_fields_win(client, expect):
+def test_sglang_client_retention_wins_and_its_priority_is_the_routers(client, expect):
     got = sent(EngineHints(), worker("sglang"), chat(**client))
     assert {k: got[k] for k in expect} == expect
 
 
-def test_sglang_untouched_when_the_client_set_both():
-    hints, req = EngineHints(), request(chat(priority=1, infera_retention="short"))
+@pytest.mark.parametrize("engine, kvd", [("vllm", False), ("vllm", True), ("sim", False), ("atom", False),
+                                         ("unknown", False)])
+@pytest.mark.parametrize("value", [2147483647, -5, 7, "9", 1.5, None, True])
+def test_a_clients_priority_is_dropped_for_every_other_engine(engine, kvd, value):
+    got = sent(EngineHints(), worker(engine, kvd), chat(priority=value))
+    assert "priority" not in got and got["messages"] == chat()["messages"]
+
+
+@pytest.mark.parametrize("value, expect", [
+    (2147483647, 100), (-2147483648, 0), (-3, 0), (0, 0), (37, 37), (100, 100), (101, 100),
+    ("9", None), (1.5, None), (None, None), (True, None), ([1], None),  # not an integer: dropped
+])
+@pytest.mark.parametrize("engine", ["sglang", "vllm", "atom"])
+def test_allowed_client_priority_is_clamped_to_the_routers_range(engine, value, expect):
+    got = sent(EngineHints(allow_client_priority=True), worker(engine), chat(priority=value))
+    if expect is None:  # dropped: SGLang gets the router's own, the others none
+        assert got.get("priority") == (100 if engine == "sglang" else None)
+    else:
+        assert got["priority"] == expect
+
+
+def test_the_priority_word_in_a_message_is_left_alone():
+    body = chat(messages=[{"role": "user", "content": '"priority": 2147483647'}])
+    hints, req = EngineHints(), request(body)
+    assert hints.apply_bytes(req.body, worker("vllm"), req) is req.body  # decoded, nothing to drop: as sent
+    assert sent(hints, worker("sglang"), body)["priority"] == 100
+
+
+def test_sglang_untouched_when_the_client_set_both_and_may():
+    hints, req = EngineHints(allow_client_priority=True), request(chat(priority=1, infera_retention="short"))
     assert hints.apply_bytes(req.body, worker("sglang"), req) == req.body
+
+
+def test_allow_client_priority_flag_env_default():
+    from infera.server.cli import parse_args
+    base = ["--etcd-endpoint", "x:1"]
+    assert parse_args(base, environ={}).allow_client_priority is False
+    assert parse_args(base, environ={"INFERA_ALLOW_CLIENT_PRIORITY": "1"}).allow_client_priority is True
+    assert parse_args([*base, "--allow-client-priority"], environ={}).allow_client_priority is True
 
 
 @pytest.mark.parametrize("client, expect", [
