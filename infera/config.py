@@ -202,6 +202,19 @@ def add_plane_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str] 
       help="file holding the fleet's shared secret (>= 16 bytes, e.g. `openssl rand -hex 32`): workers sign "
            "their records with it (HMAC-SHA256), servers ignore records it did not sign, so writing to etcd or "
            "to a Pod's annotations is not enough to receive traffic (default: off, records are trusted)")
+    # etcd credentials and TLS (infera/discovery/etcd.py EtcdAuth), checked at start. The password is
+    # never a flag (argv is readable by every local user): INFERA_ETCD_PASSWORD or a file.
+    f("--etcd-user", env="INFERA_ETCD_USER", default=None, type=optional_file,
+      help="etcd user (etcd authentication); its password from --etcd-password-file or the INFERA_ETCD_PASSWORD "
+           "env variable")
+    f("--etcd-password-file", env="INFERA_ETCD_PASSWORD_FILE", default=None, type=optional_file,
+      help="file holding the etcd user's password (else INFERA_ETCD_PASSWORD)")
+    f("--etcd-cacert", env="INFERA_ETCD_CACERT", default=None, type=optional_file,
+      help="CA bundle (PEM) that verifies etcd's certificate on an https:// endpoint (default: the system CAs)")
+    f("--etcd-cert", env="INFERA_ETCD_CERT", default=None, type=optional_file,
+      help="client certificate (PEM) for etcd's --client-cert-auth; with --etcd-key")
+    f("--etcd-key", env="INFERA_ETCD_KEY", default=None, type=optional_file,
+      help="private key (PEM) of --etcd-cert")
     f("--k8s-namespace", env="INFERA_K8S_NAMESPACE", default=default_k8s_namespace(environ),
       help="namespace of the worker Pods (default: POD_NAMESPACE, the service account's, else default)")
     f("--request-transport", env="INFERA_REQUEST_TRANSPORT", default=request_transport,

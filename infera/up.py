@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     f("--port", env="INFERA_PORT", default=8000, type=int, help="server port (0: any free port)")
     f("--etcd-endpoint", env="INFERA_ETCD_ENDPOINT", default=None, type=etcd_url,
       help="use this etcd instead of starting an embedded one")
+    f("--etcd-auth", env="INFERA_UP_ETCD_AUTH", default=False, action="store_true",
+      help="turn on the embedded etcd's authentication with a generated root password, which the server and "
+           "workers get in their environment (INFERA_ETCD_USER, INFERA_ETCD_PASSWORD; never printed)")
     f("--plane", env="INFERA_UP_PLANE", default="dev", type=choice_of("dev", "nats"),
       help="dev: etcd + HTTP + ZMQ; nats: etcd + requests and KV events over an embedded nats-server "
            "(the production plane's transports on one machine)")
@@ -65,12 +68,15 @@ class Fleet:
         self.etcd = None
         self.nats = None
         self.etcd_endpoint: str | None = args.etcd_endpoint
+        self.etcd_env: dict[str, str] = {}  # --etcd-auth: the credentials every child gets in its environment
         self.server: asyncio.subprocess.Process | None = None
         self.workers: list[asyncio.subprocess.Process] = []
         self.base_url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
 
     async def _spawn(self, *cmd: str, env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
         # Own session: Ctrl-C reaches only us, and we stop the children in order (workers first).
+        if self.etcd_env:
+            env = {**(os.environ if env is None else env), **self.etcd_env}
         return await asyncio.create_subprocess_exec(*cmd, start_new_session=True, preexec_fn=_set_pdeathsig, env=env)
 
     async def start(self) -> None:
@@ -81,6 +87,12 @@ class Fleet:
             await self.etcd.start()
             self.etcd_endpoint = self.etcd.url
             print(f"etcd      {self.etcd.url} (embedded, data in a temp dir)", flush=True)
+            if self.args.etcd_auth:
+                self.etcd_env = {"INFERA_ETCD_USER": "root", "INFERA_ETCD_PASSWORD": await self.etcd.enable_auth()}
+                print("etcd      authentication on (user root, a generated password)", flush=True)
+        elif self.args.etcd_auth:
+            raise RuntimeError("--etcd-auth turns on the embedded etcd's authentication; with --etcd-endpoint, give "
+                               "the children INFERA_ETCD_USER and INFERA_ETCD_PASSWORD (or a password file) instead")
         # The plane is explicit: inside a Pod the processes would otherwise default to Kubernetes.
         plane = ["--discovery-backend", "etcd", "--request-transport", "http", "--kv-event-transport", "zmq"]
         if self.args.plane == "nats":

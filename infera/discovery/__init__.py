@@ -4,7 +4,7 @@ Backends are imported lazily so picking one never imports another's dependencies
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 if TYPE_CHECKING:
     from infera.discovery.base import Discovery, Registration
@@ -58,16 +58,23 @@ def make_registration(backend: str, *, etcd_endpoint: str | None = None, etcd_pr
                                      "(host:port or http://host:port)"), etcd_prefix, lease_ttl, **kw)
 
 
-def discovery_options(args: Any) -> dict[str, Any]:
-    """The security keywords for make_discovery / make_registration from parsed plane flags
-    (``--fleet-key-file``): ``fleet_key`` read from its file now. ValueError with a readable message
-    when a file cannot be read or holds too short a key (entry points turn it into a usage error)."""
+def discovery_options(args: Any, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The security keywords for make_discovery / make_registration from parsed plane flags:
+    ``fleet_key`` (``--fleet-key-file``, read now) and, on the etcd backend, ``etcd_auth`` (``--etcd-user``
+    + password, ``--etcd-cacert/-cert/-key``). ValueError with a readable message when a file cannot be
+    read, a key is too short or a pair is half given (entry points turn it into a usage error)."""
     options: dict[str, Any] = {}
     path = getattr(args, "fleet_key_file", None)
     if path:
         from infera.discovery.record import FleetKey
 
         options["fleet_key"] = FleetKey.from_file(path)
+    if getattr(args, "discovery_backend", "etcd") == "etcd":
+        from infera.discovery.etcd import EtcdAuth
+
+        auth = EtcdAuth.from_args(args, environ)
+        if auth is not None:
+            options["etcd_auth"] = auth
     return options
 
 

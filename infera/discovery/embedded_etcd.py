@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import base64
 import errno
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
+import ssl
 import sys
 import tempfile
 from types import TracebackType
-from typing import IO
+from typing import IO, NamedTuple, Sequence
 
 import aiohttp
 
@@ -57,6 +60,19 @@ def _free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
+class EtcdServerTls(NamedTuple):
+    """TLS of an embedded etcd's client port: its certificate and key, and (``client_ca``) the CA
+    whose client certificates it demands (``--client-cert-auth``; None: any client may connect).
+    ``client_cert``/``client_key``/``ca`` are what this process's own health checks present/trust."""
+
+    cert: str
+    key: str
+    ca: str
+    client_ca: str | None = None
+    client_cert: str | None = None
+    client_key: str | None = None
+
+
 class EmbeddedEtcd:
     """A local single-member etcd cluster.
 
@@ -75,8 +91,13 @@ class EmbeddedEtcd:
         name: str = "infera-embedded",
         unsafe_no_fsync: bool = False,
         stop_grace: float = 5.0,
+        tls: EtcdServerTls | None = None,
+        extra_args: Sequence[str] = (),
     ) -> None:
         self.host = host
+        self.tls = tls  # https client port (and client certificates when tls.client_ca)
+        self.extra_args = list(extra_args)  # e.g. ["--auth-token-ttl", "1"]
+        self.root_password: str | None = None  # set by enable_auth(); never logged
         self._auto_ports = client_port is None or peer_port is None
         self.client_port = client_port or _free_port(host)
         self.peer_port = peer_port or _free_port(host)
@@ -96,7 +117,7 @@ class EmbeddedEtcd:
     # -- properties ------------------------------------------------------------------------
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.client_port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.client_port}"
 
     @property
     def endpoint(self) -> str:
@@ -157,6 +178,11 @@ class EmbeddedEtcd:
         ]
         if self.unsafe_no_fsync:
             command.append("--unsafe-no-fsync")
+        if self.tls is not None:
+            command += ["--cert-file", self.tls.cert, "--key-file", self.tls.key]
+            if self.tls.client_ca:
+                command += ["--client-cert-auth", "--trusted-ca-file", self.tls.client_ca]
+        command += self.extra_args
         log_path = os.path.join(self._data_dir, _LOG_FILE)
         log_offset = os.path.getsize(log_path) if os.path.exists(log_path) else 0
         self._log_file = open(log_path, "ab")  # append: keep history across restarts
@@ -184,7 +210,7 @@ class EmbeddedEtcd:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         last_problem = "no answer yet"
-        async with aiohttp.ClientSession() as session:
+        async with self._session() as session:
             while True:
                 if self._proc is None or self._proc.returncode is not None:
                     code = None if self._proc is None else self._proc.returncode
@@ -200,6 +226,47 @@ class EmbeddedEtcd:
                 if loop.time() >= deadline:
                     raise RuntimeError(f"etcd not healthy within {timeout:.0f}s ({last_problem}); see {self.log_path}")
                 await asyncio.sleep(0.05)
+
+    def _session(self) -> aiohttp.ClientSession:
+        """A session for this process's own calls (health, enabling auth): trusts and presents the
+        TLS files of ``tls``."""
+        if self.tls is None:
+            return aiohttp.ClientSession()
+        ctx = ssl.create_default_context(cafile=self.tls.ca)
+        if self.tls.client_cert:
+            ctx.load_cert_chain(self.tls.client_cert, self.tls.client_key)
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx))
+
+    async def enable_auth(self, password: str | None = None, user: str = "root") -> str:
+        """Turn on etcd's authentication with ``user`` (default root, with the root role) and
+        ``password`` (default: a fresh random one); returns the password (also :attr:`root_password`).
+        Every client then needs the user and password (--etcd-user and INFERA_ETCD_PASSWORD).
+        Already enabled with this password (a restart on the same data): nothing to do."""
+        password = password or secrets.token_urlsafe(24)
+
+        async def call(session: aiohttp.ClientSession, path: str, body: dict, token: str | None = None) -> dict:
+            headers = {"Authorization": token} if token else {}
+            async with session.post(self.url + path, json=body, headers=headers,
+                                    timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                answer = await resp.json(content_type=None)
+                if resp.status != 200:
+                    raise RuntimeError(f"etcd {path} failed: HTTP {resp.status}: {answer.get('message') or answer}")
+                return answer
+
+        async with self._session() as session:
+            try:
+                await call(session, "/v3/auth/authenticate", {"name": user, "password": password})
+                self.root_password = password  # enabled before (restart): the password still works
+                return password
+            except RuntimeError:
+                pass
+            await call(session, "/v3/auth/role/add", {"name": "root"})
+            await call(session, "/v3/auth/user/add", {"name": user, "password": password})
+            await call(session, "/v3/auth/user/grant", {"user": user, "role": "root"})
+            await call(session, "/v3/auth/enable", {})
+        self.root_password = password
+        log.info("etcd at %s: authentication enabled (user %r)", self.url, user)
+        return password
 
     async def stop(self, remove_data: bool = True) -> None:
         """SIGTERM, then SIGKILL after ``stop_grace`` s. ``remove_data`` only ever removes a data

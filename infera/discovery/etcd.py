@@ -19,7 +19,9 @@ import asyncio
 import base64
 import logging
 import math
-from typing import Any, AsyncGenerator, Literal, NamedTuple
+import os
+import ssl
+from typing import Any, AsyncGenerator, Literal, Mapping, NamedTuple
 
 import aiohttp
 import msgspec
@@ -32,6 +34,15 @@ log = logging.getLogger(__name__)
 
 # gRPC status code etcd uses for "requested lease not found" (and other not-found errors).
 _GRPC_NOT_FOUND = 5
+_GRPC_PERMISSION_DENIED = 7
+_GRPC_UNAUTHENTICATED = 16
+# etcd's answers that mean "authenticate again": an expired/unknown token, or one issued before the
+# auth store changed. The token is dropped and the call repeated once with a fresh one.
+_STALE_TOKEN_MESSAGES = ("invalid auth token", "revision of auth store is old")
+# etcd's answers that no retry can fix: no or wrong credentials, not allowed, auth not enabled.
+_AUTH_MESSAGES = ("user name is empty", "authentication failed", "permission denied", "authentication is not enabled",
+                  "user name not found", "invalid auth management")
+ETCD_PASSWORD_ENV = "INFERA_ETCD_PASSWORD"
 # How soon a keepalive that failed is tried again (never later than the normal ttl/3 cadence).
 KEEPALIVE_RETRY_S = 1.0
 _JSON_HEADERS = {"Content-Type": "application/json"}
@@ -50,6 +61,16 @@ class EtcdConnectionError(EtcdError):
     """etcd unreachable, timed out, or the connection broke mid-request."""
 
 
+class EtcdTlsError(EtcdConnectionError):
+    """The TLS handshake with etcd failed (its certificate not trusted, ours missing or refused):
+    a configuration problem, not an outage."""
+
+    def __init__(self, url: str, exc: BaseException) -> None:
+        super().__init__(f"TLS with etcd at {url} failed ({_describe(exc)}); check --etcd-cacert (the CA that "
+                         "verifies etcd) and --etcd-cert/--etcd-key (this client's certificate, which an etcd with "
+                         "--client-cert-auth requires)")
+
+
 class EtcdRequestError(EtcdError):
     """etcd answered with an error status/body."""
 
@@ -63,6 +84,24 @@ class EtcdRequestError(EtcdError):
     def retryable(self) -> bool:
         """Server-side trouble (no leader yet, overloaded) is worth retrying; a bad request is not."""
         return self.status >= 500 or self.status == 429
+
+
+class EtcdAuthError(EtcdRequestError):
+    """etcd refused the credentials (none, wrong, not allowed): retrying will not help."""
+
+    def __init__(self, status: int, code: int | None, message: str, *, stale_token: bool = False) -> None:
+        super().__init__(status, code, message)
+        self.stale_token = stale_token  # the token expired: authenticate again and repeat
+
+    @property
+    def retryable(self) -> bool:
+        return False
+
+    def __str__(self) -> str:
+        if "user name is empty" in self.message:
+            return (f"{self.message}: etcd has authentication enabled and this client has no credentials "
+                    f"(--etcd-user, with {ETCD_PASSWORD_ENV} or --etcd-password-file)")
+        return super().__str__()
 
 
 class LeaseNotFound(EtcdRequestError):
@@ -229,10 +268,89 @@ def _parse_response(path: str, status: int, raw: bytes) -> dict[str, Any]:
             code, message = None, raw[:200].decode("utf-8", "replace")
         if code == _GRPC_NOT_FOUND and "lease not found" in message:
             raise LeaseNotFound(status, code, message)
+        if code == _GRPC_UNAUTHENTICATED or any(m in message for m in _STALE_TOKEN_MESSAGES):
+            raise EtcdAuthError(status, code, f"{path}: {message}", stale_token=True)
+        if code == _GRPC_PERMISSION_DENIED or any(m in message for m in _AUTH_MESSAGES):
+            raise EtcdAuthError(status, code, f"{path}: {message}")
         raise EtcdRequestError(status, code, f"{path}: {message}")
     if not isinstance(body, dict):
         raise EtcdError(f"{path}: unexpected response body {raw[:200]!r}")
     return body
+
+
+# --------------------------------------------------------------------------------------------
+# Credentials
+# --------------------------------------------------------------------------------------------
+class EtcdAuth:
+    """How a client proves itself to etcd: TLS (``cacert`` verifies etcd, ``cert``/``key`` is this
+    client's certificate for ``--client-cert-auth``) and/or a user whose password buys a token
+    (``/v3/auth/authenticate``), sent in the ``Authorization`` header and renewed when etcd says it
+    expired. The password and token never appear in a repr, a log line or an error."""
+
+    def __init__(self, *, user: str | None = None, password: str | None = None, cacert: str | None = None,
+                 cert: str | None = None, key: str | None = None) -> None:
+        if bool(user) != (password is not None):
+            raise ValueError("etcd authentication needs both a user (--etcd-user) and its password "
+                             f"({ETCD_PASSWORD_ENV} or --etcd-password-file)")
+        if bool(cert) != bool(key):
+            raise ValueError("an etcd client certificate needs both --etcd-cert and --etcd-key")
+        self.user = user or None
+        self._password = password
+        self.cacert, self.cert, self.key = cacert, cert, key
+        self._ssl: ssl.SSLContext | None = None
+        if self.tls:
+            self._ssl = self.ssl_context()  # unreadable files fail here, at start
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.cacert or self.cert)
+
+    @property
+    def password(self) -> str | None:
+        return self._password
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """A context that verifies etcd (``cacert``, else the system CAs) and presents ``cert``."""
+        if self._ssl is not None:
+            return self._ssl
+        try:
+            ctx = ssl.create_default_context(cafile=self.cacert) if self.cacert else ssl.create_default_context()
+            if self.cert:
+                ctx.load_cert_chain(self.cert, self.key)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"etcd TLS files (--etcd-cacert/--etcd-cert/--etcd-key) unusable: {exc}") from None
+        return ctx
+
+    @classmethod
+    def from_args(cls, args: Any, environ: Mapping[str, str] | None = None) -> "EtcdAuth | None":
+        """From ``--etcd-user``, ``--etcd-password-file`` (else the ``INFERA_ETCD_PASSWORD`` env
+        variable), ``--etcd-cacert``, ``--etcd-cert``, ``--etcd-key``; None when none is set.
+        ValueError with a readable message for an unreadable file or a half-given pair."""
+        environ = os.environ if environ is None else environ
+        user = getattr(args, "etcd_user", None)
+        password_file = getattr(args, "etcd_password_file", None)
+        cacert, cert, key = (getattr(args, name, None) for name in ("etcd_cacert", "etcd_cert", "etcd_key"))
+        password = None
+        if password_file:
+            try:
+                with open(password_file, encoding="utf-8") as f:
+                    password = f.read().strip("\r\n")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"cannot read the etcd password file {password_file}: "
+                                 f"{getattr(exc, 'strerror', None) or exc}") from None
+        elif user and environ.get(ETCD_PASSWORD_ENV) is not None:
+            password = environ[ETCD_PASSWORD_ENV]
+        if not (user or password_file or cacert or cert or key):
+            return None
+        auth = cls(user=user, password=password, cacert=cacert, cert=cert, key=key)
+        endpoint = getattr(args, "etcd_endpoint", None) or ""
+        if auth.tls and endpoint.startswith("http://"):
+            raise ValueError(f"etcd TLS files are set but the endpoint {endpoint} is plain http: use https://")
+        return auth
+
+    def __repr__(self) -> str:
+        return (f"EtcdAuth(user={self.user!r}, password={'***' if self._password is not None else None}, "
+                f"cacert={self.cacert!r}, cert={self.cert!r})")
 
 
 # --------------------------------------------------------------------------------------------
@@ -244,34 +362,87 @@ class EtcdClient:
     ``session``: pass one to share a connection pool; it is then NOT closed by :meth:`close`.
     Without one, the client lazily creates (inside the running loop) and owns its session.
     ``timeout`` bounds each unary call; the watch stream has a connect timeout only.
+    ``auth``: TLS and/or user credentials (:class:`EtcdAuth`); the TLS part needs an owned session.
     """
 
-    def __init__(self, base_url: str, session: aiohttp.ClientSession | None = None, timeout: float = 5.0) -> None:
+    def __init__(self, base_url: str, session: aiohttp.ClientSession | None = None, timeout: float = 5.0, *,
+                 auth: EtcdAuth | None = None) -> None:
         self.base_url = normalize_endpoint(base_url)
         self.timeout = timeout
+        self.auth = auth
         self._session = session
         self._owns_session = session is None
+        self._token: str | None = None  # from /v3/auth/authenticate; never logged
+        self._auth_lock = asyncio.Lock()
+        self.authentications = 0  # tokens obtained (the first one, then one per expiry)
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or (self._owns_session and self._session.closed):
             # keep-alive pool: unary calls reuse connections; the watch holds one for itself.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=32, keepalive_timeout=30))
+            tls = self.auth.ssl_context() if self.auth is not None and self.base_url.startswith("https://") else None
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=32, keepalive_timeout=30, ssl=tls if tls is not None else True))
         return self._session
+
+    async def _headers(self) -> dict[str, str]:
+        """JSON headers, plus ``Authorization: <token>`` when this client logs in as a user."""
+        if self.auth is None or self.auth.user is None:
+            return _JSON_HEADERS
+        token = self._token
+        if token is None:
+            async with self._auth_lock:
+                if self._token is None:
+                    self._token = await self._authenticate()
+                token = self._token
+        return {**_JSON_HEADERS, "Authorization": token}
+
+    async def _authenticate(self) -> str:
+        assert self.auth is not None
+        body = await self._post("/v3/auth/authenticate", {"name": self.auth.user, "password": self.auth.password},
+                                authenticated=False)
+        token = body.get("token")
+        if not token:
+            raise EtcdAuthError(200, None, f"etcd authenticated {self.auth.user!r} but gave no token "
+                                           "(is authentication enabled on this etcd?)")
+        self.authentications += 1
+        log.debug("authenticated to etcd at %s as %r", self.base_url, self.auth.user)
+        return str(token)
+
+    def _drop_token(self, sent: dict[str, str]) -> None:
+        if self._token is not None and sent.get("Authorization") == self._token:
+            self._token = None  # the next call authenticates again
 
     async def close(self) -> None:
         if self._owns_session and self._session is not None and not self._session.closed:
             await self._session.close()
 
-    async def _post(self, path: str, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+    async def _post(self, path: str, body: dict[str, Any], timeout: float | None = None, *,
+                    authenticated: bool = True) -> dict[str, Any]:
+        if not authenticated:
+            return await self._post_once(path, body, timeout, _JSON_HEADERS)
+        headers = await self._headers()
+        try:
+            return await self._post_once(path, body, timeout, headers)
+        except EtcdAuthError as exc:
+            if not (exc.stale_token and "Authorization" in headers):
+                raise
+            log.info("etcd auth token for %r expired; authenticating again", self.auth.user if self.auth else None)
+            self._drop_token(headers)
+            return await self._post_once(path, body, timeout, await self._headers())
+
+    async def _post_once(self, path: str, body: dict[str, Any], timeout: float | None,
+                         headers: Mapping[str, str]) -> dict[str, Any]:
         url = self.base_url + path
         data = msgspec.json.encode(body)
         client_timeout = aiohttp.ClientTimeout(total=self.timeout if timeout is None else timeout)
         for attempt in (1, 2):
             try:
                 session = self._get_session()
-                async with session.post(url, data=data, headers=_JSON_HEADERS, timeout=client_timeout) as resp:
+                async with session.post(url, data=data, headers=headers, timeout=client_timeout) as resp:
                     raw = await resp.read()
                     return _parse_response(path, resp.status, raw)
+            except aiohttp.ClientSSLError as exc:
+                raise EtcdTlsError(url, exc) from exc
             except aiohttp.ServerDisconnectedError as exc:
                 # Typically a pooled keep-alive connection that etcd closed (e.g. it restarted):
                 # one retry on a fresh connection. Every call here is safe to repeat.
@@ -285,7 +456,7 @@ class EtcdClient:
         url = self.base_url + path
         try:
             client_timeout = aiohttp.ClientTimeout(total=self.timeout if timeout is None else timeout)
-            async with self._get_session().get(url, timeout=client_timeout) as resp:
+            async with self._get_session().get(url, timeout=client_timeout) as resp:  # /health, /version: no auth
                 return _parse_response(path, resp.status, await resp.read())
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             raise EtcdConnectionError(f"{url}: {_describe(exc)}") from exc
@@ -350,13 +521,21 @@ class EtcdClient:
         timeout = aiohttp.ClientTimeout(total=None, sock_read=None, connect=self.timeout, sock_connect=self.timeout)
         url = self.base_url + "/v3/watch"
         body = msgspec.json.encode(watch_create_body(prefix, start_revision))
+        headers = await self._headers()
         try:
-            resp = await self._get_session().post(url, data=body, headers=_JSON_HEADERS, timeout=timeout)
+            resp = await self._get_session().post(url, data=body, headers=headers, timeout=timeout)
+        except aiohttp.ClientSSLError as exc:
+            raise EtcdTlsError(url, exc) from exc
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             raise EtcdConnectionError(f"{url}: {_describe(exc)}") from exc
         async with resp:
             if resp.status != 200:
-                _parse_response("/v3/watch", resp.status, await resp.read())
+                try:
+                    _parse_response("/v3/watch", resp.status, await resp.read())
+                except EtcdAuthError as exc:
+                    if exc.stale_token:
+                        self._drop_token(headers)  # the caller's re-list authenticates again
+                    raise
             buffer = bytearray()
             try:
                 # Split lines ourselves: StreamReader.readline caps line length, and one
@@ -366,7 +545,12 @@ class EtcdClient:
                     while (newline := buffer.find(b"\n")) >= 0:
                         line = bytes(buffer[:newline])
                         del buffer[: newline + 1]
-                        batch = parse_watch_line(line)
+                        try:
+                            batch = parse_watch_line(line)
+                        except EtcdError as exc:
+                            if any(m in str(exc) for m in _STALE_TOKEN_MESSAGES):
+                                self._drop_token(headers)  # the caller's re-list authenticates again
+                            raise
                         if batch is not None:
                             yield batch
                     if len(buffer) > _MAX_WATCH_LINE:
@@ -382,13 +566,14 @@ class EtcdClient:
 # --------------------------------------------------------------------------------------------
 # Discovery (server side)
 # --------------------------------------------------------------------------------------------
-def _client_for(endpoint_url: str | None, client: "EtcdClient | None", who: str) -> "tuple[EtcdClient, bool]":
+def _client_for(endpoint_url: str | None, client: "EtcdClient | None", who: str,
+                auth: EtcdAuth | None = None) -> "tuple[EtcdClient, bool]":
     """(the client to use, whether we created it and so must close it)."""
     if client is not None:
         return client, False
     if not endpoint_url:
         raise ValueError(f"{who} needs an endpoint_url or a client")
-    return EtcdClient(endpoint_url), True
+    return EtcdClient(endpoint_url, auth=auth), True
 
 
 class EtcdDiscovery:
@@ -408,8 +593,9 @@ class EtcdDiscovery:
         backoff_initial: float = 0.2,
         backoff_max: float = 5.0,
         fleet_key: FleetKey | None = None,
+        etcd_auth: EtcdAuth | None = None,
     ) -> None:
-        self.client, self._owns_client = _client_for(endpoint_url, client, "EtcdDiscovery")
+        self.client, self._owns_client = _client_for(endpoint_url, client, "EtcdDiscovery", etcd_auth)
         self.prefix = prefix
         # With a fleet key, only records it signed are applied (anyone able to write to etcd could
         # otherwise announce a worker and receive prompts).
@@ -556,8 +742,9 @@ class EtcdRegistration:
         client: EtcdClient | None = None,
         first_timeout: float = 30.0,
         fleet_key: FleetKey | None = None,
+        etcd_auth: EtcdAuth | None = None,
     ) -> None:
-        self.client, self._owns_client = _client_for(endpoint_url, client, "EtcdRegistration")
+        self.client, self._owns_client = _client_for(endpoint_url, client, "EtcdRegistration", etcd_auth)
         self.prefix = prefix
         self.fleet_key = fleet_key  # signs every record put (servers with the key ignore unsigned ones)
         self.lease_ttl = max(1, math.ceil(ttl))  # etcd leases are whole seconds
@@ -601,6 +788,8 @@ class EtcdRegistration:
             try:
                 await self._grant_and_put()
                 return
+            except EtcdTlsError:
+                raise  # a wrong certificate does not fix itself
             except EtcdRequestError as exc:
                 if not exc.retryable:
                     raise

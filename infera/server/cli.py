@@ -261,7 +261,7 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
         parser.error("--k8s-label-selector (or INFERA_K8S_LABEL_SELECTOR) is required with --discovery-backend "
                      "kubernetes: it names the worker Pods to route to")
     try:
-        discovery_options(args)  # the fleet key is read at start: a bad file stops the server here
+        discovery_options(args, environ)  # fleet key, etcd credentials: read at start, a bad file stops here
     except ValueError as exc:
         parser.error(str(exc))
     if args.workers is None:

@@ -210,3 +210,38 @@ def test_registry() -> None:
         make_discovery("zk", etcd_endpoint="h:1", etcd_prefix="/w/")
     with pytest.raises(ValueError, match="needs an etcd endpoint"):
         make_registration("etcd", etcd_endpoint=None, etcd_prefix="/w/", lease_ttl=10)
+
+
+# -- etcd authentication answers (--etcd-user) ----------------------------------------------------
+
+def test_auth_errors_are_classified() -> None:
+    from infera.discovery.etcd import EtcdAuthError
+
+    def error(status: int, code: int, message: str) -> EtcdAuthError:
+        raw = ('{"error":"%s","code":%d,"message":"%s"}' % (message, code, message)).encode()
+        with pytest.raises(EtcdAuthError) as info:
+            _parse_response("/v3/kv/put", status, raw)
+        return info.value
+
+    expired = error(401, 16, "etcdserver: invalid auth token")
+    assert expired.stale_token and not expired.retryable
+    assert error(400, 3, "etcdserver: revision of auth store is old").stale_token
+    anonymous = error(400, 3, "etcdserver: user name is empty")
+    assert not anonymous.stale_token and "no credentials" in str(anonymous) and "--etcd-user" in str(anonymous)
+    assert not error(403, 7, "etcdserver: permission denied").stale_token
+    assert not error(400, 3, "etcdserver: authentication failed, invalid user ID or password").stale_token
+    with pytest.raises(LeaseNotFound):  # unchanged
+        _parse_response("/v3/lease/keepalive", 404, b'{"code":5,"message":"etcdserver: requested lease not found"}')
+
+
+def test_etcd_auth_keeps_its_secret() -> None:
+    from infera.discovery.etcd import EtcdAuth
+
+    auth = EtcdAuth(user="u", password="s3cret-pw")
+    assert "s3cret-pw" not in repr(auth) and auth.password == "s3cret-pw" and not auth.tls
+    with pytest.raises(ValueError, match="both a user"):
+        EtcdAuth(user="u")
+    with pytest.raises(ValueError, match="both a user"):
+        EtcdAuth(password="p")
+    with pytest.raises(ValueError, match="both --etcd-cert and --etcd-key"):
+        EtcdAuth(cert="/c.pem")

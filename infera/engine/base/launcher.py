@@ -491,7 +491,7 @@ def launch(adapter: EngineAdapter, prog: str, argv: Sequence[str] | None = None)
             parser.error("--k8s-pod-name (or POD_NAME, set from the Downward API) is required with "
                          "--discovery-backend kubernetes: the worker's record goes on its own Pod")
         try:
-            discovery_options(args)  # the fleet key is read at start: a bad file stops the worker here
+            discovery_options(args)  # fleet key, etcd credentials: read at start, a bad file stops here
         except ValueError as exc:
             parser.error(str(exc))
     problems = pd_preflight_problems(adapter, args, engine_argv)
