@@ -6,7 +6,9 @@ failures (not routed until ``opens_until``) → ``half_open`` once the cooldown 
 one request at a time, the probe, may go there) → ``closed`` again when a request succeeds, or
 ``open`` again with the cooldown doubled (capped at ``max_cooldown_s``) when the probe fails.
 
-Only faults of the worker count: a 5xx or a transport error before the first byte. A 4xx or 429 is
+Only faults of the worker count: a 5xx or a transport error before the first byte (mixed dispatch
+reports an engine's 5xx only once another worker has served the same request: one that fails on
+two engines is the request's fault, and counts against neither; see ``MixedRouter.dispatch``). A 4xx or 429 is
 the client's (``record_neutral``: no blame, and a probe slot it held is freed), and so is a client
 that leaves before the first byte. The breaker never changes a worker's registered status and never
 turns a partial outage into a 503: when every candidate is open, ``filter`` returns them all.
