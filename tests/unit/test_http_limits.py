@@ -54,3 +54,20 @@ def test_inflight_bytes_cap():
     assert not limits.reserve(1)
     limits.inflight_bytes -= 150
     assert limits.reserve(60) and limits.reserve(40) and not limits.reserve(1)
+
+
+def test_flags_env_and_defaults():
+    from infera.server.cli import parse_args
+
+    base = ["--etcd-endpoint", "x:1"]
+    args = parse_args(base, environ={})
+    limits = ServerLimits.from_args(args)
+    assert (limits.header_timeout, limits.body_timeout, limits.keepalive_timeout) == (15.0, 60.0, 75.0)
+    assert limits.max_inflight_bytes == 512 * 1024 * 1024 and limits.max_connections == default_max_connections()
+    env = {"INFERA_HEADER_TIMEOUT": "3", "INFERA_BODY_TIMEOUT": "0", "INFERA_KEEPALIVE_TIMEOUT": "5",
+           "INFERA_MAX_CONNECTIONS": "100", "INFERA_MAX_INFLIGHT_BYTES": "1000"}
+    limits = ServerLimits.from_args(parse_args(base, environ=env))
+    assert (limits.header_timeout, limits.body_timeout, limits.keepalive_timeout) == (3.0, 0.0, 5.0)
+    assert (limits.max_connections, limits.max_inflight_bytes) == (100, 1000)
+    limits = ServerLimits.from_args(parse_args([*base, "--header-timeout", "9", "--max-connections", "7"], environ=env))
+    assert (limits.header_timeout, limits.max_connections) == (9.0, 7)
