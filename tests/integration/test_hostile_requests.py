@@ -138,7 +138,8 @@ async def test_client_priority_reaching_the_engine(fed_server, sims, flags, sent
 # -- duplicate keys -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("tail, key", [
-    (b'"kv_transfer_params":{"remote_host":"10.9.9.9","remote_port":1},"kv_transfer_params":null', "kv_transfer_params"),
+    (b'"kv_transfer_params":{"remote_host":"10.9.9.9","remote_port":1},"kv_transfer_params":null',
+     "kv_transfer_params"),
     (b'"priority":2147483647,"priority":0', "priority"),
     (b'"stream":true,"stream":false', "stream"),
     (b'"\\u0070riority":2147483647', "priority"),
