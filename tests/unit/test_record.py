@@ -169,3 +169,43 @@ def test_kubernetes_pod_annotation_is_signed_and_checked():
     assert pod_state(pod(encode_record(rec)), None).record == rec
     state = pod_state(pod(encode_record(rec)), KEY)
     assert (state.record, state.reason) == (None, "bad-signature")
+
+
+async def test_kubernetes_registration_signs_and_discovery_logs_a_rejected_pod_once(caplog):
+    import logging
+
+    from lightkube import KubeConfig
+    from lightkube.resources.core_v1 import Pod
+
+    from infera.discovery import make_discovery, make_registration
+    from infera.discovery.fleet import Fleet
+    from infera.discovery.kubernetes import ANNOTATION
+
+    config = KubeConfig.from_server("http://127.0.0.1:1")
+    registration = make_registration("kubernetes", k8s_namespace="ns", k8s_pod_name="p-0", config=config,
+                                     fleet_key=KEY)
+    written: list[str | None] = []
+
+    async def patch(value):
+        written.append(value)
+
+    registration._patch = patch
+    registration.record = _full_record()
+    await registration._write_record()
+    assert decode_record(written[-1].encode(), KEY) == _full_record()
+
+    def pod(name: str, annotation: str) -> Pod:
+        return Pod.from_dict({"apiVersion": "v1", "kind": "Pod", "status": {"phase": "Running"},
+                              "metadata": {"name": name, "namespace": "ns", "annotations": {ANNOTATION: annotation}}})
+
+    caplog.set_level(logging.WARNING, logger="infera.discovery.kubernetes")
+    discovery = make_discovery("kubernetes", k8s_label_selector="app=w", k8s_namespace="ns", config=config,
+                               fleet_key=KEY)
+    fleet = Fleet()
+    rogue = WorkerRecord(worker_id="evil:1", url="http://evil:1", model_name="m")
+    for i in range(3):  # MODIFIED events of the same Pod: one log line
+        discovery._apply(fleet, "MODIFIED", pod("evil", encode_record(rogue).decode() + " " * i))
+    discovery._apply(fleet, "ADDED", pod("good", written[-1]))
+    assert [r.worker_id for r in fleet.all()] == [_full_record().worker_id]
+    assert [r.getMessage() for r in caplog.records if "ignoring the worker record on Pod evil" in r.getMessage()] \
+        and len(caplog.records) == 1
