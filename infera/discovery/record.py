@@ -70,7 +70,10 @@ def decode_record(data: bytes | str, key: "FleetKey | None" = None) -> WorkerRec
 
     With ``key``, only a record signed with that key decodes: else :class:`RecordSignatureError`.
     Without, a signature is an unknown field, ignored (as by servers older than signing)."""
-    return _decoder.decode(data) if key is None else key.verify(data)
+    try:
+        return _decoder.decode(data) if key is None else key.verify(data)
+    except RecursionError:  # JSON nested past msgspec's limit: a bad value, not a discovery crash
+        raise msgspec.DecodeError("worker record nested too deeply") from None
 
 
 # -- signed records ------------------------------------------------------------------------------

@@ -88,6 +88,24 @@ async def test_discovery_ignores_unsigned_and_foreign_records(etcd, prefix, capl
         await plain.stop()
 
 
+@pytest.mark.parametrize("keyed", [False, True])
+async def test_discovery_survives_a_record_nested_too_deeply(etcd, prefix, keyed) -> None:
+    """One record nested past msgspec's limit raised RecursionError out of every re-list: the fleet froze."""
+    key = FleetKey(KEY_BYTES) if keyed else None
+    deep = b'{"worker_id":"deep","url":"http://x","model_name":"m","disagg_meta":{"x":' + b"[" * 50_000 + b"]" * 50_000
+    await etcd_put(etcd.endpoint, prefix + "deep", deep + b"}}")
+    await etcd_put(etcd.endpoint, prefix + "good", encode_record(rogue(worker_id="good"), key))
+    discovery, fleet = EtcdDiscovery(f"http://{etcd.endpoint}", prefix, backoff_initial=0.05, fleet_key=key), Fleet()
+    await discovery.start(fleet)
+    try:
+        await wait_for(lambda: {r.worker_id for r in fleet.all()} == {"good"}, 10, message="the good worker listed")
+        await etcd_put(etcd.endpoint, prefix + "deep2", deep + b"}}")  # and through the watch
+        await etcd_put(etcd.endpoint, prefix + "good2", encode_record(rogue(worker_id="good2"), key))
+        await wait_for(lambda: {r.worker_id for r in fleet.all()} == {"good", "good2"}, 10, message="good2 watched")
+        assert discovery.relists == 1
+    finally:
+        await discovery.stop()
+
 async def test_server_with_the_key_never_routes_to_a_rogue_record(etcd, prefix, make_server, spawn_worker, tmp_path,
                                                                   caplog) -> None:
     """The probe: a record put into etcd by hand used to receive 6 of 8 prompts."""

@@ -209,3 +209,12 @@ async def test_kubernetes_registration_signs_and_discovery_logs_a_rejected_pod_o
     assert [r.worker_id for r in fleet.all()] == [_full_record().worker_id]
     assert [r.getMessage() for r in caplog.records if "ignoring the worker record on Pod evil" in r.getMessage()] \
         and len(caplog.records) == 1
+
+
+@pytest.mark.parametrize("key", [None, KEY])
+def test_a_record_nested_too_deeply_is_a_bad_value(key):
+    """msgspec raises RecursionError past its nesting limit: anyone able to write one record must not
+    stop discovery (it re-listed and failed on it forever, freezing the fleet)."""
+    deep = b'{"worker_id":"a","url":"http://a","model_name":"m","disagg_meta":{"x":' + b"[" * 100_000 + b"]" * 100_000
+    with pytest.raises(msgspec.DecodeError, match="nested too deeply"):
+        decode_record(deep + b"}}", key)
