@@ -110,7 +110,7 @@ async def _errors_middleware(request: web.Request, handler: Callable[[web.Reques
     try:
         return await handler(request)
     except ApiError as exc:
-        return _error_response(exc, request.get(REQUEST_ID_KEY) or _request_id(request))
+        error = exc
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -118,7 +118,14 @@ async def _errors_middleware(request: web.Request, handler: Callable[[web.Reques
         message = exc.reason if exc.status != 404 else f"no route {request.method} {request.path}"
         if exc.status == 413:
             message = f"request body larger than the {request.app[STATE_KEY].max_request_bytes}-byte limit"
-        return _error_response(ApiError(exc.status, message, code), request.get(REQUEST_ID_KEY) or _request_id(request))
+        error = ApiError(exc.status, message, code)
+    request_id = request.get(REQUEST_ID_KEY) or _request_id(request)
+    if request.path.startswith(ANTHROPIC_PREFIX):  # refused before its handler (size, bytes in flight): its shape
+        return _anthropic_error(error.status, error.message, request_id, error.headers)
+    return _error_response(error, request_id)
+
+
+ANTHROPIC_PREFIX = "/v1/messages"
 
 
 ADMIN_PREFIX = "/v1/admin"
