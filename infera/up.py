@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     f("--etcd-auth", env="INFERA_UP_ETCD_AUTH", default=False, action="store_true",
       help="turn on the embedded etcd's authentication with a generated root password, which the server and "
            "workers get in their environment (INFERA_ETCD_USER, INFERA_ETCD_PASSWORD; never printed)")
+    f("--etcd-tls", env="INFERA_UP_ETCD_TLS", default=False, action="store_true",
+      help="serve the embedded etcd over https with certificates made for this run (openssl), demanding a client "
+           "certificate, which the server and workers get (INFERA_ETCD_CACERT, INFERA_ETCD_CERT, INFERA_ETCD_KEY)")
     f("--plane", env="INFERA_UP_PLANE", default="dev", type=choice_of("dev", "nats"),
       help="dev: etcd + HTTP + ZMQ; nats: etcd + requests and KV events over an embedded nats-server "
            "(the production plane's transports on one machine)")
@@ -68,7 +71,8 @@ class Fleet:
         self.etcd = None
         self.nats = None
         self.etcd_endpoint: str | None = args.etcd_endpoint
-        self.etcd_env: dict[str, str] = {}  # --etcd-auth: the credentials every child gets in its environment
+        self.etcd_env: dict[str, str] = {}  # --etcd-auth/--etcd-tls: credentials every child gets in its environment
+        self.etcd_tls_dir: str | None = None  # --etcd-tls: this run's certificates, removed at stop
         self.server: asyncio.subprocess.Process | None = None
         self.workers: list[asyncio.subprocess.Process] = []
         self.base_url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
@@ -83,16 +87,29 @@ class Fleet:
         if self.etcd_endpoint is None:
             from infera.discovery.embedded_etcd import EmbeddedEtcd
 
-            self.etcd = EmbeddedEtcd()
+            tls = None
+            if self.args.etcd_tls:
+                import tempfile
+
+                from infera.discovery.embedded_etcd import generate_tls
+
+                self.etcd_tls_dir = tempfile.mkdtemp(prefix="infera-etcd-tls-")
+                tls = generate_tls(self.etcd_tls_dir)
+                self.etcd_env.update({"INFERA_ETCD_CACERT": tls.ca, "INFERA_ETCD_CERT": tls.client_cert or "",
+                                      "INFERA_ETCD_KEY": tls.client_key or ""})
+            self.etcd = EmbeddedEtcd(tls=tls)
             await self.etcd.start()
             self.etcd_endpoint = self.etcd.url
             print(f"etcd      {self.etcd.url} (embedded, data in a temp dir)", flush=True)
             if self.args.etcd_auth:
-                self.etcd_env = {"INFERA_ETCD_USER": "root", "INFERA_ETCD_PASSWORD": await self.etcd.enable_auth()}
+                password = await self.etcd.enable_auth()
+                self.etcd_env.update({"INFERA_ETCD_USER": "root", "INFERA_ETCD_PASSWORD": password})
                 print("etcd      authentication on (user root, a generated password)", flush=True)
-        elif self.args.etcd_auth:
-            raise RuntimeError("--etcd-auth turns on the embedded etcd's authentication; with --etcd-endpoint, give "
-                               "the children INFERA_ETCD_USER and INFERA_ETCD_PASSWORD (or a password file) instead")
+            if tls is not None:
+                print(f"etcd      TLS with client certificates (made for this run in {self.etcd_tls_dir})", flush=True)
+        elif self.args.etcd_auth or self.args.etcd_tls:
+            raise RuntimeError("--etcd-auth and --etcd-tls set up the embedded etcd; with --etcd-endpoint, give the "
+                               "children INFERA_ETCD_USER and INFERA_ETCD_PASSWORD, INFERA_ETCD_CACERT/CERT/KEY instead")
         # The plane is explicit: inside a Pod the processes would otherwise default to Kubernetes.
         plane = ["--discovery-backend", "etcd", "--request-transport", "http", "--kv-event-transport", "zmq"]
         if self.args.plane == "nats":
@@ -175,6 +192,10 @@ class Fleet:
             await self.nats.stop()
         if self.etcd is not None:
             await self.etcd.stop()
+        if self.etcd_tls_dir is not None:
+            import shutil
+
+            shutil.rmtree(self.etcd_tls_dir, ignore_errors=True)
 
 
 def _curl(base_url: str, model: str) -> str:

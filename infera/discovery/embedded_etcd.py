@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import ssl
+import subprocess
 import sys
 import tempfile
 from types import TracebackType
@@ -71,6 +72,43 @@ class EtcdServerTls(NamedTuple):
     client_ca: str | None = None
     client_cert: str | None = None
     client_key: str | None = None
+
+
+def generate_tls(folder: str, host: str = "127.0.0.1") -> EtcdServerTls:
+    """A throwaway CA in ``folder`` and, signed by it, etcd's server certificate (for ``host``) and a
+    client certificate, made with the ``openssl`` CLI; keys are 0600. For ``python -m infera.up
+    --etcd-tls`` and tests: etcd then demands a client certificate from this CA."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise RuntimeError("generating etcd TLS certificates needs the openssl command")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    san = f"subjectAltName=IP:{host},DNS:localhost" if host.replace(".", "").isdigit() else \
+        f"subjectAltName=DNS:{host},DNS:localhost"
+
+    def run(*args: str) -> None:
+        done = subprocess.run([openssl, *args], cwd=folder, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"openssl {args[0]} failed: {done.stderr.strip()[-500:]}")
+
+    old_umask = os.umask(0o077)
+    try:
+        run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "30",
+            "-subj", "/CN=infera-embedded-etcd-ca")
+        for who in ("server", "client"):
+            with open(os.path.join(folder, f"{who}.ext"), "w") as f:
+                # etcd's own gateway dials its gRPC port with the server certificate: it must be a client one too
+                f.write(f"{san}\nextendedKeyUsage={'serverAuth,clientAuth' if who == 'server' else 'clientAuth'}\n")
+            # No CommonName on the client's: with authentication on, etcd's gateway refuses a request whose
+            # certificate names one (it would be taken for a user name, which the gateway cannot honour).
+            run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{who}.key", "-out", f"{who}.csr",
+                "-subj", "/CN=infera-etcd" if who == "server" else "/O=infera/OU=etcd-client")
+            run("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                "-out", f"{who}.pem", "-days", "30", "-extfile", f"{who}.ext")
+    finally:
+        os.umask(old_umask)
+    path = lambda name: os.path.join(folder, name)  # noqa: E731
+    return EtcdServerTls(cert=path("server.pem"), key=path("server.key"), ca=path("ca.pem"), client_ca=path("ca.pem"),
+                         client_cert=path("client.pem"), client_key=path("client.key"))
 
 
 class EmbeddedEtcd:

@@ -41,7 +41,7 @@ _GRPC_UNAUTHENTICATED = 16
 _STALE_TOKEN_MESSAGES = ("invalid auth token", "revision of auth store is old")
 # etcd's answers that no retry can fix: no or wrong credentials, not allowed, auth not enabled.
 _AUTH_MESSAGES = ("user name is empty", "authentication failed", "permission denied", "authentication is not enabled",
-                  "user name not found", "invalid auth management")
+                  "user name not found", "invalid auth management", "CommonName of client")
 ETCD_PASSWORD_ENV = "INFERA_ETCD_PASSWORD"
 # How soon a keepalive that failed is tried again (never later than the normal ttl/3 cadence).
 KEEPALIVE_RETRY_S = 1.0
@@ -101,6 +101,9 @@ class EtcdAuthError(EtcdRequestError):
         if "user name is empty" in self.message:
             return (f"{self.message}: etcd has authentication enabled and this client has no credentials "
                     f"(--etcd-user, with {ETCD_PASSWORD_ENV} or --etcd-password-file)")
+        if "CommonName of client" in self.message:
+            return (f"{self.message}: with authentication on, etcd's HTTP gateway refuses a client certificate that "
+                    "has a CommonName (--etcd-cert): issue one without a CN (a subjectAltName only)")
         return super().__str__()
 
 

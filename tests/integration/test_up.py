@@ -20,12 +20,14 @@ async def test_up_smoke(plane):
     assert ("nats      nats://127.0.0.1:" in text) == (plane == "nats")
 
 
-async def test_up_smoke_with_etcd_auth():
+@pytest.mark.parametrize("flags", [("--etcd-auth",), ("--etcd-auth", "--etcd-tls")])
+async def test_up_smoke_with_etcd_auth(flags):
     """--etcd-auth: the embedded etcd refuses anonymous clients; the server and workers get the generated
-    password in their environment (not on their command lines, not in the output) and still serve."""
+    password in their environment (not on their command lines, not in the output) and still serve.
+    --etcd-tls: etcd serves https and demands a client certificate, made for the run and given to them."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "infera.up", "--smoke", "--port", "0", "--workers", "1", "--speedup", "20",
-        "--etcd-auth", "--log-level", "debug",
+        *flags, "--log-level", "debug",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         env={"PATH": "/usr/bin:/bin", "KUBERNETES_SERVICE_HOST": "10.96.0.1"})
     out, _ = await asyncio.wait_for(proc.communicate(), 120)
@@ -33,3 +35,4 @@ async def test_up_smoke_with_etcd_auth():
     assert proc.returncode == 0, text[-3000:]
     assert "smoke: ok" in text and "etcd      authentication on" in text
     assert "INFERA_ETCD_PASSWORD=" not in text and '"token"' not in text
+    assert ("etcd      https://127.0.0.1:" in text) == ("--etcd-tls" in flags)

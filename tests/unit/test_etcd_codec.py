@@ -230,6 +230,9 @@ def test_auth_errors_are_classified() -> None:
     assert not anonymous.stale_token and "no credentials" in str(anonymous) and "--etcd-user" in str(anonymous)
     assert not error(403, 7, "etcdserver: permission denied").stale_token
     assert not error(400, 3, "etcdserver: authentication failed, invalid user ID or password").stale_token
+    with pytest.raises(EtcdAuthError, match="without a CN"):  # etcd answers this one in plain text
+        _parse_response("/v3/kv/put", 400, b"CommonName of client sending a request against gateway will be ignored "
+                                           b"and not used as expected\n")
     with pytest.raises(LeaseNotFound):  # unchanged
         _parse_response("/v3/lease/keepalive", 404, b'{"code":5,"message":"etcdserver: requested lease not found"}')
 
