@@ -706,7 +706,7 @@ class EtcdDiscovery:
         except RecordSignatureError as exc:
             if key not in self._rejected_keys:
                 self._rejected_keys.add(key)
-                log.warning("ignoring worker record at %s: %s; it is not routed to (a fleet key is set: only "
+                log.warning("ignoring worker record at %r: %s; it is not routed to (a fleet key is set: only "
                             "records signed with it count)", key, exc)
             return None
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:

@@ -162,9 +162,9 @@ class FleetKey:
         except msgspec.ValidationError as exc:
             raise RecordSignatureError(f"malformed signature: {exc}") from None
         if signature.alg != SIGNATURE_ALG:
-            raise RecordSignatureError(f"unsupported signature algorithm {signature.alg!r}")
+            raise RecordSignatureError(f"unsupported signature algorithm {signature.alg[:40]!r}")
         if signature.kid != self.kid:
-            raise RecordSignatureError(f"signed with another fleet key (key id {signature.kid}, ours {self.kid})")
+            raise RecordSignatureError(f"signed with another fleet key (key id {signature.kid[:40]!r}, ours {self.kid})")
         canonical = _canonical_encoder.encode(fields)
         if not hmac.compare_digest(self._mac(signature.kid, signature.ts, canonical), signature.mac):
             raise RecordSignatureError("bad signature (the record was altered or forged)")

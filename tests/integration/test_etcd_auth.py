@@ -20,6 +20,7 @@ import subprocess
 import time
 
 import aiohttp
+import msgspec
 import pytest
 from aiohttp import web
 
@@ -48,7 +49,7 @@ def rogue(url: str = "http://127.0.0.1:9", worker_id: str = "evil:1", model: str
 
 
 def rejections(caplog: pytest.LogCaptureFixture, key: str) -> int:
-    return sum(1 for r in caplog.records if r.name == "infera.discovery.etcd" and "ignoring worker record at " + key
+    return sum(1 for r in caplog.records if r.name == "infera.discovery.etcd" and f"ignoring worker record at {key!r}"
                in r.getMessage())
 
 
@@ -75,6 +76,12 @@ async def test_discovery_ignores_unsigned_and_foreign_records(etcd, prefix, capl
         assert rejections(caplog, prefix + "evil:1") == 1 and rejections(caplog, prefix + "before") == 1
         messages = " ".join(r.getMessage() for r in caplog.records)
         assert "unsigned record" in messages and "another fleet key" in messages
+        # Nothing a writer controls reaches the log raw: a key with a line break, a forged key id.
+        forged_kid = msgspec.json.decode(encode_record(rogue(worker_id="x"), key))
+        forged_kid["signature"]["kid"] = "x\nCRITICAL fake log line"
+        await etcd_put(etcd.endpoint, prefix + "line\nbreak", msgspec.json.encode(forged_kid))
+        await wait_for(lambda: rejections(caplog, prefix + "line\nbreak") == 1, 10, message="injected key logged")
+        assert not any("\n" in r.getMessage() for r in caplog.records if r.name == "infera.discovery.etcd")
         # A legit worker's record copied over with one field changed (its URL) is no longer signed.
         good = await reg.client.range_prefix(prefix + "good")
         forged = good[1][0][1].replace(b"http://127.0.0.1:1", b"http://127.0.0.1:9")
@@ -296,3 +303,21 @@ async def test_etcd_tls_client_certificates(prefix, tmp_path) -> None:
         for close in reversed(closers):
             await close()
         await etcd.stop()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--fleet-key-file", "/nonexistent/fleet.key"), "cannot read the fleet key file"),
+    (("--etcd-user", "infera"), "needs both a user"),
+])
+async def test_launcher_refuses_unusable_credentials_at_start(flags, message) -> None:
+    """A worker whose key or etcd credentials are unusable stops at once with a usage error (exit 2),
+    before starting its engine."""
+    import sys
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "infera.engine.sim", "--etcd-endpoint", "127.0.0.1:1", *flags, "--model", "m",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        env={"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp")})
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 2, out.decode(errors="replace")[-2000:]
+    assert message in out.decode(errors="replace")
