@@ -201,7 +201,8 @@ def add_plane_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str] 
     f("--fleet-key-file", env="INFERA_FLEET_KEY_FILE", default=None, type=optional_file,
       help="file holding the fleet's shared secret (>= 16 bytes, e.g. `openssl rand -hex 32`): workers sign "
            "their records with it (HMAC-SHA256), servers ignore records it did not sign, so writing to etcd or "
-           "to a Pod's annotations is not enough to receive traffic (default: off, records are trusted)")
+           "to a Pod's annotations is not enough to receive traffic (default: off, records are trusted). "
+           "Several comma-separated files: the first signs, every one is accepted (key rotation)")
     # etcd credentials and TLS (infera/discovery/etcd.py EtcdAuth), checked at start. The password is
     # never a flag (argv is readable by every local user): INFERA_ETCD_PASSWORD or a file.
     f("--etcd-user", env="INFERA_ETCD_USER", default=None, type=optional_file,

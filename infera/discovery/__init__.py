@@ -68,7 +68,7 @@ def discovery_options(args: Any, environ: Mapping[str, str] | None = None) -> di
     if path:
         from infera.discovery.record import FleetKey
 
-        options["fleet_key"] = FleetKey.from_file(path)
+        options["fleet_key"] = FleetKey.from_files(path)
     if getattr(args, "discovery_backend", "etcd") == "etcd":
         from infera.discovery.etcd import EtcdAuth
 

@@ -8,7 +8,7 @@ import hashlib
 import hmac
 import os
 import time
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Sequence
 
 import msgspec
 
@@ -111,13 +111,17 @@ class FleetKey:
     key id and the signing time, which ``signature`` also carries. A verified record is decoded from
     exactly those bytes, so no parser difference can slip an unsigned value past the check.
     Not covered: replaying a record the key once signed (it names a real worker's own address).
+
+    Key rotation: ``also_accept`` keys verify too (never sign). Servers first get ``new,old``, then the
+    workers ``new``, then the servers ``new`` alone.
     """
 
-    def __init__(self, key: bytes) -> None:
+    def __init__(self, key: bytes, also_accept: "Sequence[FleetKey]" = ()) -> None:
         if len(key) < MIN_FLEET_KEY_BYTES:
             raise ValueError(f"fleet key too short: {len(key)} bytes, at least {MIN_FLEET_KEY_BYTES} needed")
         self._key = bytes(key)
         self.kid = _fingerprint(self._key)  # names the key in logs; reveals nothing of it
+        self._accepted = {self.kid: self._key, **{k.kid: k._key for k in also_accept}}  # key id → secret
 
     @classmethod
     def from_file(cls, path: str) -> "FleetKey":
@@ -133,12 +137,24 @@ class FleetKey:
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from None
 
+    @classmethod
+    def from_files(cls, paths: str) -> "FleetKey":
+        """``--fleet-key-file``: one file, or several comma-separated: the first signs, all verify."""
+        files = [p.strip() for p in paths.split(",") if p.strip()]
+        if not files:
+            raise ValueError("no fleet key file given")
+        return cls(cls.from_file(files[0])._key, [cls.from_file(p) for p in files[1:]])
+
+    @property
+    def accepted_kids(self) -> tuple[str, ...]:
+        return tuple(self._accepted)
+
     def __repr__(self) -> str:  # never the key itself
         return f"FleetKey(kid={self.kid})"
 
-    def _mac(self, kid: str, ts: int, canonical: bytes) -> str:
+    def _mac(self, kid: str, ts: int, canonical: bytes, secret: bytes | None = None) -> str:
         message = b"".join((_MAC_DOMAIN, kid.encode(), b"\n", str(ts).encode(), b"\n", canonical))
-        return hmac.new(self._key, message, hashlib.sha256).hexdigest()
+        return hmac.new(self._key if secret is None else secret, message, hashlib.sha256).hexdigest()
 
     def sign(self, record: WorkerRecord, ts: int | None = None) -> bytes:
         fields = msgspec.json.decode(_encoder.encode(record))
@@ -163,10 +179,12 @@ class FleetKey:
             raise RecordSignatureError(f"malformed signature: {exc}") from None
         if signature.alg != SIGNATURE_ALG:
             raise RecordSignatureError(f"unsupported signature algorithm {signature.alg[:40]!r}")
-        if signature.kid != self.kid:
-            raise RecordSignatureError(f"signed with another fleet key (key id {signature.kid[:40]!r}, ours {self.kid})")
+        secret = self._accepted.get(signature.kid)
+        if secret is None:
+            raise RecordSignatureError(f"signed with another fleet key (key id {signature.kid[:40]!r}, ours "
+                                       f"{', '.join(self._accepted)})")
         canonical = _canonical_encoder.encode(fields)
-        if not hmac.compare_digest(self._mac(signature.kid, signature.ts, canonical), signature.mac):
+        if not hmac.compare_digest(self._mac(signature.kid, signature.ts, canonical, secret), signature.mac):
             raise RecordSignatureError("bad signature (the record was altered or forged)")
         return _decoder.decode(canonical)
 

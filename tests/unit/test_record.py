@@ -218,3 +218,23 @@ def test_a_record_nested_too_deeply_is_a_bad_value(key):
     deep = b'{"worker_id":"a","url":"http://a","model_name":"m","disagg_meta":{"x":' + b"[" * 100_000 + b"]" * 100_000
     with pytest.raises(msgspec.DecodeError, match="nested too deeply"):
         decode_record(deep + b"}}", key)
+
+
+def test_fleet_key_rotation(tmp_path):
+    from infera.discovery import discovery_options
+    from infera.server.cli import parse_args
+
+    old, new = tmp_path / "old.key", tmp_path / "new.key"
+    old.write_bytes(b"o" * 32)
+    new.write_bytes(b"n" * 32)
+    rotating = FleetKey.from_files(f"{new}, {old}")  # servers during a rotation
+    rec = _full_record()
+    assert decode_record(encode_record(rec, FleetKey(b"o" * 32)), rotating) == rec  # workers not yet switched
+    assert decode_record(encode_record(rec, FleetKey(b"n" * 32)), rotating) == rec  # switched ones
+    assert msgspec.json.decode(encode_record(rec, rotating))["signature"]["kid"] == FleetKey(b"n" * 32).kid
+    with pytest.raises(RecordSignatureError, match="another fleet key"):  # rotation done: old records refused
+        decode_record(encode_record(rec, FleetKey(b"o" * 32)), FleetKey.from_files(str(new)))
+    args = parse_args(["--etcd-endpoint", "h:1", "--fleet-key-file", f"{new},{old}"], environ={})
+    assert discovery_options(args)["fleet_key"].accepted_kids == rotating.accepted_kids
+    with pytest.raises(ValueError, match="cannot read the fleet key file"):
+        FleetKey.from_files(f"{new},{tmp_path / 'missing'}")
