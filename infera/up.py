@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     f("--etcd-tls", env="INFERA_UP_ETCD_TLS", default=False, action="store_true",
       help="serve the embedded etcd over https with certificates made for this run (openssl), demanding a client "
            "certificate, which the server and workers get (INFERA_ETCD_CACERT, INFERA_ETCD_CERT, INFERA_ETCD_KEY)")
+    f("--sign-records", env="INFERA_UP_SIGN_RECORDS", default=False, action="store_true",
+      help="make a fleet key for this run (a 0600 file, removed on exit) and give it to the server and workers "
+           "(INFERA_FLEET_KEY_FILE): workers sign their records, the server routes to signed records only")
     f("--plane", env="INFERA_UP_PLANE", default="dev", type=choice_of("dev", "nats"),
       help="dev: etcd + HTTP + ZMQ; nats: etcd + requests and KV events over an embedded nats-server "
            "(the production plane's transports on one machine)")
@@ -73,6 +76,7 @@ class Fleet:
         self.etcd_endpoint: str | None = args.etcd_endpoint
         self.etcd_env: dict[str, str] = {}  # --etcd-auth/--etcd-tls: credentials every child gets in its environment
         self.etcd_tls_dir: str | None = None  # --etcd-tls: this run's certificates, removed at stop
+        self.fleet_key_dir: str | None = None  # --sign-records: this run's fleet key, removed at stop
         self.server: asyncio.subprocess.Process | None = None
         self.workers: list[asyncio.subprocess.Process] = []
         self.base_url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
@@ -110,6 +114,16 @@ class Fleet:
         elif self.args.etcd_auth or self.args.etcd_tls:
             raise RuntimeError("--etcd-auth and --etcd-tls set up the embedded etcd; with --etcd-endpoint, give the "
                                "children INFERA_ETCD_USER and INFERA_ETCD_PASSWORD, INFERA_ETCD_CACERT/CERT/KEY instead")
+        if self.args.sign_records:
+            import secrets
+            import tempfile
+
+            self.fleet_key_dir = tempfile.mkdtemp(prefix="infera-fleet-key-")  # 0700
+            key_file = os.path.join(self.fleet_key_dir, "fleet.key")
+            with open(os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+                f.write(secrets.token_hex(32) + "\n")
+            self.etcd_env["INFERA_FLEET_KEY_FILE"] = key_file
+            print("records   signed with a fleet key made for this run", flush=True)
         # The plane is explicit: inside a Pod the processes would otherwise default to Kubernetes.
         plane = ["--discovery-backend", "etcd", "--request-transport", "http", "--kv-event-transport", "zmq"]
         if self.args.plane == "nats":
@@ -196,6 +210,10 @@ class Fleet:
             import shutil
 
             shutil.rmtree(self.etcd_tls_dir, ignore_errors=True)
+        if self.fleet_key_dir is not None:
+            import shutil
+
+            shutil.rmtree(self.fleet_key_dir, ignore_errors=True)
 
 
 def _curl(base_url: str, model: str) -> str:
