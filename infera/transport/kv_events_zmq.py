@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from dataclasses import dataclass, field
 from time import monotonic as _monotonic
@@ -52,6 +51,7 @@ import xxhash
 import zmq
 import zmq.asyncio
 
+from infera.transport.backoff import retry_delay
 from infera.transport.zmtp import ZmtpSubscription
 
 log = logging.getLogger("infera.transport.kv_events_zmq")
@@ -379,7 +379,7 @@ class ZmqKvEventSubscriber(KvCallbacks):
             st.failures = 0  # the last failure is long past: a new episode
         st.failures += 1
         st.failed_at = now
-        delay = min(_RECOVER_MAX_S, _RECOVER_MIN_S * 2 ** (st.failures - 1)) * random.uniform(0.75, 1.25)
+        delay = retry_delay(st.failures, _RECOVER_MIN_S, _RECOVER_MAX_S)
         if not st.recovering:
             st.recovering = True
             log.exception("KV events %s: reader failed; resetting the view, retrying with backoff (up to %.0f s)",

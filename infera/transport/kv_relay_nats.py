@@ -38,12 +38,15 @@ import nats.errors
 import nats.js.errors
 
 from infera.discovery.record import WorkerRecord
+from infera.transport.backoff import retry_delay
 from infera.transport.kv_events_nats import (HDR_EPOCH, HDR_RESET, HDR_SEQ, STREAM, SUBJECT_PREFIX, ensure_stream,
                                              kv_event_subject)
 from infera.transport.kv_events_zmq import NO_SEQ, ZmqKvEventSubscriber, endpoint_for_rank
 from infera.transport.nats_conn import NatsConnection, subject_token
 
 log = logging.getLogger(__name__)
+
+PUBLISH_RETRY_MAX_S = 30.0  # cap of the publisher's retry backoff
 
 
 def _ranks(record: WorkerRecord) -> list[int | None]:
@@ -229,14 +232,29 @@ class KvEventNatsRelay:
         self._wake.set()
 
     async def _publisher(self) -> None:
+        # A round that keeps failing (a bug, fd exhaustion) is retried after a jittered backoff up to
+        # PUBLISH_RETRY_MAX_S, logged once when it starts failing (with the traceback), at DEBUG while
+        # it goes on and once when a round succeeds again: it logged a traceback every 0.5 s, forever.
+        failures = 0
         while True:
             try:
                 await self._publish_round()
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bug here must not end the relay silently
-                log.exception("KV relay %s: publisher failed; retrying", self.worker_id)
-                await asyncio.sleep(0.5)
+                failures += 1
+                delay = retry_delay(failures, 0.5, PUBLISH_RETRY_MAX_S)
+                if failures == 1:
+                    log.exception("KV relay %s: publisher failed; retrying with backoff (up to %.0f s)",
+                                  self.worker_id, PUBLISH_RETRY_MAX_S)
+                else:
+                    log.debug("KV relay %s: publisher failed again (%d in a row); retrying in %.2f s",
+                              self.worker_id, failures, delay, exc_info=True)
+                await asyncio.sleep(delay)
+                continue
+            if failures:
+                log.info("KV relay %s: publisher recovered after %d failed round(s)", self.worker_id, failures)
+                failures = 0
 
     async def _publish_round(self) -> None:
         if not self.nats.connected:

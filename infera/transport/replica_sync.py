@@ -42,7 +42,6 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-import random
 import sys
 import time
 import uuid
@@ -53,6 +52,7 @@ import msgspec
 
 from infera.runtime import cancel_and_wait
 from infera.router.kv_aware import PEER_TIMEOUT_S, SYNC_BLOCKS_PER_REQUEST, ReplicaShare
+from infera.transport.backoff import retry_delay
 from infera.transport.nats_conn import subject_token, token_to_worker_id
 
 log = logging.getLogger(__name__)
@@ -130,12 +130,6 @@ def bye_message(replica_id: str) -> tuple[str, bytes]:
 
 
 RETRY_MAX_S = 10.0  # cap of the retry backoffs below
-
-
-def retry_delay(failures: int, first: float, cap: float) -> float:
-    """The wait before retry number ``failures`` (1, 2, ...): ``first`` doubling up to ``cap``,
-    +-25% jitter (replicas that failed together do not retry in step)."""
-    return min(cap, first * 2 ** (failures - 1)) * random.uniform(0.75, 1.25)
 
 
 class ReplicaSync(abc.ABC):

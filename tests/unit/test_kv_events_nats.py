@@ -302,3 +302,47 @@ def test_bridge_without_nats_follows_relaying_workers_on_zmq():
     assert bridge.nats_subscriber is None
     assert sorted(bridge.subscriber.keys()) == ["n:1#dp0", "n:1#dp1"]
     assert bridge.transport("n:1#dp1") == "zmq"
+
+
+async def test_a_failing_publisher_backs_off_and_logs_once_per_state_change(monkeypatch, caplog):
+    """A publish round that keeps raising (a bug, fd exhaustion) is retried with a growing jittered
+    delay, logged once at ERROR, at DEBUG while it goes on and once at INFO when a round succeeds:
+    it logged a traceback every 0.5 s, forever."""
+    from infera.transport import kv_relay_nats
+
+    relay = KvEventNatsRelay(SimpleNamespace(connected=True), record())
+    delays: list[int] = []
+    monkeypatch.setattr(kv_relay_nats, "retry_delay", lambda failures, first, cap: delays.append(failures) or 0.001)
+    rounds = {"n": 0}
+    recovered = asyncio.Event()
+
+    async def publish_round() -> None:
+        rounds["n"] += 1
+        if rounds["n"] <= 6:
+            raise OSError(24, "Too many open files")
+        if rounds["n"] == 8:  # the round after the first good one: the recovery is logged by then
+            recovered.set()
+            await asyncio.sleep(3600)
+
+    monkeypatch.setattr(relay, "_publish_round", publish_round)
+    caplog.set_level("DEBUG", logger="infera.transport.kv_relay_nats")
+    task = asyncio.ensure_future(relay._publisher())
+    try:
+        await asyncio.wait_for(recovered.wait(), 5)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert delays == [1, 2, 3, 4, 5, 6]  # each retry waits as the n-th failure in a row
+    records = [r for r in caplog.records if r.name == "infera.transport.kv_relay_nats"]
+    assert [r.levelname for r in records if r.levelname != "DEBUG"] == ["ERROR", "INFO"]
+    assert sum(r.levelname == "DEBUG" for r in records) == 5
+    assert "recovered after 6 failed round(s)" in records[-1].getMessage()
+
+
+def test_retry_delay_doubles_to_its_cap_with_jitter():
+    from infera.transport.backoff import retry_delay
+
+    for failures, base in [(1, 0.5), (2, 1.0), (3, 2.0), (7, 30.0), (50, 30.0), (0, 0.5)]:
+        samples = [retry_delay(failures, 0.5, 30.0) for _ in range(200)]
+        assert all(0.75 * base <= d <= 1.25 * base for d in samples)
+        assert len(set(samples)) > 1  # jittered: peers that failed together do not retry in step
