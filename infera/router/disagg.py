@@ -40,7 +40,8 @@ from infera.router.engine_hints import EngineHints
 from infera.router.pd import PdError, PdPair, PdProtocol, resolve_protocol
 from infera.router.policy import Policy, RoutedRequest
 from infera.server.metrics import ServerMetrics
-from infera.router.upstream import LegFailure, Opened, Relay, open_upstream, request_headers
+from infera.router.upstream import (LegFailure, Opened, Relay, is_engine_error, open_upstream, repeated_engine_error,
+                                    request_headers)
 from infera.transport.request import RequestTransport
 
 log = logging.getLogger(__name__)
@@ -54,10 +55,14 @@ class _Leg:
     """One leg's worker, its own policy state, and its accounting (released exactly once), and its
     breaker verdict (given exactly once: the first one stands)."""
 
-    __slots__ = ("role", "worker", "req", "_router", "_done", "_scored")
+    __slots__ = ("role", "worker", "req", "hold_engine_error", "_router", "_done", "_scored")
 
-    def __init__(self, router: "DisaggRouter", role: str, worker: WorkerRecord, req: RoutedRequest) -> None:
+    def __init__(self, router: "DisaggRouter", role: str, worker: WorkerRecord, req: RoutedRequest, *,
+                 hold_engine_error: bool = False) -> None:
         self.role, self.worker, self.req, self._router = role, worker, req, router
+        # an engine's 5xx is scored neutral here: the dispatch loop decides once another worker of
+        # the role has had the request (see MixedRouter.dispatch)
+        self.hold_engine_error = hold_engine_error
         self._done = False
         self._scored = False
         router.policy.on_started(worker, req)
@@ -149,6 +154,10 @@ class DisaggRouter:
         body = self._parse(req)
         failed: set[str] = set()
         failure: LegFailure | None = None
+        # Per role, a worker whose engine answered 5xx, its breaker vote held until another worker of
+        # that role has had the request: a success confirms it, a second engine 5xx in the role makes
+        # it the request's fault (returned to the client, neither counted), as in MixedRouter.
+        suspects: dict[str, str] = {}
         for attempt in range(1 + self.max_retries):
             p_pool = [w for w in prefills if w.worker_id not in failed]
             d_pool = [w for w in decodes if w.worker_id not in failed]
@@ -169,15 +178,25 @@ class DisaggRouter:
             # the same kind exists (and all of that kind are tried rather than none).
             decode = self.policy.pick(self.breaker.filter(d_pool), d_req, "decode")
             try:
-                return await self._attempt(req, body, prefill, p_req, decode, d_req)
+                reply = await self._attempt(req, body, prefill, p_req, decode, d_req, hold_engine_error=True)
             except LegFailure as exc:
                 if not exc.retryable:
                     return Reply(exc.status, exc.content_type, exc.worker_id, body=exc.body)
+                if is_engine_error(exc):
+                    if exc.role in suspects:
+                        raise repeated_engine_error(req.request_id, suspects[exc.role], exc) from None
+                    suspects[exc.role] = exc.worker_id
                 failure = exc
                 failed.add(exc.worker_id)
                 log.warning("request %s: PD %s leg on %s failed: %s (attempt %d)", req.request_id, exc.role,
                             exc.worker_id, exc.detail, attempt + 1)
                 self.metrics.count_retry(req.route, f"{exc.role}_{exc.reason}")
+            else:
+                for suspect in suspects.values():  # another worker of its role served it
+                    self.breaker.record_failure(suspect)
+                return reply
+        for suspect in suspects.values():  # no other engine's answer to weigh it against
+            self.breaker.record_failure(suspect)
         if failure is None:
             raise ApiError(503, f"no untried prefill/decode pair left for model {req.model!r}", "no_active_worker",
                            headers={"Retry-After": "1"})
@@ -225,7 +244,7 @@ class DisaggRouter:
             opened = await open_upstream(self.transport, leg.worker, route, _encode_json(body),
                                          request_headers(request_id, leg.rank), stream, leg.role)
         except LegFailure as exc:  # 5xx or transport error before the first byte (or a full NATS backlog)
-            if exc.blames_worker:
+            if exc.blames_worker and not (leg.hold_engine_error and is_engine_error(exc)):
                 leg.score_failure()
             else:
                 leg.score_neutral()
@@ -241,14 +260,14 @@ class DisaggRouter:
 
     # -- one attempt -----------------------------------------------------------------------------
     async def _attempt(self, req: RoutedRequest, body: dict, prefill: WorkerRecord, p_req: RoutedRequest,
-                       decode: WorkerRecord, d_req: RoutedRequest) -> Reply:
+                       decode: WorkerRecord, d_req: RoutedRequest, *, hold_engine_error: bool = False) -> Reply:
         try:
             protocol = resolve_protocol(prefill, decode, self.protocols)
             protocol.check_route(req.route)
         except PdError as exc:
             raise ApiError(exc.status, exc.message, exc.code) from None
-        p_leg = _Leg(self, "prefill", prefill, p_req)
-        d_leg = _Leg(self, "decode", decode, d_req)
+        p_leg = _Leg(self, "prefill", prefill, p_req, hold_engine_error=hold_engine_error)
+        d_leg = _Leg(self, "decode", decode, d_req, hold_engine_error=hold_engine_error)
         committed = False
         try:
             pair = PdPair(prefill, decode, align_room(self._rng.getrandbits(63), prefill, p_leg.rank),

@@ -24,7 +24,8 @@ from infera.router.engine_hints import EngineHints
 from infera.router.migration import MigratingRelay, StreamTracker, request_for_migration
 from infera.router.policy import Policy, RoutedRequest
 from infera.server.metrics import ServerMetrics
-from infera.router.upstream import LegFailure, Opened, Relay, open_upstream, request_headers
+from infera.router.upstream import (LegFailure, Opened, Relay, is_engine_error, open_upstream, repeated_engine_error,
+                                    request_headers)
 from infera.transport.request import RequestTransport
 
 log = logging.getLogger(__name__)
@@ -45,32 +46,6 @@ def reported_cached_tokens(data: bytes) -> int | None:
             return int(m.group(1))
         at = data.rfind(b'"cached_tokens"', 0, at)  # (e.g. "cached_tokens": null) an earlier one
     return None
-
-
-def is_engine_error(exc: LegFailure) -> bool:
-    """The worker's engine answered 5xx (it ran the request and failed on it), as opposed to a
-    transport failure or a missing first byte, which always count against the worker."""
-    return exc.status >= 500 and exc.reason.startswith("http_")
-
-
-def engine_error_message(body: bytes | None, limit: int = 1000) -> str:
-    """What an engine's error body says (OpenAI/vLLM ``{"error": {"message"}}``, SGLang/older
-    vLLM ``{"message"}``, FastAPI ``{"detail"}``, or plain text), at most ``limit`` characters."""
-    if not body:
-        return ""
-    text: object = None
-    try:
-        data = msgspec.json.decode(body)
-    except (msgspec.DecodeError, RecursionError):
-        data = None
-    if isinstance(data, dict):
-        err = data.get("error")
-        text = err.get("message") if isinstance(err, dict) else err if isinstance(err, str) else None
-        text = text if isinstance(text, str) else data.get("message") or data.get("detail")
-    if not isinstance(text, str):
-        text = body.decode("utf-8", "replace")
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[:limit] + "…"
 
 
 @dataclass(slots=True)
@@ -159,7 +134,7 @@ class MixedRouter:
                     break
                 if is_engine_error(exc):
                     if suspect is not None:
-                        raise self._repeated_engine_error(req, suspect, exc) from None
+                        raise repeated_engine_error(req.request_id, suspect, exc) from None
                     suspect = worker.worker_id
             else:
                 if suspect is not None and reply.status < 400:
@@ -171,17 +146,6 @@ class MixedRouter:
             self.breaker.record_failure(suspect)  # no other engine's answer to weigh it against
         assert failure is not None
         raise ApiError(failure.status, failure.message, failure.reason, headers=failure.headers)
-
-    def _repeated_engine_error(self, req: RoutedRequest, suspect: str, exc: LegFailure) -> ApiError:
-        """The engines of two workers answered 5xx to this request: the request is what fails
-        (a client can send one that crashes every engine), so it goes back to the client with the
-        engine's words, no other worker is tried, and neither breaker counts it. Otherwise two
-        such requests per worker would open every breaker of the fleet."""
-        log.warning("request %s: engines of %s and %s both answered 5xx (%s); returned to the client, not held "
-                    "against either", req.request_id, suspect, exc.worker_id, exc.status)
-        detail = engine_error_message(exc.body)
-        message = "the engines of two workers failed on this request" + (f": {detail}" if detail else "")
-        return ApiError(exc.status, message, "engine_error", headers=exc.headers)
 
     async def _attempt(self, worker: WorkerRecord, req: RoutedRequest, *, hold_engine_error: bool = False) -> Reply:
         """One worker; ``LegFailure`` if it failed before the first byte. A 4xx is the client's

@@ -14,7 +14,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence
 
-from infera.api.errors import error_bytes, sse_error_event
+import msgspec
+
+from infera.api.errors import ApiError, error_bytes, sse_error_event
 from infera.discovery.record import WorkerRecord
 from infera.server.metrics import ServerMetrics
 from infera.transport.http import ReplyTooLarge, UpstreamError
@@ -60,6 +62,44 @@ class LegFailure(Exception):
     @property
     def headers(self) -> dict[str, str]:
         return {"Retry-After": "1"} if self.status in (429, 503) else {}
+
+
+def is_engine_error(exc: LegFailure) -> bool:
+    """The worker's engine answered 5xx (it ran the request and failed on it), as opposed to a
+    transport failure or a missing first byte, which always count against the worker."""
+    return exc.status >= 500 and exc.reason.startswith("http_")
+
+
+def engine_error_message(body: bytes | None, limit: int = 1000) -> str:
+    """What an engine's error body says (OpenAI/vLLM ``{"error": {"message"}}``, SGLang/older
+    vLLM ``{"message"}``, FastAPI ``{"detail"}``, or plain text), at most ``limit`` characters."""
+    if not body:
+        return ""
+    text: object = None
+    try:
+        data = msgspec.json.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        data = None
+    if isinstance(data, dict):
+        err = data.get("error")
+        text = err.get("message") if isinstance(err, dict) else err if isinstance(err, str) else None
+        text = text if isinstance(text, str) else data.get("message") or data.get("detail")
+    if not isinstance(text, str):
+        text = body.decode("utf-8", "replace")
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def repeated_engine_error(request_id: str, suspect: str, exc: LegFailure) -> ApiError:
+    """The engines of two workers answered 5xx to this request: the request is what fails (a
+    client can send one that crashes every engine), so it goes back to the client with the engine's
+    words, no other worker is tried, and neither breaker counts it. Otherwise two such requests per
+    worker would open every breaker of the fleet."""
+    log.warning("request %s: engines of %s and %s both answered 5xx (%s); returned to the client, not held "
+                "against either", request_id, suspect, exc.worker_id, exc.status)
+    detail = engine_error_message(exc.body)
+    message = "the engines of two workers failed on this request" + (f": {detail}" if detail else "")
+    return ApiError(exc.status, message, "engine_error", headers=exc.headers)
 
 
 @dataclass(slots=True)

@@ -75,6 +75,27 @@ async def test_a_request_every_engine_fails_on_is_returned_and_opens_no_breaker(
                 assert r.status == 200, await r.text()
 
 
+async def test_a_request_every_pd_engine_fails_on_is_returned_and_opens_no_breaker(fed_server, crashing_sims):
+    """The same rule on a prefill/decode fleet, per role: the prefill engines of two workers answer
+    5xx, the request goes back to the client and no breaker of either pool counts it."""
+    nixl = {"protocol": "vllm-nixl", "params": {"engine_id": "e"}}
+    sims_ = [await crashing_sims() for _ in range(4)]
+    server, base = await fed_server("--breaker-failure-threshold", "2", "--request-max-retries", "3")
+    ids = ["p0", "p1", "d0", "d1"]
+    for wid, sim in zip(ids, sims_):
+        server.fleet.upsert(record(wid, sim, "vllm", disagg_mode="prefill" if wid[0] == "p" else "decode",
+                                   disagg_meta=nixl))
+    async with aiohttp.ClientSession() as s:
+        for n in range(1, 5):  # twice the threshold per prefill worker, were each 5xx a vote
+            async with s.post(base + "/v1/chat/completions", json={**CHAT, "user": POISON}) as r:
+                assert r.status == 500
+                err = (await r.json())["error"]
+            assert err["code"] == "engine_error" and "KeyError: 'poison-pill'" in err["message"]
+            assert sims_[0].crashed + sims_[1].crashed == 2 * n  # both prefills once each, no more
+            assert sims_[2].crashed + sims_[3].crashed == 0  # a serial pair never reached a decode
+        assert await breaker_states(s, base, ids) == [(0, 0)] * 4
+
+
 async def test_a_worker_failing_every_request_is_still_opened(fed_server, crashing_sims):
     """The other half of the rule: a 5xx that another worker then serves is the first worker's, and
     counts; the broken worker opens at the threshold as before."""
