@@ -100,6 +100,19 @@ def optional_file(value: str) -> str | None:
     return value.strip() or None
 
 
+def readable_file(value: str) -> str | None:
+    """argparse type of a credentials or TLS file flag (the NATS ones): unreadable is a usage error at start."""
+    if not value.strip():
+        return None  # an empty env variable turns it off
+    path = os.path.expanduser(value.strip())
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc.strerror or exc}") from None
+    return path
+
+
 def etcd_prefix(value: str) -> str:
     v = value.strip()
     if not v:
@@ -228,8 +241,6 @@ def add_plane_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str] 
       help="NATS URL(s), comma-separated (requests, KV events and replica sync on the NATS plane)")
     # NATS credentials and TLS (infera/transport/nats_auth.py); a file that cannot be read is a usage error
     # at start. Secrets never come as flags (argv is readable by every local user): files or env only.
-    from infera.transport.nats_auth import readable_file
-
     f("--nats-user", env="INFERA_NATS_USER", default=None,
       help="NATS user; its password from --nats-password-file or the INFERA_NATS_PASSWORD env variable")
     f("--nats-password-file", env="INFERA_NATS_PASSWORD_FILE", default=None, type=readable_file,

@@ -60,19 +60,6 @@ def redact(text: str, secrets: tuple[str, ...] = ()) -> str:
     return text
 
 
-def readable_file(value: str) -> str | None:
-    """argparse type of a credentials/TLS file flag: unreadable is a usage error at start."""
-    if not value.strip():
-        return None  # an empty env variable turns it off
-    path = os.path.expanduser(value.strip())
-    try:
-        with open(path, "rb"):
-            pass
-    except OSError as exc:
-        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc.strerror or exc}") from None
-    return path
-
-
 def _read_secret(path: str, what: str) -> str:
     try:
         with open(path, encoding="utf-8") as f:
