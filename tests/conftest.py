@@ -7,6 +7,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -92,6 +93,22 @@ def stop_process(proc: subprocess.Popen | None, grace: float = 10) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+async def stop_process_group(proc: "asyncio.subprocess.Process", grace: float = 20, *, group_term: bool = False) -> None:
+    """An asyncio child's stop: SIGTERM (to its process group with ``group_term``), then SIGKILL to
+    its group after ``grace`` seconds; nothing of it is left for the next test."""
+    if proc.returncode is not None:
+        return
+    if group_term:
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(proc.wait(), grace)
+    except asyncio.TimeoutError:
+        os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
 
 
 class EtcdProcess:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import resource
-import signal
 import sys
 import time
 
@@ -17,7 +16,7 @@ import aiohttp
 import pytest
 
 from infera.engine.base.prom import sample_sum, samples
-from tests.conftest import free_port, wait_for
+from tests.conftest import free_port, stop_process_group, wait_for
 
 T = 1.0  # the timeouts under test
 SLACK = 3.0  # loaded CI: "closed within T + SLACK", never exactly T
@@ -65,13 +64,7 @@ async def start_server(etcd, prefix, tmp_path):
 
     yield factory
     for server in servers:
-        if server.proc.returncode is None:
-            server.proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(server.proc.wait(), 20)
-            except asyncio.TimeoutError:
-                os.killpg(server.proc.pid, signal.SIGKILL)
-                await server.proc.wait()
+        await stop_process_group(server.proc, 20)
 
 
 async def health(server: Server, timeout: float = 3.0) -> int:

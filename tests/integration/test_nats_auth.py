@@ -21,7 +21,7 @@ import pytest
 from infera.server.cli import parse_args
 from infera.transport.nats_auth import NatsAuth
 from infera.transport.nats_conn import NatsConnection
-from tests.conftest import NatsProcess, free_port
+from tests.conftest import NatsProcess, free_port, stop_process_group
 from tests.integration.conftest import wait_workers
 
 PASSWORD = "pw-Zq8r7xT2-never-logged"
@@ -144,13 +144,7 @@ async def test_server_and_worker_route_through_an_authenticated_nats(password_na
                 assert resp.status == 200, await resp.text()
         assert server.transport.nats is not None and server.transport.nats.sent == 1
     finally:
-        if proc.returncode is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), 30)
-            except asyncio.TimeoutError:
-                os.killpg(proc.pid, signal.SIGKILL)
-                await proc.wait()
+        await stop_process_group(proc, 30, group_term=True)
     worker_log = log_path.read_text(errors="replace")
     assert "connected to NATS at 127.0.0.1" in worker_log, worker_log[-3000:]
     assert PASSWORD not in worker_log

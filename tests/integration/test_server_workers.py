@@ -17,7 +17,7 @@ import pytest
 from infera.engine.base.prom import samples
 from infera.server.metrics import GATHER_TIMEOUT_S
 from infera.server.supervisor import CHILD_ENV
-from tests.conftest import alive, children_of, free_port, wait_for
+from tests.conftest import alive, children_of, free_port, stop_process_group, wait_for
 from tests.integration.test_kv_routing import chat, post
 
 QUIET = ("--no-enable-kv-events",)  # no KV events: only the server processes themselves know
@@ -121,13 +121,7 @@ async def start_server(etcd, prefix, tmp_path):
     yield factory
     for server in servers:
         kids = server.children()
-        if server.proc.returncode is None:
-            server.proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(server.proc.wait(), 30)
-            except asyncio.TimeoutError:
-                os.killpg(server.proc.pid, signal.SIGKILL)
-                await server.proc.wait()
+        await stop_process_group(server.proc, 30)
         for pid in kids:  # none should be left; never leak one into the next test
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
