@@ -29,6 +29,7 @@ from infera.server.metrics import ServerMetrics
 from infera.server import profiling as _profiling
 from infera.server import dashboard as _dashboard
 from infera.server import kv_tiers as _kv_tiers
+from infera.server import scaling as _scaling
 from infera.server.fleet_view import FleetView, RecentWorkerStats
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class ServerState:
     kvd_socket_path: str | None = None  # --kvd-socket-path: POST /v1/cache/prewarm, kvd stats in /v1/kv-stats
     metrics_token: str | None = None  # --metrics-token: opens /metrics, /v1/workers, detailed /health (scrapers)
     dashboard_session_s: float = _dashboard.DEFAULT_SESSION_S  # --dashboard-session-s: the cookie's server-side life
+    scaler: Any = None  # --enable-scaling-api: a DeploymentScaler for GET/POST /v1/admin/scale; None: off (404)
 
 
 STATE_KEY = web.AppKey("state", ServerState)
@@ -502,6 +504,11 @@ def _make_profile_handler(action: str):
     return handler
 
 
+# -- scaling API: GET|POST /v1/admin/scale (infera/server/scaling.py) ------------------------------------
+async def _scale(request: web.Request) -> web.Response:
+    return await _scaling.handle(request, request.app[STATE_KEY].scaler)
+
+
 # -- lower KV tiers: GET /v1/kv-stats, POST /v1/cache/prewarm (infera/server/kv_tiers.py) ------------------
 async def _kv_stats(request: web.Request) -> web.Response:
     if not _dashboard_authorized(request):  # as /v1/fleet: it shows what every worker caches
@@ -545,6 +552,8 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_post("/dashboard", _dashboard_page)
     for action in _profiling.ACTIONS:  # --enable-profiling (404 without), behind the admin token
         app.router.add_post(f"/v1/admin/profile/{action}", _make_profile_handler(action))
+    app.router.add_get(_scaling.SCALE_ROUTE, _scale)  # --enable-scaling-api (404 without), behind the admin token
+    app.router.add_post(_scaling.SCALE_ROUTE, _scale)
     app.router.add_get(_kv_tiers.KV_STATS_ROUTE, _kv_stats)  # lower KV tiers (infera/server/kv_tiers.py)
     app.router.add_post(_kv_tiers.PREWARM_ROUTE, _prewarm)
     return app

@@ -213,6 +213,14 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     f("--enable-profiling", env="INFERA_ENABLE_PROFILING", default=False, action="store_true",
       help="POST /v1/admin/profile/start and /stop: start or stop the engine profiler of the selected workers "
            "(admin endpoints: also needs --admin-token); off: 404")
+    f("--enable-scaling-api", env="INFERA_ENABLE_SCALING_API", default=False, action="store_true",
+      help="GET /v1/admin/scale (each service's wanted, current and ready replicas, and why it is short) and "
+           "POST /v1/admin/scale {\"services\": {\"decode\": 3}} (absolute counts, >= 1: one merge patch of "
+           "this server's InferaDeployment, found from its own Pod's label infera.amd.com/deployment). For "
+           "servers the Infera operator deployed; needs --admin-token, POD_NAME and RBAC to get Pods and "
+           "get/patch inferadeployments; off: 404")
+    f("--k8s-pod-name", env="POD_NAME", default=None,
+      help="this server's own Pod (set POD_NAME from the Downward API): --enable-scaling-api reads its labels")
     f("--log-level", env="INFERA_LOG_LEVEL", default="info", type=choice_of("debug", "info", "warning", "error"))
     f("--access-log", env="INFERA_ACCESS_LOG", default=False, action="store_true",
       help="log every request (off by default: it costs on the hot path)")
@@ -281,6 +289,10 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
             NatsAuth.from_args(args, environ)
         except ValueError as exc:
             parser.error(str(exc))
+    if args.enable_scaling_api and not args.admin_token:
+        parser.error("--enable-scaling-api (or INFERA_ENABLE_SCALING_API) needs --admin-token (or "
+                     "INFERA_ADMIN_TOKEN): POST /v1/admin/scale resizes the deployment, and the admin endpoints "
+                     "are off without a token")
     if args.breaker_max_cooldown_s < args.breaker_cooldown_s:
         parser.error(f"--breaker-max-cooldown-s ({args.breaker_max_cooldown_s:g}) must be >= --breaker-cooldown-s "
                      f"({args.breaker_cooldown_s:g})")

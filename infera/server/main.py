@@ -151,6 +151,11 @@ class InferaServer:
         self.limits = ServerLimits.from_args(args)
         self.metrics.registry.register(LimitsMetrics(self.limits))
         self.port: int | None = None
+        self.scaler = None  # --enable-scaling-api: resizes this server's InferaDeployment (infera/server/scaling.py)
+        if args.enable_scaling_api:
+            from infera.server.scaling import DeploymentScaler
+
+            self.scaler = DeploymentScaler(args.k8s_namespace, args.k8s_pod_name)
 
     def _on_fleet_change(self, worker_id: str, record) -> None:
         if record is None or not record.is_active:
@@ -194,7 +199,7 @@ class InferaServer:
                                     enable_profiling=self.args.enable_profiling,
                                     kvd_socket_path=self.args.kvd_socket_path,
                                     metrics_token=self.args.metrics_token,
-                                    dashboard_session_s=self.args.dashboard_session_s))
+                                    dashboard_session_s=self.args.dashboard_session_s, scaler=self.scaler))
         app.middlewares.append(limits_middleware(self.limits))  # body timeout, request bytes in flight
         # handler_cancellation: a client that disconnects cancels its handler, which closes the
         # upstream connection, which makes the engine abort the request and free its slot.
@@ -235,6 +240,8 @@ class InferaServer:
         if self.process_metrics is not None:
             await self.process_metrics.stop()
         await self.router.close()
+        if self.scaler is not None:
+            await self.scaler.close()
         await self.discovery.stop()
         if self.replica_sync is not None:
             await self.replica_sync.stop()
