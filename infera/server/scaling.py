@@ -285,6 +285,8 @@ class DeploymentScaler:
                 self._config_error = str(exc)
                 log.warning("scaling API: no Kubernetes API configuration (%s); /v1/admin/scale answers 503", exc)
         self._client: AsyncClient | None = None
+        if self._config is not None:  # now, at server start: building its TLS context reads files
+            self._get_client()
 
     def _get_client(self) -> AsyncClient:
         if self._config is None:
@@ -315,6 +317,12 @@ class DeploymentScaler:
                            "kubernetes_unavailable", headers={"Retry-After": "5"}) from None
         except _httpx.HTTPStatusError as exc:
             raise self._mapped(exc, what, verb, resource) from None
+        except ApiError:
+            raise
+        except Exception:  # an answer lightkube could not decode (not JSON, not the expected object)
+            log.exception("scaling API: %s: unexpected failure talking to the Kubernetes API", what)
+            raise ApiError(502, f"the Kubernetes API gave an answer this server could not read ({what}); see the "
+                           "server's log", "kubernetes_error") from None
 
     def _mapped(self, exc: BaseException, what: str, verb: str, resource: str) -> ApiError:
         code = _status_code(exc)
@@ -422,6 +430,18 @@ class DeploymentScaler:
 # --------------------------------------------------------------------------------------------
 # HTTP
 # --------------------------------------------------------------------------------------------
+async def _read_bounded(request: web.Request) -> bytes:
+    """The body, refused (413) past MAX_BODY_BYTES as it streams in (a chunked body has no length)."""
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await request.content.read(16 * 1024):
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(413, f"a scale request is at most {MAX_BODY_BYTES} bytes", "request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def handle(request: web.Request, scaler: DeploymentScaler | None) -> web.Response:
     """``GET`` / ``POST /v1/admin/scale``; ``scaler`` None: the API is off (404)."""
     if scaler is None:
@@ -430,10 +450,7 @@ async def handle(request: web.Request, scaler: DeploymentScaler | None) -> web.R
     if request.method == "POST":
         if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
             raise ApiError(413, f"a scale request is at most {MAX_BODY_BYTES} bytes", "request_too_large")
-        raw = await request.content.read(MAX_BODY_BYTES + 1)  # bounded even for a chunked body
-        if len(raw) > MAX_BODY_BYTES:
-            raise ApiError(413, f"a scale request is at most {MAX_BODY_BYTES} bytes", "request_too_large")
-        body = await scaler.scale(parse_scale_body(raw))
+        body = await scaler.scale(parse_scale_body(await _read_bounded(request)))
     else:
         body = await scaler.snapshot()
     return web.Response(body=_encode(body), content_type="application/json", headers={"Cache-Control": "no-store"})

@@ -305,6 +305,19 @@ async def test_snapshot_scale_and_mapped_errors(kube: CrApiStub, start_server):
         assert set(body["error"]) >= {"message", "type", "code"}
     status, body = await call(server, "POST", raw=b"[1, 2")
     assert status == 400 and body["error"]["code"] == "invalid_json"
+    # A body over several reads is read whole (its last bytes decide); past 64 KiB it is a 413.
+    status, body = await call(server, "POST", raw=b'{"services": {"decode": ' + b" " * 40_000 + b"0}}")
+    assert status == 400 and "zero" in body["error"]["message"], body
+    status, body = await call(server, "POST", raw=b'{"services": {"decode": ' + b" " * 70_000 + b"3}}")
+    assert status == 413, body
+
+    async def chunked():  # no Content-Length: refused as it streams in
+        for _ in range(10):
+            yield b" " * 10_000
+
+    async with aiohttp.ClientSession() as s:
+        async with s.post(server.base + "/v1/admin/scale", data=chunked(), headers=ADMIN) as r:
+            assert r.status == 413 and r.headers.get("Content-Length") is not None
     assert len(kube.patches()) == 1
 
     # RBAC: the patch is forbidden → 403 naming the verb and the resource, nothing leaked.
