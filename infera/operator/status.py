@@ -37,11 +37,12 @@ CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
 @dataclass(frozen=True)
 class WorkloadReadiness:
     """One owned workload as the status reports it."""
-    name: str          # the key in status.services: the service label, else the component label
+    name: str          # the service label (a pool), else the component label (nats, etcd)
     kind: str
     replicas: int      # wanted (spec.replicas; LeaderWorkerSet: groups)
     ready_replicas: int
     up_to_date: bool   # its controller has observed its latest spec
+    pool: bool = True  # one of spec.services (reported in status.services); False: the plane
 
     @property
     def ready(self) -> bool:
@@ -78,14 +79,17 @@ def workload_readiness(obj: Mapping[str, Any]) -> WorkloadReadiness:
     updated = status.get("updatedReplicas")
     if isinstance(updated, int) and updated < replicas:
         up_to_date = False
-    name = labels.get(SERVICE_LABEL) or labels.get(COMPONENT_LABEL) or meta.get("name", "")
+    service = labels.get(SERVICE_LABEL)
+    name = service or labels.get(COMPONENT_LABEL) or meta.get("name", "")
     return WorkloadReadiness(name=name, kind=obj.get("kind", ""), replicas=replicas,
-                             ready_replicas=ready, up_to_date=up_to_date)
+                             ready_replicas=ready, up_to_date=up_to_date, pool=bool(service))
 
 
 def services_status(workloads: Iterable[WorkloadReadiness]) -> dict[str, dict[str, Any]]:
+    """``status.services``: the pools of ``spec.services`` (the plane's readiness shows in the
+    conditions' messages only, so a pool named like a plane component cannot collide)."""
     return {w.name: {"kind": w.kind, "replicas": w.replicas, "readyReplicas": w.ready_replicas}
-            for w in sorted(workloads, key=lambda w: w.name)}
+            for w in sorted(workloads, key=lambda w: w.name) if w.pool}
 
 
 def next_state(previous: str | None, *, spec_error: bool, applied: bool, all_ready: bool,
@@ -142,7 +146,8 @@ def _conditions_for(state: str, outcome: Outcome) -> list[tuple[str, str, str, s
 
 
 def merge_conditions(previous: Iterable[Mapping[str, Any]] | None,
-                     wanted: Iterable[tuple[str, str, str, str]], now: str) -> list[dict[str, Any]]:
+                     wanted: Iterable[tuple[str, str, str, str]], now: str,
+                     generation: int | None = None) -> list[dict[str, Any]]:
     """The new conditions list: ``lastTransitionTime`` is kept from ``previous`` unless the
     condition's ``status`` changed (reason and message may change without a transition)."""
     old = {c.get("type"): c for c in (previous or []) if isinstance(c, Mapping)}
@@ -153,8 +158,11 @@ def merge_conditions(previous: Iterable[Mapping[str, Any]] | None,
             since = before["lastTransitionTime"]
         else:
             since = now
-        merged.append({"type": ctype, "status": status, "reason": reason, "message": message,
-                       "lastTransitionTime": since})
+        condition: dict[str, Any] = {"type": ctype, "status": status, "reason": reason, "message": message,
+                                     "lastTransitionTime": since}
+        if generation is not None:
+            condition["observedGeneration"] = generation
+        merged.append(condition)
     return merged
 
 
@@ -180,11 +188,13 @@ def compute_status(previous: Mapping[str, Any] | None, outcome: Outcome, now: st
     if outcome.generation is not None:
         status["observedGeneration"] = outcome.generation
     status["state"] = state
-    status["conditions"] = merge_conditions(previous.get("conditions"), _conditions_for(state, outcome), now)
+    wanted = _conditions_for(state, outcome)
+    status["message"] = next(message for ctype, _, _, message in wanted if ctype == "Ready")
+    status["conditions"] = merge_conditions(previous.get("conditions"), wanted, now, outcome.generation)
     status["services"] = services_status(outcome.workloads) if outcome.applied else {}
     # Fields other writers own (e.g. gaie) pass through untouched.
     for key, value in previous.items():
-        if key not in ("observedGeneration", "state", "conditions", "services"):
+        if key not in ("observedGeneration", "state", "message", "conditions", "services"):
             status.setdefault(key, value)
     return status
 

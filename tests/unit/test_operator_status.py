@@ -52,8 +52,16 @@ def test_plane_statefulset_is_named_by_its_component_and_zero_replicas_is_ready(
     nats = deployment("demo-nats", "x", 1, 1, kind="StatefulSet")
     del nats["metadata"]["labels"]["infera.amd.com/service"]
     nats["metadata"]["labels"]["infera.amd.com/component"] = "nats"
-    assert workload_readiness(nats).name == "nats"
+    assert workload_readiness(nats).name == "nats" and not workload_readiness(nats).pool
     assert workload_readiness(deployment("d", "idle", 0)).ready
+    # The plane gates readiness (named in the messages) but is not a pool in status.services.
+    status = compute_status(None, Outcome(generation=1, applied=True, workloads=(
+        workload_readiness(nats), workload_readiness(deployment("demo-decode", "decode", 1, 1)))), T0)
+    assert set(status["services"]) == {"decode"} and status["state"] == READY
+    nats["status"]["readyReplicas"] = 0
+    status = compute_status(None, Outcome(generation=1, applied=True, workloads=(
+        workload_readiness(nats), workload_readiness(deployment("demo-decode", "decode", 1, 1)))), T0)
+    assert status["state"] == PENDING and status["message"] == "waiting for nats 0/1 ready"
 
 
 # ---- the state table ----
@@ -127,7 +135,8 @@ def test_spec_error_fails_with_its_message_and_keeps_other_writers_fields():
     c = conditions(failed)
     assert c["Degraded"]["status"] == "True" and c["Degraded"]["reason"] == "InvalidSpec"
     assert c["Degraded"]["message"] == "spec.services.decode.replicas: must be >= 0"
-    assert c["Ready"]["status"] == "False"
+    assert c["Ready"]["status"] == "False" and failed["message"] == "spec.services.decode.replicas: must be >= 0"
+    assert c["Ready"]["observedGeneration"] == 2
     # No objects were applied: no services reported; the merge patch nulls the removed pool.
     assert failed["services"] == {}
     assert status_merge_patch(previous, failed)["services"] == {"decode": None}
