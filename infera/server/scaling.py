@@ -210,6 +210,17 @@ def _int(value: Any, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
+# The operator's defaults for a service that gives no replicas (infera/operator/spec.py: the
+# renderer decides them, the CRD schema has none): a server runs 2 for availability, a worker 1.
+DEFAULT_SERVER_REPLICAS = 2
+DEFAULT_WORKER_REPLICAS = 1
+
+
+def _wanted(svc: Mapping[str, Any]) -> int:
+    default = DEFAULT_SERVER_REPLICAS if svc.get("componentType") == "server" else DEFAULT_WORKER_REPLICAS
+    return _int(svc.get("replicas"), default)
+
+
 def _services_spec(cr: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     services = (cr.get("spec") or {}).get("services") or {}
     return {name: (svc if isinstance(svc, dict) else {}) for name, svc in services.items()}
@@ -221,7 +232,7 @@ def wanting_more(cr: Mapping[str, Any]) -> list[str]:
     short = []
     for name, svc in _services_spec(cr).items():
         observed = status_services.get(name) if isinstance(status_services.get(name), dict) else {}
-        if _int(observed.get("readyReplicas"), 0) < _int(svc.get("replicas"), 1):
+        if _int(observed.get("readyReplicas"), 0) < _wanted(svc):
             short.append(name)
     return short
 
@@ -236,7 +247,7 @@ def build_snapshot(cr: Mapping[str, Any], namespace: str,
     services: dict[str, Any] = {}
     for name, svc in _services_spec(cr).items():
         observed = status_services.get(name) if isinstance(status_services.get(name), dict) else {}
-        wanted = _int(svc.get("replicas"), 1)
+        wanted = _wanted(svc)
         ready = _int(observed.get("readyReplicas"), 0)
         entry: dict[str, Any] = {
             "role": svc.get("role") or "mixed",

@@ -320,6 +320,13 @@ async def test_snapshot_scale_and_mapped_errors(kube: CrApiStub, start_server):
             assert r.status == 413 and r.headers.get("Content-Length") is not None
     assert len(kube.patches()) == 1
 
+    # Several services in one patch, the server's own service among them (it is a service too).
+    status, snap = await call(server, "POST", {"services": {"frontend": 3, "prefill": {"replicas": 1}}})
+    assert status == 200 and snap["services"]["frontend"]["replicas"] == 3, snap
+    assert snap["services"]["prefill"]["replicas"] == 1 and "blocked" not in snap["services"]["prefill"]
+    assert kube.patches()[1:] == [(CR_PATH, MERGE_PATCH, {"spec": {"services": {"frontend": {"replicas": 3},
+                                                                                 "prefill": {"replicas": 1}}}})]
+
     # RBAC: the patch is forbidden → 403 naming the verb and the resource, nothing leaked.
     kube.fail_next(403, "patch-cr")
     status, body = await call(server, "POST", {"services": {"decode": 4}})

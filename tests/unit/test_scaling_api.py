@@ -166,7 +166,7 @@ CR = {
     "apiVersion": "infera.amd.com/v1alpha1", "kind": "InferaDeployment",
     "metadata": {"name": "demo", "namespace": "infera"},
     "spec": {"backendFramework": "vllm", "services": {
-        "frontend": {"componentType": "server", "replicas": 2},
+        "frontend": {"componentType": "server"},  # the operator's default for a server: 2
         "prefill": {"componentType": "worker", "role": "prefill", "replicas": 2},
         "decode": {"componentType": "worker", "role": "decode", "replicas": 3, "numberOfNodes": 2},
         "mixed": {"componentType": "worker"},  # replicas and role defaulted
@@ -197,12 +197,14 @@ def test_snapshot_from_a_cr():
 
 
 def test_snapshot_of_a_cr_without_status():
-    cr = {"metadata": {"name": "fresh"}, "spec": {"services": {"w": {"componentType": "worker", "replicas": 2}}}}
+    cr = {"metadata": {"name": "fresh"}, "spec": {"services": {"w": {"componentType": "worker", "replicas": 3},
+                                                               "s": {"componentType": "server"}}}}
     snap = build_snapshot(cr, "ns")
     assert snap["state"] == "unknown"
-    assert snap["services"]["w"] == {"role": "mixed", "replicas": 2, "current_replicas": 0, "ready_replicas": 0,
+    assert snap["services"]["w"] == {"role": "mixed", "replicas": 3, "current_replicas": 0, "ready_replicas": 0,
                                      "nodes_per_replica": 1}
-    assert wanting_more(cr) == ["w"]
+    assert snap["services"]["s"]["replicas"] == 2
+    assert wanting_more(cr) == ["w", "s"]
 
 
 # -- the flag -------------------------------------------------------------------------------------
