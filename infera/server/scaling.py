@@ -286,14 +286,12 @@ class DeploymentScaler:
         self.request_timeout = request_timeout
         self.deployment: str | None = None  # cached after the first successful lookup
         self._config = config
-        self._config_error: str | None = None
         if config is None:
             from infera.discovery.kubernetes import KubernetesError, load_kube_config
 
             try:
                 self._config = load_kube_config()
             except KubernetesError as exc:
-                self._config_error = str(exc)
                 log.warning("scaling API: no Kubernetes API configuration (%s); /v1/admin/scale answers 503", exc)
         self._client: AsyncClient | None = None
         if self._config is not None:  # now, at server start: building its TLS context reads files

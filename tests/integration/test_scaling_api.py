@@ -424,3 +424,18 @@ async def test_a_silent_api_is_503_within_the_timeout(kube: CrApiStub, tmp_path)
         assert kube.patches() == []
     finally:
         await scaler.close()
+
+
+async def test_no_kubernetes_config_is_503(tmp_path, monkeypatch):
+    from infera.api.errors import ApiError
+
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-such-kubeconfig"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # not "inside a Pod" even when CI runs in one
+    scaler = DeploymentScaler(NS, "demo-frontend-0")
+    try:
+        with pytest.raises(ApiError) as caught:
+            await scaler.scale({"decode": 3})
+        assert (caught.value.status, caught.value.code) == (503, "kubernetes_unavailable")
+        assert "no Kubernetes API configuration" in caught.value.message
+    finally:
+        await scaler.close()
