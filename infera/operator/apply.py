@@ -50,8 +50,17 @@ RESOURCES: dict[tuple[str, str], str] = {
 }
 
 # Kinds listed for pruning on every reconcile, whether or not the current render has one: a kind
-# the spec no longer asks for at all (kvd turned off: no DaemonSet) must still be pruned.
-PRUNE_KINDS: tuple[tuple[str, str], ...] = tuple(k for k in RESOURCES if k[1] != CRD_KIND)
+# the spec no longer asks for at all (kvd turned off: no DaemonSet) must still be pruned. The kinds
+# the renderer writes; never PersistentVolumeClaims (NATS' data outlives a pruned StatefulSet, as
+# with any StatefulSet) nor Secrets (the operator writes none). Any other kind a render has is
+# listed too.
+PRUNE_KINDS: tuple[tuple[str, str], ...] = (
+    ("v1", "Service"), ("v1", "ServiceAccount"), ("v1", "ConfigMap"),
+    ("apps/v1", "Deployment"), ("apps/v1", "StatefulSet"), ("apps/v1", "DaemonSet"),
+    ("policy/v1", "PodDisruptionBudget"),
+    ("rbac.authorization.k8s.io/v1", "Role"), ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"),
+)
 
 # The workloads whose status feeds the CR's status.
 WORKLOAD_RESOURCES: tuple[tuple[str, str], ...] = (

@@ -32,7 +32,7 @@ from infera.config import add_flag, choice_of, positive_float
 from infera.discovery.kubernetes import KubeConfigError, load_kube_config
 from infera.operator.apply import (CRD_GROUP, CRD_KIND, CRD_PLURAL, CRD_VERSION, PRUNE_KINDS,
                                    WORKLOAD_RESOURCES, KubeApiError, KubeRest, collection_path,
-                                   deployment_selector, owned_by, select_prunable)
+                                   deployment_selector, object_key, owned_by, select_prunable)
 from infera.operator.status import (MANAGED_BY, MANAGED_BY_LABEL, Outcome, compute_status, now_rfc3339,
                                     status_merge_patch, workload_readiness)
 
@@ -175,7 +175,8 @@ class Reconciler:
                                              workloads=tuple(workload_readiness(w) for w in workloads)))
 
     async def _prune_and_read(self, cr: Mapping[str, Any], rendered: list[dict]) -> list[dict]:
-        """Delete the owned objects the render no longer has; return the owned workloads."""
+        """Delete the owned objects the render no longer has; return each rendered workload as it
+        is live (as rendered, so 0 ready, when the list does not have it yet)."""
         meta = cr["metadata"]
         namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
         kinds = list(PRUNE_KINDS)
@@ -184,23 +185,21 @@ class Reconciler:
             if kind not in kinds:
                 kinds.append(kind)
         selector = deployment_selector(name)
-        workloads: list[dict] = []
+        live_workloads: dict[tuple[str, str, str], dict] = {}
         for api_version, kind in kinds:
             listed = await self._rest.list(collection_path(api_version, kind, namespace), selector)
             if not listed.served:
                 continue
             # List answers may leave out each item's apiVersion/kind.
             items = [{**item, "apiVersion": api_version, "kind": kind} for item in listed.items]
-            prunable = select_prunable(items, rendered, name, uid)
-            for obj in prunable:
+            for obj in select_prunable(items, rendered, name, uid):
                 log.info("%s/%s: deleting %s %s (no longer rendered)", namespace, name, kind,
                          obj["metadata"]["name"])
                 await self._rest.delete(obj, namespace)
             if (api_version, kind) in WORKLOAD_RESOURCES:
-                pruned = {o["metadata"]["name"] for o in prunable}
-                workloads.extend(i for i in items
-                                 if owned_by(i, uid) and i["metadata"]["name"] not in pruned)
-        return workloads
+                live_workloads.update((object_key(i), i) for i in items if owned_by(i, uid))
+        return [live_workloads.get(object_key(obj), obj) for obj in rendered
+                if (obj.get("apiVersion"), obj.get("kind")) in WORKLOAD_RESOURCES]
 
     async def _write_status(self, cr: Mapping[str, Any], outcome: Outcome) -> None:
         old = cr.get("status") or {}
@@ -342,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: give --namespace NS (repeatable, or {NAMESPACES_ENV}) or --all-namespaces", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for chatty in ("httpx", "httpx2", "httpcore"):  # one line per request at INFO
+        logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         load_kube_config()  # fail now, with a clear message, rather than in kopf's login retries
     except KubeConfigError as exc:

@@ -364,3 +364,15 @@ async def test_a_deleted_or_deleting_cr_is_not_applied():
 def test_workload_readiness_describe():
     assert WorkloadReadiness("decode", "Deployment", 2, 1, False).describe() == \
         "decode 1/2 ready (rollout not observed yet)"
+
+
+async def test_a_rendered_workload_the_list_does_not_show_yet_counts_as_not_ready():
+    class LaggingRest(MemoryRest):
+        async def apply(self, obj, namespace):
+            self.applies += 1  # accepted, but not visible in lists yet
+
+    rest = LaggingRest(cr_object({"frontend": 1}))
+    await Reconciler(rest, fake_render, SpecError, clock=lambda: T0).reconcile(("ns", "demo"))
+    status = rest.objects["/apis/infera.amd.com/v1alpha1/namespaces/ns/inferadeployments/demo"]["status"]
+    assert status["state"] == PENDING
+    assert status["services"] == {"frontend": {"kind": "Deployment", "replicas": 1, "readyReplicas": 0}}
