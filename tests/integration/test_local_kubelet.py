@@ -1,0 +1,314 @@
+"""The local test cluster end to end: FakeKubeApi (tests/fakes/kube_api.py) + LocalKubelet
+(tests/fakes/kubelet.py) run Deployments, StatefulSets and LeaderWorkerSets as local processes,
+with probes, Services, DNS and graceful deletion, and leave no process behind."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import textwrap
+
+import aiohttp
+import pytest
+
+from tests.conftest import process_group_members, wait_for
+from tests.fakes.kube_api import FakeKubeApi
+from tests.fakes.kubelet import (DEPLOYMENTS, LEADERWORKERSETS, PODS, SERVICES, STATEFULSETS, ApiClient,
+                                 LocalKubelet, pod_is_ready)
+
+NS = "default"
+
+# A Pod's program: an HTTP server on argv[1]:argv[2] answering its name (/), its env (/env) and
+# what its resolver says of a name (/resolve?name=x); on SIGTERM it writes a marker and exits.
+POD_SERVER = textwrap.dedent("""
+    import http.server, json, os, signal, socket, sys, time, urllib.parse
+    host, port = sys.argv[1], int(sys.argv[2])
+    name = os.environ.get("POD_NAME", "?")
+    def on_term(signum, frame):
+        with open(os.path.join(os.environ["MARKER_DIR"], name + ".term"), "w") as f:
+            f.write(repr(time.time()))
+        os._exit(0)
+    signal.signal(signal.SIGTERM, on_term)
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            url = urllib.parse.urlsplit(self.path)
+            if url.path == "/env":
+                body = json.dumps(dict(os.environ))
+            elif url.path == "/resolve":
+                body = socket.gethostbyname(urllib.parse.parse_qs(url.query)["name"][0])
+            else:
+                body = name
+            data = body.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        def log_message(self, *args):
+            pass
+    http.server.ThreadingHTTPServer((host, port), Handler).serve_forever()
+""")
+PRE_STOP = ("import os, time; open(os.path.join(os.environ['MARKER_DIR'], os.environ['POD_NAME'] + '.prestop'), "
+            "'w').write(repr(time.time()))")
+
+
+def server_template(app: str, extra_env: list[dict] | None = None) -> dict:
+    return {
+        "metadata": {"labels": {"app": app}},
+        "spec": {
+            "terminationGracePeriodSeconds": 5,
+            "volumes": [{"name": "markers", "hostPath": {"path": "/var/markers"}}],
+            "containers": [{
+                "name": "main", "image": "registry.example/pod-server:1",
+                "command": ["python3", "-c", POD_SERVER, "0.0.0.0", "8080"],
+                "ports": [{"name": "http", "containerPort": 8080}],
+                "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                        {"name": "APP", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['app']"}}},
+                        {"name": "MARKER_DIR", "value": "/var/markers"}] + (extra_env or []),
+                "volumeMounts": [{"name": "markers", "mountPath": "/var/markers"}],
+                "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},
+                "lifecycle": {"preStop": {"exec": {"command": ["python3", "-c", PRE_STOP]}}},
+            }],
+        },
+    }
+
+
+@pytest.fixture
+async def cluster(tmp_path):
+    api = await FakeKubeApi(namespace=NS).start()
+    client = ApiClient(api.url, api.token)
+    await client.open()
+    kubelet = LocalKubelet(api.url, api.token, tmp_path / "cluster", probe_period_cap=0.2,
+                           restart_backoff=(0.2, 1.0))
+    await kubelet.start()
+    try:
+        yield api, client, kubelet
+    except BaseException:
+        raise
+    finally:
+        pids = kubelet.process_ids()
+        logs = kubelet.all_logs()
+        await kubelet.stop()
+        await client.close()
+        await api.stop()
+        assert pids, "the kubelet started no process"
+        left = {pgid: process_group_members(pgid) for pgid in pids if process_group_members(pgid)}
+        assert not left, f"processes left after stop (by process group): {left}\n{logs}"
+
+
+async def pods_of(client: ApiClient, selector: str) -> list[dict]:
+    return (await client.get(PODS.collection(NS), params={"labelSelector": selector}))["items"]
+
+
+async def ready_pods(client: ApiClient, selector: str, count: int, kubelet: LocalKubelet, timeout: float = 30) -> list[dict]:
+    found: list[dict] = []
+
+    async def check() -> bool:
+        nonlocal found
+        found = [p for p in await pods_of(client, selector)
+                 if pod_is_ready(p) and not p["metadata"].get("deletionTimestamp")]
+        return len(found) == count and len(await pods_of(client, selector)) == count
+
+    try:
+        await wait_for(check, timeout, interval=0.1, message=f"{count} ready pods {selector}")
+    except BaseException:
+        print(kubelet.all_logs())
+        raise
+    return found
+
+
+async def http_get(url: str) -> str:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            assert resp.status == 200, url
+            return await resp.text()
+
+
+async def test_deployment_scale_service_dns_graceful_delete_and_rollout(cluster, tmp_path):
+    api, client, kubelet = cluster
+    await client.create(SERVICES.collection(NS), {
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "web"},
+        "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": "http"}]}})
+    await client.create(DEPLOYMENTS.collection(NS), {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "web"},
+        "spec": {"replicas": 2, "selector": {"matchLabels": {"app": "web"}}, "template": server_template("web")}})
+
+    pods = await ready_pods(client, "app=web", 2, kubelet)
+    ips = {p["status"]["podIP"] for p in pods}
+    assert len(ips) == 2 and all(ip.startswith("127.0.") and not ip.startswith("127.0.200.") for ip in ips)
+    for pod in pods:
+        assert pod["spec"]["nodeName"] == "local-node"
+        assert pod["metadata"]["name"].startswith("web-" + pod["metadata"]["labels"]["pod-template-hash"] + "-")
+        assert pod["status"]["phase"] == "Running"
+        assert pod["status"]["containerStatuses"][0]["started"] is True
+        # Each Pod serves on its own IP (0.0.0.0 rewritten) and got its own name and IP from the Downward API.
+        env = json.loads(await http_get(f"http://{pod['status']['podIP']}:8080/env"))
+        assert env["POD_NAME"] == pod["metadata"]["name"] and env["POD_IP"] == pod["status"]["podIP"]
+        assert env["APP"] == "web" and env["MARKER_DIR"].startswith(str(tmp_path))
+    await wait_for(lambda: _status_is(client, DEPLOYMENTS, "web", readyReplicas=2, replicas=2, updatedReplicas=2),
+                   15, message="deployment status readyReplicas 2")
+
+    # The Service: its cluster IP proxies round-robin to both Pods; the DNS hook inside a Pod
+    # resolves its name; so does the kubelet for the test.
+    svc = await client.get(SERVICES.item(NS, "web"))
+    cluster_ip = svc["spec"]["clusterIP"]
+    assert cluster_ip.startswith("127.0.200.")
+    names = {await http_get(f"http://{cluster_ip}:80/") for _ in range(4)}
+    assert names == {p["metadata"]["name"] for p in pods}
+    first_ip = pods[0]["status"]["podIP"]
+    for name in ("web", "web.default", "web.default.svc.cluster.local"):
+        assert await http_get(f"http://{first_ip}:8080/resolve?name={name}") == cluster_ip
+    assert kubelet.resolve("web") == [cluster_ip]
+
+    # Scale through /scale.
+    await client.merge_patch(DEPLOYMENTS.item(NS, "web", "scale"), {"spec": {"replicas": 3}})
+    pods = await ready_pods(client, "app=web", 3, kubelet)
+    await wait_for(lambda: _status_is(client, DEPLOYMENTS, "web", readyReplicas=3), 15, message="readyReplicas 3")
+
+    # Graceful delete: preStop, then SIGTERM, then the Pod is gone and replaced.
+    victim = pods[0]["metadata"]["name"]
+    await client.delete(PODS.item(NS, victim))
+    markers = tmp_path / "cluster" / "node" / "hostpath" / "var" / "markers"
+
+    async def victim_gone() -> bool:
+        names = [p["metadata"]["name"] for p in await pods_of(client, "app=web")]
+        return victim not in names
+    await wait_for(victim_gone, 20, message=f"{victim} deleted")
+    pre_stop, term = (markers / f"{victim}.prestop"), (markers / f"{victim}.term")
+    assert pre_stop.exists() and term.exists(), kubelet.logs(victim)
+    assert float(pre_stop.read_text()) <= float(term.read_text())
+    pods = await ready_pods(client, "app=web", 3, kubelet)
+    assert victim not in {p["metadata"]["name"] for p in pods}
+
+    # A template change rolls every Pod onto the new template.
+    old_names = {p["metadata"]["name"] for p in pods}
+    await client.merge_patch(DEPLOYMENTS.item(NS, "web"), {"spec": {"template": server_template(
+        "web", [{"name": "VERSION", "value": "2"}])}})
+
+    ready_during_rollout = []
+
+    async def rolled() -> bool:
+        current = [p for p in await pods_of(client, "app=web") if not p["metadata"].get("deletionTimestamp")]
+        ready_during_rollout.append(sum(pod_is_ready(p) for p in current))
+        return (len(current) == 3 and all(pod_is_ready(p) for p in current)
+                and not old_names & {p["metadata"]["name"] for p in current}
+                and await _status_is(client, DEPLOYMENTS, "web", updatedReplicas=3, readyReplicas=3, replicas=3))
+    await wait_for(rolled, 40, interval=0.05, message="rollout to the new template")
+    assert min(ready_during_rollout) >= 3, ready_during_rollout  # maxUnavailable 0: never below 3 ready
+    assert len(ready_during_rollout) > 1  # the rollout was watched, not just its end
+    pod = (await ready_pods(client, "app=web", 3, kubelet))[0]
+    env = json.loads(await http_get(f"http://{pod['status']['podIP']}:8080/env"))
+    assert env["VERSION"] == "2"
+
+
+async def _status_is(client: ApiClient, kind, name: str, **want) -> bool:
+    status = (await client.get(kind.item(NS, name))).get("status") or {}
+    return all(status.get(k) == v for k, v in want.items())
+
+
+async def test_nats_statefulset_reachable_through_its_service(cluster, tmp_path):
+    api, client, kubelet = cluster
+    await client.create(SERVICES.collection(NS), {
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "nats"},
+        "spec": {"selector": {"app": "nats"}, "ports": [{"name": "client", "port": 4222}]}})
+    await client.create(STATEFULSETS.collection(NS), {
+        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "nats"},
+        "spec": {"replicas": 1, "serviceName": "nats", "selector": {"matchLabels": {"app": "nats"}},
+                 "template": {"metadata": {"labels": {"app": "nats"}}, "spec": {"containers": [{
+                     "name": "main", "image": "nats:2.10",
+                     "args": ["-js", "-a", "0.0.0.0", "-p", "4222", "-sd", "/data"],
+                     "ports": [{"name": "client", "containerPort": 4222}],
+                     "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+                     "readinessProbe": {"tcpSocket": {"port": "client"}}}]}},
+                 "volumeClaimTemplates": [{"metadata": {"name": "data"}, "spec": {"accessModes": ["ReadWriteOnce"]}}]}})
+    pods = await ready_pods(client, "app=nats", 1, kubelet)
+    assert pods[0]["metadata"]["name"] == "nats-0"
+    cluster_ip = (await client.get(SERVICES.item(NS, "nats")))["spec"]["clusterIP"]
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(cluster_ip, 4222), 5)
+    try:
+        line = await asyncio.wait_for(reader.readline(), 5)
+        assert line.startswith(b"INFO ") and b"jetstream" in line, line
+    finally:
+        writer.close()
+    # JetStream stores under the claim's directory (the /data mount rewritten), which outlives the Pod.
+    await wait_for(lambda: (tmp_path / "cluster" / "pvc" / NS / "data-nats-0" / "jetstream").exists(), 10,
+                   message="jetstream store in the claim directory")
+    await wait_for(lambda: _status_is(client, STATEFULSETS, "nats", readyReplicas=1, replicas=1), 15,
+                   message="statefulset status")
+
+
+LWS_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "leaderworkersets.leaderworkerset.x-k8s.io"},
+    "spec": {"group": "leaderworkerset.x-k8s.io", "scope": "Namespaced",
+             "names": {"plural": "leaderworkersets", "singular": "leaderworkerset", "kind": "LeaderWorkerSet",
+                       "shortNames": ["lws"]},
+             "versions": [{"name": "v1", "served": True, "storage": True,
+                           "subresources": {"status": {}, "scale": {"specReplicasPath": ".spec.replicas",
+                                                                    "statusReplicasPath": ".status.replicas"}},
+                           "schema": {"openAPIV3Schema": {"type": "object",
+                                                          "x-kubernetes-preserve-unknown-fields": True}}}]},
+}
+
+
+async def test_leaderworkerset_leader_and_follower_env(cluster):
+    api, client, kubelet = cluster
+    await client.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", LWS_CRD)
+    template = server_template("lws")
+    await client.create(LEADERWORKERSETS.collection(NS), {
+        "apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet", "metadata": {"name": "lws"},
+        "spec": {"replicas": 1, "leaderWorkerTemplate": {"size": 2, "workerTemplate": template}}})
+    pods = {p["metadata"]["name"]: p for p in await ready_pods(client, "app=lws", 2, kubelet)}
+    assert set(pods) == {"lws-0", "lws-0-1"}
+    assert pods["lws-0-1"]["metadata"]["labels"]["leaderworkerset.sigs.k8s.io/worker-index"] == "1"
+    assert pods["lws-0"]["metadata"]["labels"]["leaderworkerset.sigs.k8s.io/group-index"] == "0"
+    follower_ip = pods["lws-0-1"]["status"]["podIP"]
+    env = json.loads(await http_get(f"http://{follower_ip}:8080/env"))
+    assert (env["LWS_WORKER_INDEX"], env["LWS_GROUP_SIZE"], env["LWS_LEADER_ADDRESS"]) == ("1", "2", "lws-0.lws.default")
+    leader_env = json.loads(await http_get(f"http://{pods['lws-0']['status']['podIP']}:8080/env"))
+    assert leader_env["LWS_WORKER_INDEX"] == "0"
+    # The follower resolves its leader's address to the leader Pod's IP.
+    assert await http_get(f"http://{follower_ip}:8080/resolve?name=lws-0.lws.default") == pods["lws-0"]["status"]["podIP"]
+    await wait_for(lambda: _status_is(client, LEADERWORKERSETS, "lws", readyReplicas=1, replicas=1), 15,
+                   message="lws status")
+
+
+async def test_crash_restarts_with_backoff_and_liveness_kills(cluster):
+    api, client, kubelet = cluster
+    # A bare Pod (bound by the scheduler): its container exits 3 each time.
+    await client.create(PODS.collection(NS), {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "crasher", "labels": {"app": "crasher"}},
+        "spec": {"containers": [{"name": "main", "image": "x", "command": ["python3", "-c", "import sys; sys.exit(3)"]}]}})
+
+    async def crash_looping() -> bool:
+        pod = await client.get(PODS.item(NS, "crasher"))
+        statuses = (pod.get("status") or {}).get("containerStatuses") or [{}]
+        st = statuses[0]
+        return (pod["spec"].get("nodeName") == "local-node" and st.get("restartCount", 0) >= 2
+                and (st.get("lastState") or {}).get("terminated", {}).get("exitCode") == 3)
+    await wait_for(crash_looping, 20, interval=0.1, message="crash loop with restarts")
+    seen_backoff = False
+
+    async def backoff_reason() -> bool:
+        nonlocal seen_backoff
+        pod = await client.get(PODS.item(NS, "crasher"))
+        st = pod["status"]["containerStatuses"][0]
+        seen_backoff = (st["state"].get("waiting") or {}).get("reason") == "CrashLoopBackOff"
+        return seen_backoff
+    await wait_for(backoff_reason, 10, interval=0.02, message="CrashLoopBackOff waiting reason")
+
+    # Liveness: a server whose /health never answers 2xx gets killed and restarted.
+    await client.create(PODS.collection(NS), {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "stuck", "labels": {"app": "stuck"}},
+        "spec": {"nodeName": "local-node", "containers": [{
+            "name": "main", "image": "x", "command": ["python3", "-m", "http.server", "--bind", "0.0.0.0", "8081"],
+            "livenessProbe": {"httpGet": {"path": "/missing", "port": 8081}, "failureThreshold": 2,
+                              "initialDelaySeconds": 1}}]}})
+
+    async def restarted() -> bool:
+        pod = await client.get(PODS.item(NS, "stuck"))
+        statuses = (pod.get("status") or {}).get("containerStatuses") or [{}]
+        return statuses[0].get("restartCount", 0) >= 1
+    await wait_for(restarted, 20, interval=0.1, message="liveness restart")
+    assert "liveness probe failed" in kubelet.logs("stuck")
