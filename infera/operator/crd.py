@@ -34,7 +34,7 @@ BACKENDS = ["sglang", "vllm", "atom", "sim"]
 DISCOVERY_BACKENDS = ["kubernetes", "etcd"]
 COMPONENT_TYPES = ["server", "worker"]
 ROLES = ["mixed", "prefill", "decode"]
-STATES = ["initializing", "pending", "ready", "failed"]
+STATES = ["initializing", "pending", "ready", "degraded", "failed"]
 CONDITION_TYPES = ["Ready", "Progressing", "Degraded"]
 
 

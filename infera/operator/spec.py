@@ -8,9 +8,10 @@ itself (a manifest rendered offline never met an API server) plus the rules a sc
 
 * at least one server and one worker pool; a server has no PD role and runs on one node;
 * PD (a prefill or a decode pool) needs both roles;
-* vLLM (and the sim) take the PD role from ``--kv-transfer-config`` only: ``--disaggregation-mode``
-  in a vLLM pool's args is refused (vLLM's parser rejects it; upstream's operator appended it ⚠);
-  a ``kv_role`` in the user's config must agree with the pool's role;
+* vLLM (and the sim, and ATOM) take the PD role from ``--kv-transfer-config`` only:
+  ``--disaggregation-mode`` in such a pool's args is refused (vLLM's parser rejects it; upstream's
+  operator appended it ⚠); a ``kv_role`` in the user's config is the pool's role or ``kv_both``
+  (which the renderer replaces with the role);
 * SGLang's ``--disaggregation-mode`` in args must agree with the role;
 * ATOM runs on etcd (its launcher registers nowhere else) and on one node per engine;
 * ``etcdEndpoint`` only with ``discoveryBackend: etcd`` (which works here: upstream refused it ⚠);
@@ -26,7 +27,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from infera.operator.crd import API_VERSION, BACKENDS, COMPONENT_TYPES, DISCOVERY_BACKENDS, KIND, ROLES
+from infera.operator.crd import (API_VERSION, BACKENDS, COMPONENT_TYPES, DISCOVERY_BACKENDS, DRAIN_SCHEMA, ETCD_SCHEMA,
+                                 GAIE_SCHEMA, KIND, KVD_SCHEMA, NATS_SCHEMA, RESOURCES_SCHEMA, ROLES, SERVICE_SCHEMA,
+                                 SPEC_SCHEMA)
 
 DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # DNS-1035: Service names start with a letter
 NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -50,6 +53,17 @@ DEFAULT_GPU_TYPE = "amd.com/gpu"
 
 # vLLM's kv_role per pool role (vLLM, the sim and ATOM read the PD role from --kv-transfer-config).
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "mixed": "kv_both"}
+
+
+# The fields each object may have: the CRD schema's, so the two cannot disagree.
+SPEC_FIELDS = frozenset(SPEC_SCHEMA["properties"])
+SERVICE_FIELDS = frozenset(SERVICE_SCHEMA["properties"])
+RESOURCES_FIELDS = frozenset(RESOURCES_SCHEMA["properties"])
+NATS_FIELDS = frozenset(NATS_SCHEMA["properties"])
+GAIE_FIELDS = frozenset(GAIE_SCHEMA["properties"])
+DRAIN_FIELDS = frozenset(DRAIN_SCHEMA["properties"])
+KVD_FIELDS = frozenset(KVD_SCHEMA["properties"])
+ETCD_FIELDS = frozenset(ETCD_SCHEMA["properties"])
 
 
 class SpecError(ValueError):
@@ -169,7 +183,7 @@ class Deployment:
 _MISSING = object()
 
 
-def _fields(obj: Mapping[str, Any], path: str, known: set[str]) -> None:
+def _fields(obj: Mapping[str, Any], path: str, known: frozenset[str] | set[str]) -> None:
     unknown = sorted(set(obj) - known)
     if unknown:
         raise SpecError(f"{path}.{unknown[0]}: unknown field (known: {', '.join(sorted(known))})")
@@ -304,7 +318,7 @@ def env_value(env: tuple[dict[str, Any], ...], name: str) -> str | None:
 def _resources(svc: Mapping[str, Any], path: str) -> Resources:
     obj = _get_mapping(svc, "resources", path)
     where = f"{path}.resources"
-    _fields(obj, where, {"gpu", "gpuType", "cpu", "memory", "sharedMemory"})
+    _fields(obj, where, RESOURCES_FIELDS)
     return Resources(gpu=_int(obj, "gpu", where, minimum=0),
                      gpu_type=_str(obj, "gpuType", where, DEFAULT_GPU_TYPE),
                      cpu=_quantity(obj, "cpu", where), memory=_quantity(obj, "memory", where),
@@ -339,7 +353,8 @@ def _check_pd_args(backend: str, role: str, args: tuple[str, ...], path: str) ->
             if not isinstance(cfg, dict):
                 raise SpecError(f"{where}: --kv-transfer-config must be a JSON object")
             kv_role = cfg.get("kv_role")
-            if kv_role is not None and kv_role != KV_ROLES[role]:
+            # kv_both (vLLM's NIXL examples use it on both sides) or none: the pool's role is rendered in
+            if kv_role not in (None, "kv_both", KV_ROLES[role]):
                 raise SpecError(f"{where}: --kv-transfer-config kv_role {kv_role!r} disagrees with role "
                                 f"{role!r} (expected {KV_ROLES[role]!r})")
     elif backend == "sglang":
@@ -351,8 +366,7 @@ def _check_pd_args(backend: str, role: str, args: tuple[str, ...], path: str) ->
 
 def _service(name: str, raw: Any, backend: str, path: str) -> ServiceSpec:
     svc = _mapping(raw, path)
-    _fields(svc, path, {"componentType", "role", "replicas", "numberOfNodes", "skipReadinessProbe", "image",
-                        "port", "resources", "args", "env", "extraPodSpec", "podLabels"})
+    _fields(svc, path, SERVICE_FIELDS)
     component = _str(svc, "componentType", path, enum=COMPONENT_TYPES)
     if component is None:
         raise SpecError(f"{path}.componentType: required (server or worker)")
@@ -383,8 +397,7 @@ def _service(name: str, raw: Any, backend: str, path: str) -> ServiceSpec:
 
 def parse_spec(name: str, spec_raw: Any, *, namespace: str | None = None, uid: str | None = None) -> Deployment:
     spec = _mapping(spec_raw, "spec")
-    _fields(spec, "spec", {"backendFramework", "image", "discoveryBackend", "etcdEndpoint", "nats", "gaie", "envs",
-                           "services", "drain", "kvd", "etcd"})
+    _fields(spec, "spec", SPEC_FIELDS)
     backend = _str(spec, "backendFramework", "spec", "sglang", enum=BACKENDS)
     discovery = _str(spec, "discoveryBackend", "spec", "etcd" if backend == "atom" else "kubernetes",
                      enum=DISCOVERY_BACKENDS)
@@ -396,14 +409,13 @@ def parse_spec(name: str, spec_raw: Any, *, namespace: str | None = None, uid: s
         raise SpecError("spec.etcdEndpoint: only used with discoveryBackend: etcd")
 
     nats_raw = _get_mapping(spec, "nats", "spec")
-    _fields(nats_raw, "spec.nats", {"deploy", "image", "storageSize", "storageClassName"})
+    _fields(nats_raw, "spec.nats", NATS_FIELDS)
     nats = NatsSpec(deploy=_bool(nats_raw, "deploy", "spec.nats", True), image=_str(nats_raw, "image", "spec.nats"),
                     storage_size=_quantity(nats_raw, "storageSize", "spec.nats"),
                     storage_class_name=_str(nats_raw, "storageClassName", "spec.nats"))
 
     gaie_raw = _get_mapping(spec, "gaie", "spec")
-    _fields(gaie_raw, "spec.gaie", {"enabled", "eppImage", "tokenizerPath", "gatewayName", "gatewayNamespace",
-                                    "hostnames", "frontendPort", "modelName"})
+    _fields(gaie_raw, "spec.gaie", GAIE_FIELDS)
     for key in ("eppImage", "tokenizerPath", "gatewayName", "gatewayNamespace", "modelName"):
         _str(gaie_raw, key, "spec.gaie")
     _str_list(gaie_raw, "hostnames", "spec.gaie")
@@ -414,13 +426,13 @@ def parse_spec(name: str, spec_raw: Any, *, namespace: str | None = None, uid: s
                         "operator; route through the server Service instead")
 
     drain_raw = _get_mapping(spec, "drain", "spec")
-    _fields(drain_raw, "spec.drain", {"preStopSeconds", "drainTimeoutSeconds"})
+    _fields(drain_raw, "spec.drain", DRAIN_FIELDS)
     drain = DrainSpec(pre_stop_seconds=_int(drain_raw, "preStopSeconds", "spec.drain", DEFAULT_PRESTOP_SECONDS,
                                             minimum=0),
                       drain_timeout_seconds=_int(drain_raw, "drainTimeoutSeconds", "spec.drain", minimum=0))
 
     kvd_raw = _get_mapping(spec, "kvd", "spec")
-    _fields(kvd_raw, "spec.kvd", {"enabled", "image", "args", "socketDir"})
+    _fields(kvd_raw, "spec.kvd", KVD_FIELDS)
     kvd = KvdSpec(enabled=_bool(kvd_raw, "enabled", "spec.kvd", False), image=_str(kvd_raw, "image", "spec.kvd"),
                   args=_str_list(kvd_raw, "args", "spec.kvd"),
                   socket_dir=_str(kvd_raw, "socketDir", "spec.kvd", DEFAULT_KVD_SOCKET_DIR))
@@ -428,7 +440,7 @@ def parse_spec(name: str, spec_raw: Any, *, namespace: str | None = None, uid: s
         raise SpecError("spec.kvd.socketDir: must be an absolute path")
 
     etcd_raw = _get_mapping(spec, "etcd", "spec")
-    _fields(etcd_raw, "spec.etcd", {"image", "storageSize", "storageClassName"})
+    _fields(etcd_raw, "spec.etcd", ETCD_FIELDS)
     etcd = EtcdSpec(image=_str(etcd_raw, "image", "spec.etcd"),
                     storage_size=_quantity(etcd_raw, "storageSize", "spec.etcd"),
                     storage_class_name=_str(etcd_raw, "storageClassName", "spec.etcd"))
