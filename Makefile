@@ -12,7 +12,7 @@ NIXL_VERSION ?= 1.5.1
 SGLANG_VERSION ?= 0.5.23
 SGLANG_DIR := $(VLLM_VENV)/sglang-$(SGLANG_VERSION)
 
-.PHONY: setup setup-vllm setup-sglang run smoke test test-asan test-unit test-integration test-e2e bench clean
+.PHONY: setup setup-vllm setup-sglang run smoke test test-asan test-unit test-integration test-e2e bench images clean
 
 setup: $(VENV)/.installed
 
@@ -97,6 +97,19 @@ test-integration: setup
 
 bench: setup
 	$(PY) bench/router_overhead.py
+
+# Container images (deploy/images/README.md): the Infera image (server, operator, kvd, sim) and the
+# vLLM, SGLang and ATOM overlays, built with docker or podman from the repository root.
+# `make images IMAGES="infera vllm" REGISTRY=registry.example.com IMAGE_NAMESPACE=acme PUSH=1 VLLM_BASE_IMAGE=rocm/vllm:<tag>`
+VERSION ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGES ?= infera vllm sglang atom
+# ghcr.io/infera/infera-vllm:<VERSION> and so on: the names the operator's renderer uses by default.
+REGISTRY ?= ghcr.io
+IMAGE_NAMESPACE ?= infera
+images:
+	IMAGES='$(IMAGES)' VERSION='$(VERSION)' REGISTRY='$(REGISTRY)' IMAGE_NAMESPACE='$(IMAGE_NAMESPACE)' PUSH='$(PUSH)' \
+	CONTAINER_ENGINE='$(CONTAINER_ENGINE)' PYTHON_IMAGE='$(PYTHON_IMAGE)' VLLM_BASE_IMAGE='$(VLLM_BASE_IMAGE)' \
+	SGLANG_BASE_IMAGE='$(SGLANG_BASE_IMAGE)' ATOM_BASE_IMAGE='$(ATOM_BASE_IMAGE)' sh deploy/images/build.sh
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache build *.egg-info infera/kv/_native*.so
