@@ -13,6 +13,7 @@ from infera.engine.atom.adapter import AtomAdapter
 from infera.engine.base.follower import NodeRankError, is_follower, node_rank
 from infera.engine.base.launcher import EngineProcessSpec, Launcher, build_launcher_parser, launcher_node_rank
 from infera.engine.sglang.adapter import SglangAdapter
+from infera.engine.sim.launcher import SimAdapter
 from infera.engine.vllm.adapter import VllmAdapter
 from tests.conftest import alive, wait_for
 
@@ -74,6 +75,8 @@ def test_launcher_turns_a_bad_rank_into_a_usage_error(capsys):
     (SglangAdapter(), ["--node-rank", "1"], {}, 1),
     (VllmAdapter(), [], {"LWS_WORKER_INDEX": "2"}, 2),
     (AtomAdapter(), ["--node-rank", "1"], {"LWS_WORKER_INDEX": "1"}, 0),  # ATOM is outside the gate
+    (SimAdapter(), [], {"LWS_WORKER_INDEX": "1"}, 1),  # a sim LeaderWorkerSet's follower
+    (SimAdapter(), [], {}, 0),
 ])
 def test_which_engines_take_part(adapter, argv, env, rank):
     parser = build_launcher_parser(adapter, "t", environ={})

@@ -29,6 +29,9 @@ SIM_DEFAULT_BLOCK_SIZE = 16
 
 class SimAdapter:
     engine = "sim"
+    # In the follower gate through LWS_WORKER_INDEX only, like vLLM: a sim pool rendered as a
+    # LeaderWorkerSet must register its leader alone.
+    node_rank_flags: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self.kv_events: tuple[int, int | None] | None = None  # (publisher, replay) ports, set by prepare
