@@ -25,14 +25,16 @@ Where it differs from a real cluster:
   Images are not pulled: ``command``/``args`` run as given, argv[0] ``python``/``python3[.X]`` is the
   test's interpreter, ``nats-server`` and ``etcd`` are the binaries of the test environment, anything
   else comes from ``PATH``. An image table (``images=``) gives the entrypoint and default args of an
-  image when the Pod gives no ``command``: by default ``nats`` (``nats-server -a 0.0.0.0``) and
+  image when the Pod gives no ``command``: by default ``nats`` (``nats-server``) and
   ``quay.io/coreos/etcd``/``etcd`` (``etcd``); any other image without a command fails to start
   (waiting reason ``CreateContainerError``).
 * Network: all Pods share the host's network namespace on loopback. Each Pod has its own IP
   (``127.0.10.1``...), so every ``0.0.0.0`` inside an argument or env value (``0.0.0.0``,
   ``--host=0.0.0.0``, ``http://0.0.0.0:2379``, also inside mounted ConfigMap files) is rewritten to
-  the Pod's IP, keeping Pods from colliding on ports. A process that binds all interfaces by
-  default (no address in its args) can still collide with another Pod on the same port.
+  the Pod's IP, keeping Pods from colliding on ports; ``nats-server`` and ``etcd`` without a listen
+  address in their args are given the Pod's IP (:func:`bind_to_pod_ip`). Any other process that
+  binds all interfaces by default (no address in its args) can collide with another Pod, or with a
+  Service proxy, on the same port.
   No NetworkPolicy; ``hostNetwork``/``hostPort`` are ignored.
 * Volumes: ``emptyDir`` and ``persistentVolumeClaim`` are directories under ``workdir`` (per Pod,
   per claim), ``hostPath`` is a per-node directory under ``workdir``; ``configMap``/``secret``
@@ -224,9 +226,33 @@ class ImageSpec:
 
 
 def default_images() -> dict[str, ImageSpec]:
-    nats = ImageSpec(("nats-server",), ("-a", "0.0.0.0"))
+    nats = ImageSpec(("nats-server",), ())
     etcd = ImageSpec(("etcd",), ())
     return {"nats": nats, "quay.io/coreos/etcd": etcd, "etcd": etcd, "gcr.io/etcd-development/etcd": etcd}
+
+
+def _has_flag(argv: Sequence[str], flags: Iterable[str]) -> bool:
+    return any(a == f or a.startswith(f + "=") for a in argv for f in flags)
+
+
+def bind_to_pod_ip(argv: list[str], pod_ip: str) -> list[str]:
+    """Programs that would bind every interface (or localhost) by default get their Pod's IP:
+    in a container they bind inside their own network namespace; here they share the host's.
+    ``nats-server`` without ``-a``/``--addr``/``--net`` gets ``-a <ip>`` (its monitor port follows);
+    ``etcd`` without listen URLs gets them on the Pod IP (client 2379, peer 2380)."""
+    program = os.path.basename(argv[0]) if argv else ""
+    if program == "nats-server" and not _has_flag(argv, ("-a", "--addr", "--net")):
+        return argv + ["-a", pod_ip]
+    if program == "etcd":
+        extra = []
+        if not _has_flag(argv, ("--listen-client-urls",)):
+            extra += ["--listen-client-urls", f"http://{pod_ip}:2379"]
+            if not _has_flag(argv, ("--advertise-client-urls",)):
+                extra += ["--advertise-client-urls", f"http://{pod_ip}:2379"]
+        if not _has_flag(argv, ("--listen-peer-urls",)):
+            extra += ["--listen-peer-urls", f"http://{pod_ip}:2380"]
+        return argv + extra
+    return argv
 
 
 def container_argv(container: Mapping[str, Any], images: Mapping[str, ImageSpec]) -> list[str]:
@@ -1418,6 +1444,7 @@ class PodRuntime:
         env = await self.container_env(container)
         mounts = self.mounts_of(container)
         argv = [rewrite_value(expand_vars(a, env), self.ip, mounts) for a in container_argv(container, self.k.images)]
+        argv = bind_to_pod_ip(argv, self.ip)
         argv[0] = resolve_program(argv[0], env.get("PATH"))
         cwd = str(self.dir)
         if container.get("workingDir"):

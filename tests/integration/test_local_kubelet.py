@@ -217,10 +217,12 @@ async def test_nats_statefulset_reachable_through_its_service(cluster, tmp_path)
         "spec": {"replicas": 1, "serviceName": "nats", "selector": {"matchLabels": {"app": "nats"}},
                  "template": {"metadata": {"labels": {"app": "nats"}}, "spec": {"containers": [{
                      "name": "main", "image": "nats:2.10",
-                     "args": ["-js", "-a", "0.0.0.0", "-p", "4222", "-sd", "/data"],
-                     "ports": [{"name": "client", "containerPort": 4222}],
+                     # As the renderer writes it: no listen address (the kubelet binds it to the Pod IP).
+                     "args": ["-js", "-sd", "/data/jetstream", "-m", "8222"],
+                     "ports": [{"name": "client", "containerPort": 4222}, {"name": "monitor", "containerPort": 8222}],
                      "volumeMounts": [{"name": "data", "mountPath": "/data"}],
-                     "readinessProbe": {"tcpSocket": {"port": "client"}}}]}},
+                     "startupProbe": {"tcpSocket": {"port": "client"}, "periodSeconds": 5, "failureThreshold": 60},
+                     "readinessProbe": {"httpGet": {"path": "/healthz?js-enabled-only=true", "port": "monitor"}}}]}},
                  "volumeClaimTemplates": [{"metadata": {"name": "data"}, "spec": {"accessModes": ["ReadWriteOnce"]}}]}})
     pods = await ready_pods(client, "app=nats", 1, kubelet)
     assert pods[0]["metadata"]["name"] == "nats-0"

@@ -70,7 +70,7 @@ def test_rewrite_value_binds_the_pod_ip_and_maps_mount_paths():
 def test_container_argv_and_image_table():
     images = kl.default_images()
     assert kl.container_argv({"command": ["python3", "-m", "x"], "args": ["--y"]}, images) == ["python3", "-m", "x", "--y"]
-    assert kl.container_argv({"name": "n", "image": "nats:2.10"}, images) == ["nats-server", "-a", "0.0.0.0"]
+    assert kl.container_argv({"name": "n", "image": "nats:2.10"}, images) == ["nats-server"]
     assert kl.container_argv({"name": "n", "image": "docker.io/library/nats:2.10-alpine", "args": ["-js"]},
                              images) == ["nats-server", "-js"]
     assert kl.container_argv({"name": "e", "image": "quay.io/coreos/etcd:v3.5.17", "args": ["--name", "e"]},
@@ -177,3 +177,37 @@ def test_pod_from_template_adds_env_labels_owner_and_node():
     assert pod["spec"]["nodeName"] == kl.NODE_NAME
     assert pod["spec"]["containers"][0]["env"] == [{"name": "LWS_WORKER_INDEX", "value": "1"}, {"name": "X", "value": "1"}]
     assert template["spec"]["containers"][0]["env"][0]["value"] == "stale"  # the template is not changed
+
+
+def test_nats_and_etcd_bind_to_the_pod_ip():
+    ip = "127.0.10.4"
+    assert kl.bind_to_pod_ip(["nats-server", "-js", "-m", "8222"], ip) == ["nats-server", "-js", "-m", "8222", "-a", ip]
+    assert kl.bind_to_pod_ip(["/x/nats-server", "--addr=127.0.0.5"], ip) == ["/x/nats-server", "--addr=127.0.0.5"]
+    assert kl.bind_to_pod_ip(["etcd", "--data-dir", "/d"], ip) == [
+        "etcd", "--data-dir", "/d", "--listen-client-urls", f"http://{ip}:2379", "--advertise-client-urls",
+        f"http://{ip}:2379", "--listen-peer-urls", f"http://{ip}:2380"]
+    assert kl.bind_to_pod_ip(["etcd", f"--listen-client-urls=http://{ip}:2379", "--advertise-client-urls", "http://e:2379"],
+                             ip)[-2:] == ["--listen-peer-urls", f"http://{ip}:2380"]
+    assert kl.bind_to_pod_ip(["python3", "-m", "x"], ip) == ["python3", "-m", "x"]
+
+
+def test_dns_hook_covers_uvloop(tmp_path):
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps({"records": {"web.ns.svc.cluster.local": ["127.0.0.1"]}}))
+    code = """
+import asyncio, socket, uvloop
+async def main():
+    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo("web.ns.svc", port, type=socket.SOCK_STREAM)
+    reader, writer = await asyncio.open_connection("web", port)
+    print(type(loop).__module__, infos[0][4][0], writer.get_extra_info("peername")[0])
+    writer.close()
+    server.close()
+uvloop.run(main())
+"""
+    env = {**os.environ, "PYTHONPATH": str(kl.SITECUSTOMIZE_DIR), dns.HOSTS_ENV: str(hosts), dns.NAMESPACE_ENV: "ns"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["uvloop", "127.0.0.1", "127.0.0.1"]

@@ -7,14 +7,18 @@ kubelet: ``{"records": {"<fqdn>": ["ip", ...]}}``), ``socket.getaddrinfo``, ``ge
 as a Pod's ``resolv.conf`` does (``<ns>.svc.cluster.local svc.cluster.local cluster.local``, the
 namespace from ``INFERA_TEST_CLUSTER_NAMESPACE``); every other name goes to the real resolver.
 The file is re-read only when it changed (inode and mtime), so a lookup costs one ``stat``.
+uvloop, which resolves in C, is patched when first imported (its loop's ``getaddrinfo`` and
+``create_connection``). Other C-level resolvers (gRPC's c-ares, libcurl) are not covered.
 
 Standalone on purpose: a Pod's interpreter must not import anything from the test tree.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
+import sys
 
 HOSTS_ENV = "INFERA_TEST_CLUSTER_HOSTS"
 NAMESPACE_ENV = "INFERA_TEST_CLUSTER_NAMESPACE"
@@ -110,6 +114,66 @@ def install(path: str, namespace: str) -> None:
     socket.getaddrinfo = getaddrinfo
     socket.gethostbyname = gethostbyname
     socket.gethostbyname_ex = gethostbyname_ex
+    sys.meta_path.insert(0, _PatchOnImport("uvloop", lambda module: _patch_uvloop(module, resolve)))
+
+
+def _patch_uvloop(uvloop, resolve) -> None:
+    """uvloop resolves names in C (libuv), past ``socket.getaddrinfo``: its loop's
+    ``getaddrinfo`` and ``create_connection`` answer cluster names first."""
+    loop_class = uvloop.Loop  # a Python subclass of the Cython loop: its methods can be replaced
+    real_getaddrinfo = loop_class.getaddrinfo
+    real_create_connection = loop_class.create_connection
+
+    async def getaddrinfo(self, host, port, *, family=0, type=0, proto=0, flags=0):
+        if resolve(host):
+            return socket.getaddrinfo(host, port, family, type, proto, flags)  # numeric: no blocking
+        return await real_getaddrinfo(self, host, port, family=family, type=type, proto=proto, flags=flags)
+
+    async def create_connection(self, protocol_factory, host=None, port=None, *args, **kwargs):
+        ips = resolve(host)
+        if not ips:
+            return await real_create_connection(self, protocol_factory, host, port, *args, **kwargs)
+        if kwargs.get("ssl") and kwargs.get("server_hostname") is None:
+            kwargs["server_hostname"] = host
+        error: OSError | None = None
+        for ip in ips:
+            try:
+                return await real_create_connection(self, protocol_factory, ip, port, *args, **kwargs)
+            except OSError as exc:
+                error = exc
+        raise error  # type: ignore[misc]
+
+    loop_class.getaddrinfo = getaddrinfo
+    loop_class.create_connection = create_connection
+
+
+class _PatchOnImport:
+    """A meta path finder that runs ``patch(module)`` right after ``name`` is first imported
+    (so a Pod that never uses uvloop does not pay for importing it)."""
+
+    def __init__(self, name: str, patch) -> None:
+        self.name = name
+        self.patch = patch
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return None
+        real_exec = spec.loader.exec_module
+        patch = self.patch
+
+        def exec_module(module):
+            real_exec(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
 
 
 if os.environ.get(HOSTS_ENV):
