@@ -979,6 +979,7 @@ class FakeKubeApi:
         self.too_large = 0  # watches answered "Too large resource version"
         self.patches: list[tuple[str, dict[str, Any]]] = []  # (pod name, merge patch body) of Pod PATCHes
         self._orphan_on_removal: set[str] = set()  # uids deleted with propagationPolicy=Orphan
+        self._uids: set[str] = set()  # every stored object's uid (owner references resolve against it)
         self._watchers: set[_Watcher] = set()
         self._failures: list[tuple[int, str | None]] = []  # (status, only this request kind | None)
         self._rv_waiters: list[asyncio.Future] = []  # watches waiting for a newer resourceVersion
@@ -1129,6 +1130,7 @@ class FakeKubeApi:
             for rtype in crd_resource_types(crd):
                 self._register(rtype)
         self.rv = snapshot["rv"]
+        self._uids = {obj["metadata"].get("uid") for objects in self.store.values() for obj in objects.values()}
         self.compact()
 
     def close_watches(self, abrupt: bool = False) -> int:
@@ -1209,6 +1211,7 @@ class FakeKubeApi:
         pod.setdefault("status", {"phase": "Pending"})
         _drop_empty_maps(meta)
         self.pods[(ns, name)] = pod
+        self._uids.add(meta["uid"])
         self._record("ADDED", ("", "pods"), ns, pod)
         return copy.deepcopy(pod)
 
@@ -1240,6 +1243,7 @@ class FakeKubeApi:
         """The object is gone (DELETED); then what depended on it: owner-reference garbage
         collection (background, or orphaning), a CRD's custom resources, a Namespace's contents."""
         obj = self.store[rtype.key].pop((ns, name))
+        self._uids.discard(obj["metadata"].get("uid"))
         obj["metadata"]["resourceVersion"] = str(self._bump())  # the DELETED event carries a new rv
         self._record("DELETED", rtype.key, ns, obj)
         uid = obj["metadata"].get("uid")
@@ -1353,10 +1357,13 @@ class FakeKubeApi:
             return self._out(rtype, body)
         meta["resourceVersion"] = str(self._bump())
         objects[(ns, name)] = body
+        self._uids.add(meta["uid"])
         self._record("ADDED", rtype.key, ns, body)
         for served in crd_types or ():
             self._register(served)
-        return self._out(rtype, body)
+        created = self._out(rtype, body)
+        self._collect_if_dangling(rtype, ns, name)
+        return created
 
     def update_object(self, rtype: ResourceType, namespace: str | None, name: str, body: Any, *,
                       subresource: str | None = None, field_validation: str = "Warn",
@@ -1409,7 +1416,18 @@ class FakeKubeApi:
         stored = self.store[rtype.key].get((ns, name))
         if stored is not None and _should_vanish(rtype, stored):
             return self._remove(rtype, ns, name)  # the last finalizer is gone
+        self._collect_if_dangling(rtype, ns, name)
         return result
+
+    def _collect_if_dangling(self, rtype: ResourceType, ns: str, name: str) -> None:
+        """An object whose every owner is gone is garbage, as the garbage collector finds it (here at
+        once, after the write that made it so: e.g. an operator applying one more object for a
+        custom resource deleted meanwhile)."""
+        obj = self.store[rtype.key].get((ns, name))
+        refs = (obj or {}).get("metadata", {}).get("ownerReferences") or ()
+        if refs and not any(ref.get("uid") in self._uids for ref in refs if isinstance(ref, dict)) \
+                and not obj["metadata"].get("deletionTimestamp"):
+            self.delete_object(rtype, ns, name)
 
     def patch_object(self, rtype: ResourceType, namespace: str | None, name: str, content_type: str, patch: Any, *,
                      subresource: str | None = None, field_manager: str | None = None,
