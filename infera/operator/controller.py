@@ -260,7 +260,7 @@ def build_registry(reconciler: Reconciler, config_loader: Callable[[], Any]) -> 
     def login(**_: Any) -> kopf.ConnectionInfo:
         return connection_info(config_loader())
 
-    @kopf.on.event(CRD_GROUP, CRD_VERSION, CRD_PLURAL, registry=registry)
+    @kopf.on.event(CRD_GROUP, CRD_VERSION, CRD_PLURAL, registry=registry, id="inferadeployment")
     async def on_inferadeployment(event: Mapping[str, Any], namespace: str, name: str, **_: Any) -> None:
         key = (namespace, name)
         if event.get("type") == "DELETED":
@@ -341,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: give --namespace NS (repeatable, or {NAMESPACES_ENV}) or --all-namespaces", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for chatty in ("httpx", "httpx2", "httpcore"):  # one line per request at INFO
+    # One line per HTTP request, and kopf's "Handler ... succeeded" per watch event, at INFO.
+    for chatty in ("httpx", "httpx2", "httpcore", "kopf.objects"):
         logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         load_kube_config()  # fail now, with a clear message, rather than in kopf's login retries

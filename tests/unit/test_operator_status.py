@@ -376,3 +376,49 @@ async def test_a_rendered_workload_the_list_does_not_show_yet_counts_as_not_read
     status = rest.objects["/apis/infera.amd.com/v1alpha1/namespaces/ns/inferadeployments/demo"]["status"]
     assert status["state"] == PENDING
     assert status["services"] == {"frontend": {"kind": "Deployment", "replicas": 1, "readyReplicas": 0}}
+
+
+# ---- the install's RBAC against what the renderer writes ----
+def _cluster_role() -> list[dict]:
+    import pathlib
+
+    import yaml
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "rbac.yaml"
+    role = next(d for d in yaml.safe_load_all(path.read_text()) if d and d["kind"] == "ClusterRole")
+    return role["rules"]
+
+
+def _granted(rules: list[dict], group: str, resource: str) -> set[str]:
+    verbs: set[str] = set()
+    for rule in rules:
+        if group in rule.get("apiGroups", []) and resource in rule.get("resources", []):
+            verbs |= set(rule["verbs"])
+    return verbs
+
+
+def test_the_operator_cluster_role_covers_every_rendered_kind_and_what_the_fleet_role_grants():
+    from infera.operator.render import KIND_ORDER, RenderOptions, render
+
+    rules = _cluster_role()
+    for api_version, kind in ops_apply.PRUNE_KINDS:
+        assert kind in KIND_ORDER, f"{kind} is pruned but never rendered"
+    for kind in KIND_ORDER:
+        api_version, plural = next((k[0], p) for k, p in ops_apply.RESOURCES.items() if k[1] == kind)
+        assert (api_version, kind) in ops_apply.PRUNE_KINDS, f"{kind} is rendered but never pruned"
+        group = api_version.rpartition("/")[0]
+        assert {"get", "list", "watch", "create", "patch", "delete"} <= _granted(rules, group, plural), kind
+    assert {"get", "list", "watch"} <= _granted(rules, "infera.amd.com", "inferadeployments")
+    assert "patch" in _granted(rules, "infera.amd.com", "inferadeployments/status")
+    # RBAC's escalation check: the operator may only create a Role granting what it holds itself.
+    example = {"apiVersion": "infera.amd.com/v1alpha1", "kind": "InferaDeployment",
+               "metadata": {"name": "demo", "namespace": "ns", "uid": "u"},
+               "spec": {"backendFramework": "sim", "services": {
+                   "frontend": {"componentType": "server"}, "decode": {"componentType": "worker"}}}}
+    fleet_roles = [o for o in render(example, RenderOptions()) if o["kind"] == "Role"]
+    assert fleet_roles
+    for role in fleet_roles:
+        for rule in role["rules"]:
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    assert set(rule["verbs"]) <= _granted(rules, group, resource), (group, resource, rule["verbs"])

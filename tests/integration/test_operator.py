@@ -1,0 +1,210 @@
+"""The operator as a process (``python -m infera.operator run --namespace ns``) against the fake API
+server (tests/fakes/kube_api.py), with the CRD from infera.operator.crd applied to it. No kubelet:
+nothing becomes ready by itself, so the test writes the workloads' ``/status`` as their controllers
+would.
+
+One CR's life: rendered objects created (owner references, labels), status pending → ready with
+conditions; a replica change touches only its pool's Deployment (the others' resourceVersion stays,
+through several re-applies); a removed pool's Deployment is pruned; a bad spec is ``failed`` with its
+message and nothing changes; deleting the CR removes everything it owned."""
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from typing import Any, AsyncIterator
+
+import pytest
+
+from infera.operator.crd import build_crd
+from tests.conftest import stop_process_group, wait_for
+from tests.fakes.kube_api import FakeKubeApi
+
+pytestmark = pytest.mark.integration
+
+NS = "ns"
+T = 20.0  # deadline for each convergence (the operator reacts to watch events in milliseconds)
+API = "infera.amd.com/v1alpha1"
+KIND = "InferaDeployment"
+MANAGED = "app.kubernetes.io/managed-by"
+
+
+def spec(pool_b_replicas: int = 1, *, with_pool_b: bool = True) -> dict[str, Any]:
+    services: dict[str, Any] = {
+        "frontend": {"componentType": "server", "replicas": 2},
+        "pool-a": {"componentType": "worker", "replicas": 1},
+    }
+    if with_pool_b:
+        services["pool-b"] = {"componentType": "worker", "replicas": pool_b_replicas}
+    return {"backendFramework": "sim", "services": services}
+
+
+def cr(name: str = "demo") -> dict[str, Any]:
+    return {"apiVersion": API, "kind": KIND, "metadata": {"name": name, "namespace": NS}, "spec": spec()}
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[FakeKubeApi]:
+    server = await FakeKubeApi(namespace=NS).start()
+    crd_type = server.resource_type("apiextensions.k8s.io/v1", "CustomResourceDefinition")
+    server.create_object(crd_type, None, build_crd())
+    server.create_object(server.resource_type("v1", "Namespace"), None,
+                         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}})
+    yield server
+    await server.stop()
+
+
+@pytest.fixture
+async def operator(api: FakeKubeApi, tmp_path) -> AsyncIterator[asyncio.subprocess.Process]:
+    kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig", NS)
+    env = {**os.environ, "KUBECONFIG": kubeconfig, "INFERA_LOG_LEVEL": "info"}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    log = open(tmp_path / "operator.log", "wb")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "infera.operator", "run", "--namespace", NS, "--resync-s", "1",
+        env=env, stdout=log, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        await stop_process_group(proc, grace=15)
+        log.close()
+        print((tmp_path / "operator.log").read_text()[-6000:])  # shown when the test fails
+    assert proc.returncode == 0, "the operator did not exit cleanly on SIGTERM"
+
+
+def owned(api: FakeKubeApi, uid: str) -> list[dict[str, Any]]:
+    """Every namespaced object whose owner references name ``uid``."""
+    found = []
+    for objects in api.store.values():
+        for obj in objects.values():
+            refs = obj.get("metadata", {}).get("ownerReferences") or []
+            if any(r.get("uid") == uid for r in refs):
+                found.append(obj)
+    return found
+
+
+def deployments(api: FakeKubeApi) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in api.list("apps/v1", "Deployment", NS)}
+
+
+def the_cr(api: FakeKubeApi, name: str = "demo") -> dict[str, Any] | None:
+    return api.get(API, KIND, name, NS)
+
+
+def state(api: FakeKubeApi, name: str = "demo") -> str | None:
+    obj = the_cr(api, name)
+    return ((obj or {}).get("status") or {}).get("state")
+
+
+def conditions(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in obj["status"].get("conditions", [])}
+
+
+def make_ready(api: FakeKubeApi, uid: str) -> None:
+    """What the workload controllers would write once every replica is ready."""
+    for obj in owned(api, uid):
+        if obj["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        meta, replicas = obj["metadata"], obj["spec"].get("replicas", 1)
+        status = {"observedGeneration": meta.get("generation", 1), "replicas": replicas,
+                  "readyReplicas": replicas, "updatedReplicas": replicas, "availableReplicas": replicas}
+        if obj.get("status") != {**(obj.get("status") or {}), **status}:
+            api.patch_object(api.resource_type(obj["apiVersion"], obj["kind"]), NS, meta["name"],
+                             "application/merge-patch+json", {"status": status}, subresource="status")
+
+
+def applies_to(api: FakeKubeApi, name: str) -> int:
+    """Server-side applies the fake has answered for Deployment ``name``."""
+    path = f"/apis/apps/v1/namespaces/{NS}/deployments/{name}?"
+    return sum(1 for method, target, code in api.access_log
+               if method == "PATCH" and target.startswith(path) and "fieldManager=infera-operator" in target
+               and code < 300)
+
+
+def patch_cr(api: FakeKubeApi, patch: dict[str, Any], name: str = "demo") -> None:
+    api.patch_object(api.resource_type(API, KIND), NS, name, "application/merge-patch+json", patch)
+
+
+async def test_operator_reconciles_one_crs_life(api: FakeKubeApi, operator: asyncio.subprocess.Process):
+    crs = api.resource_type(API, KIND)
+    api.create_object(crs, NS, cr())
+    uid = the_cr(api)["metadata"]["uid"]
+
+    # Rendered objects, each labelled and owned by the CR; nothing is ready without a kubelet.
+    await wait_for(lambda: {"demo-frontend", "demo-pool-a", "demo-pool-b"} <= set(deployments(api)), T,
+                   message="the pools' Deployments")
+    await wait_for(lambda: state(api) == "pending", T, message="state pending")
+    for obj in owned(api, uid):
+        labels = obj["metadata"].get("labels", {})
+        assert labels.get(MANAGED) == "infera-operator" and labels.get("infera.amd.com/deployment") == "demo", obj
+        ref = next(r for r in obj["metadata"]["ownerReferences"] if r["uid"] == uid)
+        assert (ref["kind"], ref["name"], ref.get("controller")) == (KIND, "demo", True)
+    kinds = {o["kind"] for o in owned(api, uid)}
+    assert {"Deployment", "Service", "StatefulSet"} <= kinds, kinds  # server + NATS plane at least
+    status = the_cr(api)["status"]
+    assert status["observedGeneration"] == the_cr(api)["metadata"]["generation"]
+    assert status["services"]["pool-b"] == {"kind": "Deployment", "replicas": 1, "readyReplicas": 0}
+    assert conditions(the_cr(api))["Progressing"]["status"] == "True"
+
+    # Readiness, as the controllers would report it: Ready follows from the workloads' watch.
+    make_ready(api, uid)
+    await wait_for(lambda: state(api) == "ready", T, message="state ready")
+    c = conditions(the_cr(api))
+    assert (c["Ready"]["status"], c["Progressing"]["status"], c["Degraded"]["status"]) == ("True", "False", "False")
+
+    # A pool drops below its count: degraded; back: ready again.
+    api.patch_object(api.resource_type("apps/v1", "Deployment"), NS, "demo-pool-a", "application/merge-patch+json",
+                     {"status": {"readyReplicas": 0}}, subresource="status")
+    await wait_for(lambda: state(api) == "degraded", T, message="state degraded")
+    assert conditions(the_cr(api))["Degraded"]["status"] == "True"
+    make_ready(api, uid)
+    await wait_for(lambda: state(api) == "ready", T, message="ready again")
+
+    # Drift: a hand edit of an owned object is undone (level-triggered: the operator re-applies).
+    api.patch_object(api.resource_type("apps/v1", "Deployment"), NS, "demo-pool-a", "application/merge-patch+json",
+                     {"spec": {"replicas": 5}})
+    await wait_for(lambda: deployments(api)["demo-pool-a"]["spec"]["replicas"] == 1, T, message="drift undone")
+    make_ready(api, uid)
+    await wait_for(lambda: state(api) == "ready", T, message="ready after the drift")
+
+    # One pool's replicas change: only its Deployment changes, through several re-applies.
+    before = {name: d["metadata"]["resourceVersion"] for name, d in deployments(api).items()}
+    applied_before = applies_to(api, "demo-pool-a")
+    patch_cr(api, {"spec": {"services": {"pool-b": {"replicas": 2}}}})
+    await wait_for(lambda: deployments(api)["demo-pool-b"]["spec"]["replicas"] == 2, T, message="pool-b scaled")
+    await wait_for(lambda: applies_to(api, "demo-pool-a") >= applied_before + 3, T,
+                   message="more reconciles (resync every 1 s)")
+    after = {name: d["metadata"]["resourceVersion"] for name, d in deployments(api).items()}
+    assert after["demo-pool-b"] != before["demo-pool-b"]
+    assert {n: after[n] for n in ("demo-frontend", "demo-pool-a")} == \
+        {n: before[n] for n in ("demo-frontend", "demo-pool-a")}, "an untouched pool's Deployment changed"
+    await wait_for(lambda: (the_cr(api)["status"].get("services", {}).get("pool-b") or {}).get("replicas") == 2,
+                   T, message="status shows pool-b's new count")
+    assert the_cr(api)["status"]["state"] == "pending"  # a scale-up is progress, not degradation
+
+    # Removing a pool deletes its Deployment (and only it).
+    patch_cr(api, {"spec": {"services": {"pool-b": None}}})
+    await wait_for(lambda: "demo-pool-b" not in deployments(api), T, message="pool-b pruned")
+    assert {"demo-frontend", "demo-pool-a"} <= set(deployments(api))
+    await wait_for(lambda: "pool-b" not in the_cr(api)["status"].get("services", {}), T,
+                   message="pool-b gone from status")
+
+    # A bad spec (valid for the schema, refused by the renderer): failed with the message, nothing applied.
+    versions = {name: d["metadata"]["resourceVersion"] for name, d in deployments(api).items()}
+    patch_cr(api, {"spec": {"services": {"frontend": {"role": "prefill"}}}})
+    await wait_for(lambda: state(api) == "failed", T, message="state failed")
+    c = conditions(the_cr(api))
+    assert c["Degraded"]["status"] == "True" and "spec.services.frontend.role" in c["Degraded"]["message"], c
+    assert c["Ready"]["status"] == "False"
+    assert {name: d["metadata"]["resourceVersion"] for name, d in deployments(api).items()} == versions
+    assert operator.returncode is None, "the operator crashed on a bad spec"
+    patch_cr(api, {"spec": {"services": {"frontend": {"role": None}}}})
+    await wait_for(lambda: state(api) in ("pending", "ready"), T, message="recovery from the bad spec")
+
+    # Deleting the CR removes everything it owned, and the operator recreates nothing.
+    assert owned(api, uid)
+    api.delete_object(crs, NS, "demo")
+    assert owned(api, uid) == []
+    api.create_object(crs, NS, cr("other"))  # the operator handles events in order: once this one
+    await wait_for(lambda: state(api, "other") == "pending", T, message="the next CR reconciled")
+    assert owned(api, uid) == [] and not any(n.startswith("demo-") for n in deployments(api))
