@@ -716,6 +716,29 @@ def test_oci_labels(image):
     assert labels["org.opencontainers.image.base.name"] == dockerfile.global_args[image.base_arg]
 
 
+def test_install_manifests_pull_images_make_builds():
+    """deploy/kubernetes (the operator's Deployment and its components) names Infera images that
+    `make images` builds by default."""
+    import yaml
+
+    named = set()
+    for manifest in sorted((REPO / "deploy" / "kubernetes").rglob("*.yaml")):
+        for obj in yaml.safe_load_all(manifest.read_text()):
+            named |= {c["image"] for c in _containers(obj)}
+    infera_named = {image for image in named if "infera" in image}
+    assert infera_named, "no Infera image in deploy/kubernetes"
+    assert infera_named <= infera_images(), f"not built by make images: {infera_named - infera_images()}"
+
+
+def _containers(node) -> list[dict]:
+    if isinstance(node, dict):
+        found = [node] if isinstance(node.get("image"), str) and isinstance(node.get("name"), str) else []
+        return found + [c for value in node.values() for c in _containers(value)]
+    if isinstance(node, list):
+        return [c for value in node for c in _containers(value)]
+    return []
+
+
 # --- check_image.py -----------------------------------------------------------------------------
 
 def run_check_image(*args: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
