@@ -267,18 +267,19 @@ def _role_args(backend: str, svc: ServiceSpec) -> tuple[list[str], list[str]]:
             return [], user  # spec.py checked it agrees with the role
         return ["--disaggregation-mode", svc.role], user
     # vLLM, ATOM, the sim: the role is the config's kv_role (never --disaggregation-mode).
-    if has_flag(user, "--kv-transfer-config"):
+    if has_flag(user, "--kv-transfer-config"):  # the user's config, its kv_role set to the pool's
         out = []
-        it = iter(range(len(user)))
-        for i in it:
+        i = 0
+        while i < len(user):
             tok = user[i]
             if tok == "--kv-transfer-config" and i + 1 < len(user):
                 out += [tok, _with_kv_role(user[i + 1], svc.role)]
-                next(it, None)
-            elif tok.startswith("--kv-transfer-config="):
-                out.append("--kv-transfer-config=" + _with_kv_role(tok.split("=", 1)[1], svc.role))
-            else:
-                out.append(tok)
+                i += 2
+                continue
+            if tok.startswith("--kv-transfer-config="):
+                tok = "--kv-transfer-config=" + _with_kv_role(tok.split("=", 1)[1], svc.role)
+            out.append(tok)
+            i += 1
         return [], out
     connector = "mooncake" if backend == "atom" else "NixlConnector"
     cfg = {"kv_connector": connector, "kv_role": KV_ROLES[svc.role]}
@@ -315,7 +316,7 @@ def _sim_user_args(dep: Deployment, svc: ServiceSpec, path: str) -> list[str]:
     """The user's args that mean something to the sim, real engines' spellings translated."""
     user = list(svc.args)
     if dep.backend == "sim":
-        return [tok for tok in user]
+        return user
     out: list[str] = []
     i = 0
     while i < len(user):
@@ -674,6 +675,11 @@ def _kvd_objects(ctx: _Ctx) -> list[dict[str, Any]]:
     container = {"name": MAIN, "image": kvd.image or ctx.options.infera_image,
                  "command": ["python3", "-m", "infera.kvd"], "args": ["--socket", kvd.socket_path, *kvd.args],
                  "env": _downward_env(),
+                 # root: the kubelet creates the hostPath directory root-owned, and kvd's socket
+                 # (umask 0o077) must be reachable by the engines, which run as root in the vendor
+                 # images; IPC_LOCK lets the shared arena mlock (without it kvd degrades silently).
+                 "securityContext": {"runAsUser": 0, "runAsNonRoot": False,
+                                     "capabilities": {"add": ["IPC_LOCK"]}},
                  "volumeMounts": [{"name": "kvd-socket", "mountPath": kvd.socket_dir}]}
     return [{"apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": ctx.meta(name, labels),
              "spec": {"selector": {"matchLabels": component_selector(dep, "kvd")},
