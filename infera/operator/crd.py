@@ -116,8 +116,8 @@ SERVICE_SCHEMA = _obj("one pool: the server (router front door) or a worker pool
 }, required=["componentType"])
 
 NATS_SCHEMA = _obj("the NATS JetStream broker (requests and KV events) deployed with kubernetes discovery", {
-    "deploy": _bool("deploy <name>-nats (StatefulSet + Service); false: HTTP requests and ZMQ events",
-                    default=True),
+    "deploy": _bool("deploy <name>-nats (StatefulSet + Service); false: HTTP requests and ZMQ events, "
+                    "unless spec.envs sets NATS_SERVER (an external broker)", default=True),
     "image": _str("NATS image (default nats:2.10-alpine)"),
     "storageSize": _quantity("JetStream volume size"),
     "storageClassName": _str("StorageClass of the JetStream volume"),

@@ -33,12 +33,15 @@ flag is the user's): ``python3 -m infera.server --host 0.0.0.0 --port P`` or ``p
 infera.engine.<backend> --host 0.0.0.0 --port P`` (ATOM: ``--server-port``), then discovery
 (``--discovery-backend kubernetes`` [+ the server's ``--k8s-label-selector``] or ``etcd
 --etcd-endpoint E``), the plane (``--request-transport nats --kv-event-transport nats --nats-server
-nats://<idep>-nats.<ns>.svc:4222`` with NATS, else ``http``/``zmq``; ATOM is always HTTP), the PD
+nats://<idep>-nats.<ns>.svc:4222`` with NATS; ``nats`` without a URL when ``nats.deploy`` is false
+and ``spec.envs`` names an external broker in ``NATS_SERVER``; else ``http``/``zmq``; ATOM is always
+HTTP), the PD
 role (SGLang ``--disaggregation-mode``; vLLM, ATOM and the sim ``--kv-transfer-config`` whose
 ``kv_role`` is the pool's role: a user's config keeps its connector and gets the role, a default one
 is NIXL for vLLM and Mooncake for ATOM; never ``--disaggregation-mode`` for vLLM ⚠), and the
-multi-node flags (SGLang ``--nnodes --node-rank --dist-init-addr``, vLLM ``--nnodes --node-rank
---master-addr`` and ``--headless`` on followers, from the LWS env) unless the user gave them.
+multi-node flags (SGLang ``--nnodes --node-rank --dist-init-addr``, vLLM ``--distributed-executor-backend
+mp --nnodes --node-rank --master-addr`` and ``--headless`` on followers, from the LWS env) unless the
+user gave them.
 
 Drain budget: ``preStop`` sleeps ``drain.preStopSeconds``; ``terminationGracePeriodSeconds =
 max(120, preStop + drain + 50)``, drain from the pool's final argv (``--drain-timeout N`` or
@@ -236,6 +239,8 @@ def _plane_flags(ctx: _Ctx, *, atom: bool = False) -> list[str]:
     if dep.nats_deployed and not atom:
         flags += ["--request-transport", "nats", "--kv-event-transport", "nats",
                   "--nats-server", nats_url(dep, ctx.namespace)]
+    elif dep.external_nats and not atom:  # the user's broker: NATS_SERVER in spec.envs names it
+        flags += ["--request-transport", "nats", "--kv-event-transport", "nats"]
     else:  # inside a Pod the defaults are NATS: say HTTP and ZMQ when there is no broker
         flags += ["--request-transport", "http", "--kv-event-transport", "zmq"]
     return flags
@@ -295,8 +300,9 @@ def _multinode_args(backend: str, svc: ServiceSpec, *, follower: bool) -> list[s
         wanted = [("--nnodes", str(svc.number_of_nodes)), ("--node-rank", "$(LWS_WORKER_INDEX)"),
                   ("--dist-init-addr", f"$(LWS_LEADER_ADDRESS):{SGLANG_DIST_INIT_PORT}")]
     elif backend == "vllm":
-        wanted = [("--nnodes", str(svc.number_of_nodes)), ("--node-rank", "$(LWS_WORKER_INDEX)"),
-                  ("--master-addr", "$(LWS_LEADER_ADDRESS)")]
+        # vLLM's multiprocessing multi-node mode (no Ray cluster to form): rank 0 serves, the others --headless
+        wanted = [("--distributed-executor-backend", "mp"), ("--nnodes", str(svc.number_of_nodes)),
+                  ("--node-rank", "$(LWS_WORKER_INDEX)"), ("--master-addr", "$(LWS_LEADER_ADDRESS)")]
     out = [tok for flag, value in wanted if not has_flag(user, flag) for tok in (flag, value)]
     if backend == "vllm" and follower and not has_flag(user, "--headless"):
         out.append("--headless")
@@ -488,8 +494,14 @@ def _pod_template(ctx: _Ctx, svc: ServiceSpec, command: list[str], args: list[st
     labels = {**dict(svc.pod_labels), **pool_labels(dep, svc)}
     env = _merge_env(_downward_env(), extra_env, dep.envs, svc.env)
     pre_stop = dep.drain.pre_stop_seconds
-    drain = drain_seconds(args, svc.env, dep.envs) if not svc.is_server else float(
-        dep.drain.drain_timeout_seconds if dep.drain.drain_timeout_seconds is not None else DEFAULT_DRAIN_SECONDS)
+    if svc.is_server:  # the server has no drain flag: size its grace on the fleet's drain
+        drain = float(dep.drain.drain_timeout_seconds if dep.drain.drain_timeout_seconds is not None
+                      else DEFAULT_DRAIN_SECONDS)
+    else:
+        try:
+            drain = drain_seconds(args, svc.env, dep.envs)
+        except SpecError as exc:
+            raise SpecError(f"spec.services.{svc.name}: {exc}") from None
     main: dict[str, Any] = {"name": MAIN, "image": image, "command": command, "args": args,
                             "ports": [{"name": "http", "containerPort": svc.port, "protocol": "TCP"}], "env": env}
     if probes and not svc.skip_readiness_probe:

@@ -167,6 +167,12 @@ class Deployment:
         return self.discovery == "kubernetes" and self.nats.deploy
 
     @property
+    def external_nats(self) -> bool:
+        """NATS without deploying it: nats.deploy false and NATS_SERVER in spec.envs."""
+        return (self.discovery == "kubernetes" and not self.nats.deploy
+                and any(e["name"] == "NATS_SERVER" for e in self.envs))
+
+    @property
     def etcd_deployed(self) -> bool:
         return self.discovery == "etcd" and not self.etcd_endpoint
 

@@ -65,7 +65,8 @@ LWS_SCHEMA = {
             "leaderWorkerTemplate": {"type": "object", "additionalProperties": False, "required": ["workerTemplate"],
                                      "properties": {
                                          "size": {"type": "integer", "minimum": 1},
-                                         "restartPolicy": {"enum": ["RecreateGroupOnPodRestart", "None"]},
+                                         "restartPolicy": {"enum": ["Default", "RecreateGroupOnPodRestart",
+                                                                    "RecreateGroupAfterStart", "None"]},
                                          "leaderTemplate": _TEMPLATE, "workerTemplate": _TEMPLATE}}}}}}
 
 
@@ -356,6 +357,24 @@ def test_nats_storage_and_no_nats() -> None:
     assert _flag(args, "--request-transport") == ["http"] and "--nats-server" not in args
 
 
+def test_an_external_nats_is_used_not_deployed() -> None:
+    cr = pd_cr("vllm", nats={"deploy": False},
+               envs=[{"name": "NATS_SERVER", "valueFrom": {"secretKeyRef": {"name": "nats", "key": "url"}}}])
+    objects = by_kind_name(render(cr))
+    assert ("StatefulSet", "f-nats") not in objects
+    for name in ("f-server", "f-prefill"):
+        main = main_container(objects[("Deployment", name)]["spec"]["template"])
+        assert _flag(main["args"], "--request-transport") == ["nats"] and "--nats-server" not in main["args"]
+        assert any(e["name"] == "NATS_SERVER" for e in main["env"])
+
+
+def test_a_bad_drain_env_names_the_pool() -> None:
+    cr = pd_cr("vllm")
+    cr["spec"]["services"]["decode"]["env"] = [{"name": "INFERA_DRAIN_TIMEOUT", "value": "soon"}]
+    with pytest.raises(SpecError, match=r"^spec.services.decode: --drain-timeout / INFERA_DRAIN_TIMEOUT: not a number"):
+        render(cr)
+
+
 def test_user_args_come_last() -> None:
     cr = pd_cr("vllm")
     cr["spec"]["services"]["prefill"]["args"] = ["--model", "m", "--request-transport", "http"]
@@ -551,6 +570,7 @@ def test_multinode_renders_a_leader_worker_set(backend: str) -> None:
         assert leader["args"] == follower["args"]
     else:
         assert _flag(leader["args"], "--master-addr") == ["$(LWS_LEADER_ADDRESS)"]
+        assert _flag(leader["args"], "--distributed-executor-backend") == ["mp"]
         assert "--headless" in follower["args"] and "--headless" not in leader["args"]
     for template in (lwt["leaderTemplate"], lwt["workerTemplate"]):
         assert template["metadata"]["labels"]["infera.amd.com/role"] == "decode"
