@@ -69,7 +69,8 @@ Where it differs from a real cluster:
   Pods that match the selector, are Ready and are not terminating (read from the API's Pod
   status); no endpoint means the connection is closed at once (a real one rejects). UDP,
   sessionAffinity, NodePort/LoadBalancer, externalTrafficPolicy and Services without a selector
-  are not served. No Endpoints/EndpointSlice objects are written.
+  are not served. core/v1 Endpoints are written for every Service with a selector (no
+  EndpointSlices; no ``publishNotReadyAddresses``; not read back by the proxy).
 * DNS: only Python processes with the hook resolve cluster names (the tests' own process uses
   :meth:`LocalKubelet.resolve`); records: ``<svc>.<ns>.svc.cluster.local`` (the cluster IP, or the
   ready Pod IPs of a headless Service) and ``<hostname>.<subdomain>.<ns>.svc.cluster.local`` for
@@ -422,6 +423,7 @@ class Kind:
 PODS = Kind("/api/v1", "pods")
 SERVICES = Kind("/api/v1", "services")
 CONFIGMAPS = Kind("/api/v1", "configmaps")
+ENDPOINTS = Kind("/api/v1", "endpoints")
 SECRETS = Kind("/api/v1", "secrets")
 DEPLOYMENTS = Kind("/apis/apps/v1", "deployments")
 STATEFULSETS = Kind("/apis/apps/v1", "statefulsets")
@@ -1245,13 +1247,22 @@ class PodRuntime:
         await asyncio.gather(*(stop_group(c.proc, 0) for c in containers if c.proc is not None))
         self.done.set()
 
-    async def close(self) -> None:
-        """Stop the status writer and the termination task (the kubelet is stopping)."""
-        for task in self._tasks + ([self._termination] if self._termination else []) + ([self._main] if self._main else []):
+    async def detach(self) -> None:
+        """Stop talking to the API: the status writer and the termination task end (the kubelet
+        is stopping; the processes are stopped by :meth:`stop`)."""
+        tasks = self._tasks + ([self._termination] if self._termination else [])
+        for task in tasks:
             task.cancel()
-        for task in self._tasks + ([self._termination] if self._termination else []) + ([self._main] if self._main else []):
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+
+    async def close(self) -> None:
+        await self.detach()
+        if self._main is not None:
+            self._main.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._main
 
     # -- status ----------------------------------------------------------------------------------
     def ready(self) -> bool:
@@ -1658,6 +1669,7 @@ class LocalKubelet:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._hosts_written: str | None = None
+        self._endpoints_written: dict[tuple[str, str], str] = {}
         self._kubeconfigs: dict[str, Path] = {}
         from tests.fakes.pod_sitecustomize import sitecustomize as dns
         self._dns = dns
@@ -1689,8 +1701,10 @@ class LocalKubelet:
                 await task
         runtimes = list(self.runtimes.values()) + list(self.finished.values())
         for runtime in runtimes:
-            await runtime.close()
+            await runtime.detach()
         await asyncio.gather(*(r.stop(self.stop_grace) for r in runtimes))
+        for runtime in runtimes:
+            await runtime.close()
         await self.proxy.close()
         if self.probe_session is not None:
             await self.probe_session.close()
@@ -1788,7 +1802,8 @@ class LocalKubelet:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), 1.0)
             self._wake.clear()
-            for step in (self.controllers.reconcile, self._sync_pods, self.proxy.sync, self._sync_hosts):
+            for step in (self.controllers.reconcile, self._sync_pods, self.proxy.sync, self._sync_hosts,
+                         self._sync_endpoints):
                 try:
                     await step()
                 except asyncio.CancelledError:
@@ -1885,6 +1900,55 @@ class LocalKubelet:
             if spec.get("hostname") and spec.get("subdomain") and ip:
                 records[f"{spec['hostname']}.{spec['subdomain']}.{ns}.svc.{self._dns.CLUSTER_DOMAIN}"] = [ip]
         return records
+
+    async def _sync_endpoints(self) -> None:
+        """core/v1 Endpoints of every Service with a selector (ready and not-ready addresses), as
+        the endpoints controller writes them; removed with their Service."""
+        services = {_key(svc): svc for svc in self.services.values() if (svc.get("spec") or {}).get("selector")}
+        for (ns, name), svc in services.items():
+            spec = svc["spec"]
+            ready, not_ready, ports = [], [], []
+            members = [p for p in sorted(self.pods.values(), key=lambda p: p["metadata"]["name"])
+                       if p["metadata"].get("namespace", "default") == ns and not _terminating(p)
+                       and (p.get("status") or {}).get("podIP")
+                       and selector_matches(spec["selector"], p["metadata"].get("labels"))]
+            for pod in members:
+                address = {"ip": pod["status"]["podIP"], "nodeName": pod["spec"].get("nodeName", NODE_NAME),
+                           "targetRef": {"kind": "Pod", "namespace": ns, "name": pod["metadata"]["name"],
+                                         "uid": pod["metadata"].get("uid", "")}}
+                (ready if pod_is_ready(pod) else not_ready).append(address)
+            for port_spec in spec.get("ports") or []:
+                target = port_spec.get("targetPort", port_spec.get("port"))
+                number = next((n for n in (_pod_port(p, target) for p in members) if n), None)
+                if number is None and isinstance(target, int):
+                    number = target
+                if number is not None:
+                    port = {"port": number, "protocol": port_spec.get("protocol", "TCP")}
+                    if port_spec.get("name"):
+                        port["name"] = port_spec["name"]
+                    ports.append(port)
+            subset: dict[str, Any] = {"ports": ports}
+            if ready:
+                subset["addresses"] = ready
+            if not_ready:
+                subset["notReadyAddresses"] = not_ready
+            subsets = [subset] if (ready or not_ready) else []
+            text = json.dumps(subsets, sort_keys=True)
+            if self._endpoints_written.get((ns, name)) == text:
+                continue
+            try:
+                await self.api.merge_patch(ENDPOINTS.item(ns, name), {"subsets": subsets})
+            except ApiError as exc:
+                if exc.status != 404:
+                    raise
+                await self.api.create(ENDPOINTS.collection(ns), {
+                    "apiVersion": "v1", "kind": "Endpoints", "subsets": subsets,
+                    "metadata": {"name": name, "namespace": ns, "labels": dict(svc["metadata"].get("labels") or {})}})
+            self._endpoints_written[(ns, name)] = text
+        for key in [k for k in self._endpoints_written if k not in services]:
+            del self._endpoints_written[key]
+            with contextlib.suppress(ApiError):
+                await self.api.delete(ENDPOINTS.item(*key))
 
     async def _sync_hosts(self) -> None:
         self._write_hosts(self._records())

@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import process_group_members, wait_for
 from tests.fakes.kube_api import FakeKubeApi
-from tests.fakes.kubelet import (DEPLOYMENTS, LEADERWORKERSETS, PODS, SERVICES, STATEFULSETS, ApiClient,
+from tests.fakes.kubelet import (DEPLOYMENTS, LEADERWORKERSETS, PODS, SERVICES, STATEFULSETS, ApiClient, ApiError,
                                  LocalKubelet, pod_is_ready)
 
 NS = "default"
@@ -80,7 +80,7 @@ async def cluster(tmp_path):
     client = ApiClient(api.url, api.token)
     await client.open()
     kubelet = LocalKubelet(api.url, api.token, tmp_path / "cluster", probe_period_cap=0.2,
-                           restart_backoff=(0.2, 1.0))
+                           restart_backoff=(0.2, 1.0), stop_grace=1.0)
     await kubelet.start()
     try:
         yield api, client, kubelet
@@ -160,6 +160,16 @@ async def test_deployment_scale_service_dns_graceful_delete_and_rollout(cluster,
     for name in ("web", "web.default", "web.default.svc.cluster.local"):
         assert await http_get(f"http://{first_ip}:8080/resolve?name={name}") == cluster_ip
     assert kubelet.resolve("web") == [cluster_ip]
+
+    async def endpoints_ready() -> bool:
+        try:
+            eps = await client.get(f"/api/v1/namespaces/{NS}/endpoints/web")
+        except ApiError:
+            return False
+        subsets = eps.get("subsets") or [{}]
+        return ({a["ip"] for a in subsets[0].get("addresses") or []} == ips
+                and subsets[0]["ports"] == [{"port": 8080, "protocol": "TCP"}])
+    await wait_for(endpoints_ready, 10, message="Endpoints of web list both Pods")
 
     # Scale through /scale.
     await client.merge_patch(DEPLOYMENTS.item(NS, "web", "scale"), {"spec": {"replicas": 3}})
@@ -314,3 +324,12 @@ async def test_crash_restarts_with_backoff_and_liveness_kills(cluster):
         return statuses[0].get("restartCount", 0) >= 1
     await wait_for(restarted, 20, interval=0.1, message="liveness restart")
     assert "liveness probe failed" in kubelet.logs("stuck")
+
+    # A process (and its child) that ignore SIGTERM: stop() escalates to SIGKILL for the whole
+    # process group (the fixture checks that nothing of any group is left).
+    stubborn = ("import signal, subprocess, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "subprocess.Popen(['sleep', '300']); print('child started', flush=True); time.sleep(300)")
+    await client.create(PODS.collection(NS), {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "stubborn"},
+        "spec": {"containers": [{"name": "main", "image": "x", "command": ["python3", "-c", stubborn]}]}})
+    await wait_for(lambda: "child started" in kubelet.logs("stubborn"), 10, message="stubborn child started")
