@@ -35,8 +35,10 @@ Infera's discovery, the operator (kopf), the local kubelet and the real ``kubect
 * discovery: ``/version``, ``/api``, ``/api/v1``, ``/apis``, ``/apis/<g>``, ``/apis/<g>/<v>``
   (APIResourceLists with verbs, shortNames, categories and the ``<plural>/status`` and
   ``<plural>/scale`` subresources). Aggregated discovery is not served: a client asking for it gets
-  the plain documents, which kubectl accepts (it falls back). ``/openapi/v2`` and ``/openapi/v3``
-  answer 404, so kubectl relies on the server's field validation (it sends ``fieldValidation=Strict``);
+  the plain documents, which kubectl accepts (it falls back). ``/openapi/v3`` is a minimal document
+  (per built-in group/version, each kind's PATCH operation with its ``fieldValidation`` parameter,
+  no schemas), enough for kubectl to leave validation to the server (it sends
+  ``fieldValidation=Strict``); ``/openapi/v2`` is an empty document;
 * deletion: DELETE of a Pod bound to a node (``spec.nodeName``) with a grace period other than 0
   (``gracePeriodSeconds`` in the query or the DeleteOptions body; default the Pod's
   ``terminationGracePeriodSeconds``, else 30) sets ``deletionTimestamp`` and
@@ -112,8 +114,13 @@ Where it differs from a real API server:
   (:func:`apply_merge`), so a field dropped from an applied config is not removed, there are no
   field-manager conflicts, and ``force`` changes nothing. Strategic merge knows the merge keys in
   :data:`MERGE_KEYS` by field name only (no per-type patch metadata); other lists are replaced.
-* No OpenAPI documents (404), no aggregated discovery, no Table output (``kubectl get`` prints
-  from the objects themselves), no protobuf.
+* OpenAPI documents without schemas (``kubectl explain`` has nothing to show), no aggregated
+  discovery, no Table output (``kubectl get`` prints NAME and AGE only, unless ``-o``).
+* JSON and YAML bodies only: a protobuf body answers 415. kubectl's typed commands (``kubectl create
+  namespace|deployment|...``, ``kubectl run``) send protobuf and fail; ``apply``, ``get``, ``patch``,
+  ``scale``, ``delete``, ``wait``, ``apply --server-side`` use JSON and work.
+* kubectl (client-go) sends no bearer token over plain http: give a fake that kubectl talks to
+  ``token=None`` (or the client gets 401).
 * Lists ignore ``resourceVersion``/``resourceVersionMatch`` and ``limit``/``continue`` (always
   one page, always the latest state). Watches ignore ``resourceVersionMatch``. Field selectors
   cover only :data:`KIND_FIELDS` (a real server has a few more, e.g. ``spec.restartPolicy``;
@@ -1997,6 +2004,11 @@ def _write_options(request: web.Request) -> dict[str, Any]:
 
 
 async def _read_body(request: web.Request, optional: bool = False) -> Any:
+    if "protobuf" in request.content_type or "cbor" in request.content_type:
+        # Typed client-go clients (kubectl create, ...) send protobuf; a 415 sends them back to JSON.
+        raise KubeError(415, "UnsupportedMediaType", f"the body of the request was in an unknown format - accepted "
+                                                     f"media types include: application/json, application/yaml "
+                                                     f"(not {request.content_type})")
     raw = await request.read()
     if not raw.strip():
         if optional:

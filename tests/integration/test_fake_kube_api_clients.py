@@ -250,6 +250,27 @@ async def test_http_discovery_watch_errors_and_graceful_delete() -> None:
                 assert resp.status == 200
             assert api.get_pod("p") is None
 
+            # deletecollection by label; a watch-list (sendInitialEvents) ends its initial state with
+            # an annotated BOOKMARK; a field a kind does not index is 400; protobuf bodies are 415.
+            for name, tier in (("a", "x"), ("b", "x"), ("c", "y")):
+                cm = {"metadata": {"name": name, "labels": {"tier": tier}}}
+                async with http.post("/api/v1/namespaces/demo/configmaps", json=cm) as resp:
+                    assert resp.status == 201
+            async with http.delete("/api/v1/namespaces/demo/configmaps", params={"labelSelector": "tier=x"}) as resp:
+                assert sorted(o["metadata"]["name"] for o in (await resp.json())["items"]) == ["a", "b"]
+            async with http.get("/api/v1/configmaps", params={"watch": "true", "sendInitialEvents": "true",
+                                                              "resourceVersionMatch": "NotOlderThan"}) as listing:
+                first = json.loads(await asyncio.wait_for(listing.content.readline(), 10))
+                end = json.loads(await asyncio.wait_for(listing.content.readline(), 10))
+            assert (first["type"], first["object"]["metadata"]["name"]) == ("ADDED", "c")
+            assert end["type"] == "BOOKMARK"
+            assert end["object"]["metadata"]["annotations"] == {"k8s.io/initial-events-end": "true"}
+            async with http.get("/api/v1/configmaps", params={"fieldSelector": "spec.nodeName=x"}) as resp:
+                assert resp.status == 400 and (await resp.json())["message"] == "field label not supported: spec.nodeName"
+            async with http.post("/api/v1/namespaces/demo/configmaps", data=b"k8s\x00\x0a",
+                                 headers={"Content-Type": "application/vnd.kubernetes.protobuf"}) as resp:
+                assert resp.status == 415
+
             # Every watch ends when the server stops.
             assert api.open_watches == 1
             await api.stop()
