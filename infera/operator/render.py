@@ -230,12 +230,15 @@ class _Ctx:
 # ---------------------------------------------------------------------------------------------
 # Commands
 # ---------------------------------------------------------------------------------------------
-def _plane_flags(ctx: _Ctx, *, atom: bool = False) -> list[str]:
+def _plane_flags(ctx: _Ctx, *, atom: bool = False, server: bool = False) -> list[str]:
+    """Discovery and transport flags, the same on the server and every worker."""
     dep = ctx.dep
     if dep.discovery == "etcd":
         flags = ["--discovery-backend", "etcd", "--etcd-endpoint", etcd_endpoint(dep, ctx.namespace)]
     else:
         flags = ["--discovery-backend", "kubernetes"]
+        if server:  # the server lists the worker Pods; a worker patches its own Pod
+            flags += ["--k8s-label-selector", worker_label_selector(dep)]
     if dep.nats_deployed and not atom:
         flags += ["--request-transport", "nats", "--kv-event-transport", "nats",
                   "--nats-server", nats_url(dep, ctx.namespace)]
@@ -248,12 +251,8 @@ def _plane_flags(ctx: _Ctx, *, atom: bool = False) -> list[str]:
 
 def server_command(ctx: _Ctx, svc: ServiceSpec) -> tuple[list[str], list[str]]:
     """(command, args) of a server pool's main container."""
-    args = ["--host", "0.0.0.0", "--port", str(svc.port)]
-    args += _plane_flags(ctx)
-    if ctx.dep.discovery == "kubernetes":
-        args[args.index("kubernetes") + 1:args.index("kubernetes") + 1] = [
-            "--k8s-label-selector", worker_label_selector(ctx.dep)]
-    return ["python3", "-m", "infera.server"], [*args, *svc.args]
+    args = ["--host", "0.0.0.0", "--port", str(svc.port), *_plane_flags(ctx, server=True), *svc.args]
+    return ["python3", "-m", "infera.server"], args
 
 
 def _with_kv_role(raw: str, role: str) -> str:
