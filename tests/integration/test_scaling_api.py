@@ -1,14 +1,11 @@
-"""The scaling API (infera/server/scaling.py, spec §9.3) against an API server on loopback: a real
-server process with --enable-scaling-api and --admin-token, its Pod and its InferaDeployment.
+"""The scaling API (infera/server/scaling.py, spec §9.3) against the fake API server
+(tests/fakes/kube_api.py) with the real CRD (infera/operator/crd.py) applied: a real server process
+with --enable-scaling-api and --admin-token, its Pod and its InferaDeployment.
 
 GET answers the snapshot (with the blocked reason of a Pending Pod); POST takes decode from 2 to 3
 with exactly one JSON merge patch of the CR; the admin token guards both; the flag off is a 404;
 an RBAC 403 names the missing verb and resource; the CR gone is a 404, the API's 5xx a 502, the
-API away a 503 — and no answer carries the API server's address or token.
-
-The API server here is ``CrApiStub`` below: the shared fake (tests/fakes/kube_api.py) serves Pods
-only until it learns CRDs; the stub serves just what these tests need (Pods: get, list with a label
-selector, an idle watch for discovery; the CR: get and merge patch)."""
+API away or silent a 503 — and no answer carries the API server's address or token."""
 from __future__ import annotations
 
 import asyncio
@@ -20,11 +17,11 @@ from typing import Any, AsyncIterator
 
 import aiohttp
 import pytest
-from aiohttp import web
 
+from infera.operator.crd import build_crd
 from infera.server.scaling import DeploymentScaler
 from tests.conftest import free_port, stop_process_group, wait_for
-from tests.fakes.kube_api import merge_patch, parse_selector, selector_matches
+from tests.fakes.kube_api import FakeKubeApi
 
 pytestmark = pytest.mark.integration
 
@@ -32,170 +29,87 @@ NS = "infera"
 TOKEN = "scale-admin-token"
 API_TOKEN = "kube-sa-token-do-not-leak"
 IDEP = "demo"
+API_VERSION = "infera.amd.com/v1alpha1"
 CR_PATH = f"/apis/infera.amd.com/v1alpha1/namespaces/{NS}/inferadeployments/{IDEP}"
 MERGE_PATCH = "application/merge-patch+json"
 
 
-def labels(service: str | None = None, **extra: str) -> dict[str, str]:
-    out = {"infera.amd.com/deployment": IDEP, **extra}
-    if service:
-        out["infera.amd.com/service"] = service
-    return out
+def labels(service: str, **extra: str) -> dict[str, str]:
+    return {"infera.amd.com/deployment": IDEP, "infera.amd.com/service": service, **extra}
 
 
 def demo_cr() -> dict[str, Any]:
     return {
-        "apiVersion": "infera.amd.com/v1alpha1", "kind": "InferaDeployment",
-        "metadata": {"name": IDEP, "namespace": NS, "resourceVersion": "1", "generation": 1},
+        "apiVersion": API_VERSION, "kind": "InferaDeployment",
+        "metadata": {"name": IDEP, "namespace": NS},
         "spec": {"backendFramework": "sim", "services": {
             "frontend": {"componentType": "server", "replicas": 2},
             "prefill": {"componentType": "worker", "role": "prefill", "replicas": 2},
             "decode": {"componentType": "worker", "role": "decode", "replicas": 2},
         }},
-        "status": {"state": "pending", "services": {
-            "frontend": {"kind": "Deployment", "replicas": 2, "readyReplicas": 2},
-            "prefill": {"kind": "Deployment", "replicas": 2, "readyReplicas": 1},
-            "decode": {"kind": "Deployment", "replicas": 2, "readyReplicas": 2},
-        }},
     }
 
 
-def pod(name: str, pod_labels: dict[str, str], phase: str = "Running", conditions: list | None = None,
-        created: str = "2026-01-01T00:00:00Z") -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": NS, "labels": pod_labels, "creationTimestamp": created,
-                         "resourceVersion": "1"},
-            "status": {"phase": phase, "conditions": conditions or []}}
+DEMO_STATUS = {"state": "pending", "services": {
+    "frontend": {"kind": "Deployment", "replicas": 2, "readyReplicas": 2},
+    "prefill": {"kind": "Deployment", "replicas": 2, "readyReplicas": 1},
+    "decode": {"kind": "Deployment", "replicas": 2, "readyReplicas": 2},
+}}
 
 
-class CrApiStub:
-    """Pods and InferaDeployments in memory; Bearer token required; ``fail_next`` answers the next
-    request of a kind with an error Status; ``request_log`` holds (method, path, content type, body)."""
+class Kube:
+    """The fake API server with the CRD applied, and what these tests do to it."""
 
-    def __init__(self) -> None:
-        self.pods: dict[str, dict[str, Any]] = {}
-        self.crs: dict[str, dict[str, Any]] = {}
-        self.request_log: list[tuple[str, str, str, Any]] = []
-        self._failures: list[tuple[int, str]] = []  # (status, "get-cr" | "patch-cr" | "get-pod" | "list-pods")
-        self._hang: set[str] = set()
-        self._closing = asyncio.Event()
-        self._runner: web.AppRunner | None = None
-        self.port = 0
+    def __init__(self, api: FakeKubeApi) -> None:
+        self.api = api
+        self.cr_patches: list[tuple[str, Any]] = []  # (content type, body) of every PATCH of the CR
+        patch_object = api.patch_object
+
+        def recording_patch(rtype, namespace, name, content_type, patch, **kw):
+            if rtype.kind == "InferaDeployment" and kw.get("subresource") is None:
+                self.cr_patches.append((content_type, copy.deepcopy(patch)))
+            return patch_object(rtype, namespace, name, content_type, patch, **kw)
+
+        api.patch_object = recording_patch  # the fake's PATCH handler calls it: every CR patch is seen here
 
     @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def crs(self):
+        return self.api.resource_type(API_VERSION, "InferaDeployment")
 
-    def write_kubeconfig(self, path) -> str:
-        config = {"apiVersion": "v1", "kind": "Config", "current-context": "stub",
-                  "clusters": [{"name": "stub", "cluster": {"server": self.url}}],
-                  "users": [{"name": "sa", "user": {"token": API_TOKEN}}],
-                  "contexts": [{"name": "stub", "context": {"cluster": "stub", "user": "sa", "namespace": NS}}]}
-        with open(path, "w") as f:
-            json.dump(config, f)
-        return str(path)
+    def create_cr(self) -> None:
+        self.api.create_object(self.crs, NS, demo_cr())
+        self.api.patch_object(self.crs, NS, IDEP, MERGE_PATCH, {"status": DEMO_STATUS}, subresource="status")
 
-    def fail_next(self, status: int, kind: str) -> None:
-        self._failures.append((status, kind))
+    def cr(self) -> dict[str, Any] | None:
+        return self.api.get(API_VERSION, "InferaDeployment", IDEP, NS)
 
-    def hang(self, kind: str) -> None:
-        self._hang.add(kind)
+    def add_pod(self, name: str, pod_labels: dict[str, str], phase: str = "Running",
+                conditions: list | None = None) -> None:
+        self.api.add_pod(name, pod_labels, phase=phase, namespace=NS)
+        if conditions:
+            self.api.patch_object(self.api.resource_type("v1", "Pod"), NS, name, MERGE_PATCH,
+                                  {"status": {"conditions": conditions}}, subresource="status")
 
-    def patches(self) -> list[tuple[str, str, Any]]:
-        return [(path, ctype, body) for method, path, ctype, body in self.request_log if method == "PATCH"]
-
-    async def start(self, port: int | None = None) -> "CrApiStub":
-        self._closing = asyncio.Event()
-        app = web.Application(middlewares=[self._middleware])
-        app.router.add_get("/api/v1/namespaces/{ns}/pods", self._list_pods)
-        app.router.add_get("/api/v1/namespaces/{ns}/pods/{name}", self._get_pod)
-        base = "/apis/infera.amd.com/v1alpha1/namespaces/{ns}/inferadeployments/{name}"
-        app.router.add_get(base, self._get_cr)
-        app.router.add_patch(base, self._patch_cr)
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", port or self.port, reuse_address=True)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
-        return self
-
-    async def stop(self) -> None:
-        self._closing.set()
-        if self._runner is not None:
-            runner, self._runner = self._runner, None
-            await runner.cleanup()
-
-    @staticmethod
-    def _status(code: int, reason: str, message: str) -> web.Response:
-        body = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
-                "reason": reason, "code": code}
-        return web.json_response(body, status=code)
-
-    @web.middleware
-    async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
-        body = await request.json() if request.can_read_body else None
-        self.request_log.append((request.method, request.path, request.content_type, body))
-        if request.headers.get("Authorization") != f"Bearer {API_TOKEN}":
-            return self._status(401, "Unauthorized", "Unauthorized")
-        cr = "/apis/" in request.path
-        kind = {("GET", True): "get-cr", ("PATCH", True): "patch-cr",
-                ("GET", False): "get-pod" if "name" in request.match_info else "list-pods"}.get((request.method, cr))
-        if kind in self._hang:
-            await self._closing.wait()
-        for i, (status, only) in enumerate(self._failures):
-            if only == kind:
-                del self._failures[i]
-                reason = {403: "Forbidden", 404: "NotFound"}.get(status, "InternalError")
-                message = (f'inferadeployments.infera.amd.com "{IDEP}" is forbidden: User "system:serviceaccount:'
-                           f'{NS}:demo-infera" cannot patch resource' if status == 403 else f"injected {status}")
-                return self._status(status, reason, message)
-        return await handler(request)
-
-    async def _list_pods(self, request: web.Request) -> web.StreamResponse:
-        selector = parse_selector(request.query.get("labelSelector"))
-        if request.query.get("watch") in ("true", "1"):  # discovery's watch: open, quiet, closed on stop
-            resp = web.StreamResponse(headers={"Content-Type": "application/json"})
-            await resp.prepare(request)
-            await self._closing.wait()
-            return resp
-        items = [copy.deepcopy(p) for _, p in sorted(self.pods.items())
-                 if selector_matches(selector, p["metadata"].get("labels"))]
-        return web.json_response({"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "1"},
-                                  "items": items})
-
-    async def _get_pod(self, request: web.Request) -> web.Response:
-        found = self.pods.get(request.match_info["name"])
-        return web.json_response(found) if found else self._status(404, "NotFound", "pods not found")
-
-    async def _get_cr(self, request: web.Request) -> web.Response:
-        found = self.crs.get(request.match_info["name"])
-        return web.json_response(found) if found else self._status(404, "NotFound", "not found")
-
-    async def _patch_cr(self, request: web.Request) -> web.Response:
-        name = request.match_info["name"]
-        if request.content_type != MERGE_PATCH:
-            return self._status(415, "UnsupportedMediaType", request.content_type)
-        if name not in self.crs:
-            return self._status(404, "NotFound", "not found")
-        old = self.crs[name]
-        new = merge_patch(old, await request.json())
-        new["status"] = old["status"]  # the main resource cannot change status
-        new["metadata"]["generation"] = old["metadata"]["generation"] + (new["spec"] != old["spec"])
-        self.crs[name] = new
-        return web.json_response(new)
+    def gets_of(self, path: str) -> int:
+        return sum(1 for method, path_qs, _ in self.api.access_log if method == "GET" and path_qs == path)
 
 
 @pytest.fixture
-async def kube() -> AsyncIterator[CrApiStub]:
-    api = await CrApiStub().start()
-    api.pods["demo-frontend-0"] = pod("demo-frontend-0", labels("frontend", **{"infera.amd.com/component": "server"}))
-    api.pods["demo-prefill-0"] = pod("demo-prefill-0", labels("prefill"))
-    api.pods["demo-prefill-1"] = pod("demo-prefill-1", labels("prefill"), phase="Pending", conditions=[
+async def kube() -> AsyncIterator[Kube]:
+    api = await FakeKubeApi(namespace=NS, token=API_TOKEN).start()
+    api.create_object(api.resource_type("apiextensions.k8s.io/v1", "CustomResourceDefinition"), None, build_crd())
+    k = Kube(api)
+    k.create_cr()
+    k.add_pod("demo-frontend-0", labels("frontend", **{"infera.amd.com/component": "server"}))
+    k.add_pod("demo-prefill-0", labels("prefill"))
+    k.add_pod("demo-prefill-1", labels("prefill"), phase="Pending", conditions=[
         {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
          "message": "0/2 nodes are available:\n2 Insufficient amd.com/gpu."}])
-    api.pods["demo-decode-0"] = pod("demo-decode-0", labels("decode"))
-    api.crs[IDEP] = demo_cr()
-    yield api
+    k.add_pod("demo-decode-0", labels("decode"))
+    k.add_pod("elsewhere-prefill-0", {"infera.amd.com/deployment": "other", "infera.amd.com/service": "prefill"},
+              phase="Pending", conditions=[{"type": "PodScheduled", "status": "False", "reason": "Wrong",
+                                            "message": "another deployment's Pod"}])
+    yield k
     await api.stop()
 
 
@@ -209,7 +123,7 @@ class Server:
 
 
 @pytest.fixture
-async def start_server(kube: CrApiStub, tmp_path):
+async def start_server(kube: Kube, tmp_path):
     servers: list[Server] = []
 
     async def factory(*flags: str, pod_name: str = "demo-frontend-0") -> Server:
@@ -217,8 +131,8 @@ async def start_server(kube: CrApiStub, tmp_path):
         log_path = tmp_path / f"server-{port}.log"
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("INFERA_", "KUBERNETES_", "POD_")) and k != "NATS_SERVER"}
-        env.update(KUBECONFIG=kube.write_kubeconfig(tmp_path / "kubeconfig"), POD_NAME=pod_name, POD_NAMESPACE=NS,
-                   INFERA_ADMIN_TOKEN=TOKEN)
+        env.update(KUBECONFIG=kube.api.write_kubeconfig(tmp_path / "kubeconfig"), POD_NAME=pod_name,
+                   POD_NAMESPACE=NS, INFERA_ADMIN_TOKEN=TOKEN)
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "infera.server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
             "--discovery-backend", "kubernetes", "--request-transport", "http", "--kv-event-transport", "zmq",
@@ -257,12 +171,16 @@ async def call(server: Server, method: str, payload: Any = None, headers: dict |
             return r.status, await r.json()
 
 
-def assert_no_leak(kube: CrApiStub, payload: dict) -> None:
+def assert_no_leak(kube: Kube, payload: dict) -> None:
     text = json.dumps(payload)
-    assert API_TOKEN not in text and str(kube.port) not in text and "127.0.0.1" not in text, text
+    assert API_TOKEN not in text and str(kube.api.port) not in text and "127.0.0.1" not in text, text
 
 
-async def test_snapshot_scale_and_mapped_errors(kube: CrApiStub, start_server):
+def decode_patch(n: int) -> tuple[str, dict]:
+    return (MERGE_PATCH, {"spec": {"services": {"decode": {"replicas": n}}}})
+
+
+async def test_snapshot_scale_and_mapped_errors(kube: Kube, start_server):
     server = await start_server("--enable-scaling-api")
 
     # The admin token guards both methods.
@@ -270,9 +188,10 @@ async def test_snapshot_scale_and_mapped_errors(kube: CrApiStub, start_server):
         for method in ("GET", "POST"):
             status, body = await call(server, method, {"services": {"decode": 3}}, headers=headers)
             assert status == 401 and body["error"]["code"] == "invalid_admin_token"
-    assert kube.patches() == []
+    assert kube.cr_patches == []
 
-    # GET: the snapshot; prefill is short one ready replica and tells why (its Pending Pod).
+    # GET: the snapshot; prefill is short one ready replica and tells why (its own Pending Pod, not
+    # the other deployment's).
     status, snap = await call(server, "GET")
     assert status == 200, snap
     assert snap == {"deployment": IDEP, "namespace": NS, "state": "pending", "services": {
@@ -283,18 +202,19 @@ async def test_snapshot_scale_and_mapped_errors(kube: CrApiStub, start_server):
                     "blocked": "Unschedulable: 0/2 nodes are available: 2 Insufficient amd.com/gpu."},
         "decode": {"role": "decode", "replicas": 2, "current_replicas": 2, "ready_replicas": 2,
                    "nodes_per_replica": 1}}}
-    pod_lists = [p for m, p, _, _ in kube.request_log if m == "GET" and p.endswith("/pods")]
-    assert pod_lists  # read with the service's label selector (the stub honours it)
 
     # POST: decode 2 → 3 with exactly one merge patch of the CR, nothing else in it.
-    spec_before = copy.deepcopy(kube.crs[IDEP]["spec"])
+    before = kube.cr()
     status, snap = await call(server, "POST", {"services": {"decode": 3}})
     assert status == 200, snap
     assert snap["services"]["decode"]["replicas"] == 3 and snap["services"]["decode"]["current_replicas"] == 2
-    assert kube.patches() == [(CR_PATH, MERGE_PATCH, {"spec": {"services": {"decode": {"replicas": 3}}}})]
-    expected = copy.deepcopy(spec_before)
+    assert kube.cr_patches == [decode_patch(3)]
+    assert [m for m, p, _ in kube.api.access_log if p.startswith(CR_PATH) and m != "GET"] == ["PATCH"]
+    after = kube.cr()
+    expected = copy.deepcopy(before["spec"])
     expected["services"]["decode"]["replicas"] = 3
-    assert kube.crs[IDEP]["spec"] == expected
+    assert after["spec"] == expected and after["status"] == before["status"]
+    assert after["metadata"]["generation"] == before["metadata"]["generation"] + 1
 
     # Refused before any patch: bad values, unknown names (listing the real ones), scale to zero.
     for payload, words in [({"services": {"decode": True}}, "integer"), ({"services": {"decode": 0}}, "zero"),
@@ -317,53 +237,54 @@ async def test_snapshot_scale_and_mapped_errors(kube: CrApiStub, start_server):
 
     async with aiohttp.ClientSession() as s:
         async with s.post(server.base + "/v1/admin/scale", data=chunked(), headers=ADMIN) as r:
-            assert r.status == 413 and r.headers.get("Content-Length") is not None
-    assert len(kube.patches()) == 1
+            assert r.status == 413
+    assert len(kube.cr_patches) == 1
 
     # Several services in one patch, the server's own service among them (it is a service too).
     status, snap = await call(server, "POST", {"services": {"frontend": 3, "prefill": {"replicas": 1}}})
     assert status == 200 and snap["services"]["frontend"]["replicas"] == 3, snap
     assert snap["services"]["prefill"]["replicas"] == 1 and "blocked" not in snap["services"]["prefill"]
-    assert kube.patches()[1:] == [(CR_PATH, MERGE_PATCH, {"spec": {"services": {"frontend": {"replicas": 3},
-                                                                                 "prefill": {"replicas": 1}}}})]
+    assert kube.cr_patches[1:] == [(MERGE_PATCH, {"spec": {"services": {"frontend": {"replicas": 3},
+                                                                        "prefill": {"replicas": 1}}}})]
 
-    # RBAC: the patch is forbidden → 403 naming the verb and the resource, nothing leaked.
-    kube.fail_next(403, "patch-cr")
+    # RBAC: the patch is forbidden → 403 naming the verb and the resource, nothing leaked, nothing changed.
+    kube.api.fail_next(403, kind="patch")
     status, body = await call(server, "POST", {"services": {"decode": 4}})
     assert status == 403 and body["error"]["code"] == "kubernetes_forbidden", body
     assert "'patch'" in body["error"]["message"] and "inferadeployments.infera.amd.com" in body["error"]["message"]
     assert_no_leak(kube, body)
-    kube.fail_next(403, "get-cr")
+    kube.api.fail_next(403, kind="get")  # the Pod's label is cached: this is the CR's read
     status, body = await call(server, "GET")
     assert status == 403 and "'get'" in body["error"]["message"], body
-    assert kube.crs[IDEP]["spec"]["services"]["decode"]["replicas"] == 3
+    assert kube.cr()["spec"]["services"]["decode"]["replicas"] == 3
 
     # The API's own 5xx → 502.
-    kube.fail_next(500, "patch-cr")
+    kube.api.fail_next(500, kind="patch")
     status, body = await call(server, "POST", {"services": {"decode": 4}})
     assert status == 502 and body["error"]["code"] == "kubernetes_error", body
     assert_no_leak(kube, body)
+    assert kube.cr()["spec"]["services"]["decode"]["replicas"] == 3
 
     # The CR gone → 404.
-    cr = kube.crs.pop(IDEP)
+    kube.api.delete_object(kube.crs, NS, IDEP)
     for method in ("GET", "POST"):
         status, body = await call(server, method, {"services": {"decode": 4}})
         assert status == 404 and body["error"]["code"] == "deployment_not_found", body
-    kube.crs[IDEP] = cr
+    kube.create_cr()
 
     # The API away → 503, without its address; back → served again (the deployment name was cached).
-    await kube.stop()
+    await kube.api.stop()
     status, body = await call(server, "GET")
     assert status == 503 and body["error"]["code"] == "kubernetes_unavailable", body
     assert_no_leak(kube, body)
-    await kube.start()
+    await kube.api.start()
     status, snap = await call(server, "GET")
-    assert status == 200 and snap["services"]["decode"]["replicas"] == 3
-    assert sum(1 for m, p, _, _ in kube.request_log if m == "GET" and p.endswith("/pods/demo-frontend-0")) == 1
+    assert status == 200 and snap["services"]["decode"]["replicas"] == 2  # the re-created CR
+    assert kube.gets_of(f"/api/v1/namespaces/{NS}/pods/demo-frontend-0") == 1
     assert API_TOKEN not in server.log()
 
 
-async def test_flag_off_is_404_after_the_token_check(kube: CrApiStub, start_server):
+async def test_flag_off_is_404_after_the_token_check(kube: Kube, start_server):
     server = await start_server()
     status, body = await call(server, "GET", headers=None)
     assert status == 401
@@ -371,7 +292,8 @@ async def test_flag_off_is_404_after_the_token_check(kube: CrApiStub, start_serv
         status, body = await call(server, method, {"services": {"decode": 3}})
         assert status == 404 and body["error"]["code"] == "scaling_disabled", body
         assert "--enable-scaling-api" in body["error"]["message"]
-    assert not any("/apis/" in p for _, p, _, _ in kube.request_log)
+    assert not any(p.startswith(CR_PATH) for _, p, _ in kube.api.access_log)
+    assert kube.cr()["spec"]["services"]["decode"]["replicas"] == 2
 
 
 async def test_flag_without_admin_token_refuses_to_start(tmp_path):
@@ -383,22 +305,25 @@ async def test_flag_without_admin_token_refuses_to_start(tmp_path):
     assert proc.returncode == 2 and b"needs --admin-token" in err
 
 
-# -- DeploymentScaler in-process: finding the deployment, timeouts --------------------------------
+# -- DeploymentScaler in-process: finding the deployment, timeouts, no config ----------------------
 
-async def scaler_for(kube: CrApiStub, tmp_path, pod_name: str | None, timeout: float = 5.0) -> DeploymentScaler:
+def scaler_for(url: str, tmp_path, pod_name: str | None, timeout: float = 5.0) -> DeploymentScaler:
     from lightkube import KubeConfig
 
-    return DeploymentScaler(NS, pod_name, config=KubeConfig.from_file(kube.write_kubeconfig(tmp_path / "kc")),
-                            request_timeout=timeout)
+    config = {"apiVersion": "v1", "kind": "Config", "current-context": "c",
+              "clusters": [{"name": "c", "cluster": {"server": url}}],
+              "users": [{"name": "u", "user": {"token": API_TOKEN}}],
+              "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u", "namespace": NS}}]}
+    return DeploymentScaler(NS, pod_name, config=KubeConfig.from_dict(config), request_timeout=timeout)
 
 
-async def test_no_pod_name_is_503_and_an_unlabelled_pod_409(kube: CrApiStub, tmp_path):
+async def test_no_pod_name_is_503_and_an_unlabelled_pod_409(kube: Kube, tmp_path):
     from infera.api.errors import ApiError
 
-    kube.pods["loose"] = pod("loose", {"app": "hand-made"})
+    kube.add_pod("loose", {"app": "hand-made"})
     for pod_name, status, code in [(None, 503, "pod_name_unknown"), ("loose", 409, "not_an_infera_deployment"),
                                    ("missing", 503, "pod_not_found")]:
-        scaler = await scaler_for(kube, tmp_path, pod_name)
+        scaler = scaler_for(kube.api.url, tmp_path, pod_name)
         try:
             with pytest.raises(ApiError) as caught:
                 await scaler.snapshot()
@@ -406,24 +331,35 @@ async def test_no_pod_name_is_503_and_an_unlabelled_pod_409(kube: CrApiStub, tmp
             assert scaler.deployment is None
         finally:
             await scaler.close()
-    assert not any("/apis/" in p for _, p, _, _ in kube.request_log)
+    assert not any(p.startswith(CR_PATH) for _, p, _ in kube.api.access_log)
 
 
-async def test_a_silent_api_is_503_within_the_timeout(kube: CrApiStub, tmp_path):
+async def test_a_silent_api_is_503_within_the_timeout(tmp_path):
+    """An API server that accepts and never answers (a half-open path, a wedged proxy)."""
     from infera.api.errors import ApiError
 
-    scaler = await scaler_for(kube, tmp_path, "demo-frontend-0", timeout=0.5)
+    held: list[asyncio.StreamWriter] = []
+
+    async def accept_and_say_nothing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    silent = await asyncio.start_server(accept_and_say_nothing, "127.0.0.1", 0)
+    port = silent.sockets[0].getsockname()[1]
+    scaler = scaler_for(f"http://127.0.0.1:{port}", tmp_path, "demo-frontend-0", timeout=0.5)
+    loop = asyncio.get_running_loop()
     try:
-        assert (await scaler.snapshot())["deployment"] == IDEP
-        kube.hang("get-cr")
-        loop = asyncio.get_running_loop()
         started = loop.time()
         with pytest.raises(ApiError) as caught:
             await scaler.scale({"decode": 3})
-        assert caught.value.status == 503 and loop.time() - started < 3.0
-        assert kube.patches() == []
+        assert caught.value.status == 503 and caught.value.code == "kubernetes_unavailable"
+        assert loop.time() - started < 3.0 and held  # it connected, then gave up at the bound
+        assert str(port) not in caught.value.message
     finally:
         await scaler.close()
+        for writer in held:
+            writer.close()
+        silent.close()
+        await silent.wait_closed()
 
 
 async def test_no_kubernetes_config_is_503(tmp_path, monkeypatch):
