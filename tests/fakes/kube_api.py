@@ -23,7 +23,8 @@ Infera's discovery, the operator (kopf), the local kubelet and the real ``kubect
 * ``/status`` (kinds with a status subresource): writes through the main resource keep the stored
   ``status``; writes through ``/status`` change only ``status``. ``/scale`` (Deployments,
   StatefulSets, ReplicaSets, and CRDs that declare ``subresources.scale``) reads and writes an
-  ``autoscaling/v1`` ``Scale`` (merge, JSON and strategic patches, PUT);
+  ``autoscaling/v1`` ``Scale`` (merge, JSON and strategic patches, PUT); ``POST pods/<name>/binding``
+  sets an unbound Pod's ``spec.nodeName`` (409 once bound);
 * CustomResourceDefinitions (``apiextensions.k8s.io/v1``): creating one registers its served versions
   (plural, singular, shortNames, categories, scope, status/scale subresources) in discovery at once
   (status Established); updating it re-registers; deleting it deletes its custom resources and
@@ -1672,7 +1673,8 @@ class FakeKubeApi:
         if (name is not None and rtype.namespaced and namespace is None) or (not rtype.namespaced and namespace):
             raise KubeError(404, "NotFound", _NO_SUCH_PATH)
         if subresource is not None and not ((subresource == "status" and rtype.status)
-                                            or (subresource == "scale" and rtype.scale is not None)):
+                                            or (subresource == "scale" and rtype.scale is not None)
+                                            or (subresource == "binding" and rtype.key == ("", "pods"))):
             raise KubeError(404, "NotFound", _NO_SUCH_PATH)
         return _Target(rtype, namespace, name, subresource, group=group, version=version)
 
@@ -1721,6 +1723,9 @@ class FakeKubeApi:
                 return await self._create(request, rtype, target.namespace)
             if method == "DELETE":
                 return await self._delete_collection(request, rtype, target.namespace)
+        elif target.subresource == "binding":
+            if method == "POST":
+                return await self._bind(request, rtype, target.namespace, target.name)
         elif target.subresource == "scale":
             if method in ("GET", "PUT", "PATCH"):
                 return await self._scale(request, rtype, target.namespace, target.name)
@@ -1957,6 +1962,25 @@ class FakeKubeApi:
         return _json_response({"kind": f"{rtype.kind}List", "apiVersion": rtype.api_version,
                                "metadata": {"resourceVersion": str(self.rv)}, "items": gone})
 
+    async def _bind(self, request: web.Request, rtype: ResourceType, ns: str | None, name: str) -> web.Response:
+        """POST pods/<name>/binding (what a scheduler does): sets ``spec.nodeName`` once."""
+        body = await _read_body(request)
+        node = ((body or {}).get("target") or {}).get("name") if isinstance(body, dict) else None
+        if not node:
+            raise invalid(_BINDING_TYPE, name, [FieldError("target.name", "FieldValueRequired",
+                                                           "target.name: Required value")])
+        old = self.store[rtype.key].get((self._ns(rtype, ns), name))
+        if old is None:
+            raise not_found(rtype, name)
+        bound = (old.get("spec") or {}).get("nodeName")
+        if bound:
+            raise conflict(rtype, name, f"pod {name} is already assigned to node \"{bound}\"")
+        new = copy.deepcopy(old)
+        new.setdefault("spec", {})["nodeName"] = node
+        self._commit(rtype, self._ns(rtype, ns), name, new, old)
+        return _json_response({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
+                               "code": 201}, 201)
+
     async def _scale(self, request: web.Request, rtype: ResourceType, ns: str | None, name: str) -> web.Response:
         key = (self._ns(rtype, ns), name)
         obj = self.store[rtype.key].get(key)
@@ -1993,6 +2017,7 @@ class FakeKubeApi:
 
 
 _SCALE_TYPE = ResourceType("autoscaling", "v1", "scale", "Scale")
+_BINDING_TYPE = ResourceType("", "v1", "bindings", "Binding")
 
 
 def _write_options(request: web.Request) -> dict[str, Any]:

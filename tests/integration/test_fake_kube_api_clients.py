@@ -239,10 +239,16 @@ async def test_http_discovery_watch_errors_and_graceful_delete() -> None:
                 seen.append((event["type"], event["object"]["spec"]["replicas"]))
             assert seen == [("ADDED", 1), ("MODIFIED", 4), ("DELETED", 4)]
 
-            # Graceful deletion of a bound Pod over HTTP, then the kubelet's grace-0 delete.
-            pod = {"metadata": {"name": "p"}, "spec": {"nodeName": "local", "terminationGracePeriodSeconds": 7}}
+            # Binding, then graceful deletion of the bound Pod over HTTP, then the kubelet's grace-0 delete.
+            pod = {"metadata": {"name": "p"}, "spec": {"terminationGracePeriodSeconds": 7}}
             async with http.post("/api/v1/namespaces/demo/pods", json=pod) as resp:
+                assert resp.status == 201 and (await resp.json())["status"] == {"phase": "Pending"}
+            binding = {"kind": "Binding", "metadata": {"name": "p"}, "target": {"kind": "Node", "name": "local"}}
+            async with http.post("/api/v1/namespaces/demo/pods/p/binding", json=binding) as resp:
                 assert resp.status == 201
+            async with http.post("/api/v1/namespaces/demo/pods/p/binding", json=binding) as resp:
+                assert resp.status == 409
+            assert api.get_pod("p")["spec"]["nodeName"] == "local"
             async with http.delete("/api/v1/namespaces/demo/pods/p", json={"kind": "DeleteOptions"}) as resp:
                 assert (await resp.json())["metadata"]["deletionGracePeriodSeconds"] == 7
             assert api.get_pod("p") is not None
