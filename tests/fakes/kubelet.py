@@ -69,7 +69,8 @@ Where it differs from a real cluster:
   Pods that match the selector, are Ready and are not terminating (read from the API's Pod
   status); no endpoint means the connection is closed at once (a real one rejects). UDP,
   sessionAffinity, NodePort/LoadBalancer, externalTrafficPolicy and Services without a selector
-  are not served. core/v1 Endpoints are written for every Service with a selector (no
+  are not served; a Service port below 1024 needs root (or ``net.ipv4.ip_unprivileged_port_start``).
+  core/v1 Endpoints are written for every Service with a selector (no
   EndpointSlices; no ``publishNotReadyAddresses``; not read back by the proxy).
 * DNS: only Python processes with the hook resolve cluster names (the tests' own process uses
   :meth:`LocalKubelet.resolve`); records: ``<svc>.<ns>.svc.cluster.local`` (the cluster IP, or the
@@ -744,10 +745,6 @@ class Controllers:
             return pod_from_template(template, name=f"{name}-{current_hash}-{random_suffix(self.rng)}",
                                      namespace=ns, owner=owner, labels={"pod-template-hash": current_hash})
 
-        def deletion_order(group: list[dict[str, Any]]) -> list[dict[str, Any]]:
-            # Not ready before ready, then newest first (as the ReplicaSet controller ranks them).
-            return sorted(group, key=lambda p: (pod_is_ready(p), _created(p)), reverse=False)[::1]
-
         if recreate and old:
             for pod in old:
                 await self.delete_pod(pod)
@@ -766,6 +763,7 @@ class Controllers:
             total = len(new) + len(old)
             for _ in range(max(0, min(replicas + surge - total, replicas - len(new)))):
                 await self.create_pod(make())
+            # Deletion order (as the ReplicaSet controller ranks Pods): not ready first, then newest.
             if len(new) > replicas:
                 for pod in sorted(new, key=lambda p: (pod_is_ready(p), -_ts(p)))[: len(new) - replicas]:
                     await self.delete_pod(pod)
@@ -1038,7 +1036,8 @@ class ContainerRuntime:
                                              "message": f"back-off restarting failed container {self.name}"}})
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.pod.stopping.wait(), restart_delay(self.restarts, base, cap))
-            self.restarts += 1
+            if code != -1:
+                self.restarts += 1  # a container that never started is retried, not restarted
         return -1
 
     # -- probes ----------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import process_group_members, wait_for
 from tests.fakes.kube_api import FakeKubeApi
-from tests.fakes.kubelet import (DEPLOYMENTS, LEADERWORKERSETS, PODS, SERVICES, STATEFULSETS, ApiClient, ApiError,
+from tests.fakes.kubelet import (DAEMONSETS, DEPLOYMENTS, LEADERWORKERSETS, PODS, SERVICES, STATEFULSETS, ApiClient, ApiError,
                                  LocalKubelet, pod_is_ready)
 
 NS = "default"
@@ -129,7 +129,7 @@ async def test_deployment_scale_service_dns_graceful_delete_and_rollout(cluster,
     api, client, kubelet = cluster
     await client.create(SERVICES.collection(NS), {
         "apiVersion": "v1", "kind": "Service", "metadata": {"name": "web"},
-        "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": "http"}]}})
+        "spec": {"selector": {"app": "web"}, "ports": [{"port": 8000, "targetPort": "http"}]}})
     await client.create(DEPLOYMENTS.collection(NS), {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "web"},
         "spec": {"replicas": 2, "selector": {"matchLabels": {"app": "web"}}, "template": server_template("web")}})
@@ -154,7 +154,7 @@ async def test_deployment_scale_service_dns_graceful_delete_and_rollout(cluster,
     svc = await client.get(SERVICES.item(NS, "web"))
     cluster_ip = svc["spec"]["clusterIP"]
     assert cluster_ip.startswith("127.0.200.")
-    names = {await http_get(f"http://{cluster_ip}:80/") for _ in range(4)}
+    names = {await http_get(f"http://{cluster_ip}:8000/") for _ in range(4)}
     assert names == {p["metadata"]["name"] for p in pods}
     first_ip = pods[0]["status"]["podIP"]
     for name in ("web", "web.default", "web.default.svc.cluster.local"):
@@ -248,6 +248,23 @@ async def test_nats_statefulset_reachable_through_its_service(cluster, tmp_path)
                    message="jetstream store in the claim directory")
     await wait_for(lambda: _status_is(client, STATEFULSETS, "nats", readyReplicas=1, replicas=1), 15,
                    message="statefulset status")
+
+    # Scaled through /scale: the next ordinal, its own claim directory and its own DNS name.
+    await client.merge_patch(STATEFULSETS.item(NS, "nats", "scale"), {"spec": {"replicas": 2}})
+    pods = {p["metadata"]["name"]: p for p in await ready_pods(client, "app=nats", 2, kubelet)}
+    assert set(pods) == {"nats-0", "nats-1"}
+    assert pods["nats-1"]["spec"]["hostname"] == "nats-1" and pods["nats-1"]["spec"]["subdomain"] == "nats"
+    assert (tmp_path / "cluster" / "pvc" / NS / "data-nats-1" / "jetstream").is_dir()
+    assert kubelet.resolve("nats-1.nats") == [pods["nats-1"]["status"]["podIP"]]
+
+    # A DaemonSet: one Pod on the one node, and its status.
+    await client.create("/apis/apps/v1/namespaces/default/daemonsets", {
+        "apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": {"name": "agent"},
+        "spec": {"selector": {"matchLabels": {"app": "agent"}}, "template": server_template("agent")}})
+    [agent] = await ready_pods(client, "app=agent", 1, kubelet)
+    assert agent["metadata"]["name"].startswith("agent-")
+    await wait_for(lambda: _status_is(client, DAEMONSETS, "agent", numberReady=1, desiredNumberScheduled=1), 15,
+                   message="daemonset status")
 
 
 LWS_CRD = {
