@@ -10,7 +10,8 @@ main resource, ``/status`` and DELETE. Use it as::
         print(kubelet.logs("my-pod", tail=50))
 
 What it does: Deployments, StatefulSets, DaemonSets and LeaderWorkerSets become Pods; each Pod is
-bound to the node ``local-node``, gets its own loopback IP (``127.0.10.1`` upwards), and each of
+bound to the node ``local-node``, gets its own loopback IP (``127.0.<x>.1`` upwards, x from a random
+first block in 10..149, below the fake's Service IPs in ``127.0.200.0/24``), and each of
 its containers runs as a local process (its own process group) with the Pod's env, probes,
 restarts and graceful deletion; each Service with a cluster IP is served by a TCP proxy on
 ``clusterIP:port``; Python processes resolve Service names through
@@ -29,8 +30,8 @@ Where it differs from a real cluster:
   ``quay.io/coreos/etcd``/``etcd`` (``etcd``); any other image without a command fails to start
   (waiting reason ``CreateContainerError``).
 * Network: all Pods share the host's network namespace on loopback. Each Pod has its own IP
-  (``127.0.10.1``...), so every ``0.0.0.0`` inside an argument or env value (``0.0.0.0``,
-  ``--host=0.0.0.0``, ``http://0.0.0.0:2379``, also inside mounted ConfigMap files) is rewritten to
+  (``127.0.<x>.<y>``, never reused while in use), so every ``0.0.0.0`` inside an argument or env
+  value (``0.0.0.0``, ``--host=0.0.0.0``, ``http://0.0.0.0:2379``, also inside mounted ConfigMap files) is rewritten to
   the Pod's IP, keeping Pods from colliding on ports; ``nats-server`` and ``etcd`` without a listen
   address in their args are given the Pod's IP (:func:`bind_to_pod_ip`). Any other process that
   binds all interfaces by default (no address in its args) can collide with another Pod, or with a
@@ -64,7 +65,9 @@ Where it differs from a real cluster:
   expansion in env, command and args; plus ``KUBERNETES_SERVICE_HOST``/``PORT`` for the API and
   ``KUBECONFIG`` (no service-account token is mounted), ``PATH``/``HOME`` and a few others from the
   test's environment, and ``PYTHONPATH`` (the DNS hook, the repository). No ``*_SERVICE_HOST``
-  service links. Logs go to ``workdir/logs/<ns>_<pod>_<container>.log``.
+  service links. Logs go to ``workdir/logs/<ns>_<pod>_<container>.log``. A running Pod's spec
+  changes (image, env, command) are not applied (a real kubelet restarts the container). Pods left
+  when :meth:`LocalKubelet.stop` runs keep their last status in the API (their processes are gone).
 * kube-proxy: a userspace TCP proxy per Service port on its cluster IP, round-robin over the
   Pods that match the selector, are Ready and are not terminating (read from the API's Pod
   status); no endpoint means the connection is closed at once (a real one rejects). UDP,
@@ -72,8 +75,10 @@ Where it differs from a real cluster:
   are not served; a Service port below 1024 needs root (or ``net.ipv4.ip_unprivileged_port_start``).
   core/v1 Endpoints are written for every Service with a selector (no
   EndpointSlices; no ``publishNotReadyAddresses``; not read back by the proxy).
-* DNS: only Python processes with the hook resolve cluster names (the tests' own process uses
-  :meth:`LocalKubelet.resolve`); records: ``<svc>.<ns>.svc.cluster.local`` (the cluster IP, or the
+* DNS: only Python processes with the hook resolve cluster names (``socket.getaddrinfo``,
+  ``gethostbyname[_ex]`` and uvloop's loop; not C resolvers such as gRPC's c-ares or libcurl; the
+  hook's ``sitecustomize`` shadows any other one; the tests' own process uses
+  :meth:`LocalKubelet.resolve`); search path and ``ndots:5`` as in a Pod's resolv.conf; records: ``<svc>.<ns>.svc.cluster.local`` (the cluster IP, or the
   ready Pod IPs of a headless Service) and ``<hostname>.<subdomain>.<ns>.svc.cluster.local`` for
   every Pod with both set (a real cluster needs a headless Service named ``subdomain``).
 """
@@ -94,7 +99,7 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 from urllib.parse import urlsplit
@@ -724,7 +729,7 @@ class Controllers:
 
     # -- Deployment ---------------------------------------------------------------------------
     async def deployment(self, deploy: dict[str, Any]) -> None:
-        meta, spec = deploy["metadata"], deploy.get("spec") or {}
+        spec = deploy.get("spec") or {}
         ns, name = _key(deploy)
         replicas = int(spec.get("replicas", 1))
         template = spec.get("template") or {}
@@ -1626,14 +1631,15 @@ class LocalKubelet:
     default maps nats and etcd), ``probe_period_cap`` (seconds; caps probe periods and initial
     delays), ``restart_backoff`` ((base, cap) seconds), ``grace_period_cap`` (seconds; caps the
     termination grace period), ``extra_env`` (added to every container), ``first_pod_ip``
-    ((third, fourth) octet of the first Pod IP in 127.0.x.y), ``stop_grace`` (seconds each process
+    ((third, fourth) octet of the first Pod IP in 127.0.x.y; default a random x in 10..149, y 1),
+    ``stop_grace`` (seconds each process
     gets on :meth:`stop` before SIGKILL)."""
 
     def __init__(self, api_url: str, token: str | None, workdir: str | os.PathLike, *,
                  namespace: str | None = None, images: Mapping[str, ImageSpec] | None = None,
                  probe_period_cap: float | None = None, restart_backoff: tuple[float, float] = (10.0, 300.0),
                  grace_period_cap: float | None = None, extra_env: Mapping[str, str] | None = None,
-                 first_pod_ip: tuple[int, int] = (10, 1), stop_grace: float = 5.0) -> None:
+                 first_pod_ip: tuple[int, int] | None = None, stop_grace: float = 5.0) -> None:
         self.api_url = api_url.rstrip("/")
         self.token = token
         self.workdir = Path(workdir).resolve()
@@ -1643,7 +1649,8 @@ class LocalKubelet:
         self.restart_backoff = restart_backoff
         self.grace_period_cap = grace_period_cap
         self.extra_env = dict(extra_env or {})
-        self.first_pod_ip = first_pod_ip
+        # A random first block by default, so kubelets of test runs side by side rarely share IPs.
+        self.first_pod_ip = first_pod_ip or (random.randrange(10, 150), 1)
         self.stop_grace = stop_grace
         self.api = ApiClient(self.api_url, token)
         self.pods = Informer(self.api, PODS, self.wake, namespace)
@@ -1860,9 +1867,12 @@ class LocalKubelet:
         try:
             await self.api.create(PODS.item(ns, name, "binding"), binding)
         except ApiError as exc:
-            if exc.status not in (404, 405):
+            if exc.status == 409:
+                pass  # bound already (a watch event is on its way)
+            elif exc.status in (404, 405):  # no binding subresource: set the field itself
+                self.pods.observe(await self.api.merge_patch(PODS.item(ns, name), {"spec": {"nodeName": NODE_NAME}}))
+            else:
                 raise
-            self.pods.observe(await self.api.merge_patch(PODS.item(ns, name), {"spec": {"nodeName": NODE_NAME}}))
         self._bound.add(pod["metadata"].get("uid", ""))
 
     async def _final_delete(self, pod: Mapping[str, Any]) -> None:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import socket
 import textwrap
 
 import aiohttp
