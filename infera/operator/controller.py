@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import fnmatch
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import kopf
@@ -110,12 +112,44 @@ class Reconciler:
             self.kick(key)
         self._retries[key] = loop.call_later(self._retry_s, fire)
 
-    async def resync_forever(self, interval_s: float) -> None:
-        """Level-triggered: every CR seen is reconciled again every ``interval_s``, events or not."""
+    async def resync_forever(self, interval_s: float, scope: "NamespaceScope") -> None:
+        """Level-triggered: every ``interval_s``, list the CRs in scope and reconcile each, events
+        or not. The list does not trust kopf's watch alone: a CRD created while kopf scans the API
+        is missed by its watch (kopf ignores the CRD list it starts its watch with), and such CRs
+        would never be served."""
+        missing_logged = False
         while True:
             await asyncio.sleep(interval_s)
+            try:
+                listed = await self._list_crs(scope)
+            except (KubeApiError, *_transport_errors) as exc:
+                log.warning("resync: listing InferaDeployments failed: %s", exc)
+                listed = set()
+            if listed is None:
+                if not missing_logged:
+                    log.warning("resync: the InferaDeployment CRD (%s.%s) is not served; install it "
+                                "(kubectl apply -k deploy/kubernetes)", CRD_PLURAL, CRD_GROUP)
+                missing_logged = True
+                listed = set()
+            else:
+                missing_logged = False
+            self._known |= listed
             for key in sorted(self._known):
                 self.kick(key)
+
+    async def _list_crs(self, scope: "NamespaceScope") -> set[Key] | None:
+        """The CRs in scope (None: the kind is not served)."""
+        api_version = f"{CRD_GROUP}/{CRD_VERSION}"
+        found: set[Key] = set()
+        for namespace in scope.list_namespaces():
+            listed = await self._rest.list(collection_path(api_version, CRD_KIND, namespace))
+            if not listed.served:
+                return None
+            for item in listed.items:
+                meta = item.get("metadata") or {}
+                if meta.get("name") and scope.includes(meta.get("namespace", "")):
+                    found.add((meta.get("namespace", ""), meta["name"]))
+        return found
 
     async def close(self) -> None:
         for handle in self._retries.values():
@@ -210,6 +244,28 @@ class Reconciler:
         meta = cr["metadata"]
         log.info("%s/%s: state %s", meta["namespace"], meta["name"], new.get("state"))
         await self._rest.patch_status(cr, patch)
+
+
+@dataclass(frozen=True)
+class NamespaceScope:
+    """The namespaces served: all, or kopf-style patterns (exact names, globs, ``!`` negations)."""
+    patterns: tuple[str, ...] = ()  # empty: every namespace
+
+    @property
+    def exact(self) -> bool:
+        return bool(self.patterns) and not any(set(p) & set("*?[!") for p in self.patterns)
+
+    def list_namespaces(self) -> list[str | None]:
+        """Where to list: each exact namespace, else once across every namespace (then filtered)."""
+        return list(self.patterns) if self.exact else [None]
+
+    def includes(self, namespace: str) -> bool:
+        if not self.patterns:
+            return True
+        positive = [p for p in self.patterns if not p.startswith("!")]
+        negative = [p[1:] for p in self.patterns if p.startswith("!")]
+        return ((not positive or any(fnmatch.fnmatchcase(namespace, p) for p in positive))
+                and not any(fnmatch.fnmatchcase(namespace, p) for p in negative))
 
 
 # --------------------------------------------------------------------------------------------
@@ -320,7 +376,8 @@ async def run_operator(args: argparse.Namespace, namespaces: list[str], config_l
     settings = kopf.OperatorSettings()
     settings.posting.level = logging.WARNING  # Kubernetes Events for problems only, not every pass
     settings.watching.server_timeout = 300    # re-open watches now and then, as client-go does
-    resync = asyncio.create_task(reconciler.resync_forever(args.resync_s), name="resync")
+    scope = NamespaceScope(() if args.all_namespaces else tuple(namespaces))
+    resync = asyncio.create_task(reconciler.resync_forever(args.resync_s, scope), name="resync")
     try:
         await kopf.operator(registry=registry, settings=settings, standalone=True,
                             clusterwide=args.all_namespaces, namespaces=namespaces,

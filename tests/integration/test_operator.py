@@ -10,14 +10,16 @@ message and nothing changes; deleting the CR removes everything it owned."""
 from __future__ import annotations
 
 import asyncio
+import urllib.request
 import os
 import sys
+from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 import pytest
 
 from infera.operator.crd import build_crd
-from tests.conftest import stop_process_group, wait_for
+from tests.conftest import free_port, stop_process_group, wait_for
 from tests.fakes.kube_api import FakeKubeApi
 
 pytestmark = pytest.mark.integration
@@ -43,25 +45,37 @@ def cr(name: str = "demo") -> dict[str, Any]:
     return {"apiVersion": API, "kind": KIND, "metadata": {"name": name, "namespace": NS}, "spec": spec()}
 
 
+def create_namespace(api: FakeKubeApi, name: str) -> None:
+    api.create_object(api.resource_type("v1", "Namespace"), None,
+                      {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+
+
+def apply_crd(api: FakeKubeApi) -> None:
+    api.create_object(api.resource_type("apiextensions.k8s.io/v1", "CustomResourceDefinition"), None, build_crd())
+
+
 @pytest.fixture
-async def api() -> AsyncIterator[FakeKubeApi]:
+async def bare_api() -> AsyncIterator[FakeKubeApi]:
     server = await FakeKubeApi(namespace=NS).start()
-    crd_type = server.resource_type("apiextensions.k8s.io/v1", "CustomResourceDefinition")
-    server.create_object(crd_type, None, build_crd())
-    server.create_object(server.resource_type("v1", "Namespace"), None,
-                         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}})
+    create_namespace(server, NS)
     yield server
     await server.stop()
 
 
 @pytest.fixture
-async def operator(api: FakeKubeApi, tmp_path) -> AsyncIterator[asyncio.subprocess.Process]:
+async def api(bare_api: FakeKubeApi) -> FakeKubeApi:
+    apply_crd(bare_api)
+    return bare_api
+
+
+@asynccontextmanager
+async def run_operator(api: FakeKubeApi, tmp_path, *args: str) -> AsyncIterator[asyncio.subprocess.Process]:
     kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig", NS)
     env = {**os.environ, "KUBECONFIG": kubeconfig, "INFERA_LOG_LEVEL": "info"}
     env.pop("KUBERNETES_SERVICE_HOST", None)
     log = open(tmp_path / "operator.log", "wb")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "infera.operator", "run", "--namespace", NS, "--resync-s", "1",
+        sys.executable, "-m", "infera.operator", "run", "--resync-s", "1", *args,
         env=env, stdout=log, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
     try:
         yield proc
@@ -70,6 +84,12 @@ async def operator(api: FakeKubeApi, tmp_path) -> AsyncIterator[asyncio.subproce
         log.close()
         print((tmp_path / "operator.log").read_text()[-6000:])  # shown when the test fails
     assert proc.returncode == 0, "the operator did not exit cleanly on SIGTERM"
+
+
+@pytest.fixture
+async def operator(api: FakeKubeApi, tmp_path) -> AsyncIterator[asyncio.subprocess.Process]:
+    async with run_operator(api, tmp_path, "--namespace", NS) as proc:
+        yield proc
 
 
 def owned(api: FakeKubeApi, uid: str) -> list[dict[str, Any]]:
@@ -121,6 +141,11 @@ def applies_to(api: FakeKubeApi, name: str) -> int:
                and code < 300)
 
 
+def status_writes(api: FakeKubeApi, name: str = "demo") -> int:
+    path = f"/apis/{API}/namespaces/{NS}/inferadeployments/{name}/status"
+    return sum(1 for method, target, _ in api.access_log if method == "PATCH" and target.split("?")[0] == path)
+
+
 def patch_cr(api: FakeKubeApi, patch: dict[str, Any], name: str = "demo") -> None:
     api.patch_object(api.resource_type(API, KIND), NS, name, "application/merge-patch+json", patch)
 
@@ -151,6 +176,12 @@ async def test_operator_reconciles_one_crs_life(api: FakeKubeApi, operator: asyn
     await wait_for(lambda: state(api) == "ready", T, message="state ready")
     c = conditions(the_cr(api))
     assert (c["Ready"]["status"], c["Progressing"]["status"], c["Degraded"]["status"]) == ("True", "False", "False")
+    # Steady state: resyncs re-apply (every 1 s) but write no status, and kopf left no marks on the CR.
+    writes, applied = status_writes(api), applies_to(api, "demo-frontend")
+    await wait_for(lambda: applies_to(api, "demo-frontend") >= applied + 2, T, message="two resyncs")
+    assert status_writes(api) == writes, "status written although nothing changed"
+    meta = the_cr(api)["metadata"]
+    assert not meta.get("finalizers") and not any(k.startswith("kopf.") for k in meta.get("annotations") or {})
 
     # A pool drops below its count: degraded; back: ready again.
     api.patch_object(api.resource_type("apps/v1", "Deployment"), NS, "demo-pool-a", "application/merge-patch+json",
@@ -208,3 +239,27 @@ async def test_operator_reconciles_one_crs_life(api: FakeKubeApi, operator: asyn
     api.create_object(crs, NS, cr("other"))  # the operator handles events in order: once this one
     await wait_for(lambda: state(api, "other") == "pending", T, message="the next CR reconciled")
     assert owned(api, uid) == [] and not any(n.startswith("demo-") for n in deployments(api))
+
+
+async def test_all_namespaces_a_crd_installed_after_start_and_the_liveness_endpoint(bare_api: FakeKubeApi, tmp_path):
+    """As installed (``--all-namespaces``): the operator may start before the CRD is established
+    (``kubectl apply -k`` sends both at once); it serves CRs in any namespace once the CRD appears."""
+    api = bare_api
+    port = free_port()
+    async with run_operator(api, tmp_path, "--all-namespaces", "--liveness", f"http://127.0.0.1:{port}/healthz"):
+        def live() -> bool:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as answer:
+                    return answer.status == 200
+            except OSError:
+                return False
+        await wait_for(lambda: asyncio.to_thread(live), T, message="the liveness endpoint")
+        apply_crd(api)
+        create_namespace(api, "team-b")
+        crs = api.resource_type(API, KIND)
+        api.create_object(crs, NS, cr())
+        api.create_object(crs, "team-b", {**cr(), "metadata": {"name": "demo", "namespace": "team-b"}})
+        for namespace in (NS, "team-b"):
+            await wait_for(lambda: ((api.get(API, KIND, "demo", namespace) or {}).get("status") or {}).get("state")
+                           == "pending", T, message=f"the CR in {namespace} reconciled")
+            assert api.get("apps/v1", "Deployment", "demo-pool-a", namespace) is not None

@@ -11,7 +11,7 @@ from lightkube import KubeConfig
 
 from infera.operator import apply as ops_apply
 from infera.operator.apply import KubeApiError, ListResult, select_prunable
-from infera.operator.controller import Reconciler, build_parser, connection_info, owner_keys
+from infera.operator.controller import NamespaceScope, Reconciler, build_parser, connection_info, owner_keys
 from infera.operator.status import (DEGRADED, FAILED, INITIALIZING, PENDING, READY, Outcome, WorkloadReadiness,
                                     compute_status, merge_conditions, next_state, status_merge_patch,
                                     workload_readiness)
@@ -244,9 +244,9 @@ class MemoryRest:
         return copy.deepcopy(self.objects.get(path))
 
     async def list(self, path, label_selector=None):
+        requirements = [kv.split("=") for kv in label_selector.split(",")] if label_selector else []
         items = [copy.deepcopy(o) for p, o in self.objects.items() if p.rsplit("/", 1)[0] == path
-                 and all((o["metadata"].get("labels") or {}).get(k) == v
-                         for k, v in (kv.split("=") for kv in label_selector.split(",")))]
+                 and all((o["metadata"].get("labels") or {}).get(k) == v for k, v in requirements)]
         return ListResult(items=items, served=True)
 
     async def apply(self, obj, namespace):
@@ -422,3 +422,26 @@ def test_the_operator_cluster_role_covers_every_rendered_kind_and_what_the_fleet
             for group in rule["apiGroups"]:
                 for resource in rule["resources"]:
                     assert set(rule["verbs"]) <= _granted(rules, group, resource), (group, resource, rule["verbs"])
+
+
+def test_namespace_scope_exact_names_globs_and_negations():
+    assert NamespaceScope(("a", "b")).list_namespaces() == ["a", "b"]
+    globbed = NamespaceScope(("team-*", "!team-secret"))
+    assert globbed.list_namespaces() == [None]
+    assert globbed.includes("team-x") and not globbed.includes("team-secret") and not globbed.includes("other")
+    assert NamespaceScope(("!kube-system",)).includes("default") and not NamespaceScope(("!kube-system",)).includes("kube-system")
+    assert NamespaceScope().list_namespaces() == [None] and NamespaceScope().includes("any")
+
+
+async def test_resync_lists_the_crs_so_a_cr_no_event_announced_is_reconciled():
+    rest = MemoryRest(cr_object({"frontend": 1}))
+    reconciler = Reconciler(rest, fake_render, SpecError, clock=lambda: T0)
+    resync = asyncio.create_task(reconciler.resync_forever(0.01, NamespaceScope(("ns",))))
+    cr_path = "/apis/infera.amd.com/v1alpha1/namespaces/ns/inferadeployments/demo"
+    deadline = asyncio.get_running_loop().time() + 5
+    while (rest.objects[cr_path].get("status") or {}).get("state") != PENDING:
+        assert asyncio.get_running_loop().time() < deadline, "the resync did not reconcile the listed CR"
+        await asyncio.sleep(0.01)
+    resync.cancel()
+    await asyncio.gather(resync, return_exceptions=True)
+    await reconciler.close()
