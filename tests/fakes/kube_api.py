@@ -320,7 +320,7 @@ MERGE_KEYS: dict[str, tuple[str, ...]] = {
     "env": ("name",), "volumes": ("name",), "volumeMounts": ("mountPath",),
     "ports": ("containerPort", "port"), "imagePullSecrets": ("name",), "conditions": ("type",),
     "ownerReferences": ("uid",), "hostAliases": ("ip",), "topologySpreadConstraints": ("topologyKey",),
-    "volumeClaimTemplates": ("name",), "subjects": ("name",), "resourceClaims": ("name",),
+    "resourceClaims": ("name",),
 }
 # Lists of scalars that merge as sets (patchStrategy "merge" on a primitive list).
 MERGE_SETS = frozenset({"finalizers"})
@@ -462,7 +462,9 @@ def _shown(value: Any) -> str:
 
 def _type_ok(value: Any, typ: str) -> bool:
     if typ == "integer":
-        return isinstance(value, int) and not isinstance(value, bool) or (isinstance(value, float) and value.is_integer())
+        if isinstance(value, float):
+            return value.is_integer()
+        return isinstance(value, int) and not isinstance(value, bool)
     if typ == "number":
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if typ == "boolean":
@@ -492,7 +494,8 @@ def apply_schema(obj: dict[str, Any], schema: dict[str, Any]) -> SchemaResult:
     ``minItems``/``maxItems``, ``minProperties``/``maxProperties``, ``allOf``/``anyOf``/``oneOf``/``not``,
     ``additionalProperties``, ``x-kubernetes-int-or-string``, ``x-kubernetes-preserve-unknown-fields``,
     ``x-kubernetes-embedded-resource``; unknown fields are pruned (and reported); ``default``s are
-    applied where a field is absent. ``apiVersion``/``kind``/``metadata`` at the root are not the
+    applied where a field is absent (or null where null is not allowed: such nulls are pruned
+    first). ``apiVersion``/``kind``/``metadata`` at the root are not the
     schema's business (the server checks ObjectMeta itself)."""
     errors: list[FieldError] = []
     unknown: list[str] = []
@@ -555,6 +558,9 @@ def _walk_object(value: dict[str, Any], schema: dict[str, Any], path: str, error
     out: dict[str, Any] = {}
     for key, item in value.items():
         sub = _join(path, key)
+        known = props.get(key, extra if isinstance(extra, dict) else None)
+        if item is None and known is not None and not known.get("nullable"):
+            continue  # a null where null is not allowed is pruned (then defaulted), as the server does
         if key in props:
             out[key] = _walk(item, props[key], sub, errors, unknown)
         elif isinstance(extra, dict):
@@ -584,6 +590,11 @@ def _passes(value: Any, schema: dict[str, Any], path: str) -> bool:
     return not errors
 
 
+def _invalid_value(path: str, shown: str, detail: str) -> FieldError:
+    """``<path>: Invalid value: <shown>: <path> in body <detail>`` (kube-openapi's wording)."""
+    return FieldError(path, "FieldValueInvalid", f"{path}: Invalid value: {shown}: {path} in body {detail}")
+
+
 def _check_value(value: Any, schema: dict[str, Any], path: str, errors: list[FieldError]) -> None:
     if "enum" in schema and value not in schema["enum"]:
         supported = ", ".join(_quote(v) for v in schema["enum"])
@@ -593,38 +604,33 @@ def _check_value(value: Any, schema: dict[str, Any], path: str, errors: list[Fie
         low, high = schema.get("minimum"), schema.get("maximum")
         if low is not None and (value <= low if schema.get("exclusiveMinimum") else value < low):
             relation = "greater than" if schema.get("exclusiveMinimum") else "greater than or equal to"
-            errors.append(FieldError(path, "FieldValueInvalid",
-                                     f"{path}: Invalid value: {value}: {path} in body should be {relation} {low}"))
+            errors.append(_invalid_value(path, str(value), f"should be {relation} {low}"))
         if high is not None and (value >= high if schema.get("exclusiveMaximum") else value > high):
             relation = "less than" if schema.get("exclusiveMaximum") else "less than or equal to"
-            errors.append(FieldError(path, "FieldValueInvalid",
-                                     f"{path}: Invalid value: {value}: {path} in body should be {relation} {high}"))
+            errors.append(_invalid_value(path, str(value), f"should be {relation} {high}"))
     if isinstance(value, str):
         if "minLength" in schema and len(value) < schema["minLength"]:
-            errors.append(FieldError(path, "FieldValueInvalid", f"{path}: Invalid value: {_quote(value)}: {path} in "
-                                                                f"body should be at least {schema['minLength']} chars long"))
+            errors.append(_invalid_value(path, _quote(value), f"should be at least {schema['minLength']} chars long"))
         if "maxLength" in schema and len(value) > schema["maxLength"]:
-            errors.append(FieldError(path, "FieldValueTooLong", f"{path}: Too long: may not be more than "
-                                                                f"{schema['maxLength']} bytes"))
+            errors.append(FieldError(path, "FieldValueTooLong",
+                                     f"{path}: Too long: may not be more than {schema['maxLength']} bytes"))
         if "pattern" in schema:
             try:
                 matched = re.search(schema["pattern"], value) is not None
             except re.error:
                 matched = True  # an ECMA pattern Python cannot compile: not checked here
             if not matched:
-                errors.append(FieldError(path, "FieldValueInvalid", f"{path}: Invalid value: {_quote(value)}: {path} in "
-                                                                    f"body should match '{schema['pattern']}'"))
+                errors.append(_invalid_value(path, _quote(value), f"should match '{schema['pattern']}'"))
     for sub in schema.get("allOf") or ():
         _check_value(value, sub, path, errors)
     if schema.get("anyOf") and not any(_passes(value, s, path) for s in schema["anyOf"]):
-        errors.append(FieldError(path, "FieldValueInvalid", f"{path}: Invalid value: {_shown(value)}: "
-                                                            f"{path} in body must match at least one schema (anyOf)"))
+        errors.append(_invalid_value(path, _shown(value), "must match at least one schema (anyOf)"))
     if schema.get("oneOf") and sum(_passes(value, s, path) for s in schema["oneOf"]) != 1:
-        errors.append(FieldError(path, "FieldValueInvalid", f"{path}: Invalid value: \"{_type_name(value)}\": "
-                                                            f"{path} in body must validate one and only one schema (oneOf)"))
+        errors.append(_invalid_value(path, _shown(value), "must validate one and only one schema (oneOf)"))
     if isinstance(schema.get("not"), dict) and _passes(value, schema["not"], path):
-        errors.append(FieldError(path, "FieldValueInvalid", f"{path}: Invalid value: \"{_type_name(value)}\": "
-                                                            f"{path} in body should not validate the given schema"))
+        errors.append(_invalid_value(path, _shown(value), "should not validate the given schema"))
+
+
 # --------------------------------------------------------------------------------------------
 # Resource types
 # --------------------------------------------------------------------------------------------
@@ -979,7 +985,8 @@ class FakeKubeApi:
         self.history: list[_Event] = []
         self.rv = 0
         self.compacted_rv = 0  # watches from an older resourceVersion get 410 Gone
-        self.requests: dict[str, int] = {}  # "list" / "watch" / "get" / "patch" / "create" / "delete" / "update" / "discovery"
+        # requests by kind: "list" / "watch" / "get" / "patch" / "create" / "delete" / "update" / "discovery"
+        self.requests: dict[str, int] = {}
         self.watch_params: list[dict[str, str]] = []  # query of every watch request, in order
         self.list_params: list[dict[str, str]] = []  # query of every list request, in order
         self.request_log: list[tuple[float, str, dict[str, str]]] = []  # (loop time, kind, query)
@@ -1237,7 +1244,8 @@ class FakeKubeApi:
         _drop_empty_maps(meta)
         return self._commit(self._type_for_key(("", "pods")), ns, name, new, old)
 
-    def _commit(self, rtype: ResourceType, ns: str, name: str, new: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
+    def _commit(self, rtype: ResourceType, ns: str, name: str, new: dict[str, Any],
+                old: dict[str, Any]) -> dict[str, Any]:
         """Store a changed object (MODIFIED); a change that changes nothing stores and emits nothing."""
         new["metadata"]["resourceVersion"] = old["metadata"].get("resourceVersion")
         if new == old:
@@ -1827,7 +1835,8 @@ class FakeKubeApi:
         except ValueError as exc:
             return _error(400, "BadRequest", f"unable to parse requirement: {exc}")
         try:
-            fields = parse_field_selector(request.query.get("fieldSelector"), KIND_FIELDS.get(rtype.key, GENERIC_FIELDS))
+            fields = parse_field_selector(request.query.get("fieldSelector"),
+                                          KIND_FIELDS.get(rtype.key, GENERIC_FIELDS))
         except FieldSelectorError as exc:
             return _error(400, "BadRequest", str(exc))
         if request.query.get("watch") in _TRUE:

@@ -272,7 +272,8 @@ async def test_http_discovery_watch_errors_and_graceful_delete() -> None:
             assert end["type"] == "BOOKMARK"
             assert end["object"]["metadata"]["annotations"] == {"k8s.io/initial-events-end": "true"}
             async with http.get("/api/v1/configmaps", params={"fieldSelector": "spec.nodeName=x"}) as resp:
-                assert resp.status == 400 and (await resp.json())["message"] == "field label not supported: spec.nodeName"
+                message = (await resp.json())["message"]
+                assert resp.status == 400 and message == "field label not supported: spec.nodeName"
             async with http.post("/api/v1/namespaces/demo/configmaps", data=b"k8s\x00\x0a",
                                  headers={"Content-Type": "application/vnd.kubernetes.protobuf"}) as resp:
                 assert resp.status == 415

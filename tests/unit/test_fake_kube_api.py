@@ -72,8 +72,8 @@ def widget(spec: dict[str, Any]) -> dict[str, Any]:
     ({"size": "small", "services": {"api": {"replicas": "2"}}},
      'spec.services.api.replicas: Invalid value: "string": spec.services.api.replicas in body must be of type '
      'integer: "string"'),
-    ({"size": "small", "replicas": None}, 'spec.replicas: Invalid value: "null": spec.replicas in body must be of '
-                                          'type integer: "null"'),
+    ({"size": "small", "pools": [None]}, 'spec.pools[0]: Invalid value: "null": spec.pools[0] in body must be of '
+                                         'type object: "null"'),
 ])
 def test_schema_errors_name_the_field(spec: dict[str, Any], message: str) -> None:
     result = apply_schema(widget(spec), SCHEMA)
@@ -86,6 +86,9 @@ def test_schema_accepts_int_or_string_nullable_and_applies_nested_defaults() -> 
     assert result.value["spec"] == {"size": "small", "port": "http", "note": None, "pools": [{"role": "mixed"}],
                                     "replicas": 1, "drain": {"preStopSeconds": 15}}
     assert apply_schema(widget({"size": "small", "port": 8080}), SCHEMA).errors == []
+    # A null where null is not allowed is pruned, then defaulted if the field has a default.
+    nulls = apply_schema(widget({"size": "small", "replicas": None, "name": None}), SCHEMA)
+    assert nulls.errors == [] and nulls.value["spec"]["replicas"] == 1 and "name" not in nulls.value["spec"]
 
 
 def test_schema_prunes_unknown_fields_and_reports_them_but_keeps_preserved_ones() -> None:
@@ -378,7 +381,8 @@ def test_services_get_loopback_cluster_ips_and_port_defaults() -> None:
     assert first["spec"]["ports"] == [{"port": 80, "protocol": "TCP", "targetPort": 80}]
     third = api.create_object(services, "default", {"metadata": {"name": "c"}, "spec": {}})
     assert third["spec"]["clusterIP"] == "127.0.200.4"  # skips the one given
-    replaced = api.update_object(services, "default", "a", {"metadata": {"name": "a"}, "spec": {"ports": [{"port": 81}]}})
+    replaced = api.update_object(services, "default", "a",
+                                 {"metadata": {"name": "a"}, "spec": {"ports": [{"port": 81}]}})
     assert replaced["spec"]["clusterIP"] == "127.0.200.1"  # kept across updates
 
 
