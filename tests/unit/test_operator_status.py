@@ -410,6 +410,7 @@ def test_the_operator_cluster_role_covers_every_rendered_kind_and_what_the_fleet
         assert {"get", "list", "watch", "create", "patch", "delete"} <= _granted(rules, group, plural), kind
     assert {"get", "list", "watch"} <= _granted(rules, "infera.amd.com", "inferadeployments")
     assert "patch" in _granted(rules, "infera.amd.com", "inferadeployments/status")
+    assert "update" in _granted(rules, "infera.amd.com", "inferadeployments/finalizers")  # blockOwnerDeletion
     # RBAC's escalation check: the operator may only create a Role granting what it holds itself.
     example = {"apiVersion": "infera.amd.com/v1alpha1", "kind": "InferaDeployment",
                "metadata": {"name": "demo", "namespace": "ns", "uid": "u"},
