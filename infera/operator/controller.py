@@ -242,8 +242,14 @@ class Reconciler:
         if not patch:
             return  # unchanged: no write, no event, no loop
         meta = cr["metadata"]
+        try:
+            await self._rest.patch_status(cr, patch)
+        except KubeApiError as exc:
+            if exc.code == 404:  # deleted meanwhile: nothing left to report on
+                self.forget((meta["namespace"], meta["name"]))
+                return
+            raise
         log.info("%s/%s: state %s", meta["namespace"], meta["name"], new.get("state"))
-        await self._rest.patch_status(cr, patch)
 
 
 @dataclass(frozen=True)
