@@ -242,11 +242,13 @@ async def test_operator_reconciles_one_crs_life(api: FakeKubeApi, operator: asyn
 
 
 async def test_all_namespaces_a_crd_installed_after_start_and_the_liveness_endpoint(bare_api: FakeKubeApi, tmp_path):
-    """As installed (``--all-namespaces``): the operator may start before the CRD is established
-    (``kubectl apply -k`` sends both at once); it serves CRs in any namespace once the CRD appears."""
+    """As installed (``--all-namespaces``, plus components/sim's ``--sim-engines``): the operator may
+    start before the CRD is established (``kubectl apply -k`` sends both at once); it serves CRs in
+    any namespace once the CRD appears, and renders a vLLM pool as the simulated engine."""
     api = bare_api
     port = free_port()
-    async with run_operator(api, tmp_path, "--all-namespaces", "--liveness", f"http://127.0.0.1:{port}/healthz"):
+    async with run_operator(api, tmp_path, "--all-namespaces", "--sim-engines",
+                            "--liveness", f"http://127.0.0.1:{port}/healthz"):
         def live() -> bool:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as answer:
@@ -258,8 +260,14 @@ async def test_all_namespaces_a_crd_installed_after_start_and_the_liveness_endpo
         create_namespace(api, "team-b")
         crs = api.resource_type(API, KIND)
         api.create_object(crs, NS, cr())
-        api.create_object(crs, "team-b", {**cr(), "metadata": {"name": "demo", "namespace": "team-b"}})
+        vllm = {**cr(), "metadata": {"name": "demo", "namespace": "team-b"}}
+        vllm["spec"] = {**spec(), "backendFramework": "vllm"}
+        for pool in ("pool-a", "pool-b"):
+            vllm["spec"]["services"][pool]["args"] = ["--model", "sim-model"]
+        api.create_object(crs, "team-b", vllm)
         for namespace in (NS, "team-b"):
             await wait_for(lambda: ((api.get(API, KIND, "demo", namespace) or {}).get("status") or {}).get("state")
                            == "pending", T, message=f"the CR in {namespace} reconciled")
             assert api.get("apps/v1", "Deployment", "demo-pool-a", namespace) is not None
+        container = api.get("apps/v1", "Deployment", "demo-pool-a", "team-b")["spec"]["template"]["spec"]["containers"][0]
+        assert container["command"][-1] == "infera.engine.sim", container["command"]
