@@ -48,6 +48,7 @@ Where it differs from a real cluster:
   ``strategy.rollingUpdate`` and ``Recreate``; ``minReadySeconds``, ``progressDeadlineSeconds``
   and revision history are ignored (available = ready). StatefulSets: OrderedReady or Parallel,
   rolling update from the highest ordinal, no partitions, ControllerRevisions or PVC retention.
+  No adoption of orphaned Pods that match a selector (ownership is by owner reference only).
   DaemonSets: one Pod on the one node. LeaderWorkerSets: group ``i`` is a leader ``<lws>-<i>``
   and workers ``<lws>-<i>-<j>``, all owned by the LWS itself (a real one uses StatefulSets and
   leader-owned workers), no headless Service object is made (DNS answers
@@ -118,6 +119,8 @@ LWS_NAME = "leaderworkerset.sigs.k8s.io/name"
 LWS_GROUP_INDEX = "leaderworkerset.sigs.k8s.io/group-index"
 LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 LWS_TEMPLATE_HASH = "leaderworkerset.sigs.k8s.io/template-revision-hash"
+LWS_SIZE = "leaderworkerset.sigs.k8s.io/size"  # annotation
+LWS_LEADER_NAME = "leaderworkerset.sigs.k8s.io/leader-name"  # annotation on workers
 # The alphabet Kubernetes uses for generated names and hashes (no vowels, no look-alikes).
 SAFE_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
 ENV_INHERITED = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "HF_HOME", "HF_HUB_OFFLINE",
@@ -899,11 +902,15 @@ class Controllers:
             env = [{"name": "LWS_LEADER_ADDRESS", "value": lws_leader_address(name, group, ns)},
                    {"name": "LWS_GROUP_SIZE", "value": str(size)},
                    {"name": "LWS_WORKER_INDEX", "value": str(worker)}]
-            await self.create_pod(pod_from_template(
+            pod = pod_from_template(
                 leader_template if worker == 0 else worker_template, name=pod_name, namespace=ns, owner=owner,
                 labels={LWS_NAME: name, LWS_GROUP_INDEX: str(group), LWS_WORKER_INDEX: str(worker),
                         LWS_TEMPLATE_HASH: revision},
-                env=env, spec_extra={"hostname": pod_name, "subdomain": name}))
+                env=env, spec_extra={"hostname": pod_name, "subdomain": name})
+            pod["metadata"]["annotations"][LWS_SIZE] = str(size)
+            if worker:
+                pod["metadata"]["annotations"][LWS_LEADER_NAME] = f"{name}-{group}"
+            await self.create_pod(pod)
         wanted_names = {n for n, _, _ in wanted}
         for pod in pods:
             if pod["metadata"]["name"] not in wanted_names and not _terminating(pod):
@@ -1115,6 +1122,9 @@ class ContainerRuntime:
             if "grpc" in probe:
                 raise ValueError("grpc probes are not supported by LocalKubelet")
         except (OSError, asyncio.TimeoutError, aiohttp.ClientError):
+            return False
+        except ValueError as exc:  # a probe that cannot work (unknown named port, no command): a failure
+            self.pod.k.note_error(f"probe of {self.pod.name}/{self.name}", exc)
             return False
         return False
 
@@ -1518,6 +1528,7 @@ class ServiceProxy:
         self.servers: dict[tuple[str, str, str, int], asyncio.base_events.Server] = {}
         self.round_robin: dict[tuple[str, str, int], int] = {}
         self.connections: set[asyncio.Task] = set()
+        self.bind_retry: dict[tuple[str, str, str, int], tuple[float, float]] = {}  # key → (retry at, next delay)
 
     def endpoints(self, service: Mapping[str, Any], port_spec: Mapping[str, Any]) -> list[tuple[str, int]]:
         ns = service["metadata"].get("namespace", "default")
@@ -1559,9 +1570,15 @@ class ServiceProxy:
                 self.connections.add(task)
                 task.add_done_callback(self.connections.discard)
 
+            retry_at, delay = self.bind_retry.get(key, (0.0, 0.5))
+            if time.monotonic() < retry_at:
+                continue
             try:
                 self.servers[key] = await asyncio.start_server(handler, ip, port, reuse_address=True)
+                self.bind_retry.pop(key, None)
             except OSError as exc:
+                # Taken (another test run's proxy, a process bound to all interfaces): retry later.
+                self.bind_retry[key] = (time.monotonic() + delay, min(10.0, delay * 2))
                 self.k.note_error(f"proxy for service {ns}/{name} on {ip}:{port}", exc)
 
     async def _forward(self, key: tuple[str, str, str, int], reader: asyncio.StreamReader,
@@ -1667,6 +1684,7 @@ class LocalKubelet:
         self.finished: dict[str, PodRuntime] = {}  # stopped, kept for pids/logs until the Pod is gone
         self.hosts_path = self.workdir / "cluster-hosts.json"
         self.errors: list[str] = []
+        self._error_seen: dict[str, float] = {}
         self.probe_session: aiohttp.ClientSession | None = None
         self._ip_index = 0
         self._ips_in_use: set[str] = set()
@@ -1753,11 +1771,15 @@ class LocalKubelet:
         self._wake.set()
 
     def note_error(self, what: str, exc: BaseException) -> None:
-        line = f"{now_iso()} {what}: {type(exc).__name__}: {exc}"
-        if not self.errors or self.errors[-1].split(" ", 1)[1] != line.split(" ", 1)[1]:
-            log.warning("%s", line)
-            self.errors.append(line)
-            del self.errors[:-200]
+        """Log a failure once per distinct message a minute (a failing loop retries often)."""
+        message = f"{what}: {type(exc).__name__}: {exc}"
+        now = time.monotonic()
+        if now - self._error_seen.get(message, -1e9) < 60:
+            return
+        self._error_seen[message] = now
+        log.warning("%s", message)
+        self.errors.append(f"{now_iso()} {message}")
+        del self.errors[:-200]
 
     def cluster_env(self, namespace: str) -> dict[str, str]:
         """The env every container gets to reach the API server and the DNS hook."""

@@ -290,6 +290,7 @@ async def test_leaderworkerset_leader_and_follower_env(cluster):
     assert set(pods) == {"lws-0", "lws-0-1"}
     assert pods["lws-0-1"]["metadata"]["labels"]["leaderworkerset.sigs.k8s.io/worker-index"] == "1"
     assert pods["lws-0"]["metadata"]["labels"]["leaderworkerset.sigs.k8s.io/group-index"] == "0"
+    assert pods["lws-0-1"]["metadata"]["annotations"]["leaderworkerset.sigs.k8s.io/leader-name"] == "lws-0"
     follower_ip = pods["lws-0-1"]["status"]["podIP"]
     env = json.loads(await http_get(f"http://{follower_ip}:8080/env"))
     assert (env["LWS_WORKER_INDEX"], env["LWS_GROUP_SIZE"], env["LWS_LEADER_ADDRESS"]) == ("1", "2", "lws-0.lws.default")
