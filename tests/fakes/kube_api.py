@@ -19,7 +19,8 @@ Infera's discovery, the operator (kopf), the local kubelet and the real ``kubect
   ``application/json-patch+json`` (RFC 6902, the ``jsonpatch`` package),
   ``application/strategic-merge-patch+json`` (built-in kinds only, as on a real server; the
   essentials, see :func:`strategic_merge_patch`) and ``application/apply-patch+yaml`` (server-side
-  apply, ``fieldManager`` required; creates an absent object; see :func:`apply_merge`);
+  apply, ``fieldManager`` required; creates an absent object; merges by :func:`apply_merge`, and
+  removes what the same field manager applied last time and leaves out now, :func:`drop_unapplied`);
 * ``/status`` (kinds with a status subresource): writes through the main resource keep the stored
   ``status``; writes through ``/status`` change only ``status``. ``/scale`` (Deployments,
   StatefulSets, ReplicaSets, and CRDs that declare ``subresources.scale``) reads and writes an
@@ -111,9 +112,12 @@ Where it differs from a real API server:
   ``tests/fakes/kubelet.py``, does that). Garbage collection runs synchronously inside the delete
   and ``Foreground`` propagation acts as ``Background``. A Namespace is removed at once with its
   contents (no Terminating phase), and objects may be created in a namespace that does not exist.
-* Server-side apply keeps no ``managedFields``: the applied object is merged into the live one
-  (:func:`apply_merge`), so a field dropped from an applied config is not removed, there are no
-  field-manager conflicts, and ``force`` changes nothing. Strategic merge knows the merge keys in
+* Server-side apply keeps no ``managedFields`` (objects carry none): the fake remembers each field
+  manager's last applied configuration instead, and a field that configuration set and the next
+  one leaves out is removed even if another writer changed it meanwhile (a real server would leave
+  a field it no longer owns alone). There are no field-manager conflicts (409), so ``force``
+  changes nothing; lists merge by key when :data:`MERGE_KEYS` names one or every item has a
+  ``name``, ignoring a CRD's ``x-kubernetes-list-type``/``-map-keys``. Strategic merge knows the merge keys in
   :data:`MERGE_KEYS` by field name only (no per-type patch metadata); other lists are replaced.
 * OpenAPI documents without schemas (``kubectl explain`` has nothing to show), no aggregated
   discovery, no Table output (``kubectl get`` prints NAME and AGE only, unless ``-o``).
@@ -409,20 +413,26 @@ def _apply_order(items: list[Any], order: list[Any], field_name: str) -> list[An
     return sorted(items, key=lambda item: rank.get(ident(item), len(rank)))
 
 
+def _apply_list_key(field_name: str, items: list[Any]) -> str | None:
+    """How server-side apply matches a list's items here: the :data:`MERGE_KEYS`, else ``name``
+    when every item has one; None = an atomic list (replaced whole)."""
+    key = _merge_key(field_name, items)
+    if key is None and items and all(isinstance(i, dict) and "name" in i for i in items):
+        key = "name"
+    return key
+
+
 def apply_merge(live: Any, applied: Any, field_name: str = "") -> Any:
-    """Server-side apply's merge without field ownership: maps merge recursively, lists of keyed
-    items (:data:`MERGE_KEYS`, or any list whose items all have a ``name``) merge by key, any other
-    value is replaced. A field left out of the applied config is kept (there are no managedFields
-    to say who set it)."""
+    """Server-side apply's merge: maps merge recursively, lists of keyed items (see
+    :func:`_apply_list_key`) merge by key, any other value is replaced. What a field manager applied
+    before and leaves out now is removed first by :func:`drop_unapplied`."""
     if isinstance(applied, dict) and isinstance(live, dict):
         result = dict(live)
         for key, value in applied.items():
             result[key] = apply_merge(live.get(key), value, key)
         return result
     if isinstance(applied, list) and isinstance(live, list):
-        key = _merge_key(field_name, applied + live)
-        if key is None and applied and all(isinstance(i, dict) and "name" in i for i in applied + live):
-            key = "name"
+        key = _apply_list_key(field_name, applied + live)
         if key is None:
             return copy.deepcopy(applied)
         result = [copy.deepcopy(i) for i in live]
@@ -435,6 +445,38 @@ def apply_merge(live: Any, applied: Any, field_name: str = "") -> Any:
                 result[index] = apply_merge(result[index], item, field_name)
         return result
     return copy.deepcopy(applied)
+
+
+def drop_unapplied(live: Any, previous: Any, current: Any, field_name: str = "") -> Any:
+    """Remove from ``live`` what a field manager's ``previous`` applied configuration set and its
+    ``current`` one leaves out (map keys, keyed list items), as server-side apply does for the
+    fields that manager owns. Ownership is approximated by "this manager applied it last time":
+    a field another writer changed meanwhile is still removed."""
+    if isinstance(previous, dict) and isinstance(live, dict):
+        current = current if isinstance(current, dict) else {}
+        result = dict(live)
+        for key, before in previous.items():
+            if key not in current:
+                result.pop(key, None)
+            elif key in result:
+                result[key] = drop_unapplied(result[key], before, current[key], key)
+        return result
+    if isinstance(previous, list) and isinstance(live, list) and isinstance(current, list):
+        key = _apply_list_key(field_name, previous + current + live)
+        if key is None:
+            return live  # an atomic list: the apply replaces it whole
+        now = {item.get(key): item for item in current if isinstance(item, dict)}
+        before = {item.get(key): item for item in previous if isinstance(item, dict)}
+        result = []
+        for item in live:
+            ident = item.get(key) if isinstance(item, dict) else None
+            if ident in before and ident not in now:
+                continue
+            result.append(drop_unapplied(item, before[ident], now[ident], field_name) if ident in before else item)
+        return result
+    return live
+
+
 # --------------------------------------------------------------------------------------------
 # Custom resources: OpenAPI v3 schema validation, pruning and defaulting (structural schemas)
 # --------------------------------------------------------------------------------------------
@@ -995,6 +1037,7 @@ class FakeKubeApi:
         self.patches: list[tuple[str, dict[str, Any]]] = []  # (pod name, merge patch body) of Pod PATCHes
         self._orphan_on_removal: set[str] = set()  # uids deleted with propagationPolicy=Orphan
         self._uids: set[str] = set()  # every stored object's uid (owner references resolve against it)
+        self._applied: dict[str, dict[str, Any]] = {}  # uid -> field manager -> its last applied configuration
         self._watchers: set[_Watcher] = set()
         self._failures: list[tuple[int, str | None]] = []  # (status, only this request kind | None)
         self._rv_waiters: list[asyncio.Future] = []  # watches waiting for a newer resourceVersion
@@ -1260,6 +1303,7 @@ class FakeKubeApi:
         collection (background, or orphaning), a CRD's custom resources, a Namespace's contents."""
         obj = self.store[rtype.key].pop((ns, name))
         self._uids.discard(obj["metadata"].get("uid"))
+        self._applied.pop(obj["metadata"].get("uid"), None)
         obj["metadata"]["resourceVersion"] = str(self._bump())  # the DELETED event carries a new rv
         self._record("DELETED", rtype.key, ns, obj)
         uid = obj["metadata"].get("uid")
@@ -1467,15 +1511,25 @@ class FakeKubeApi:
                     raise not_found(rtype, name)
                 body = copy.deepcopy(patch)
                 body.setdefault("metadata", {})["name"] = name
-                return self.create_object(rtype, ns, body, field_validation=field_validation, warnings=warnings,
-                                          dry_run=dry_run), True
-            new = apply_merge(old, patch)
+                created = self.create_object(rtype, ns, body, field_validation=field_validation, warnings=warnings,
+                                             dry_run=dry_run)
+                if not dry_run:
+                    self._applied.setdefault(created["metadata"]["uid"], {})[field_manager] = copy.deepcopy(patch)
+                return created, True
+            uid = old["metadata"].get("uid")
+            previous = self._applied.get(uid, {}).get(field_manager)
+            base = drop_unapplied(old, previous, patch) if previous is not None else old
+            new = apply_merge(base, patch)
             new["metadata"]["resourceVersion"] = (patch.get("metadata") or {}).get("resourceVersion") \
                 or old["metadata"].get("resourceVersion")
-        else:
-            if old is None:
-                raise not_found(rtype, name)
-            new = self._patched(rtype, old, content_type, patch)
+            updated = self.update_object(rtype, ns, name, new, subresource=subresource,
+                                         field_validation=field_validation, warnings=warnings, dry_run=dry_run)
+            if not dry_run and uid in self._uids:
+                self._applied.setdefault(uid, {})[field_manager] = copy.deepcopy(patch)
+            return updated, False
+        if old is None:
+            raise not_found(rtype, name)
+        new = self._patched(rtype, old, content_type, patch)
         return self.update_object(rtype, ns, name, new, subresource=subresource, field_validation=field_validation,
                                   warnings=warnings, dry_run=dry_run), False
 
@@ -2152,7 +2206,8 @@ def _request_kind(request: web.Request, target: Any) -> str:
         request.method, request.method.lower())
 
 
-__all__ = ["BUILTIN_TYPES", "FIELDS", "FakeKubeApi", "FieldError", "FieldSelectorError", "KubeError", "Requirement",
-           "ResourceType", "ScalePaths", "apply_merge", "apply_schema", "crd_resource_types", "fields_match",
-           "merge_patch", "parse_field_selector", "parse_selector", "pod_fields", "selector_matches", "status_body",
-           "strategic_merge_patch", "too_large_status"]
+__all__ = ["APPLY_PATCH", "BUILTIN_TYPES", "FIELDS", "GENERIC_FIELDS", "JSON_PATCH", "KIND_FIELDS", "MERGE_KEYS",
+           "MERGE_PATCH", "STRATEGIC_PATCH", "FakeKubeApi", "FieldError", "FieldSelectorError", "KubeError",
+           "Requirement", "ResourceType", "ScalePaths", "apply_merge", "apply_schema", "crd_resource_types",
+           "drop_unapplied", "fields_match", "merge_patch", "parse_field_selector", "parse_selector", "pod_fields",
+           "selector_matches", "status_body", "strategic_merge_patch", "too_large_status"]

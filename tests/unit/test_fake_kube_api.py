@@ -291,6 +291,25 @@ def test_server_side_apply_creates_merges_by_name_and_is_idempotent(api: FakeKub
                                                                                          {"name": "y"}]}
 
 
+def test_server_side_apply_removes_what_the_same_manager_applied_before_and_leaves_out_now(api: FakeKubeApi) -> None:
+    deployments = kind(api, "apps/v1", "Deployment")
+
+    def config(env: list[str], labels: dict[str, str]) -> dict[str, Any]:
+        return {"metadata": {"name": "d", "labels": labels}, "spec": {"template": {"spec": {"containers": [
+            {"name": "main", "image": "x:1", "env": [{"name": e, "value": "1"} for e in env]}]}}}}
+
+    api.patch_object(deployments, "demo", "d", APPLY_PATCH, config(["A", "B"], {"a": "1", "b": "1"}),
+                     field_manager="op")
+    api.patch_object(deployments, "demo", "d", MERGE_PATCH, {"metadata": {"labels": {"other": "x"}}})
+    result, _ = api.patch_object(deployments, "demo", "d", APPLY_PATCH, config(["A"], {"a": "1"}), field_manager="op")
+    assert result["metadata"]["labels"] == {"a": "1", "other": "x"}  # another writer's label stays
+    assert result["spec"]["template"]["spec"]["containers"][0]["env"] == [{"name": "A", "value": "1"}]
+    assert result["spec"]["replicas"] == 1  # a default nobody applied stays
+    result, _ = api.patch_object(deployments, "demo", "d", APPLY_PATCH, config(["C"], {"a": "1"}),
+                                 field_manager="someone-else")
+    assert [e["name"] for e in result["spec"]["template"]["spec"]["containers"][0]["env"]] == ["A", "C"]
+
+
 def owned(name: str, owner: dict[str, Any], **extra: Any) -> dict[str, Any]:
     meta = owner["metadata"]
     ref = {"apiVersion": owner["apiVersion"], "kind": owner["kind"], "name": meta["name"], "uid": meta["uid"],
