@@ -50,8 +50,9 @@ Infera's discovery, the operator (kopf), the local kubelet and the real ``kubect
 * garbage collection: removing an object removes, at once and recursively, every object whose
   ``ownerReferences`` name its uid (same namespace; any namespace for a cluster-scoped owner), each
   deleted as a DELETE would (a bound Pod goes graceful); ``propagationPolicy=Orphan`` (or
-  ``orphanDependents``) keeps them and drops the owner reference instead. Deleting a Namespace
-  deletes what is in it;
+  ``orphanDependents``) keeps them and drops the owner reference instead. An object written with
+  owner references none of which names a stored object is deleted right after that write (the
+  collector finds it dangling). Deleting a Namespace deletes what is in it;
 * Services: ``spec.clusterIP`` (and ``clusterIPs``) allocated on create from a loopback range
   (``service_ip_start``, default 127.0.200.1, counting up), unless given or ``None`` (headless), and
   kept across updates; ``ports[].protocol`` defaults to TCP and ``targetPort`` to ``port``.
@@ -110,15 +111,18 @@ Where it differs from a real API server:
   version of a CRD shares the same stored objects; only ``apiVersion`` is rewritten).
 * No controllers: nothing turns Deployments into Pods or fills workload status (the local kubelet,
   ``tests/fakes/kubelet.py``, does that). Garbage collection runs synchronously inside the delete
-  and ``Foreground`` propagation acts as ``Background``. A Namespace is removed at once with its
-  contents (no Terminating phase), and objects may be created in a namespace that does not exist.
+  and ``Foreground`` propagation acts as ``Background``; a dangling dependent goes at once, not
+  eventually. A Namespace is removed at once with its contents (no Terminating phase), and objects
+  may be created in a namespace that does not exist. ``v1`` and ``events.k8s.io/v1`` Events are
+  stored apart (a real server serves one store under both). CRDs are Established at once.
 * Server-side apply keeps no ``managedFields`` (objects carry none): the fake remembers each field
   manager's last applied configuration instead, and a field that configuration set and the next
   one leaves out is removed even if another writer changed it meanwhile (a real server would leave
   a field it no longer owns alone). There are no field-manager conflicts (409), so ``force``
   changes nothing; lists merge by key when :data:`MERGE_KEYS` names one or every item has a
-  ``name``, ignoring a CRD's ``x-kubernetes-list-type``/``-map-keys``. Strategic merge knows the merge keys in
-  :data:`MERGE_KEYS` by field name only (no per-type patch metadata); other lists are replaced.
+  ``name``, ignoring a CRD's ``x-kubernetes-list-type``/``-map-keys``. Strategic merge knows the
+  merge keys in :data:`MERGE_KEYS` by field name only (no per-type patch metadata); other lists
+  are replaced.
 * OpenAPI documents without schemas (``kubectl explain`` has nothing to show), no aggregated
   discovery, no Table output (``kubectl get`` prints NAME and AGE only, unless ``-o``).
 * JSON and YAML bodies only: a protobuf body answers 415. kubectl's typed commands (``kubectl create
