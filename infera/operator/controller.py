@@ -382,6 +382,9 @@ async def run_operator(args: argparse.Namespace, namespaces: list[str], config_l
     settings = kopf.OperatorSettings()
     settings.posting.level = logging.WARNING  # Kubernetes Events for problems only, not every pass
     settings.watching.server_timeout = 300    # re-open watches now and then, as client-go does
+    for group, version, plural in WATCHED_WORKLOADS:
+        # Filter on the server: watch only the operator's workloads, not every Deployment in the cluster.
+        settings.watching.label_selectors[group, version, plural] = f"{MANAGED_BY_LABEL}={MANAGED_BY}"
     scope = NamespaceScope(() if args.all_namespaces else tuple(namespaces))
     resync = asyncio.create_task(reconciler.resync_forever(args.resync_s, scope), name="resync")
     try:

@@ -182,6 +182,10 @@ async def test_operator_reconciles_one_crs_life(api: FakeKubeApi, operator: asyn
     assert status_writes(api) == writes, "status written although nothing changed"
     meta = the_cr(api)["metadata"]
     assert not meta.get("finalizers") and not any(k.startswith("kopf.") for k in meta.get("annotations") or {})
+    # The workload watches (Deployments, StatefulSets) are filtered on the server: the operator never
+    # streams other Deployments of the cluster.
+    selected = [q for q in api.watch_params if q.get("labelSelector") == f"{MANAGED}=infera-operator"]
+    assert len(selected) >= 2, api.watch_params
 
     # A pool drops below its count: degraded; back: ready again.
     api.patch_object(api.resource_type("apps/v1", "Deployment"), NS, "demo-pool-a", "application/merge-patch+json",
