@@ -65,7 +65,8 @@ Where it differs from a real cluster:
   ``configMapKeyRef``, ``secretKeyRef``; ``resourceFieldRef`` answers ``0``), ``envFrom``, ``$(VAR)``
   expansion in env, command and args; plus ``KUBERNETES_SERVICE_HOST``/``PORT`` for the API and
   ``KUBECONFIG`` (no service-account token is mounted), ``PATH``/``HOME`` and a few others from the
-  test's environment, and ``PYTHONPATH`` (the DNS hook, the repository). No ``*_SERVICE_HOST``
+  test's environment, ``PYTHONUNBUFFERED=1`` (as the Infera image), and ``PYTHONPATH`` (the DNS
+  hook, the repository). No ``*_SERVICE_HOST``
   service links. Logs go to ``workdir/logs/<ns>_<pod>_<container>.log``. A running Pod's spec
   changes (image, env, command) are not applied (a real kubelet restarts the container). Pods left
   when :meth:`LocalKubelet.stop` runs keep their last status in the API (their processes are gone).
@@ -1425,6 +1426,7 @@ class PodRuntime:
     async def container_env(self, container: Mapping[str, Any]) -> dict[str, str]:
         env = {k: os.environ[k] for k in ENV_INHERITED if k in os.environ}
         env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "/usr/bin:/bin")
+        env["PYTHONUNBUFFERED"] = "1"  # as the Infera image sets it; logs are whole when a test reads them
         env.update(self.k.cluster_env(self.namespace))
         env.update(self.k.extra_env)
         mounts = self.mounts_of(container)
@@ -1650,13 +1652,15 @@ class LocalKubelet:
     termination grace period), ``extra_env`` (added to every container), ``first_pod_ip``
     ((third, fourth) octet of the first Pod IP in 127.0.x.y; default a random x in 10..149, y 1),
     ``stop_grace`` (seconds each process
-    gets on :meth:`stop` before SIGKILL)."""
+    gets on :meth:`stop` before SIGKILL), ``start_timeout`` (seconds :meth:`start` waits for the
+    first list of Pods and Services; then RuntimeError naming the errors)."""
 
     def __init__(self, api_url: str, token: str | None, workdir: str | os.PathLike, *,
                  namespace: str | None = None, images: Mapping[str, ImageSpec] | None = None,
                  probe_period_cap: float | None = None, restart_backoff: tuple[float, float] = (10.0, 300.0),
                  grace_period_cap: float | None = None, extra_env: Mapping[str, str] | None = None,
-                 first_pod_ip: tuple[int, int] | None = None, stop_grace: float = 5.0) -> None:
+                 first_pod_ip: tuple[int, int] | None = None, stop_grace: float = 5.0,
+                 start_timeout: float = 15.0) -> None:
         self.api_url = api_url.rstrip("/")
         self.token = token
         self.workdir = Path(workdir).resolve()
@@ -1669,6 +1673,7 @@ class LocalKubelet:
         # A random first block by default, so kubelets of test runs side by side rarely share IPs.
         self.first_pod_ip = first_pod_ip or (random.randrange(10, 150), 1)
         self.stop_grace = stop_grace
+        self.start_timeout = start_timeout
         self.api = ApiClient(self.api_url, token)
         self.pods = Informer(self.api, PODS, self.wake, namespace)
         self.services = Informer(self.api, SERVICES, self.wake, namespace)
@@ -1712,7 +1717,13 @@ class LocalKubelet:
         await self.api.open()
         self.probe_session = aiohttp.ClientSession()
         self._tasks = [asyncio.create_task(i.run()) for i in self.informers]
-        await asyncio.wait_for(asyncio.gather(self.pods.synced.wait(), self.services.synced.wait()), 15)
+        try:
+            await asyncio.wait_for(asyncio.gather(self.pods.synced.wait(), self.services.synced.wait()),
+                                   self.start_timeout)
+        except asyncio.TimeoutError:
+            errors = "; ".join(f"{i.kind.plural}: {i.last_error}" for i in self.informers if i.last_error)
+            await self.stop()
+            raise RuntimeError(f"LocalKubelet could not list Pods and Services from {self.api_url}: {errors}")
         self._tasks.append(asyncio.create_task(self._sync_loop()))
 
     async def stop(self) -> None:

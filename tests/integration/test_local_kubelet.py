@@ -349,3 +349,13 @@ async def test_crash_restarts_with_backoff_and_liveness_kills(cluster):
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "stubborn"},
         "spec": {"containers": [{"name": "main", "image": "x", "command": ["python3", "-c", stubborn]}]}})
     await wait_for(lambda: "child started" in kubelet.logs("stubborn"), 10, message="stubborn child started")
+
+
+async def test_start_against_no_api_server_fails_clearly(tmp_path):
+    from tests.conftest import free_port
+
+    kubelet = LocalKubelet(f"http://127.0.0.1:{free_port()}", "t", tmp_path, start_timeout=0.5)
+    before = len(asyncio.all_tasks())
+    with pytest.raises(RuntimeError, match="could not list Pods and Services.*pods: .*(Connect|refused)"):
+        await kubelet.start()
+    assert len(asyncio.all_tasks()) == before  # nothing left running
