@@ -70,7 +70,8 @@ Where it differs from a real cluster:
   service links. Logs go to ``workdir/logs/<ns>_<pod>_<container>.log``. A running Pod's spec
   changes (image, env, command) are not applied (a real kubelet restarts the container). Pods left
   when :meth:`LocalKubelet.stop` runs keep their last status in the API (their processes are gone).
-* kube-proxy: a userspace TCP proxy per Service port on its cluster IP, round-robin over the
+* kube-proxy: a userspace TCP proxy per Service port on its cluster IP (a Service the API server
+  gave no cluster IP gets one here, ``127.0.250.<n>``, not written back), round-robin over the
   Pods that match the selector, are Ready and are not terminating (read from the API's Pod
   status); no endpoint means the connection is closed at once (a real one rejects). UDP,
   sessionAffinity, NodePort/LoadBalancer, externalTrafficPolicy and Services without a selector
@@ -1552,8 +1553,8 @@ class ServiceProxy:
         wanted: dict[tuple[str, str, str, int], tuple[dict[str, Any], dict[str, Any]]] = {}
         for svc in self.k.services.values():
             spec = svc.get("spec") or {}
-            ip = spec.get("clusterIP")
-            if not ip or ip == "None" or not spec.get("selector"):
+            ip = self.k.service_ip(svc)
+            if not ip or not spec.get("selector"):
                 continue
             for port_spec in spec.get("ports") or []:
                 if port_spec.get("protocol", "TCP") != "TCP":
@@ -1690,6 +1691,7 @@ class LocalKubelet:
         self.hosts_path = self.workdir / "cluster-hosts.json"
         self.errors: list[str] = []
         self._error_seen: dict[str, float] = {}
+        self._local_service_ips: dict[str, str] = {}
         self.probe_session: aiohttp.ClientSession | None = None
         self._ip_index = 0
         self._ips_in_use: set[str] = set()
@@ -1917,6 +1919,21 @@ class LocalKubelet:
         with contextlib.suppress(ApiError):
             await self.api.delete(PODS.item(ns, name), grace_seconds=0)
 
+    def service_ip(self, svc: Mapping[str, Any]) -> str | None:
+        """A Service's cluster IP: the API server's, else one of our own (``127.0.250.<n>``, not
+        written back) for an API server that allocates none; None for a headless Service."""
+        spec = svc.get("spec") or {}
+        ip = spec.get("clusterIP")
+        if ip == "None" or spec.get("type") == "ExternalName":
+            return None
+        if ip:
+            return ip
+        uid = svc["metadata"].get("uid") or "/".join(_key(svc))
+        if uid not in self._local_service_ips:
+            n = len(self._local_service_ips)
+            self._local_service_ips[uid] = f"127.0.{250 + n // 254}.{n % 254 + 1}"
+        return self._local_service_ips[uid]
+
     def _records(self) -> dict[str, list[str]]:
         records: dict[str, list[str]] = {}
         local_ips = {r.uid: r.ip for r in self.runtimes.values()}
@@ -1928,8 +1945,8 @@ class LocalKubelet:
             ns, name = _key(svc)
             spec = svc.get("spec") or {}
             fqdn = f"{name}.{ns}.svc.{self._dns.CLUSTER_DOMAIN}"
-            if spec.get("clusterIP") and spec["clusterIP"] != "None":
-                records[fqdn] = [spec["clusterIP"]]
+            if self.service_ip(svc):
+                records[fqdn] = [self.service_ip(svc)]
             elif spec.get("selector"):
                 ips = [pod_ip(p) for p in sorted(self.pods.values(), key=lambda p: p["metadata"]["name"])
                        if p["metadata"].get("namespace", "default") == ns and pod_is_ready(p) and not _terminating(p)

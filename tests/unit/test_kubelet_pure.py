@@ -210,3 +210,15 @@ uvloop.run(main())
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["uvloop", "127.0.0.1", "127.0.0.1"]
+
+
+def test_service_ip_from_the_api_else_a_local_one(tmp_path):
+    kubelet = kl.LocalKubelet("http://127.0.0.1:1", None, tmp_path)
+    given = {"metadata": {"name": "a", "uid": "1"}, "spec": {"clusterIP": "127.0.200.7"}}
+    headless = {"metadata": {"name": "b", "uid": "2"}, "spec": {"clusterIP": "None"}}
+    missing = {"metadata": {"name": "c", "uid": "3"}, "spec": {}}
+    other = {"metadata": {"name": "d", "uid": "4"}, "spec": {}}
+    assert kubelet.service_ip(given) == "127.0.200.7"
+    assert kubelet.service_ip(headless) is None
+    assert kubelet.service_ip(missing) == "127.0.250.1" == kubelet.service_ip(missing)
+    assert kubelet.service_ip(other) == "127.0.250.2"
