@@ -184,9 +184,18 @@ class KubeRest:
         """Server-side apply of one object (JSON is YAML, so the body is the object as JSON)."""
         body = dict(obj)
         body["metadata"] = {**(obj.get("metadata") or {}), "namespace": (obj.get("metadata") or {}).get("namespace") or namespace}
-        answer = await self._request("PATCH", resource_path(body), body=body,
-                                     query={"fieldManager": FIELD_MANAGER, "force": "true"},
-                                     content_type="application/apply-patch+yaml")
+        path = resource_path(body)
+        try:
+            answer = await self._request("PATCH", path, body=body,
+                                         query={"fieldManager": FIELD_MANAGER, "force": "true"},
+                                         content_type="application/apply-patch+yaml")
+        except KubeApiError as exc:
+            if exc.code == 404:  # an apply creates: a 404 means the kind itself is not served
+                hint = " (install the LeaderWorkerSet CRD: https://github.com/kubernetes-sigs/lws)" \
+                    if body.get("kind") == "LeaderWorkerSet" else ""
+                raise KubeApiError(404, "PATCH", path, f"the API server does not serve {body.get('kind')} "
+                                   f"{body.get('apiVersion')}{hint}") from exc
+            raise
         return answer or {}
 
     async def delete(self, obj: Mapping[str, Any], namespace: str) -> None:

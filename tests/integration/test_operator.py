@@ -275,3 +275,40 @@ async def test_all_namespaces_a_crd_installed_after_start_and_the_liveness_endpo
             assert api.get("apps/v1", "Deployment", "demo-pool-a", namespace) is not None
         container = api.get("apps/v1", "Deployment", "demo-pool-a", "team-b")["spec"]["template"]["spec"]["containers"][0]
         assert container["command"][-1] == "infera.engine.sim", container["command"]
+
+
+LWS_CRD = {  # the LeaderWorkerSet CRD, reduced to what the API server needs to serve the kind
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "leaderworkersets.leaderworkerset.x-k8s.io"},
+    "spec": {"group": "leaderworkerset.x-k8s.io", "scope": "Namespaced",
+             "names": {"plural": "leaderworkersets", "singular": "leaderworkerset", "kind": "LeaderWorkerSet"},
+             "versions": [{"name": "v1", "served": True, "storage": True, "subresources": {"status": {}},
+                           "schema": {"openAPIV3Schema": {"type": "object",
+                                                          "x-kubernetes-preserve-unknown-fields": True}}}]},
+}
+
+
+async def test_multi_node_pool_without_then_with_the_leaderworkerset_crd(api: FakeKubeApi, operator):
+    """A multi-node pool is a LeaderWorkerSet: without its CRD the CR is failed with a message that
+    says so (not a crash or a silent retry loop); once the CRD is installed the next resync applies
+    it, and the LWS's readiness (ready groups) makes the CR ready."""
+    wide = cr("wide")
+    wide["spec"]["services"] = {"frontend": {"componentType": "server", "replicas": 1},
+                                "wide": {"componentType": "worker", "numberOfNodes": 2, "replicas": 1}}
+    api.create_object(api.resource_type(API, KIND), NS, wide)
+    await wait_for(lambda: state(api, "wide") == "failed", T, message="failed without the LWS CRD")
+    message = conditions(the_cr(api, "wide"))["Degraded"]["message"]
+    assert "LeaderWorkerSet" in message and "CRD" in message, message
+
+    api.create_object(api.resource_type("apiextensions.k8s.io/v1", "CustomResourceDefinition"), None, LWS_CRD)
+    await wait_for(lambda: api.get("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "wide-wide", NS) is not None,
+                   T, message="the LWS applied after its CRD appeared")
+    await wait_for(lambda: state(api, "wide") == "pending", T, message="pending")
+    uid = the_cr(api, "wide")["metadata"]["uid"]
+    make_ready(api, uid)  # Deployments and the NATS StatefulSet
+    api.patch_object(api.resource_type("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"), NS, "wide-wide",
+                     "application/merge-patch+json", {"status": {"readyReplicas": 1, "replicas": 1}},
+                     subresource="status")
+    await wait_for(lambda: state(api, "wide") == "ready", T, message="ready with the LWS ready")
+    assert the_cr(api, "wide")["status"]["services"]["wide"] == \
+        {"kind": "LeaderWorkerSet", "replicas": 1, "readyReplicas": 1}
