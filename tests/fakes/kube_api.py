@@ -103,8 +103,10 @@ objects and the resourceVersion go back, so a client's newer resourceVersion is 
 Where it differs from a real API server:
 
 * Built-in kinds are not validated against their schemas (any JSON object with metadata is stored
-  as given; labels and annotations must be strings); ``fieldValidation=Strict`` catches unknown
-  fields of custom resources only. No admission, defaulting beyond the few above, or immutability
+  as given; labels and annotations must be strings), except that ``fieldValidation=Strict`` (what
+  kubectl sends) refuses their unknown fields, found with the 1.37 JSON schemas of the
+  ``kubernetes-validate`` package (:class:`BuiltinFieldChecker`); under ``Warn`` only a custom
+  resource's unknown fields are reported. No admission, defaulting beyond the few above, or immutability
   checks (e.g. a Deployment's selector may change). Custom-resource validation covers the
   keywords :func:`apply_schema` names: no CEL (``x-kubernetes-validations``), ``format``,
   ``uniqueItems``, list-type/map-keys uniqueness, ratcheting, or conversion webhooks (every served
@@ -677,6 +679,55 @@ def _check_value(value: Any, schema: dict[str, Any], path: str, errors: list[Fie
         errors.append(_invalid_value(path, _shown(value), "should not validate the given schema"))
 
 
+class BuiltinFieldChecker:
+    """Unknown fields of built-in kinds, found with the Kubernetes 1.37 JSON schemas that the
+    ``kubernetes-validate`` package ships (its strict schemas forbid additional properties): what
+    ``fieldValidation=Strict`` refuses on a real server. Only unknown fields are reported (a real
+    server's other checks are not the JSON schema's). Validators are built once per kind."""
+
+    SCHEMA_VERSION = "1.37.0"
+
+    def __init__(self) -> None:
+        self._validators: dict[tuple[str, str], Any] = {}
+
+    def _validator(self, api_version: str, kind: str) -> Any:
+        key = (api_version, kind)
+        if key not in self._validators:
+            self._validators[key] = self._build(api_version, kind)
+        return self._validators[key]
+
+    def _build(self, api_version: str, kind: str) -> Any:
+        try:
+            import jsonschema
+            from kubernetes_validate.utils import schema_contents
+            from referencing import Registry, Resource
+        except ImportError:  # the package is a dev dependency; without it nothing is checked
+            return None
+        group_version = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
+        directory = f"kubernetes-json-schema/v{self.SCHEMA_VERSION}-local-strict"
+        try:
+            schema = schema_contents(f"{directory}/{kind.lower()}-{group_version}.json", self.SCHEMA_VERSION)
+            definitions = schema_contents(f"{directory}/_definitions.json", self.SCHEMA_VERSION)
+        except (FileNotFoundError, OSError, ValueError):
+            return None
+        registry = Resource.from_contents(definitions) @ (Resource.from_contents(schema) @ Registry())
+        return jsonschema.validators.Draft202012Validator(schema, registry=registry)
+
+    def unknown_fields(self, obj: dict[str, Any]) -> list[str]:
+        """``spec.template.spec.containers[0].imagePullPolicyy``-style paths, sorted."""
+        validator = self._validator(obj.get("apiVersion", ""), obj.get("kind", ""))
+        if validator is None:
+            return []
+        found = []
+        for error in validator.iter_errors(obj):
+            if error.validator != "additionalProperties" or not isinstance(error.instance, dict):
+                continue
+            base = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path).lstrip(".")
+            allowed = set((error.schema or {}).get("properties") or {})
+            found.extend(_join(base, name) for name in error.instance if name not in allowed)
+        return sorted(found)
+
+
 # --------------------------------------------------------------------------------------------
 # Resource types
 # --------------------------------------------------------------------------------------------
@@ -1042,6 +1093,7 @@ class FakeKubeApi:
         self._orphan_on_removal: set[str] = set()  # uids deleted with propagationPolicy=Orphan
         self._uids: set[str] = set()  # every stored object's uid (owner references resolve against it)
         self._applied: dict[str, dict[str, Any]] = {}  # uid -> field manager -> its last applied configuration
+        self._builtin_fields = BuiltinFieldChecker()
         self._watchers: set[_Watcher] = set()
         self._failures: list[tuple[int, str | None]] = []  # (status, only this request kind | None)
         self._rv_waiters: list[asyncio.Future] = []  # watches waiting for a newer resourceVersion
@@ -1650,14 +1702,16 @@ class FakeKubeApi:
         if errors:
             raise invalid(rtype, name, errors)
         _default_builtin(self, rtype, obj, old)
+        if rtype.crd is None and field_validation == "Strict":
+            unknown = self._builtin_fields.unknown_fields(obj)
+            if unknown:
+                raise _strict_error(rtype, unknown)
         if rtype.schema is not None:
             result = apply_schema(obj, rtype.schema)
             if result.errors:
                 raise invalid(rtype, name, result.errors)
             if result.unknown and field_validation == "Strict":
-                fields_text = ", ".join(f'unknown field "{f}"' for f in result.unknown)
-                raise KubeError(400, "BadRequest", f'{rtype.kind} in version "{rtype.version}" cannot be handled as a '
-                                                   f'{rtype.kind}: strict decoding error: {fields_text}')
+                raise _strict_error(rtype, result.unknown)
             if result.unknown and field_validation == "Warn" and warnings is not None:
                 warnings.extend(f'unknown field "{f}"' for f in result.unknown)
             obj = result.value
@@ -2112,6 +2166,12 @@ async def _read_body(request: web.Request, optional: bool = False) -> Any:
         return json.loads(raw)
     except (ValueError, yaml.YAMLError) as exc:
         raise KubeError(400, "BadRequest", f"invalid body: {exc}") from exc
+
+
+def _strict_error(rtype: ResourceType, unknown: list[str]) -> KubeError:
+    fields_text = ", ".join(f'unknown field "{f}"' for f in unknown)
+    return KubeError(400, "BadRequest", f'{rtype.kind} in version "{rtype.version}" cannot be handled as a '
+                                        f"{rtype.kind}: strict decoding error: {fields_text}")
 
 
 def _unsupported_patch(content_type: str) -> KubeError:

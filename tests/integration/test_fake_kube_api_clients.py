@@ -98,8 +98,8 @@ async def test_kubectl_apply_kustomization_twice_then_unchanged(fake_api: FakeKu
     assert deployment["spec"]["replicas"] == 2 and deployment["metadata"]["generation"] == 1
 
 
-async def test_kubectl_refuses_a_typo_and_an_invalid_value_naming_the_field(fake_api: FakeKubeApi,
-                                                                             kubectl: Kubectl) -> None:
+async def test_kubectl_refuses_a_typo_and_an_invalid_value_naming_the_field(fake_api: FakeKubeApi, kubectl: Kubectl,
+                                                                             tmp_path: Path) -> None:
     await kubectl("apply", "-f", str(FIXTURES / "app" / "namespace.yaml"), "-f", str(FIXTURES / "app" / "crd.yaml"))
     rc, _, err = await kubectl("apply", "-f", str(FIXTURES / "widget-typo.yaml"), check=False)
     assert rc == 1 and 'strict decoding error: unknown field "spec.services.x.replica"' in err, err
@@ -108,6 +108,12 @@ async def test_kubectl_refuses_a_typo_and_an_invalid_value_naming_the_field(fake
     assert 'spec.size: Unsupported value: "huge": supported values: "small", "large"' in err
     assert 'spec.replicas: Invalid value: "string": spec.replicas in body must be of type integer' in err
     assert fake_api.list("example.infera.dev/v1", "Widget") == []
+    deployment = (FIXTURES / "app" / "deployment.yaml").read_text()
+    typo = tmp_path / "deployment.yaml"
+    typo.write_text(deployment.replace("image: infera:test", "image: infera:test\n          imagePullPolicyy: Always"))
+    rc, _, err = await kubectl("apply", "-n", "demo", "-f", str(typo), check=False)
+    assert rc == 1 and 'unknown field "spec.template.spec.containers[0].imagePullPolicyy"' in err, err
+    assert fake_api.list("apps/v1", "Deployment") == []
 
 
 async def test_kubectl_changes_scales_patches_and_deletes(fake_api: FakeKubeApi, kubectl: Kubectl,

@@ -138,6 +138,25 @@ def test_custom_resource_strict_unknown_field_is_400_warn_prunes_with_a_warning(
     assert created["spec"] == {"size": "small", "services": {"x": {}}, "replicas": 1}
 
 
+def test_strict_refuses_unknown_fields_of_builtin_kinds_too(api: FakeKubeApi) -> None:
+    deployments = kind(api, "apps/v1", "Deployment")
+    body = {"metadata": {"name": "d"}, "spec": {"selector": {"matchLabels": {"a": "b"}}, "template": {
+        "metadata": {"labels": {"a": "b"}},
+        "spec": {"containers": [{"name": "main", "image": "x", "imagePullPolicyy": "Always"}], "nodeSelektor": {}}}}}
+    with pytest.raises(KubeError) as caught:
+        api.create_object(deployments, "demo", body, field_validation="Strict")
+    assert caught.value.code == 400
+    assert caught.value.status["message"] == (
+        'Deployment in version "v1" cannot be handled as a Deployment: strict decoding error: unknown field '
+        '"spec.template.spec.containers[0].imagePullPolicyy", unknown field "spec.template.spec.nodeSelektor"')
+    valid = copy.deepcopy(body)
+    del valid["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"]
+    del valid["spec"]["template"]["spec"]["nodeSelektor"]
+    assert api.create_object(deployments, "demo", valid, field_validation="Strict")["spec"]["replicas"] == 1
+    body["metadata"]["name"] = "lenient"
+    assert api.create_object(deployments, "demo", body, field_validation="Warn")  # stored as given
+
+
 def test_custom_resource_invalid_is_422_with_causes(api: FakeKubeApi) -> None:
     widgets = kind(api, "example.infera.dev/v1", "Widget")
     with pytest.raises(KubeError) as caught:
