@@ -249,7 +249,9 @@ class Reconciler:
                 self.forget((meta["namespace"], meta["name"]))
                 return
             raise
-        log.info("%s/%s: state %s", meta["namespace"], meta["name"], new.get("state"))
+        changed = new.get("state") != old.get("state")
+        log.log(logging.INFO if changed else logging.DEBUG, "%s/%s: state %s%s", meta["namespace"], meta["name"],
+                new.get("state"), f": {new['message']}" if new.get("message") else "")
 
 
 @dataclass(frozen=True)
@@ -407,8 +409,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: give --namespace NS (repeatable, or {NAMESPACES_ENV}) or --all-namespaces", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # One line per HTTP request, and kopf's "Handler ... succeeded" per watch event, at INFO.
-    for chatty in ("httpx", "httpx2", "httpcore", "kopf.objects"):
+    # One line per HTTP request (and per liveness probe), and kopf's "Handler ... succeeded" per
+    # watch event, at INFO.
+    for chatty in ("httpx", "httpx2", "httpcore", "kopf.objects", "aiohttp.access"):
         logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         load_kube_config()  # fail now, with a clear message, rather than in kopf's login retries
