@@ -1011,6 +1011,7 @@ class ContainerRuntime:
                 *argv, env=env, cwd=cwd, stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=logf,
                 start_new_session=True)
         self.pids.append(self.proc.pid)
+        self.pod.k.started_pids.append(self.proc.pid)
         started_at = now_iso()
         self._set(state={"running": {"startedAt": started_at}}, started=not self.spec.get("startupProbe"),
                   ready=False)
@@ -1511,6 +1512,7 @@ class PodRuntime:
         proc = await asyncio.create_subprocess_exec(*argv, env=env, cwd=str(self.dir), stdin=asyncio.subprocess.DEVNULL,
                                                     stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
                                                     start_new_session=True)
+        self.k.started_pids.append(proc.pid)
         try:
             return await asyncio.wait_for(proc.wait(), timeout)
         except asyncio.TimeoutError:
@@ -1692,6 +1694,7 @@ class LocalKubelet:
         self.errors: list[str] = []
         self._error_seen: dict[str, float] = {}
         self._local_service_ips: dict[str, str] = {}
+        self.started_pids: list[int] = []
         self.probe_session: aiohttp.ClientSession | None = None
         self._ip_index = 0
         self._ips_in_use: set[str] = set()
@@ -1775,9 +1778,9 @@ class LocalKubelet:
         return None
 
     def process_ids(self) -> list[int]:
-        """The process group ids of every container process this kubelet has started."""
-        return [pid for r in list(self.runtimes.values()) + list(self.finished.values())
-                for c in r.init_containers + r.containers for pid in c.pids]
+        """The process group ids of every process this kubelet has started (containers, exec
+        probes and hooks), in start order, including those of Pods long gone."""
+        return list(self.started_pids)
 
     # -- internals -------------------------------------------------------------------------------
     def wake(self) -> None:

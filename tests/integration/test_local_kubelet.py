@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import textwrap
 
 import aiohttp
@@ -18,7 +19,8 @@ from tests.fakes.kubelet import (DAEMONSETS, DEPLOYMENTS, LEADERWORKERSETS, PODS
 NS = "default"
 
 # A Pod's program: an HTTP server on argv[1]:argv[2] answering its name (/), its env (/env) and
-# what its resolver says of a name (/resolve?name=x); on SIGTERM it writes a marker and exits.
+# what its resolver says of a name (/resolve?name=x); /health fails while a marker file
+# <name>.unready exists; on SIGTERM it writes a marker and exits.
 POD_SERVER = textwrap.dedent("""
     import http.server, json, os, signal, socket, sys, time, urllib.parse
     host, port = sys.argv[1], int(sys.argv[2])
@@ -31,6 +33,11 @@ POD_SERVER = textwrap.dedent("""
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             url = urllib.parse.urlsplit(self.path)
+            if url.path == "/health" and os.path.exists(os.path.join(os.environ["MARKER_DIR"], name + ".unready")):
+                self.send_response(503)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             if url.path == "/env":
                 body = json.dumps(dict(os.environ))
             elif url.path == "/resolve":
@@ -74,7 +81,9 @@ def server_template(app: str, extra_env: list[dict] | None = None) -> dict:
 
 @pytest.fixture
 async def cluster(tmp_path):
-    api = await FakeKubeApi(namespace=NS).start()
+    # A random start for Service IPs: another run on this machine (its own fake, its own proxies)
+    # then rarely holds the same clusterIP:port.
+    api = await FakeKubeApi(namespace=NS, service_ip_start=f"127.0.200.{random.randrange(1, 240)}").start()
     client = ApiClient(api.url, api.token)
     await client.open()
     kubelet = LocalKubelet(api.url, api.token, tmp_path / "cluster", probe_period_cap=0.2,
@@ -169,6 +178,19 @@ async def test_deployment_scale_service_dns_graceful_delete_and_rollout(cluster,
                 and subsets[0]["ports"] == [{"port": 8080, "protocol": "TCP"}])
     await wait_for(endpoints_ready, 10, message="Endpoints of web list both Pods")
 
+    # Readiness is followed live: an unready Pod leaves the Service's rotation, and comes back.
+    markers = tmp_path / "cluster" / "node" / "hostpath" / "var" / "markers"
+    unready = pods[1]["metadata"]["name"]
+    (markers / f"{unready}.unready").touch()
+
+    async def only_ready_one_serves() -> bool:
+        pod = await client.get(PODS.item(NS, unready))
+        return not pod_is_ready(pod) and {await http_get(f"http://{cluster_ip}:8000/") for _ in range(3)} == {
+            pods[0]["metadata"]["name"]}
+    await wait_for(only_ready_one_serves, 10, message=f"{unready} unready and out of the Service")
+    (markers / f"{unready}.unready").unlink()
+    await ready_pods(client, "app=web", 2, kubelet)
+
     # Scale through /scale.
     await client.merge_patch(DEPLOYMENTS.item(NS, "web", "scale"), {"spec": {"replicas": 3}})
     pods = await ready_pods(client, "app=web", 3, kubelet)
@@ -177,7 +199,6 @@ async def test_deployment_scale_service_dns_graceful_delete_and_rollout(cluster,
     # Graceful delete: preStop, then SIGTERM, then the Pod is gone and replaced.
     victim = pods[0]["metadata"]["name"]
     await client.delete(PODS.item(NS, victim))
-    markers = tmp_path / "cluster" / "node" / "hostpath" / "var" / "markers"
 
     async def victim_gone() -> bool:
         names = [p["metadata"]["name"] for p in await pods_of(client, "app=web")]
@@ -208,6 +229,17 @@ async def test_deployment_scale_service_dns_graceful_delete_and_rollout(cluster,
     pod = (await ready_pods(client, "app=web", 3, kubelet))[0]
     env = json.loads(await http_get(f"http://{pod['status']['podIP']}:8080/env"))
     assert env["VERSION"] == "2"
+
+    # Deleting the Deployment: the API server's garbage collector deletes its Pods gracefully and
+    # the kubelet stops them (each writes its SIGTERM marker) and removes them.
+    last = {p["metadata"]["name"] for p in await pods_of(client, "app=web")}
+    await client.delete(DEPLOYMENTS.item(NS, "web"))
+    await wait_for(lambda: _no_pods(client, "app=web"), 20, message="the Deployment's Pods gone")
+    assert all((markers / f"{name}.term").exists() for name in last)
+
+
+async def _no_pods(client: ApiClient, selector: str) -> bool:
+    return not await pods_of(client, selector)
 
 
 async def _status_is(client: ApiClient, kind, name: str, **want) -> bool:
