@@ -54,7 +54,9 @@ Infera's discovery, the operator (kopf), the local kubelet and the real ``kubect
   owner references none of which names a stored object is deleted right after that write (the
   collector finds it dangling). Deleting a Namespace deletes what is in it;
 * Services: ``spec.clusterIP`` (and ``clusterIPs``) allocated on create from a loopback range
-  (``service_ip_start``, default 127.0.200.1, counting up), unless given or ``None`` (headless), and
+  (:data:`SERVICE_IP_RANGE`, 127.0.200.0–127.0.254.255, counting up from ``service_ip_start``: by
+  default a random address there, so that the Service proxies of tests running side by side on one
+  machine do not collide; hosts .0 and .255 are skipped), unless given or ``None`` (headless), and
   kept across updates; ``ports[].protocol`` defaults to TCP and ``targetPort`` to ``port``.
   Deployments/StatefulSets/ReplicaSets default ``spec.replicas`` to 1; a new Pod's status is
   ``phase: Pending``; a new Namespace's is ``phase: Active``;
@@ -144,10 +146,12 @@ Where it differs from a real API server:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import datetime
 import ipaddress
 import json
+import random
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -165,6 +169,7 @@ STRATEGIC_PATCH = "application/strategic-merge-patch+json"
 APPLY_PATCH = "application/apply-patch+yaml"
 PATCH_TYPES = (JSON_PATCH, MERGE_PATCH, STRATEGIC_PATCH, APPLY_PATCH)
 _TRUE = ("true", "1", "True")
+SERVICE_IP_RANGE = ("127.0.200.0", "127.0.254.255")  # Service cluster IPs (the local kubelet's Pod IPs are below)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1064,7 +1069,7 @@ class FakeKubeApi:
     def __init__(self, *, namespace: str = "default", token: str | None = "test-token",
                  history_limit: int | None = None, bookmark_interval: float | None = None,
                  too_large_wait_s: float = 0.2, too_large_as: str = "event",
-                 service_ip_start: str = "127.0.200.1") -> None:
+                 service_ip_start: str | None = None) -> None:
         if too_large_as not in ("event", "http"):
             raise ValueError("too_large_as is 'event' (a watch ERROR event) or 'http' (the HTTP 504 itself)")
         self.namespace = namespace  # the helpers' default namespace
@@ -1073,7 +1078,12 @@ class FakeKubeApi:
         self.bookmark_interval = bookmark_interval
         self.too_large_wait_s = too_large_wait_s  # a real watch cache waits 3 s for a newer resourceVersion
         self.too_large_as = too_large_as
-        self.service_ip_start = ipaddress.IPv4Address(service_ip_start)
+        low, high = (int(ipaddress.IPv4Address(a)) for a in SERVICE_IP_RANGE)
+        start = ipaddress.IPv4Address(service_ip_start) if service_ip_start else \
+            ipaddress.IPv4Address(random.Random().randint(low, high))
+        if not low <= int(start) <= high:
+            raise ValueError(f"service_ip_start {start} is outside {SERVICE_IP_RANGE[0]}-{SERVICE_IP_RANGE[1]}")
+        self.service_ip_start = start
         # (group, plural) -> {(namespace or "", name): object}; every served version shares them.
         self.store: dict[tuple[str, str], dict[tuple[str, str], dict[str, Any]]] = {}
         self.types: dict[tuple[str, str, str], ResourceType] = {}  # (group, version, plural)
@@ -1737,11 +1747,16 @@ class FakeKubeApi:
         return served
 
     def _allocate_cluster_ip(self) -> str:
+        """The next free address of :data:`SERVICE_IP_RANGE` from ``service_ip_start`` (wrapping)."""
         used = {(svc.get("spec") or {}).get("clusterIP") for svc in self.store[("", "services")].values()}
-        candidate = self.service_ip_start
-        while str(candidate) in used:
-            candidate += 1
-        return str(candidate)
+        low, high = (int(ipaddress.IPv4Address(a)) for a in SERVICE_IP_RANGE)
+        candidate = int(self.service_ip_start)
+        for _ in range(high - low + 1):
+            address = ipaddress.IPv4Address(candidate)
+            if candidate & 0xFF not in (0, 255) and str(address) not in used:
+                return str(address)
+            candidate = low if candidate >= high else candidate + 1
+        raise KubeError(500, "InternalError", "no Service cluster IP left in the fake's range")
 
     def scale_of(self, rtype: ResourceType, obj: dict[str, Any]) -> dict[str, Any]:
         """The autoscaling/v1 Scale of a scalable object."""
@@ -2022,9 +2037,12 @@ class FakeKubeApi:
                         request.transport.abort()  # mid-chunk: the client sees a broken stream
                     raise asyncio.CancelledError  # nothing more to write on this connection
                 await resp.write(_line(item))
+        except ConnectionResetError:  # the client went away: its stream just ends
+            return resp
         finally:
             self._watchers.discard(watcher)
-        await resp.write_eof()
+        with contextlib.suppress(ConnectionResetError):
+            await resp.write_eof()
         return resp
 
     async def _create(self, request: web.Request, rtype: ResourceType, ns: str | None) -> web.Response:

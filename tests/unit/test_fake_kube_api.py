@@ -3,6 +3,7 @@ concurrency, garbage collection, finalizers, graceful Pod deletion, Service clus
 from __future__ import annotations
 
 import copy
+import ipaddress
 from typing import Any
 
 import pytest
@@ -419,9 +420,20 @@ def test_services_get_loopback_cluster_ips_and_port_defaults() -> None:
     assert first["spec"]["ports"] == [{"port": 80, "protocol": "TCP", "targetPort": 80}]
     third = api.create_object(services, "default", {"metadata": {"name": "c"}, "spec": {}})
     assert third["spec"]["clusterIP"] == "127.0.200.4"  # skips the one given
+    low, high = ipaddress.IPv4Address("127.0.200.0"), ipaddress.IPv4Address("127.0.254.255")
+    starts = {FakeKubeApi().service_ip_start for _ in range(20)}
+    assert all(low <= start <= high for start in starts) and len(starts) > 1  # side-by-side runs do not collide
+    wraps = FakeKubeApi(service_ip_start="127.0.254.254")
+    ips = [api_ip(wraps, name) for name in ("x", "y")]
+    assert ips == ["127.0.254.254", "127.0.200.1"]  # wraps around, skipping .255 and .0
     replaced = api.update_object(services, "default", "a",
                                  {"metadata": {"name": "a"}, "spec": {"ports": [{"port": 81}]}})
     assert replaced["spec"]["clusterIP"] == "127.0.200.1"  # kept across updates
+
+
+def api_ip(api: FakeKubeApi, name: str) -> str:
+    created = api.create_object(kind(api, "v1", "Service"), "default", {"metadata": {"name": name}, "spec": {}})
+    return created["spec"]["clusterIP"]
 
 
 def test_scale_subresource_reads_the_declared_paths(api: FakeKubeApi) -> None:
