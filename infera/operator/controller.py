@@ -408,16 +408,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args.all_namespaces and not namespaces:
         print(f"error: give --namespace NS (repeatable, or {NAMESPACES_ENV}) or --all-namespaces", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # One line per HTTP request (and per liveness probe), and kopf's "Handler ... succeeded" per
-    # watch event, at INFO.
-    for chatty in ("httpx", "httpx2", "httpcore", "kopf.objects", "aiohttp.access"):
-        logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         load_kube_config()  # fail now, with a clear message, rather than in kopf's login retries
     except KubeConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # One line per HTTP request (and per liveness probe), and kopf's "Handler ... succeeded" per
+    # watch event, at INFO.
+    for chatty in ("httpx", "httpx2", "httpcore", "kopf.objects", "aiohttp.access"):
+        logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         return asyncio.run(run_operator(args, namespaces, load_kube_config))
     except KeyboardInterrupt:

@@ -446,3 +446,23 @@ async def test_resync_lists_the_crs_so_a_cr_no_event_announced_is_reconciled():
     resync.cancel()
     await asyncio.gather(resync, return_exceptions=True)
     await reconciler.close()
+
+
+def test_main_refuses_without_a_scope_or_a_kube_config(monkeypatch, capsys, tmp_path):
+    from infera.discovery.kubernetes import load_kube_config
+    from infera.operator import controller
+
+    monkeypatch.delenv("INFERA_OPERATOR_NAMESPACES", raising=False)
+    monkeypatch.delenv("INFERA_OPERATOR_ALL_NAMESPACES", raising=False)
+    assert controller.main([]) == 2
+    assert "--namespace NS" in capsys.readouterr().err
+    # The scope from the environment; no API config anywhere: a clear error, not a kopf retry loop.
+    monkeypatch.setenv("INFERA_OPERATOR_NAMESPACES", "a, b")
+    assert controller._namespaces(controller.build_parser().parse_args([]), {"INFERA_OPERATOR_NAMESPACES": "a, b"}) \
+        == ["a", "b"]
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    no_service_account = str(tmp_path)  # no token files here: not inside a Pod
+    monkeypatch.setattr(controller, "load_kube_config", lambda: load_kube_config(no_service_account))
+    assert controller.main([]) == 2
+    assert "no Kubernetes API config" in capsys.readouterr().err
