@@ -79,7 +79,7 @@ Where it differs from a real cluster:
   core/v1 Endpoints are written for every Service with a selector (no
   EndpointSlices; no ``publishNotReadyAddresses``; not read back by the proxy).
 * DNS: only Python processes with the hook resolve cluster names (``socket.getaddrinfo``,
-  ``gethostbyname[_ex]`` and uvloop's loop; not C resolvers such as gRPC's c-ares or libcurl; the
+  ``gethostbyname[_ex]`` and uvloop's loop; not C resolvers such as gRPC's c-ares, aiodns or libcurl; the
   hook's ``sitecustomize`` shadows any other one; the tests' own process uses
   :meth:`LocalKubelet.resolve`); search path and ``ndots:5`` as in a Pod's resolv.conf; records: ``<svc>.<ns>.svc.cluster.local`` (the cluster IP, or the
   ready Pod IPs of a headless Service) and ``<hostname>.<subdomain>.<ns>.svc.cluster.local`` for

@@ -391,3 +391,29 @@ async def test_start_against_no_api_server_fails_clearly(tmp_path):
     with pytest.raises(RuntimeError, match="could not list Pods and Services.*pods: .*(Connect|refused)"):
         await kubelet.start()
     assert len(asyncio.all_tasks()) == before  # nothing left running
+
+
+async def test_etcd_statefulset_as_rendered(cluster, tmp_path):
+    api, client, kubelet = cluster
+    await client.create(SERVICES.collection(NS), {
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "etcd"},
+        "spec": {"selector": {"app": "etcd"}, "ports": [{"name": "client", "port": 2379}]}})
+    await client.create(STATEFULSETS.collection(NS), {
+        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "etcd"},
+        "spec": {"replicas": 1, "serviceName": "etcd", "selector": {"matchLabels": {"app": "etcd"}},
+                 "template": {"metadata": {"labels": {"app": "etcd"}}, "spec": {"containers": [{
+                     "name": "main", "image": "quay.io/coreos/etcd:v3.5.17", "command": ["etcd"],
+                     "args": ["--listen-client-urls", "http://0.0.0.0:2379",
+                              "--advertise-client-urls", "http://etcd.default.svc:2379", "--data-dir", "/var/lib/etcd"],
+                     "ports": [{"name": "client", "containerPort": 2379}],
+                     "volumeMounts": [{"name": "data", "mountPath": "/var/lib/etcd"}],
+                     "readinessProbe": {"httpGet": {"path": "/health", "port": "client"}, "periodSeconds": 5},
+                     "livenessProbe": {"httpGet": {"path": "/health", "port": "client"}, "periodSeconds": 10,
+                                       "failureThreshold": 6}}]}},
+                 "volumeClaimTemplates": [{"metadata": {"name": "data"}, "spec": {"accessModes": ["ReadWriteOnce"]}}]}})
+    [pod] = await ready_pods(client, "app=etcd", 1, kubelet)
+    cluster_ip = (await client.get(SERVICES.item(NS, "etcd")))["spec"]["clusterIP"]
+    assert json.loads(await http_get(f"http://{cluster_ip}:2379/health"))["health"] == "true"
+    # Its data dir is the claim's directory; its peer port is on the Pod's IP, not localhost.
+    assert (tmp_path / "cluster" / "pvc" / NS / "data-etcd-0" / "member").is_dir()
+    assert f"--listen-peer-urls http://{pod['status']['podIP']}:2380" in kubelet.logs("etcd-0")
