@@ -3,16 +3,19 @@ server (tests/fakes/kube_api.py), with the CRD from infera.operator.crd applied 
 nothing becomes ready by itself, so the test writes the workloads' ``/status`` as their controllers
 would.
 
-One CR's life: rendered objects created (owner references, labels), status pending → ready with
-conditions; a replica change touches only its pool's Deployment (the others' resourceVersion stays,
-through several re-applies); a removed pool's Deployment is pruned; a bad spec is ``failed`` with its
-message and nothing changes; deleting the CR removes everything it owned."""
+One CR's life: rendered objects created (owner references, labels), status pending → ready →
+degraded → ready with conditions, no status write and no kopf finalizer in a steady state; a hand
+edit undone; a replica change touches only its pool's Deployment (the others' resourceVersion
+stays, through several re-applies); a removed pool's Deployment is pruned; a bad spec is ``failed``
+with its message and nothing changes; deleting the CR removes everything it owned. Then: as
+installed (``--all-namespaces --sim-engines``, CRD applied after the start, liveness endpoint), and
+a multi-node pool without, then with, the LeaderWorkerSet CRD."""
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 import os
 import sys
+import urllib.request
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
@@ -31,14 +34,12 @@ KIND = "InferaDeployment"
 MANAGED = "app.kubernetes.io/managed-by"
 
 
-def spec(pool_b_replicas: int = 1, *, with_pool_b: bool = True) -> dict[str, Any]:
-    services: dict[str, Any] = {
+def spec() -> dict[str, Any]:
+    return {"backendFramework": "sim", "services": {
         "frontend": {"componentType": "server", "replicas": 2},
         "pool-a": {"componentType": "worker", "replicas": 1},
-    }
-    if with_pool_b:
-        services["pool-b"] = {"componentType": "worker", "replicas": pool_b_replicas}
-    return {"backendFramework": "sim", "services": services}
+        "pool-b": {"componentType": "worker", "replicas": 1},
+    }}
 
 
 def cr(name: str = "demo") -> dict[str, Any]:
@@ -71,8 +72,9 @@ async def api(bare_api: FakeKubeApi) -> FakeKubeApi:
 @asynccontextmanager
 async def run_operator(api: FakeKubeApi, tmp_path, *args: str) -> AsyncIterator[asyncio.subprocess.Process]:
     kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig", NS)
-    env = {**os.environ, "KUBECONFIG": kubeconfig, "INFERA_LOG_LEVEL": "info"}
-    env.pop("KUBERNETES_SERVICE_HOST", None)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("INFERA_OPERATOR_") and k != "KUBERNETES_SERVICE_HOST"}  # only the flags count
+    env.update(KUBECONFIG=kubeconfig, INFERA_LOG_LEVEL="info")
     log = open(tmp_path / "operator.log", "wb")
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "infera.operator", "run", "--resync-s", "1", *args,
