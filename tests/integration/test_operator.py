@@ -314,3 +314,41 @@ async def test_multi_node_pool_without_then_with_the_leaderworkerset_crd(api: Fa
     await wait_for(lambda: state(api, "wide") == "ready", T, message="ready with the LWS ready")
     assert the_cr(api, "wide")["status"]["services"]["wide"] == \
         {"kind": "LeaderWorkerSet", "replicas": 1, "readyReplicas": 1}
+
+
+async def kustomize(directory) -> list[dict[str, Any]]:
+    import yaml
+
+    kubectl = os.path.join(os.path.dirname(sys.executable), "kubectl")
+    proc = await asyncio.create_subprocess_exec(kubectl, "kustomize", str(directory), stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+async def test_install_manifests_build_validate_and_the_sim_component_adds_the_flag(tmp_path):
+    import kubernetes_validate
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "deploy", "kubernetes")
+    objects = await kustomize(root)
+    assert {(o["kind"], o["metadata"]["name"]) for o in objects} == {
+        ("CustomResourceDefinition", "inferadeployments.infera.amd.com"), ("Namespace", "infera-system"),
+        ("ServiceAccount", "infera-operator"), ("ClusterRole", "infera-operator"),
+        ("ClusterRoleBinding", "infera-operator"), ("Deployment", "infera-operator")}
+    for obj in objects:
+        kubernetes_validate.validate(obj, "1.37.0", strict=True)
+    operator_pod = next(o for o in objects if o["kind"] == "Deployment")["spec"]["template"]["spec"]
+    container = operator_pod["containers"][0]
+    assert container["command"] + container["args"][:2] == ["python3", "-m", "infera.operator", "run", "--all-namespaces"]
+    assert "--sim-engines" not in container["args"] and operator_pod["securityContext"]["runAsNonRoot"] is True
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+
+    overlay = tmp_path / "sim"
+    overlay.mkdir()
+    relative = os.path.relpath(root, overlay)  # kustomize takes relative paths only
+    (overlay / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources: [{relative}]\ncomponents: [{relative}/components/sim]\n")
+    simulated = next(o for o in await kustomize(overlay) if o["kind"] == "Deployment")
+    assert simulated["spec"]["template"]["spec"]["containers"][0]["args"][-1] == "--sim-engines"
