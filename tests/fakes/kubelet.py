@@ -31,12 +31,12 @@ Where it differs from a real cluster:
   (waiting reason ``CreateContainerError``).
 * Network: all Pods share the host's network namespace on loopback. Each Pod has its own IP
   (``127.0.<x>.<y>``, never reused while in use), so every ``0.0.0.0`` inside an argument or env
-  value (``0.0.0.0``, ``--host=0.0.0.0``, ``http://0.0.0.0:2379``, also inside mounted ConfigMap files) is rewritten to
-  the Pod's IP, keeping Pods from colliding on ports; ``nats-server`` and ``etcd`` without a listen
-  address in their args are given the Pod's IP (:func:`bind_to_pod_ip`). Any other process that
-  binds all interfaces by default (no address in its args) can collide with another Pod, or with a
-  Service proxy, on the same port.
-  No NetworkPolicy; ``hostNetwork``/``hostPort`` are ignored.
+  value (``0.0.0.0``, ``--host=0.0.0.0``, ``http://0.0.0.0:2379``, also inside mounted ConfigMap
+  files) is rewritten to the Pod's IP, keeping Pods from colliding on ports; ``nats-server`` and
+  ``etcd`` without a listen address in their args are given the Pod's IP (:func:`bind_to_pod_ip`).
+  Any other process that binds all interfaces by default (no address in its args) can collide with
+  another Pod, or with a Service proxy, on the same port. No NetworkPolicy; ``hostNetwork`` and
+  ``hostPort`` are ignored.
 * Volumes: ``emptyDir`` and ``persistentVolumeClaim`` are directories under ``workdir`` (per Pod,
   per claim), ``hostPath`` is a per-node directory under ``workdir``; ``configMap``/``secret``
   volumes are written as files. Mount paths are not mounted: every mount path found in an argument,
@@ -76,14 +76,15 @@ Where it differs from a real cluster:
   status); no endpoint means the connection is closed at once (a real one rejects). UDP,
   sessionAffinity, NodePort/LoadBalancer, externalTrafficPolicy and Services without a selector
   are not served; a Service port below 1024 needs root (or ``net.ipv4.ip_unprivileged_port_start``).
-  core/v1 Endpoints are written for every Service with a selector (no
-  EndpointSlices; no ``publishNotReadyAddresses``; not read back by the proxy).
-* DNS: only Python processes with the hook resolve cluster names (``socket.getaddrinfo``,
-  ``gethostbyname[_ex]`` and uvloop's loop; not C resolvers such as gRPC's c-ares, aiodns or libcurl; the
-  hook's ``sitecustomize`` shadows any other one; the tests' own process uses
-  :meth:`LocalKubelet.resolve`); search path and ``ndots:5`` as in a Pod's resolv.conf; records: ``<svc>.<ns>.svc.cluster.local`` (the cluster IP, or the
-  ready Pod IPs of a headless Service) and ``<hostname>.<subdomain>.<ns>.svc.cluster.local`` for
-  every Pod with both set (a real cluster needs a headless Service named ``subdomain``).
+  core/v1 Endpoints are written for every Service with a selector (no EndpointSlices, no
+  ``publishNotReadyAddresses``; the proxy does not read them back).
+* DNS: only Python processes with the hook resolve cluster names: ``socket.getaddrinfo``,
+  ``gethostbyname[_ex]`` and uvloop's loop are wrapped; C resolvers (gRPC's c-ares, aiodns,
+  libcurl) are not, and the hook's ``sitecustomize`` shadows any other one. The tests' own process
+  uses :meth:`LocalKubelet.resolve`. Search path and ``ndots:5`` as in a Pod's resolv.conf;
+  records: ``<svc>.<ns>.svc.cluster.local`` (the cluster IP, or the ready Pod IPs of a headless
+  Service) and ``<hostname>.<subdomain>.<ns>.svc.cluster.local`` for every Pod with both set (a
+  real cluster needs a headless Service named ``subdomain``).
 """
 from __future__ import annotations
 
@@ -788,19 +789,21 @@ class Controllers:
                     budget -= 1
         await self.deployment_status(deploy, current_hash, replicas, unavailable)
 
-    async def deployment_status(self, deploy: dict[str, Any], current_hash: str, replicas: int, unavailable: int) -> None:
+    async def deployment_status(self, deploy: dict[str, Any], current_hash: str, replicas: int,
+                                unavailable: int) -> None:
         pods = [p for p in self.owned_pods(deploy) if not _terminating(p)]
         updated = [p for p in pods if p["metadata"].get("labels", {}).get("pod-template-hash") == current_hash]
         ready = sum(pod_is_ready(p) for p in pods)
         previous = (deploy.get("status") or {}).get("conditions") or []
         complete = len(updated) == replicas and len(pods) == replicas and ready == replicas
+        available = ready >= replicas - unavailable
         status = {
             "observedGeneration": deploy["metadata"].get("generation", 1),
             "replicas": len(pods), "updatedReplicas": len(updated), "readyReplicas": ready,
             "availableReplicas": ready, "unavailableReplicas": max(0, replicas - ready),
             "conditions": [
-                _condition("Available", ready >= replicas - unavailable,
-                           "MinimumReplicasAvailable" if ready >= replicas - unavailable else "MinimumReplicasUnavailable",
+                _condition("Available", available,
+                           "MinimumReplicasAvailable" if available else "MinimumReplicasUnavailable",
                            previous=previous),
                 _condition("Progressing", True, "NewReplicaSetAvailable" if complete else "ReplicaSetUpdated",
                            previous=previous),
@@ -830,8 +833,8 @@ class Controllers:
                                     if v.get("name") not in {c["metadata"]["name"] for c in claims}]
                 await self.create_pod(pod_from_template(
                     template, name=pod_name, namespace=ns, owner=owner,
-                    labels={"statefulset.kubernetes.io/pod-name": pod_name, "apps.kubernetes.io/pod-index": str(ordinal),
-                            "controller-revision-hash": revision},
+                    labels={"statefulset.kubernetes.io/pod-name": pod_name,
+                            "apps.kubernetes.io/pod-index": str(ordinal), "controller-revision-hash": revision},
                     spec_extra={"hostname": pod_name, "subdomain": spec.get("serviceName", ""),
                                 "volumes": template_volumes + volumes}))
                 if ordered:
@@ -839,7 +842,8 @@ class Controllers:
             elif ordered and (_terminating(pod) or not pod_is_ready(pod)):
                 break  # OrderedReady: the next ordinal waits for this one
         # Scale down: highest ordinal first, one at a time when ordered.
-        extra = sorted((p for n, p in by_name.items() if _ordinal(n, name) >= replicas), key=lambda p: -_ordinal(p["metadata"]["name"], name))
+        extra = sorted((p for n, p in by_name.items() if _ordinal(n, name) >= replicas),
+                       key=lambda p: -_ordinal(p["metadata"]["name"], name))
         if any(_terminating(p) for p in extra) and ordered:
             pass
         else:
@@ -1306,7 +1310,8 @@ class PodRuntime:
                 _condition("PodScheduled", True, previous=previous),
                 _condition("Initialized", self.initialized, previous=previous),
                 _condition("ContainersReady", containers_ready, previous=previous),
-                _condition("Ready", ready, "" if ready else ("Terminating" if self.terminating else "ContainersNotReady"),
+                _condition("Ready", ready,
+                           "" if ready else ("Terminating" if self.terminating else "ContainersNotReady"),
                            previous=previous),
             ],
             "containerStatuses": [c.status() for c in self.containers],
@@ -1454,7 +1459,8 @@ class PodRuntime:
 
     async def _env_from(self, source: Mapping[str, Any], name: str) -> str | None:
         if "fieldRef" in source:
-            return field_ref_value(self.pod, source["fieldRef"].get("fieldPath", ""), pod_ip=self.ip, host_ip="127.0.0.1")
+            return field_ref_value(self.pod, source["fieldRef"].get("fieldPath", ""), pod_ip=self.ip,
+                                   host_ip="127.0.0.1")
         if "resourceFieldRef" in source:
             return "0"
         for key, kind in (("configMapKeyRef", CONFIGMAPS), ("secretKeyRef", SECRETS)):
@@ -1509,9 +1515,9 @@ class PodRuntime:
         mounts = self.mounts_of(container)
         argv = [rewrite_value(str(a), self.ip, mounts) for a in command]
         argv[0] = resolve_program(argv[0], env.get("PATH"))
-        proc = await asyncio.create_subprocess_exec(*argv, env=env, cwd=str(self.dir), stdin=asyncio.subprocess.DEVNULL,
-                                                    stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-                                                    start_new_session=True)
+        devnull = asyncio.subprocess.DEVNULL
+        proc = await asyncio.create_subprocess_exec(*argv, env=env, cwd=str(self.dir), stdin=devnull, stdout=devnull,
+                                                    stderr=devnull, start_new_session=True)
         self.k.started_pids.append(proc.pid)
         try:
             return await asyncio.wait_for(proc.wait(), timeout)
@@ -1590,7 +1596,8 @@ class ServiceProxy:
                        writer: asyncio.StreamWriter) -> None:
         ns, name, _ip, port = key
         svc = self.k.services.objects.get((ns, name))
-        port_spec = next((p for p in ((svc or {}).get("spec") or {}).get("ports") or [] if int(p["port"]) == port), None)
+        ports = ((svc or {}).get("spec") or {}).get("ports") or []
+        port_spec = next((p for p in ports if int(p["port"]) == port), None)
         endpoints = self.endpoints(svc, port_spec) if svc and port_spec else []
         if not endpoints:
             writer.close()
@@ -1764,8 +1771,9 @@ class LocalKubelet:
 
     def all_logs(self, tail: int = 30) -> str:
         paths = sorted((self.workdir / "logs").glob("*.log")) if (self.workdir / "logs").exists() else []
-        return "\n".join(f"--- {p.name} ---\n" + "\n".join(p.read_text(errors="replace").splitlines()[-tail:])
-                         for p in paths) + ("\n--- kubelet errors ---\n" + "\n".join(self.errors[-20:]) if self.errors else "")
+        out = "\n".join(f"--- {p.name} ---\n" + "\n".join(p.read_text(errors="replace").splitlines()[-tail:])
+                        for p in paths)
+        return out + ("\n--- kubelet errors ---\n" + "\n".join(self.errors[-20:]) if self.errors else "")
 
     def resolve(self, name: str, namespace: str = "default") -> list[str] | None:
         """What the DNS hook answers for ``name`` inside a Pod of ``namespace`` (None: not a cluster name)."""
@@ -1878,7 +1886,9 @@ class LocalKubelet:
                 self.runtimes[uid] = runtime
                 runtime.start()
             if runtime is not None:
-                runtime.pod = pod if _rv(pod) is None or _rv(runtime.pod) is None or _rv(pod) >= _rv(runtime.pod) else runtime.pod
+                new_rv, old_rv = _rv(pod), _rv(runtime.pod)
+                if new_rv is None or old_rv is None or new_rv >= old_rv:
+                    runtime.pod = pod
                 if _terminating(pod):
                     runtime.begin_termination(pod)
                     if runtime._termination is not None and runtime._termination.done():

@@ -13,8 +13,8 @@ import pytest
 
 from tests.conftest import process_group_members, wait_for
 from tests.fakes.kube_api import FakeKubeApi
-from tests.fakes.kubelet import (DAEMONSETS, DEPLOYMENTS, LEADERWORKERSETS, PODS, SERVICES, STATEFULSETS, ApiClient, ApiError,
-                                 LocalKubelet, pod_is_ready)
+from tests.fakes.kubelet import (DAEMONSETS, DEPLOYMENTS, LEADERWORKERSETS, PODS, SERVICES, STATEFULSETS,
+                                 ApiClient, ApiError, LocalKubelet, pod_is_ready)
 
 NS = "default"
 
@@ -108,7 +108,8 @@ async def pods_of(client: ApiClient, selector: str) -> list[dict]:
     return (await client.get(PODS.collection(NS), params={"labelSelector": selector}))["items"]
 
 
-async def ready_pods(client: ApiClient, selector: str, count: int, kubelet: LocalKubelet, timeout: float = 30) -> list[dict]:
+async def ready_pods(client: ApiClient, selector: str, count: int, kubelet: LocalKubelet,
+                     timeout: float = 30) -> list[dict]:
     found: list[dict] = []
 
     async def check() -> bool:
@@ -325,11 +326,13 @@ async def test_leaderworkerset_leader_and_follower_env(cluster):
     assert pods["lws-0-1"]["metadata"]["annotations"]["leaderworkerset.sigs.k8s.io/leader-name"] == "lws-0"
     follower_ip = pods["lws-0-1"]["status"]["podIP"]
     env = json.loads(await http_get(f"http://{follower_ip}:8080/env"))
-    assert (env["LWS_WORKER_INDEX"], env["LWS_GROUP_SIZE"], env["LWS_LEADER_ADDRESS"]) == ("1", "2", "lws-0.lws.default")
+    lws_env = (env["LWS_WORKER_INDEX"], env["LWS_GROUP_SIZE"], env["LWS_LEADER_ADDRESS"])
+    assert lws_env == ("1", "2", "lws-0.lws.default")
     leader_env = json.loads(await http_get(f"http://{pods['lws-0']['status']['podIP']}:8080/env"))
     assert leader_env["LWS_WORKER_INDEX"] == "0"
     # The follower resolves its leader's address to the leader Pod's IP.
-    assert await http_get(f"http://{follower_ip}:8080/resolve?name=lws-0.lws.default") == pods["lws-0"]["status"]["podIP"]
+    leader_ip = pods["lws-0"]["status"]["podIP"]
+    assert await http_get(f"http://{follower_ip}:8080/resolve?name=lws-0.lws.default") == leader_ip
     await wait_for(lambda: _status_is(client, LEADERWORKERSETS, "lws", readyReplicas=1, replicas=1), 15,
                    message="lws status")
 
@@ -339,7 +342,8 @@ async def test_crash_restarts_with_backoff_and_liveness_kills(cluster):
     # A bare Pod (bound by the scheduler): its container exits 3 each time.
     await client.create(PODS.collection(NS), {
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "crasher", "labels": {"app": "crasher"}},
-        "spec": {"containers": [{"name": "main", "image": "x", "command": ["python3", "-c", "import sys; sys.exit(3)"]}]}})
+        "spec": {"containers": [{"name": "main", "image": "x",
+                                 "command": ["python3", "-c", "import sys; sys.exit(3)"]}]}})
 
     async def crash_looping() -> bool:
         pod = await client.get(PODS.item(NS, "crasher"))

@@ -23,7 +23,8 @@ def test_template_hash_is_stable_and_changes_with_the_template():
     assert len(h) == 10 and set(h) <= set(kl.SAFE_ALPHABET)
     assert kl.template_hash(_template(args=["b"])) != h
     # Same in another interpreter (no per-process hash seed involved).
-    code = "import json; from tests.fakes import kubelet as kl; print(kl.template_hash(json.loads(%r)))" % json.dumps(_template())
+    code = ("import json; from tests.fakes import kubelet as kl; print(kl.template_hash(json.loads(%r)))"
+            % json.dumps(_template()))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=kl.REPO_ROOT, env={**os.environ, "PYTHONHASHSEED": "123"}).stdout.strip()
     assert out == h
@@ -68,7 +69,8 @@ def test_rewrite_value_binds_the_pod_ip_and_maps_mount_paths():
 
 def test_container_argv_and_image_table():
     images = kl.default_images()
-    assert kl.container_argv({"command": ["python3", "-m", "x"], "args": ["--y"]}, images) == ["python3", "-m", "x", "--y"]
+    argv = kl.container_argv({"command": ["python3", "-m", "x"], "args": ["--y"]}, images)
+    assert argv == ["python3", "-m", "x", "--y"]
     assert kl.container_argv({"name": "n", "image": "nats:2.10"}, images) == ["nats-server"]
     assert kl.container_argv({"name": "n", "image": "docker.io/library/nats:2.10-alpine", "args": ["-js"]},
                              images) == ["nats-server", "-js"]
@@ -149,7 +151,8 @@ def test_dns_hook_in_a_child_interpreter(tmp_path):
             "print(socket.getaddrinfo('web.ns.svc', 80, type=socket.SOCK_STREAM)[0][4][0]); "
             "print(socket.gethostbyname('localhost'))")
     env = {**os.environ, "PYTHONPATH": str(kl.SITECUSTOMIZE_DIR), dns.HOSTS_ENV: str(hosts), dns.NAMESPACE_ENV: "ns"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
     assert out == ["127.0.200.9", "127.0.200.9", "127.0.0.1"]
 
 
@@ -174,7 +177,8 @@ def test_pod_from_template_adds_env_labels_owner_and_node():
     assert pod["metadata"]["labels"] == {"app": "w", "g": "0"}
     assert pod["metadata"]["ownerReferences"] == [owner]
     assert pod["spec"]["nodeName"] == kl.NODE_NAME
-    assert pod["spec"]["containers"][0]["env"] == [{"name": "LWS_WORKER_INDEX", "value": "1"}, {"name": "X", "value": "1"}]
+    assert pod["spec"]["containers"][0]["env"] == [{"name": "LWS_WORKER_INDEX", "value": "1"},
+                                                   {"name": "X", "value": "1"}]
     assert template["spec"]["containers"][0]["env"][0]["value"] == "stale"  # the template is not changed
 
 
@@ -185,8 +189,8 @@ def test_nats_and_etcd_bind_to_the_pod_ip():
     assert kl.bind_to_pod_ip(["etcd", "--data-dir", "/d"], ip) == [
         "etcd", "--data-dir", "/d", "--listen-client-urls", f"http://{ip}:2379", "--advertise-client-urls",
         f"http://{ip}:2379", "--listen-peer-urls", f"http://{ip}:2380"]
-    assert kl.bind_to_pod_ip(["etcd", f"--listen-client-urls=http://{ip}:2379", "--advertise-client-urls", "http://e:2379"],
-                             ip)[-2:] == ["--listen-peer-urls", f"http://{ip}:2380"]
+    argv = ["etcd", f"--listen-client-urls=http://{ip}:2379", "--advertise-client-urls", "http://e:2379"]
+    assert kl.bind_to_pod_ip(argv, ip)[-2:] == ["--listen-peer-urls", f"http://{ip}:2380"]
     assert kl.bind_to_pod_ip(["python3", "-m", "x"], ip) == ["python3", "-m", "x"]
 
 
