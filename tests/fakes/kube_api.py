@@ -128,7 +128,11 @@ Where it differs from a real API server:
   merge keys in :data:`MERGE_KEYS` by field name only (no per-type patch metadata); other lists
   are replaced.
 * OpenAPI documents without schemas (``kubectl explain`` has nothing to show), no aggregated
-  discovery, no Table output (``kubectl get`` prints NAME and AGE only, unless ``-o``).
+  discovery. ``kubectl get`` gets a Table (server-side printing) for gets and lists: Name, a CRD
+  version's ``additionalPrinterColumns`` (``jsonPath`` steps ``.a``, ``[0]``, ``[?(@.k=="v")]``), or
+  a few of kubectl's columns for Pods, Services, Deployments, StatefulSets, ReplicaSets, Namespaces,
+  then Age; other built-in kinds show Name and Age only; ``kubectl get -w`` falls back to
+  client-side printing (watches send objects, not Tables).
 * JSON and YAML bodies only: a protobuf body answers 415. kubectl's typed commands (``kubectl create
   namespace|deployment|...``, ``kubectl run``) send protobuf and fail; ``apply``, ``get``, ``patch``,
   ``scale``, ``delete``, ``wait``, ``apply --server-side`` use JSON and work.
@@ -762,6 +766,7 @@ class ResourceType:
     schema: dict[str, Any] | None = field(default=None, compare=False)  # a CR version's openAPIV3Schema
     crd: str | None = None  # the CustomResourceDefinition that registered it
     categories: tuple[str, ...] = ()
+    printer_columns: tuple[dict[str, Any], ...] = field(default=(), compare=False)  # a CRD version's columns
 
     @property
     def api_version(self) -> str:
@@ -890,7 +895,8 @@ def crd_resource_types(crd: dict[str, Any]) -> list[ResourceType]:
             tuple(names.get("shortNames") or ()), "status" in subresources,
             ScalePaths(scale["specReplicasPath"], scale["statusReplicasPath"], scale.get("labelSelectorPath"))
             if isinstance(scale, dict) else None,
-            schema, name, tuple(names.get("categories") or ())))
+            schema, name, tuple(names.get("categories") or ()),
+            tuple(c for c in version.get("additionalPrinterColumns") or () if isinstance(c, dict))))
     return out
 
 
@@ -1868,6 +1874,8 @@ class FakeKubeApi:
             obj = self.store[rtype.key].get((self._ns(rtype, target.namespace), target.name))
             if obj is None:
                 raise not_found(rtype, target.name)
+            if _wants_table(request):
+                return _json_response(self._table(request, rtype, [self._out(rtype, obj)]))
             return _json_response(self._out(rtype, obj))
         elif method == "PUT":
             body = await _read_body(request)
@@ -1969,9 +1977,31 @@ class FakeKubeApi:
         if request.query.get("watch") in _TRUE:
             return await self._watch(request, rtype, ns, selector, fields)
         self.list_params.append(dict(request.query))
+        if _wants_table(request):
+            return _json_response(self._table(request, rtype, self._list(rtype, ns, selector, fields)))
         return _json_response({"kind": f"{rtype.kind}List", "apiVersion": rtype.api_version,
                                "metadata": {"resourceVersion": str(self.rv)},
                                "items": self._list(rtype, ns, selector, fields)})
+
+    def _table(self, request: web.Request, rtype: ResourceType, objects: list[dict[str, Any]]) -> dict[str, Any]:
+        """A ``meta.k8s.io/v1`` Table (server-side printing, what ``kubectl get`` asks for): Name, a
+        CRD version's ``additionalPrinterColumns`` or a built-in kind's few columns, and Age."""
+        columns = _table_columns(rtype)
+        include = request.query.get("includeObject", "Metadata")
+        rows = []
+        for obj in objects:
+            row: dict[str, Any] = {"cells": [getter(obj) for _, _, _, getter in columns]}
+            if include == "Object":
+                row["object"] = obj
+            elif include != "None":
+                row["object"] = {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
+                                 "metadata": obj["metadata"]}
+            rows.append(row)
+        return {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": {"resourceVersion": str(self.rv)},
+                "columnDefinitions": [{"name": name, "type": typ, "format": "name" if name == "Name" else "",
+                                       "description": "", "priority": priority}
+                                      for name, typ, priority, _ in columns],
+                "rows": rows}
 
     async def _watch(self, request: web.Request, rtype: ResourceType, ns: str | None, selector: list[Requirement],
                      fields: list[Requirement]) -> web.StreamResponse:
@@ -2159,6 +2189,149 @@ _SCALE_TYPE = ResourceType("autoscaling", "v1", "scale", "Scale")
 _BINDING_TYPE = ResourceType("", "v1", "bindings", "Binding")
 
 
+def _wants_table(request: web.Request) -> bool:
+    return "as=Table" in request.headers.get("Accept", "") and request.query.get("watch") not in _TRUE
+
+
+_JSONPATH_STEP = re.compile(r"\.(?P<key>[A-Za-z0-9_\-]+)|\[(?P<index>\d+)\]"
+                            r"|\[\?\(@\.(?P<field>[A-Za-z0-9_.\-]+)\s*==\s*['\"](?P<value>[^'\"]*)['\"]\)\]")
+
+
+def jsonpath_value(obj: Any, path: str) -> Any:
+    """A printer column's ``jsonPath``: ``.a.b``, ``[0]`` and ``[?(@.type=="Ready")]`` steps (the
+    first match); None when absent or when the path uses anything else."""
+    path = path.strip().removeprefix("{").removesuffix("}").strip()
+    position = 0
+    while position < len(path):
+        m = _JSONPATH_STEP.match(path, position)
+        if m is None:
+            return None
+        position = m.end()
+        if m["key"] is not None:
+            obj = obj.get(m["key"]) if isinstance(obj, dict) else None
+        elif m["index"] is not None:
+            index = int(m["index"])
+            obj = obj[index] if isinstance(obj, list) and index < len(obj) else None
+        else:
+            obj = next((item for item in obj if isinstance(item, dict)
+                        and str(jsonpath_value(item, "." + m["field"])) == m["value"]), None) \
+                if isinstance(obj, list) else None
+        if obj is None:
+            return None
+    return obj
+
+
+def human_age(timestamp: str | None, now: datetime.datetime | None = None) -> str | None:
+    """kubectl's ``duration.HumanDuration`` of the time since ``timestamp`` (RFC 3339)."""
+    if not timestamp:
+        return None
+    try:
+        then = datetime.datetime.strptime(timestamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc)
+    except ValueError:
+        return None
+    seconds = int(((now or datetime.datetime.now(datetime.timezone.utc)) - then).total_seconds())
+    if seconds < -1:
+        return "<invalid>"
+    seconds = max(seconds, 0)
+    minutes, hours, days = seconds // 60, seconds // 3600, seconds // 86400
+    if seconds < 120:
+        return f"{seconds}s"
+    if minutes < 10:
+        return f"{minutes}m" if seconds % 60 == 0 else f"{minutes}m{seconds % 60}s"
+    if minutes < 180:
+        return f"{minutes}m"
+    if hours < 8:
+        return f"{hours}h" if minutes % 60 == 0 else f"{hours}h{minutes % 60}m"
+    if hours < 48:
+        return f"{hours}h"
+    if hours < 192:
+        return f"{days}d" if hours % 24 == 0 else f"{days}d{hours % 24}h"
+    if days < 730:
+        return f"{days}d"
+    years = days // 365
+    return f"{years}y" if days % 365 == 0 or years >= 8 else f"{years}y{days % 365}d"
+
+
+_Column = tuple  # (name, type, priority, getter)
+
+
+def _column_cell(typ: str, value: Any) -> Any:
+    if value is None:
+        return None
+    if typ == "date":
+        return human_age(value) if isinstance(value, str) else None
+    if typ == "integer":
+        return value if isinstance(value, int) else None
+    if typ == "number":
+        return value if isinstance(value, (int, float)) else None
+    if typ == "boolean":
+        return value if isinstance(value, bool) else None
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _pod_ready(pod: dict[str, Any]) -> str:
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    total = len((pod.get("spec") or {}).get("containers") or []) or len(statuses)
+    return f"{sum(1 for c in statuses if c.get('ready'))}/{total}"
+
+
+def _pod_status(pod: dict[str, Any]) -> str:
+    if pod["metadata"].get("deletionTimestamp"):
+        return "Terminating"
+    status = pod.get("status") or {}
+    for container in status.get("containerStatuses") or ():
+        waiting = (container.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason"):
+            return waiting["reason"]
+    return status.get("phase") or "Unknown"
+
+
+def _replicas_ready(obj: dict[str, Any]) -> str:
+    status = obj.get("status") or {}
+    return f"{status.get('readyReplicas') or 0}/{(obj.get('spec') or {}).get('replicas', 0)}"
+
+
+def _service_ports(svc: dict[str, Any]) -> str:
+    ports = [f"{p.get('port')}/{p.get('protocol', 'TCP')}" for p in (svc.get("spec") or {}).get("ports") or ()]
+    return ",".join(ports) or "<none>"
+
+
+def _get(path: str) -> Any:
+    return lambda obj: jsonpath_value(obj, path)
+
+
+# A built-in kind's columns between Name and Age (a subset of kubectl's; priority 1 = ``-o wide``).
+_BUILTIN_COLUMNS: dict[tuple[str, str], tuple[_Column, ...]] = {
+    ("", "pods"): (("Ready", "string", 0, _pod_ready), ("Status", "string", 0, _pod_status),
+                   ("Restarts", "integer", 0, lambda p: sum(c.get("restartCount", 0) for c in
+                                                            (p.get("status") or {}).get("containerStatuses") or ())),
+                   ("IP", "string", 1, _get(".status.podIP")), ("Node", "string", 1, _get(".spec.nodeName"))),
+    ("", "services"): (("Type", "string", 0, _get(".spec.type")), ("Cluster-IP", "string", 0, _get(".spec.clusterIP")),
+                       ("Port(s)", "string", 0, _service_ports)),
+    ("apps", "deployments"): (("Ready", "string", 0, _replicas_ready),
+                              ("Up-to-date", "integer", 0, lambda d: (d.get("status") or {}).get("updatedReplicas", 0)),
+                              ("Available", "integer", 0,
+                               lambda d: (d.get("status") or {}).get("availableReplicas", 0))),
+    ("apps", "statefulsets"): (("Ready", "string", 0, _replicas_ready),),
+    ("apps", "replicasets"): (("Desired", "integer", 0, _get(".spec.replicas")),
+                              ("Ready", "integer", 0, lambda r: (r.get("status") or {}).get("readyReplicas", 0))),
+    ("", "namespaces"): (("Status", "string", 0, _get(".status.phase")),),
+}
+
+
+def _table_columns(rtype: ResourceType) -> list[_Column]:
+    columns: list[_Column] = [("Name", "string", 0, lambda obj: obj["metadata"].get("name"))]
+    if rtype.printer_columns:
+        for column in rtype.printer_columns:
+            typ, path = column.get("type", "string"), column.get("jsonPath", "")
+            columns.append((column.get("name", ""), typ, column.get("priority", 0),
+                            lambda obj, typ=typ, path=path: _column_cell(typ, jsonpath_value(obj, path))))
+        return columns
+    columns.extend(_BUILTIN_COLUMNS.get(rtype.key, ()))
+    columns.append(("Age", "string", 0, lambda obj: human_age(obj["metadata"].get("creationTimestamp"))))
+    return columns
+
+
 def _write_options(request: web.Request) -> dict[str, Any]:
     validation = request.query.get("fieldValidation") or "Warn"
     if validation not in ("Strict", "Warn", "Ignore"):
@@ -2291,5 +2464,6 @@ def _request_kind(request: web.Request, target: Any) -> str:
 __all__ = ["APPLY_PATCH", "BUILTIN_TYPES", "FIELDS", "GENERIC_FIELDS", "JSON_PATCH", "KIND_FIELDS", "MERGE_KEYS",
            "MERGE_PATCH", "STRATEGIC_PATCH", "FakeKubeApi", "FieldError", "FieldSelectorError", "KubeError",
            "Requirement", "ResourceType", "ScalePaths", "apply_merge", "apply_schema", "crd_resource_types",
-           "drop_unapplied", "fields_match", "merge_patch", "parse_field_selector", "parse_selector", "pod_fields",
-           "selector_matches", "status_body", "strategic_merge_patch", "too_large_status"]
+           "drop_unapplied", "fields_match", "human_age", "jsonpath_value", "merge_patch", "parse_field_selector",
+           "parse_selector", "pod_fields", "selector_matches", "status_body", "strategic_merge_patch",
+           "too_large_status"]

@@ -96,6 +96,17 @@ async def test_kubectl_apply_kustomization_twice_then_unchanged(fake_api: FakeKu
     assert (await kubectl.json("get", "wdg", "demo"))["metadata"]["uid"] == widget["metadata"]["uid"]  # short name
     deployment = await kubectl.json("get", "deployment", "web")
     assert deployment["spec"]["replicas"] == 2 and deployment["metadata"]["generation"] == 1
+    # kubectl get prints the server's Table: the CRD's printer columns, kubectl's own for a Deployment.
+    widgets = fake_api.resource_type("example.infera.dev/v1", "Widget")
+    fake_api.patch_object(widgets, "demo", "demo", "application/merge-patch+json", {"status": {
+        "phase": "Running", "conditions": [{"type": "Progressing", "status": "False"},
+                                           {"type": "Ready", "status": "True"}]}}, subresource="status")
+    _, out, _ = await kubectl("get", "widgets")
+    assert [line.split() for line in out.splitlines()][:2] == [["NAME", "SIZE", "REPLICAS", "PHASE", "READY", "AGE"],
+                                                               ["demo", "small", "1", "Running", "True", "0s"]]
+    _, out, _ = await kubectl("get", "deployments", "-A")
+    assert out.split("\n")[0].split() == ["NAMESPACE", "NAME", "READY", "UP-TO-DATE", "AVAILABLE", "AGE"]
+    assert out.split("\n")[1].split()[:3] == ["demo", "web", "0/2"]
 
 
 async def test_kubectl_refuses_a_typo_and_an_invalid_value_naming_the_field(fake_api: FakeKubeApi, kubectl: Kubectl,

@@ -3,6 +3,7 @@ concurrency, garbage collection, finalizers, graceful Pod deletion, Service clus
 from __future__ import annotations
 
 import copy
+import datetime
 import ipaddress
 from typing import Any
 
@@ -20,6 +21,8 @@ from tests.fakes.kube_api import (
     KubeError,
     apply_merge,
     apply_schema,
+    human_age,
+    jsonpath_value,
     parse_field_selector,
     strategic_merge_patch,
 )
@@ -459,3 +462,17 @@ def test_field_selectors_for_every_kind() -> None:
     for name in ("a", "b"):
         api.create_object(cms, "default", {"metadata": {"name": name, "labels": {"n": name}}})
     assert [o["metadata"]["name"] for o in api.list("v1", "ConfigMap", label_selector="n!=a")] == ["b"]
+
+
+def test_printer_column_paths_and_ages() -> None:
+    obj = {"status": {"conditions": [{"type": "A", "status": "False"}, {"type": "Ready", "status": "True"}],
+                      "pools": [{"n": 1}]}}
+    assert jsonpath_value(obj, '.status.conditions[?(@.type=="Ready")].status') == "True"
+    assert jsonpath_value(obj, ".status.pools[0].n") == 1
+    assert jsonpath_value(obj, "{.status.pools[1].n}") is None
+    assert jsonpath_value(obj, ".status.pools[*].n") is None  # not supported: an empty cell, never an error
+    now = datetime.datetime(2026, 1, 10, 12, 0, 0, tzinfo=datetime.timezone.utc)
+    for seconds, shown in ((5, "5s"), (119, "119s"), (150, "2m30s"), (3600, "60m"), (4 * 3600 + 60, "4h1m"),
+                           (30 * 3600, "30h"), (3 * 86400 + 3600, "3d1h"), (100 * 86400, "100d")):
+        then = (now - datetime.timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%SZ")
+        assert human_age(then, now) == shown
