@@ -11,8 +11,8 @@ main resource, ``/status`` and DELETE. Use it as::
 
 What it does: Deployments, StatefulSets, DaemonSets and LeaderWorkerSets become Pods; each Pod is
 bound to the node ``local-node``, gets its own loopback IP (``127.0.<x>.1`` upwards, x from a random
-first block in 10..149, below the fake's Service IPs in ``127.0.200.0/24``), and each of
-its containers runs as a local process (its own process group) with the Pod's env, probes,
+first block in 10..149, below the fake's Service IPs in ``127.0.200.0``-``127.0.254.255``), and
+each of its containers runs as a local process (its own process group) with the Pod's env, probes,
 restarts and graceful deletion; each Service with a cluster IP is served by a TCP proxy on
 ``clusterIP:port``; Python processes resolve Service names through
 ``tests/fakes/pod_sitecustomize/sitecustomize.py``.
@@ -71,7 +71,7 @@ Where it differs from a real cluster:
   changes (image, env, command) are not applied (a real kubelet restarts the container). Pods left
   when :meth:`LocalKubelet.stop` runs keep their last status in the API (their processes are gone).
 * kube-proxy: a userspace TCP proxy per Service port on its cluster IP (a Service the API server
-  gave no cluster IP gets one here, ``127.0.250.<n>``, not written back), round-robin over the
+  gave no cluster IP gets one here, ``127.0.255.<n>``, not written back), round-robin over the
   Pods that match the selector, are Ready and are not terminating (read from the API's Pod
   status); no endpoint means the connection is closed at once (a real one rejects). UDP,
   sessionAffinity, NodePort/LoadBalancer, externalTrafficPolicy and Services without a selector
@@ -390,7 +390,7 @@ def label_selector_matches(selector: Mapping[str, Any] | None, labels: Mapping[s
 
 def allocate_ip(index: int, first: tuple[int, int] = (10, 1)) -> str:
     """The ``index``-th Pod IP: ``127.0.<a>.<b>`` counting from ``first`` (``127.0.10.1``), skipping
-    ``.0``/``.255`` and stopping below ``127.0.200.0/24`` (the fake's Service IPs)."""
+    ``.0``/``.255`` and stopping below ``127.0.200.0`` (the fake's Service IPs start there)."""
     per_block = 254
     a, b = first
     offset = (b - 1) + index
@@ -1933,8 +1933,8 @@ class LocalKubelet:
             await self.api.delete(PODS.item(ns, name), grace_seconds=0)
 
     def service_ip(self, svc: Mapping[str, Any]) -> str | None:
-        """A Service's cluster IP: the API server's, else one of our own (``127.0.250.<n>``, not
-        written back) for an API server that allocates none; None for a headless Service."""
+        """A Service's cluster IP: the API server's, else one of our own (``127.0.255.<n>``, past the
+        fake's range, not written back) for an API server that allocates none; None when headless."""
         spec = svc.get("spec") or {}
         ip = spec.get("clusterIP")
         if ip == "None" or spec.get("type") == "ExternalName":
@@ -1944,7 +1944,9 @@ class LocalKubelet:
         uid = svc["metadata"].get("uid") or "/".join(_key(svc))
         if uid not in self._local_service_ips:
             n = len(self._local_service_ips)
-            self._local_service_ips[uid] = f"127.0.{250 + n // 254}.{n % 254 + 1}"
+            if n >= 254:
+                raise ValueError("out of local Service IPs (127.0.255.1-254)")
+            self._local_service_ips[uid] = f"127.0.255.{n + 1}"
         return self._local_service_ips[uid]
 
     def _records(self) -> dict[str, list[str]]:

@@ -224,5 +224,5 @@ def test_service_ip_from_the_api_else_a_local_one(tmp_path):
     other = {"metadata": {"name": "d", "uid": "4"}, "spec": {}}
     assert kubelet.service_ip(given) == "127.0.200.7"
     assert kubelet.service_ip(headless) is None
-    assert kubelet.service_ip(missing) == "127.0.250.1" == kubelet.service_ip(missing)
-    assert kubelet.service_ip(other) == "127.0.250.2"
+    assert kubelet.service_ip(missing) == "127.0.255.1" == kubelet.service_ip(missing)
+    assert kubelet.service_ip(other) == "127.0.255.2"
