@@ -106,6 +106,22 @@ def object_key(obj: Mapping[str, Any]) -> tuple[str, str, str]:
     return group, obj.get("kind", ""), (obj.get("metadata") or {}).get("name", "")
 
 
+def state_event(cr: Mapping[str, Any], state: str, reason: str, message: str, now: str) -> dict[str, Any]:
+    """A core/v1 Event on the CR for a state change (``kubectl describe idep`` shows it)."""
+    meta = cr.get("metadata") or {}
+    return {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"generateName": f"{meta.get('name')}.", "namespace": meta.get("namespace")},
+        "involvedObject": {"apiVersion": cr.get("apiVersion", f"{CRD_GROUP}/{CRD_VERSION}"), "kind": CRD_KIND,
+                           "name": meta.get("name"), "namespace": meta.get("namespace"), "uid": meta.get("uid")},
+        "type": "Warning" if state in ("failed", "degraded") else "Normal",
+        "reason": reason or state.capitalize(),
+        "message": (f"state {state}: {message}" if message else f"state {state}")[:1024],
+        "source": {"component": FIELD_MANAGER}, "reportingComponent": FIELD_MANAGER,
+        "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+    }
+
+
 def deployment_selector(cr_name: str) -> str:
     return f"{MANAGED_BY_LABEL}={MANAGED_BY},{DEPLOYMENT_LABEL}={cr_name}"
 
@@ -206,6 +222,10 @@ class KubeRest:
         except KubeApiError as exc:
             if exc.code != 404:  # gone already: what we wanted
                 raise
+
+    async def post_event(self, event: Mapping[str, Any]) -> None:
+        namespace = event["metadata"]["namespace"]
+        await self._request("POST", f"/api/v1/namespaces/{namespace}/events", body=event)
 
     async def patch_status(self, cr: Mapping[str, Any], status_patch: Mapping[str, Any]) -> dict[str, Any]:
         path = resource_path(cr) + "/status"

@@ -34,7 +34,8 @@ from infera.config import add_flag, choice_of, positive_float
 from infera.discovery.kubernetes import KubeConfigError, load_kube_config
 from infera.operator.apply import (CRD_GROUP, CRD_KIND, CRD_PLURAL, CRD_VERSION, PRUNE_KINDS,
                                    WORKLOAD_RESOURCES, KubeApiError, KubeRest, collection_path,
-                                   deployment_selector, object_key, owned_by, select_prunable)
+                                   deployment_selector, object_key, owned_by, select_prunable,
+                                   state_event)
 from infera.operator.status import (MANAGED_BY, MANAGED_BY_LABEL, Outcome, compute_status, now_rfc3339,
                                     status_merge_patch, workload_readiness)
 
@@ -252,6 +253,13 @@ class Reconciler:
         changed = new.get("state") != old.get("state")
         log.log(logging.INFO if changed else logging.DEBUG, "%s/%s: state %s%s", meta["namespace"], meta["name"],
                 new.get("state"), f": {new['message']}" if new.get("message") else "")
+        if changed:
+            ready = next((c for c in new.get("conditions", []) if c.get("type") == "Ready"), {})
+            event = state_event(cr, new["state"], ready.get("reason", ""), new.get("message", ""), self._clock())
+            try:
+                await self._rest.post_event(event)
+            except (KubeApiError, *_transport_errors) as exc:  # best effort: the status has it all
+                log.debug("%s/%s: event not posted: %s", meta["namespace"], meta["name"], exc)
 
 
 @dataclass(frozen=True)

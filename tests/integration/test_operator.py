@@ -235,6 +235,9 @@ async def test_operator_reconciles_one_crs_life(api: FakeKubeApi, operator: asyn
     assert c["Ready"]["status"] == "False"
     assert {name: d["metadata"]["resourceVersion"] for name, d in deployments(api).items()} == versions
     assert operator.returncode is None, "the operator crashed on a bad spec"
+    await wait_for(lambda: any(e.get("reason") == "InvalidSpec" and e["involvedObject"].get("uid") == uid
+                               and e.get("type") == "Warning" for e in api.list("v1", "Event", NS)), T,
+                   message="a Warning Event on the CR (kubectl describe shows it)")
     patch_cr(api, {"spec": {"services": {"frontend": {"role": None}}}})
     await wait_for(lambda: state(api) in ("pending", "ready"), T, message="recovery from the bad spec")
 

@@ -237,6 +237,7 @@ class MemoryRest:
     def __init__(self, cr: dict) -> None:
         self.objects: dict[str, dict] = {ops_apply.resource_path(cr): cr}
         self.status_writes: list[dict] = []
+        self.events: list[dict] = []
         self.applies = 0
         self.fail_apply: KubeApiError | None = None
 
@@ -263,6 +264,9 @@ class MemoryRest:
 
     async def delete(self, obj, namespace):
         self.objects.pop(ops_apply.resource_path(obj, namespace), None)
+
+    async def post_event(self, event):
+        self.events.append(event)
 
     async def patch_status(self, cr, patch):
         self.status_writes.append(patch)
@@ -324,6 +328,11 @@ async def test_reconcile_applies_prunes_and_writes_status_only_on_change():
     status = rest.objects[cr_path]["status"]
     assert status["state"] == FAILED and rest.applies == applies
     assert conditions(status)["Degraded"]["message"] == "spec.bad: not allowed"
+    # One Event per state change, a Warning for failed, on the CR.
+    assert [(e["type"], e["reason"]) for e in rest.events] == \
+        [("Normal", "Pending"), ("Normal", "AllReady"), ("Warning", "InvalidSpec")]
+    assert rest.events[-1]["message"] == "state failed: spec.bad: not allowed"
+    assert rest.events[-1]["involvedObject"]["uid"] == "cr-uid"
     assert "/apis/apps/v1/namespaces/ns/deployments/demo-frontend" in rest.objects
 
 
