@@ -153,6 +153,7 @@ class Launcher:
         self.record: WorkerRecord | None = None
         self._stop = asyncio.Event()
         self._signals = 0
+        self._registering = False  # register() has been called (a stop must then deregister)
         # The NATS plane's sidecars: the request server (proxies NATS requests to the engine's
         # HTTP API) and the KV-event relay (engine ZMQ → JetStream). None on the dev plane.
         self.nats: NatsConnection | None = None
@@ -296,24 +297,21 @@ class Launcher:
         registered = False
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
             try:
-                await self.start_engine()
-                ready = asyncio.ensure_future(self.wait_ready(session))
+                # A signal during startup ends it, whichever step it is in: waiting for the engine,
+                # for NATS (gone, say, with the rest of its deployment) or for the registry. Nothing
+                # is left registered (a registration cut short is withdrawn in the finally).
+                startup = asyncio.ensure_future(self._start_and_register(session))
                 stop_wait = asyncio.ensure_future(self._stop.wait())
-                await asyncio.wait({ready, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-                if not ready.done():  # signalled during startup: nothing registered, just stop
-                    ready.cancel()
-                    await self.stop_engine()
+                await asyncio.wait({startup, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+                registered = self._registering
+                if not startup.done():
+                    startup.cancel()
+                    await asyncio.wait({startup})
+                    log.info("stopped during startup: nothing was left registered")
                     return 0
                 stop_wait.cancel()
-                ready.result()
-                assert self.spec is not None
-                fields = await self.adapter.describe(session, self.engine_url, self.spec.argv or self.engine_argv,
-                                                     self.args)
-                fields = {**await self.tokenizer_fields(), **fields}  # an adapter's own say wins
-                self.record = self._make_record(fields)
-                await self.start_nats_plane()
-                await self.registration.register(self.record)
-                registered = True
+                startup.result()
+                assert self.record is not None
                 log.info("registered %s as %s (model=%s)", self.adapter.engine, self.record.worker_id,
                          self.record.model_name)
                 assert self.proc is not None
@@ -376,6 +374,18 @@ class Launcher:
             return 1
         finally:
             await self.stop_engine()
+
+    async def _start_and_register(self, session: aiohttp.ClientSession) -> None:
+        """Start the engine, wait until it is ready, describe it, open the NATS plane, register."""
+        await self.start_engine()
+        await self.wait_ready(session)
+        assert self.spec is not None
+        fields = await self.adapter.describe(session, self.engine_url, self.spec.argv or self.engine_argv, self.args)
+        fields = {**await self.tokenizer_fields(), **fields}  # an adapter's own say wins
+        self.record = self._make_record(fields)
+        await self.start_nats_plane()
+        self._registering = True  # from here a stop must withdraw what may have been written
+        await self.registration.register(self.record)
 
     # -- NATS plane --------------------------------------------------------------------------------------
     async def start_nats_plane(self) -> None:
