@@ -4,12 +4,15 @@ kopf watches (its API client, watch streams, namespaces, liveness endpoint, Kube
 the reconcile is ours, level-triggered and idempotent:
 
 * every event of a CR, every event of a Deployment / StatefulSet / LeaderWorkerSet the operator
-  manages (routed to the owner CR), and a resync every ``--resync-s`` seconds mark the CR dirty;
+  manages (watched with a server-side label selector, routed to the owner CR), and a resync every
+  ``--resync-s`` seconds (which lists the CRs itself, not trusting kopf's watch alone) mark the CR
+  dirty;
 * a dirty CR is reconciled by one task at a time (marks made while it runs coalesce into one more
   pass): read the CR as it is now, render it, server-side apply every object (field manager
   ``infera-operator``, forced), delete the owned objects the render no longer has, read the owned
-  workloads' status and write the CR's ``status`` when it changed;
-* a failed pass is retried after ``RETRY_S`` (§10: 5 s after a failed status update).
+  workloads' status and write the CR's ``status`` when it changed (plus an Event on a state change);
+* a failed pass is retried after ``RETRY_S`` (§10: 5 s after a failed status update); a refused
+  spec or object is reported in the status and not retried until the next resync.
 
 Only ``kopf.on.event`` handlers are registered: kopf adds no finalizer and stores no progress on
 the CR, so deleting a CR completes at once (even with the operator down) and the API server's
