@@ -1221,7 +1221,10 @@ class PodRuntime:
     async def _terminate(self) -> None:
         self.terminating = True
         self.changed()
-        await self._flush_status()
+        try:
+            await self._flush_status()  # not ready at once: out of every Service before preStop runs
+        except Exception as exc:  # the status writer retries; the termination goes on regardless
+            self.k.note_error(f"status of terminating {self.namespace}/{self.name}", exc)
         grace = self.grace_seconds()
         start = time.monotonic()
         hooks = [self._pre_stop(c, grace) for c in self.containers
@@ -1231,11 +1234,19 @@ class PodRuntime:
         # After preStop the process gets what is left of the grace period, at least 2 s (as kubelet).
         remaining = max(2.0, grace - (time.monotonic() - start))
         await self.stop(remaining)
-        try:
-            await self.k.api.delete(PODS.item(self.namespace, self.name), grace_seconds=0)
-        except ApiError as exc:
-            if exc.status != 404:
+        delay = 0.1
+        for _ in range(20):  # the final DELETE, retried while the API server fails (bounded)
+            try:
+                await self.k.api.delete(PODS.item(self.namespace, self.name), grace_seconds=0)
+                return
+            except ApiError as exc:
+                if exc.status == 404:
+                    return
                 self.k.note_error(f"final delete of {self.namespace}/{self.name}", exc)
+            except (OSError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                self.k.note_error(f"final delete of {self.namespace}/{self.name}", exc)
+            await asyncio.sleep(delay)
+            delay = min(2.0, delay * 2)
 
     async def _pre_stop(self, container: ContainerRuntime, grace: float) -> None:
         hook = container.spec["lifecycle"]["preStop"]

@@ -419,3 +419,24 @@ async def test_etcd_statefulset_as_rendered(cluster, tmp_path):
     # Its data dir is the claim's directory; its peer port is on the Pod's IP, not localhost.
     assert (tmp_path / "cluster" / "pvc" / NS / "data-etcd-0" / "member").is_dir()
     assert f"--listen-peer-urls http://{pod['status']['podIP']}:2380" in kubelet.logs("etcd-0")
+
+
+async def test_api_failures_and_outage_are_retried(cluster):
+    api, client, kubelet = cluster
+    bare = server_template("bare")
+    await client.create(PODS.collection(NS), {"apiVersion": "v1", "kind": "Pod",
+                                              "metadata": {"name": "bare", **bare["metadata"]}, "spec": bare["spec"]})
+    await ready_pods(client, "app=bare", 1, kubelet)
+    # The kubelet's final DELETE (grace 0) fails twice: it is retried and the Pod goes.
+    await client.delete(PODS.item(NS, "bare"))
+    api.fail_next(503, count=2, kind="delete")
+    await wait_for(lambda: _no_pods(client, "app=bare"), 20, message="bare deleted despite failed DELETEs")
+    assert any("final delete of default/bare" in line for line in kubelet.errors), kubelet.errors
+
+    # An API server outage: the watches drop and come back; a Pod created afterwards runs.
+    await api.stop()
+    await api.start()
+    again = server_template("again")
+    await client.create(PODS.collection(NS), {"apiVersion": "v1", "kind": "Pod",
+                                              "metadata": {"name": "again", **again["metadata"]}, "spec": again["spec"]})
+    await ready_pods(client, "app=again", 1, kubelet, timeout=20)
