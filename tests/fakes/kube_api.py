@@ -1430,6 +1430,9 @@ class FakeKubeApi:
         for key in keys:
             if self._type_for_key(key) is None:
                 self.store.pop(key, None)
+                for watcher in self._watchers:  # the kind is no longer served: its watches end
+                    if watcher.rtype.key == key:
+                        watcher.queue.put_nowait(_CLOSE)
 
     def _bookmark_event(self, rtype: ResourceType | None = None) -> dict[str, Any]:
         kind, api_version = (rtype.kind, rtype.api_version) if rtype is not None else ("Pod", "v1")

@@ -230,6 +230,22 @@ async def test_http_discovery_watch_errors_and_graceful_delete() -> None:
             async with http.get("/apis/leaderworkerset.x-k8s.io/v1") as resp:
                 names = {r["name"] for r in (await resp.json())["resources"]}
             assert names == {"leaderworkersets", "leaderworkersets/status", "leaderworkersets/scale"}
+            lws_watch = await http.get("/apis/leaderworkerset.x-k8s.io/v1/leaderworkersets", params={"watch": "1"})
+            lws = {"metadata": {"name": "group"}, "spec": {"leaderWorkerTemplate": {"size": 2, "x": 1}}}
+            async with http.post("/apis/leaderworkerset.x-k8s.io/v1/namespaces/demo/leaderworkersets",
+                                 json=lws) as resp:
+                spec = (await resp.json())["spec"]
+            assert spec == {"replicas": 1, "startupPolicy": "LeaderCreated",
+                            "leaderWorkerTemplate": {"size": 2, "x": 1}}  # defaults; unknown fields preserved
+            async with http.delete("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
+                                   "leaderworkersets.leaderworkerset.x-k8s.io") as resp:
+                assert resp.status == 200
+            lines = [json.loads(line) async for line in lws_watch.content]  # the stream ends with the kind
+            assert [(e["type"], e["object"]["metadata"]["name"]) for e in lines] == [("ADDED", "group"),
+                                                                                     ("DELETED", "group")]
+            lws_watch.close()
+            async with http.get("/apis/leaderworkerset.x-k8s.io/v1") as resp:
+                assert resp.status == 404
 
             # A watch of Deployments across namespaces, by label.
             watch = await http.get("/apis/apps/v1/deployments", params={"watch": "true", "labelSelector": "app=x"})
