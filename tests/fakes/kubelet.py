@@ -647,6 +647,34 @@ def pod_from_template(template: Mapping[str, Any], *, name: str, namespace: str,
     }
 
 
+def plan_rollout(new: Sequence[Any], old: Sequence[Any], replicas: int, surge: int, unavailable: int,
+                 ready: Callable[[Any], bool], created: Callable[[Any], float]) -> tuple[int, list[Any]]:
+    """One step of a Deployment's RollingUpdate: how many Pods of the current template to create
+    and which Pods to delete, given the live (not terminating) Pods of the current template
+    (``new``) and of older ones (``old``). Never more than ``replicas + surge`` Pods, never fewer
+    than ``replicas - unavailable`` ready; an unready old Pod goes at once (it costs no
+    availability); Pods are deleted unready first, then newest first (as the ReplicaSet
+    controller ranks them)."""
+    def rank(pod: Any) -> tuple[bool, float]:
+        return ready(pod), -created(pod)
+
+    delete: list[Any] = []
+    if len(new) > replicas:
+        delete += sorted(new, key=rank)[: len(new) - replicas]
+    kept_new = [p for p in new if p not in delete]
+    if not old:
+        return max(0, replicas - len(new)), delete
+    create = max(0, min(replicas + surge - len(kept_new) - len(old), replicas - len(kept_new)))
+    budget = sum(ready(p) for p in kept_new + list(old)) - (replicas - unavailable)
+    for pod in sorted(old, key=rank):
+        if not ready(pod):
+            delete.append(pod)
+        elif budget > 0:
+            delete.append(pod)
+            budget -= 1
+    return create, delete
+
+
 def _terminating(pod: Mapping[str, Any]) -> bool:
     return bool(pod.get("metadata", {}).get("deletionTimestamp"))
 
@@ -762,31 +790,12 @@ class Controllers:
         elif recreate and any(_terminating(p) for p in self.owned_pods(deploy)
                               if p["metadata"].get("labels", {}).get("pod-template-hash") != current_hash):
             pass  # Recreate: the new Pods start once every old one is gone
-        elif not old:
-            for _ in range(replicas - len(new)):
-                await self.create_pod(make())
-            extra = len(new) - replicas
-            if extra > 0:
-                ranked = sorted(new, key=lambda p: (pod_is_ready(p), -_ts(p)))
-                for pod in ranked[:extra]:
-                    await self.delete_pod(pod)
         else:
-            total = len(new) + len(old)
-            for _ in range(max(0, min(replicas + surge - total, replicas - len(new)))):
+            create, delete = plan_rollout(new, old, replicas, surge, unavailable, pod_is_ready, _ts)
+            for _ in range(create):
                 await self.create_pod(make())
-            # Deletion order (as the ReplicaSet controller ranks Pods): not ready first, then newest.
-            if len(new) > replicas:
-                for pod in sorted(new, key=lambda p: (pod_is_ready(p), -_ts(p)))[: len(new) - replicas]:
-                    await self.delete_pod(pod)
-            ready_count = sum(pod_is_ready(p) for p in new + old)
-            min_available = replicas - unavailable
-            budget = ready_count - min_available
-            for pod in sorted(old, key=lambda p: (pod_is_ready(p), -_ts(p))):
-                if not pod_is_ready(pod):
-                    await self.delete_pod(pod)  # unhealthy old Pods cost no availability
-                elif budget > 0:
-                    await self.delete_pod(pod)
-                    budget -= 1
+            for pod in delete:
+                await self.delete_pod(pod)
         await self.deployment_status(deploy, current_hash, replicas, unavailable)
 
     async def deployment_status(self, deploy: dict[str, Any], current_hash: str, replicas: int,

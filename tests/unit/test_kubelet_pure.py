@@ -226,3 +226,33 @@ def test_service_ip_from_the_api_else_a_local_one(tmp_path):
     assert kubelet.service_ip(headless) is None
     assert kubelet.service_ip(missing) == "127.0.255.1" == kubelet.service_ip(missing)
     assert kubelet.service_ip(other) == "127.0.255.2"
+
+
+def _plan(new, old, replicas, surge=1, unavailable=0):
+    """plan_rollout over (name, ready, created) tuples; returns (create, deleted names)."""
+    create, delete = kl.plan_rollout(new, old, replicas, surge, unavailable, lambda p: p[1], lambda p: p[2])
+    return create, [p[0] for p in delete]
+
+
+def test_rollout_surges_one_and_keeps_every_replica_ready():
+    old = [("o1", True, 1), ("o2", True, 2), ("o3", True, 3)]
+    assert _plan([], old, 3) == (1, [])  # surge one new Pod first, delete nothing yet
+    assert _plan([("n1", False, 4)], old, 3) == (0, [])  # the new one is not ready: wait
+    assert _plan([("n1", True, 4)], old, 3) == (0, ["o3"])  # ready: one old goes, newest first
+    assert _plan([("n1", True, 4)], old[:2], 3) == (1, [])  # then the next new Pod
+    assert _plan([("n1", True, 4), ("n2", True, 5), ("n3", True, 6)], [], 3) == (0, [])
+
+
+def test_rollout_with_max_unavailable_and_unready_old_pods():
+    old = [("o1", True, 1), ("o2", True, 2), ("o3", True, 3)]
+    # maxSurge 0 / maxUnavailable 1: one old Pod goes before any new one exists.
+    assert _plan([], old, 3, surge=0, unavailable=1) == (0, ["o3"])
+    assert _plan([], old[:2], 3, surge=0, unavailable=1) == (1, [])
+    # An unready old Pod goes at once, whatever the budget.
+    assert _plan([("n1", False, 4)], [("o1", True, 1), ("o2", False, 2), ("o3", True, 3)], 3) == (0, ["o2"])
+
+
+def test_scale_without_rollout():
+    assert _plan([("a", True, 1)], [], 3) == (2, [])
+    # Down: unready first, then newest.
+    assert _plan([("a", True, 1), ("b", False, 2), ("c", True, 3), ("d", True, 4)], [], 2) == (0, ["b", "d"])
