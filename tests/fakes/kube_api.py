@@ -28,8 +28,8 @@ Infera's discovery, the operator (kopf), the local kubelet and the real ``kubect
   sets an unbound Pod's ``spec.nodeName`` (409 once bound);
 * CustomResourceDefinitions (``apiextensions.k8s.io/v1``): creating one registers its served versions
   (plural, singular, shortNames, categories, scope, status/scale subresources) in discovery at once
-  (status Established); updating it re-registers; deleting it deletes its custom resources and
-  unregisters the kind. Custom resources are validated, pruned and defaulted against the version's
+  (status Established); updating it re-registers; deleting it deletes its custom resources, ends
+  the watches of its kind and unregisters it. Custom resources are validated, pruned and defaulted against the version's
   ``openAPIV3Schema`` (:func:`apply_schema`): type errors, ``enum``, ``required``, bounds, ``pattern``
   → 422 Invalid naming the field; unknown fields under ``fieldValidation=Strict`` → 400
   ``strict decoding error: unknown field "spec.x"``; under ``Warn`` (the default) a ``Warning``
