@@ -1054,6 +1054,8 @@ class ContainerRuntime:
             except (ValueError, OSError) as exc:  # nothing runnable: as a runtime's CreateContainerError
                 code = -1
                 self._set(state={"waiting": {"reason": "CreateContainerError", "message": str(exc)}})
+            if self.pod.terminating and not self.init:
+                await self.pod.stopping.wait()  # a terminating Pod's containers are not restarted
             if self.pod.stopping.is_set():
                 return code
             if (self.init and code == 0) or policy == "Never" or (policy == "OnFailure" and code == 0):

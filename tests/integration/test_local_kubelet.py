@@ -440,3 +440,20 @@ async def test_api_failures_and_outage_are_retried(cluster):
     await client.create(PODS.collection(NS), {"apiVersion": "v1", "kind": "Pod",
                                               "metadata": {"name": "again", **again["metadata"]}, "spec": again["spec"]})
     await ready_pods(client, "app=again", 1, kubelet, timeout=20)
+
+
+async def test_a_container_that_exits_during_prestop_is_not_restarted(cluster, tmp_path):
+    api, client, kubelet = cluster
+    # The process exits as soon as preStop writes its marker; preStop then sleeps on.
+    done = tmp_path / "prestop-done"
+    main = f"import os, time\nwhile not os.path.exists({str(done)!r}): time.sleep(0.02)\nprint('exiting', flush=True)"
+    await client.create(PODS.collection(NS), {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "quitter", "labels": {"app": "quitter"}},
+        "spec": {"terminationGracePeriodSeconds": 10, "containers": [{
+            "name": "main", "image": "x", "command": ["python3", "-c", main],
+            "lifecycle": {"preStop": {"exec": {"command": ["sh", "-c", f"touch {done}; sleep 1"]}}}}]}})
+    await ready_pods(client, "app=quitter", 1, kubelet)
+    await client.delete(PODS.item(NS, "quitter"))
+    await wait_for(lambda: _no_pods(client, "app=quitter"), 20, message="quitter deleted")
+    log = kubelet.logs("quitter")
+    assert log.count(" start quitter/main") == 1 and "exiting" in log, log
