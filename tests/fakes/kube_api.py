@@ -1080,6 +1080,7 @@ class FakeKubeApi:
             raise ValueError("too_large_as is 'event' (a watch ERROR event) or 'http' (the HTTP 504 itself)")
         self.namespace = namespace  # the helpers' default namespace
         self.token = token
+        self.user = f"system:serviceaccount:{namespace}:default"  # who an injected 403 says was refused
         self.history_limit = history_limit
         self.bookmark_interval = bookmark_interval
         self.too_large_wait_s = too_large_wait_s  # a real watch cache waits 3 s for a newer resourceVersion
@@ -1284,7 +1285,9 @@ class FakeKubeApi:
         return len(self._watchers)
 
     def fail_next(self, status: int = 503, count: int = 1, kind: str | None = None) -> None:
-        """Answer the next ``count`` requests (of ``kind``: "list", "watch", "patch"... or any) with ``status``."""
+        """Answer the next ``count`` requests (of ``kind``: "list", "watch", "patch"... or any) with ``status``.
+        A 403 on a resource is worded as an RBAC denial (``<resource> "<name>" is forbidden: User
+        "<user>" cannot <verb> resource "<plural>" in API group "<group>" in the namespace "<ns>"``)."""
         self._failures.extend([(status, kind)] * count)
 
     # -- storage ------------------------------------------------------------------------------
@@ -1842,6 +1845,8 @@ class FakeKubeApi:
         for i, (status, only) in enumerate(self._failures):
             if only is None or only == kind:
                 del self._failures[i]
+                if status == 403 and isinstance(target, _Target) and target.rtype is not None:
+                    return _error_status(self._forbidden(request, target, kind))
                 reason = {410: "Expired", 429: "TooManyRequests", 404: "NotFound", 403: "Forbidden"}.get(
                     status, "InternalError" if status >= 500 else "BadRequest")
                 return _error(status, reason, f"injected {status}")
@@ -1851,6 +1856,20 @@ class FakeKubeApi:
             return await handler(request)
         except KubeError as exc:
             return _error_status(exc.status)
+
+    def _forbidden(self, request: web.Request, target: _Target, kind: str) -> dict[str, Any]:
+        """An RBAC denial worded as kube-apiserver words it (for :meth:`fail_next` with 403)."""
+        rtype = target.rtype
+        verb = {"discovery": "get"}.get(kind, kind)
+        if kind == "delete" and target.name is None:
+            verb = "deletecollection"
+        resource = f"{rtype.plural}/{target.subresource}" if target.subresource else rtype.plural
+        subject = f'{rtype.qualified} "{target.name}"' if target.name else rtype.qualified
+        where = f' in the namespace "{target.namespace}"' if target.namespace else " at the cluster scope"
+        message = (f'{subject} is forbidden: User "{self.user}" cannot {verb} resource "{resource}" in API group '
+                   f'"{rtype.group}"{where}')
+        return status_body(403, "Forbidden", message, {"name": target.name or "", "group": rtype.group,
+                                                       "kind": rtype.plural})
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         target: _Target = request[_TARGET]

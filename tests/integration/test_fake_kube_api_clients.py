@@ -313,6 +313,16 @@ async def test_http_discovery_watch_errors_and_graceful_delete() -> None:
                                  headers={"Content-Type": "application/vnd.kubernetes.protobuf"}) as resp:
                 assert resp.status == 415
 
+            # An injected 403 reads as an RBAC denial.
+            api.fail_next(403, kind="patch")
+            async with http.patch("/apis/apps/v1/namespaces/demo/deployments/x/scale", data="{}",
+                                  headers={"Content-Type": "application/merge-patch+json"}) as resp:
+                denial = await resp.json()
+            assert resp.status == 403 and denial["reason"] == "Forbidden"
+            assert denial["message"] == ('deployments.apps "x" is forbidden: User "system:serviceaccount:demo:default" '
+                                         'cannot patch resource "deployments/scale" in API group "apps" in the '
+                                         'namespace "demo"')
+
             # Every watch ends when the server stops.
             assert api.open_watches == 1
             await api.stop()
