@@ -285,6 +285,13 @@ async def test_nats_statefulset_reachable_through_its_service(cluster, tmp_path)
     assert pods["nats-1"]["spec"]["hostname"] == "nats-1" and pods["nats-1"]["spec"]["subdomain"] == "nats"
     assert (tmp_path / "cluster" / "pvc" / NS / "data-nats-1" / "jetstream").is_dir()
     assert kubelet.resolve("nats-1.nats") == [pods["nats-1"]["status"]["podIP"]]
+    # A headless Service resolves to its ready Pods' IPs.
+    await client.create(SERVICES.collection(NS), {
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "nats-pods"},
+        "spec": {"clusterIP": "None", "selector": {"app": "nats"}, "ports": [{"port": 4222}]}})
+    want = sorted(p["status"]["podIP"] for p in pods.values())
+    await wait_for(lambda: sorted(kubelet.resolve("nats-pods.default.svc") or []) == want, 10,
+                   message="the headless Service resolves to both Pod IPs")
 
     # A DaemonSet: one Pod on the one node, and its status.
     await client.create("/apis/apps/v1/namespaces/default/daemonsets", {
