@@ -476,3 +476,29 @@ def test_printer_column_paths_and_ages() -> None:
                            (30 * 3600, "30h"), (3 * 86400 + 3600, "3d1h"), (100 * 86400, "100d")):
         then = (now - datetime.timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%SZ")
         assert human_age(then, now) == shown
+
+
+def test_dry_run_stores_nothing_and_apply_with_a_stale_resource_version_conflicts(api: FakeKubeApi) -> None:
+    cms = kind(api, "v1", "ConfigMap")
+    mark = api.rv
+    assert api.create_object(cms, "demo", {"metadata": {"name": "c"}}, dry_run=True)["metadata"]["name"] == "c"
+    assert api.get("v1", "ConfigMap", "c", "demo") is None and api.rv == mark
+    created, _ = api.patch_object(cms, "demo", "c", APPLY_PATCH, {"metadata": {"name": "c"}, "data": {"a": "1"}},
+                                  field_manager="op")
+    api.patch_object(cms, "demo", "c", MERGE_PATCH, {"data": {"b": "2"}})
+    stale = {"metadata": {"name": "c", "resourceVersion": created["metadata"]["resourceVersion"]}, "data": {"a": "3"}}
+    with pytest.raises(KubeError) as caught:
+        api.patch_object(cms, "demo", "c", APPLY_PATCH, stale, field_manager="op")
+    assert caught.value.code == 409
+
+
+def test_every_served_version_of_a_crd_shares_the_objects() -> None:
+    api = FakeKubeApi()
+    crd = crd_fixture()
+    v1 = crd["spec"]["versions"][0]
+    crd["spec"]["versions"] = [{**copy.deepcopy(v1), "name": "v1beta1", "storage": False}, v1]
+    api.create_object(kind(api, "apiextensions.k8s.io/v1", "CustomResourceDefinition"), None, crd)
+    beta = kind(api, "example.infera.dev/v1beta1", "Widget")
+    api.create_object(beta, "default", {"metadata": {"name": "w"}, "spec": {"size": "small"}})
+    assert api.get("example.infera.dev/v1", "Widget", "w")["apiVersion"] == "example.infera.dev/v1"
+    assert api.get("example.infera.dev/v1beta1", "Widget", "w")["apiVersion"] == "example.infera.dev/v1beta1"
