@@ -1889,32 +1889,11 @@ class LocalKubelet:
     async def _sync_pods(self) -> None:
         seen: set[str] = set()
         for pod in self.pods.values():
-            meta, spec = pod["metadata"], pod.get("spec") or {}
-            uid = meta.get("uid", "")
-            seen.add(uid)
-            node = spec.get("nodeName")
-            if not node:
-                if not _terminating(pod) and uid not in self._bound:
-                    await self._bind(pod)
-                continue
-            if node != NODE_NAME:
-                continue
-            runtime = self.runtimes.get(uid)
-            if runtime is None and uid not in self.finished:
-                if _terminating(pod):
-                    await self._final_delete(pod)
-                    continue
-                runtime = PodRuntime(self, pod, self._next_ip())
-                self.runtimes[uid] = runtime
-                runtime.start()
-            if runtime is not None:
-                new_rv, old_rv = _rv(pod), _rv(runtime.pod)
-                if new_rv is None or old_rv is None or new_rv >= old_rv:
-                    runtime.pod = pod
-                if _terminating(pod):
-                    runtime.begin_termination(pod)
-                    if runtime._termination is not None and runtime._termination.done():
-                        self.finished[uid] = self.runtimes.pop(uid)
+            seen.add(pod["metadata"].get("uid", ""))
+            try:
+                await self._sync_pod(pod)
+            except (ApiError, OSError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                self.note_error(f"pod {'/'.join(_key(pod))}", exc)  # one Pod's failure holds no other back
         for uid in [u for u in self.runtimes if u not in seen]:
             runtime = self.runtimes.pop(uid)
             self.finished[uid] = runtime
@@ -1925,6 +1904,33 @@ class LocalKubelet:
             runtime = self.finished.pop(uid)
             await runtime.close()
             self._ips_in_use.discard(runtime.ip)
+
+    async def _sync_pod(self, pod: dict[str, Any]) -> None:
+        meta, spec = pod["metadata"], pod.get("spec") or {}
+        uid = meta.get("uid", "")
+        node = spec.get("nodeName")
+        if not node:
+            if not _terminating(pod) and uid not in self._bound:
+                await self._bind(pod)
+            return
+        if node != NODE_NAME:
+            return
+        runtime = self.runtimes.get(uid)
+        if runtime is None and uid not in self.finished:
+            if _terminating(pod):
+                await self._final_delete(pod)  # never ran here: nothing to stop
+                return
+            runtime = PodRuntime(self, pod, self._next_ip())
+            self.runtimes[uid] = runtime
+            runtime.start()
+        if runtime is not None:
+            new_rv, old_rv = _rv(pod), _rv(runtime.pod)
+            if new_rv is None or old_rv is None or new_rv >= old_rv:
+                runtime.pod = pod
+            if _terminating(pod):
+                runtime.begin_termination(pod)
+                if runtime._termination is not None and runtime._termination.done():
+                    self.finished[uid] = self.runtimes.pop(uid)
 
     async def _stop_gone(self, runtime: PodRuntime) -> None:
         runtime.terminating = True
@@ -2033,18 +2039,26 @@ class LocalKubelet:
             if self._endpoints_written.get((ns, name)) == text:
                 continue
             try:
-                await self.api.merge_patch(ENDPOINTS.item(ns, name), {"subsets": subsets})
-            except ApiError as exc:
-                if exc.status != 404:
-                    raise
-                await self.api.create(ENDPOINTS.collection(ns), {
-                    "apiVersion": "v1", "kind": "Endpoints", "subsets": subsets,
-                    "metadata": {"name": name, "namespace": ns, "labels": dict(svc["metadata"].get("labels") or {})}})
+                await self._write_endpoints(svc, subsets)
+            except (ApiError, OSError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                self.note_error(f"endpoints {ns}/{name}", exc)  # retried next round
+                continue
             self._endpoints_written[(ns, name)] = text
         for key in [k for k in self._endpoints_written if k not in services]:
             del self._endpoints_written[key]
             with contextlib.suppress(ApiError):
                 await self.api.delete(ENDPOINTS.item(*key))
+
+    async def _write_endpoints(self, svc: Mapping[str, Any], subsets: list[dict[str, Any]]) -> None:
+        ns, name = _key(svc)
+        try:
+            await self.api.merge_patch(ENDPOINTS.item(ns, name), {"subsets": subsets})
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+            await self.api.create(ENDPOINTS.collection(ns), {
+                "apiVersion": "v1", "kind": "Endpoints", "subsets": subsets,
+                "metadata": {"name": name, "namespace": ns, "labels": dict(svc["metadata"].get("labels") or {})}})
 
     async def _sync_hosts(self) -> None:
         self._write_hosts(self._records())
