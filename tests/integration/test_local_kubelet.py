@@ -464,3 +464,42 @@ async def test_a_container_that_exits_during_prestop_is_not_restarted(cluster, t
     await wait_for(lambda: _no_pods(client, "app=quitter"), 20, message="quitter deleted")
     log = kubelet.logs("quitter")
     assert log.count(" start quitter/main") == 1 and "exiting" in log, log
+
+
+async def test_init_container_volumes_and_env_sources(cluster):
+    api, client, kubelet = cluster
+    await client.create("/api/v1/namespaces/default/configmaps", {
+        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg"},
+        "data": {"app.conf": "bind 0.0.0.0\nstate /work/data/state\n", "MODE": "fast"}})
+    await client.create("/api/v1/namespaces/default/secrets", {
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "sec"}, "data": {"token": "czNjcmV0"}})
+    show = ("import os, time\n"
+            "print('CONF', '=', open('/etc/app/app.conf').read().replace(chr(10), '|'))\n"
+            "print('INIT', '=', open('/work/data/init-was-here').read())\n"
+            "print('ENV', '=', os.environ['TOKEN'], os.environ['MODE'], os.environ['ADDR'], flush=True)\n"
+            "time.sleep(300)")
+    await client.create(PODS.collection(NS), {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "mounts", "labels": {"app": "mounts"}},
+        "spec": {
+            "volumes": [{"name": "cfg", "configMap": {"name": "cfg", "items": [{"key": "app.conf", "path": "app.conf"}]}},
+                        {"name": "work", "emptyDir": {}}],
+            "initContainers": [{"name": "init", "image": "x", "command": [
+                "python3", "-c", "open('/work/data/init-was-here', 'w').write('yes')"],
+                "volumeMounts": [{"name": "work", "mountPath": "/work/data"}]}],
+            "containers": [{"name": "main", "image": "x", "command": ["python3", "-c", show],
+                            "env": [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "sec", "key": "token"}}},
+                                    {"name": "ADDR", "value": "$(POD_IP_ALIAS):1"},
+                                    {"name": "POD_IP_ALIAS", "value": "unused"}],
+                            "envFrom": [{"configMapRef": {"name": "cfg"}}],
+                            "volumeMounts": [{"name": "cfg", "mountPath": "/etc/app"},
+                                             {"name": "work", "mountPath": "/work/data"}]}]}})
+    [pod] = await ready_pods(client, "app=mounts", 1, kubelet)
+    await wait_for(lambda: "ENV = " in kubelet.logs("mounts"), 10, message="the main container's output")
+    log = kubelet.logs("mounts")
+    work = kubelet.runtime("mounts").volume_dirs["work"]
+    # The mounted file has the Pod's IP for 0.0.0.0 and the emptyDir's directory for its mount path.
+    assert f"CONF = bind {pod['status']['podIP']}|state {work}/state|" in log, log
+    assert "INIT = yes" in log
+    # $(VAR) refers only to variables defined before it: ADDR keeps the reference as written.
+    assert "ENV = s3cret fast $(POD_IP_ALIAS):1" in log
+    assert pod["status"]["initContainerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
