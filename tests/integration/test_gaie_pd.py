@@ -1,0 +1,172 @@
+"""PD behind a gateway: sim PD pairs, each worker on its own loopback IP (so one fixed destination
+port serves every worker, as a Pod IP does in Kubernetes), a per-worker ``infera.server
+--router-mode direct`` sidecar on the decode worker's IP at that port, the EPP and a real Envoy.
+
+The EPP chooses the pair; Envoy sends the request to the decode worker's sidecar with
+``x-worker-instance-id`` (decode) and ``x-prefill-instance-id``; the sidecar's DisaggRouter runs
+exactly that pair. Both legs are checked on the sims' own metrics."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import sys
+
+import aiohttp
+import pytest
+
+from infera.engine.base.prom import sample_sum
+from tests.conftest import free_port, stop_process_group, wait_for
+
+pytestmark = pytest.mark.integration
+
+MODEL = "pd"
+NIXL = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
+SYSTEM = "You are a meticulous assistant who answers in one sentence. " * 30
+EXTERNAL = ('vllm:prompt_tokens_by_source_total', 'source="external_kv_transfer"')
+
+
+def nixl(role: str) -> tuple[str, str]:
+    return "--kv-transfer-config", json.dumps({**NIXL, "kv_role": role})
+
+
+def messages(tag: str) -> list[dict]:
+    return [{"role": "system", "content": f"[{tag}] {SYSTEM}"}, {"role": "user", "content": "What is a router?"}]
+
+
+def loopback_ips(n: int) -> list[str]:
+    """``n`` distinct 127.a.b.c addresses (Linux routes all of 127/8 to lo), away from 127.0.0.1 and
+    the local kubelet's 127.0.200+ ranges; random so concurrent tests rarely share one."""
+    base = (random.randint(1, 199), random.randint(0, 255))
+    return [f"127.{base[0]}.{base[1]}.{i + 2}" for i in range(n)]
+
+
+def port_free_on(ips: list[str]) -> int:
+    """One port free on every address: the fleet's fixed destination port."""
+    for _ in range(64):
+        port = free_port()
+        try:
+            for ip in ips:
+                with socket.socket() as s:
+                    s.bind((ip, port))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no port free on every loopback address")
+
+
+class Sim:
+    """A sim worker bound to (and advertising) its own loopback IP."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, host: str, port: int) -> None:
+        self.proc, self.host, self.port = proc, host, port
+        self.worker_id = f"{host}:{port}"
+        self.url = f"http://{host}:{port}"
+
+    async def metric(self, session: aiohttp.ClientSession, name: str, label: str = "") -> float:
+        async with session.get(self.url + "/metrics") as r:
+            return sample_sum(await r.text(), name, label)
+
+
+@pytest.fixture
+async def sims(etcd, prefix):
+    """``await sims(host, *engine_args)``: a registered sim worker on ``host``."""
+    started: list[Sim] = []
+
+    async def factory(host: str, *engine_args: str, model: str = MODEL, speedup: float = 50.0) -> Sim:
+        port = free_port()
+        cmd = [sys.executable, "-m", "infera.engine.sim", "--etcd-endpoint", etcd.endpoint, "--etcd-prefix", prefix,
+               "--lease-ttl", "2", "--drain-settle", "0.3", "--advertise-host", host, "--disaggregation-allow-tcp",
+               "--log-level", "warning", "--model", model, "--port", str(port), "--host", host,
+               "--speedup", str(speedup), *engine_args]
+        sim = Sim(await asyncio.create_subprocess_exec(*cmd, start_new_session=True), host, port)
+        started.append(sim)
+        return sim
+
+    yield factory
+    for sim in started:
+        if sim.proc.returncode is None:
+            try:
+                os.killpg(sim.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            await sim.proc.wait()
+
+
+class Sidecar:
+    """``python -m infera.server --router-mode direct`` on a worker's IP at the destination port."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, host: str, port: int) -> None:
+        self.proc, self.host, self.port = proc, host, port
+        self.url = f"http://{host}:{port}"
+
+    async def routable(self, session: aiohttp.ClientSession, worker_ids: set[str]) -> bool:
+        try:
+            async with session.get(self.url + "/v1/workers", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                if r.status != 200:
+                    return False
+                listed = await r.json()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+        rows = listed["workers"] if isinstance(listed, dict) else listed
+        return worker_ids <= {w["worker_id"] for w in rows if w.get("routable")}
+
+
+@pytest.fixture
+async def sidecars(etcd, prefix):
+    """``await sidecars(host, port)``: a direct-mode server on ``host:port`` seeing the fleet."""
+    started: list[Sidecar] = []
+
+    async def factory(host: str, port: int) -> Sidecar:
+        cmd = [sys.executable, "-m", "infera.server", "--router-mode", "direct", "--router-policy", "round-robin",
+               "--host", host, "--port", str(port), "--etcd-endpoint", etcd.endpoint, "--etcd-prefix", prefix,
+               "--log-level", "warning"]
+        sidecar = Sidecar(await asyncio.create_subprocess_exec(*cmd, start_new_session=True), host, port)
+        started.append(sidecar)
+        return sidecar
+
+    yield factory
+    for sidecar in started:
+        await stop_process_group(sidecar.proc, grace=5)
+
+
+async def pd_pairs(sims, sidecars, n_pairs: int) -> tuple[list[tuple[Sim, Sim, Sidecar]], int]:
+    """``n_pairs`` (prefill, decode, decode's sidecar), every worker on its own IP, the sidecars all
+    on one destination port; waits until every sidecar can route every worker."""
+    ips = loopback_ips(2 * n_pairs)
+    dest_port = port_free_on(ips)
+    pairs = []
+    for i in range(n_pairs):
+        p = await sims(ips[2 * i], *nixl("kv_producer"))
+        d = await sims(ips[2 * i + 1], *nixl("kv_consumer"))
+        pairs.append((p, d, await sidecars(d.host, dest_port)))
+    ids = {w.worker_id for p, d, _ in pairs for w in (p, d)}
+    async with aiohttp.ClientSession() as s:
+        for _, _, car in pairs:
+            await wait_for(lambda car=car: car.routable(s, ids), 45, interval=0.2,
+                           message=f"sidecar {car.url} routes {sorted(ids)}")
+    return pairs, dest_port
+
+
+async def test_sidecar_serves_exactly_the_pair_the_headers_name(sims, sidecars):
+    """The gateway's hop alone: the decode worker's sidecar runs the pair named by the headers, on
+    both sims (prefill served it, decode pulled its KV), streaming and unary."""
+    pairs, _ = await pd_pairs(sims, sidecars, 2)
+    (p0, d0, car0), (p1, d1, _) = pairs
+    async with aiohttp.ClientSession() as s:
+        # the sidecar of pair 0 told to run (prefill of pair 1, its own decode)
+        for stream in (False, True):
+            before = [await w.metric(s, "vllm:request_success_total") for w in (p0, d0, p1, d1)]
+            moved = await d0.metric(s, *EXTERNAL)
+            body = {"model": MODEL, "messages": messages(f"hop-{stream}"), "max_tokens": 6, "stream": stream}
+            headers = {"x-worker-instance-id": d0.worker_id, "x-prefill-instance-id": p1.worker_id}
+            async with s.post(car0.url + "/v1/chat/completions", json=body, headers=headers,
+                              timeout=aiohttp.ClientTimeout(total=20)) as r:
+                assert r.status == 200, await r.text()
+                await r.read()
+            after = [await w.metric(s, "vllm:request_success_total") for w in (p0, d0, p1, d1)]
+            assert [a - b for a, b in zip(after, before)] == [0, 1, 1, 0]
+            assert await d0.metric(s, *EXTERNAL) > moved
