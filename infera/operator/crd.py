@@ -123,16 +123,21 @@ NATS_SCHEMA = _obj("the NATS JetStream broker (requests and KV events) deployed 
     "storageClassName": _str("StorageClass of the JetStream volume"),
 })
 
-GAIE_SCHEMA = _obj("Gateway API Inference Extension (accepted for upstream compatibility; enabling it "
-                   "is refused: no EPP is shipped)", {
+GAIE_SCHEMA = _obj("Gateway API Inference Extension: the endpoint picker (python -m infera.gaie) as a Deployment "
+                   "and Service <name>-epp, an InferencePool <name>-pool of the worker Pods, an HTTPRoute "
+                   "<name>-route on the Gateway, and a frontend sidecar (infera.server --router-mode direct) in "
+                   "every worker Pod. Needs the GAIE and Gateway API CRDs on the cluster", {
     "enabled": _bool("render the EPP, InferencePool and HTTPRoute", default=False),
-    "eppImage": _str("EPP image"),
-    "tokenizerPath": _str("tokenizer for the EPP's kv-aware picks"),
-    "gatewayName": _str("Gateway of the HTTPRoute"),
-    "gatewayNamespace": _str("namespace of the Gateway"),
+    "eppImage": _str("EPP image (default: the Infera image)"),
+    "tokenizerPath": _str("tokenizer for the EPP's kv-aware picks (required when enabled)"),
+    "gatewayName": _str("Gateway of the HTTPRoute (required when enabled)"),
+    "gatewayNamespace": _str("namespace of the Gateway (default: the HTTPRoute's)"),
     "hostnames": _string_list("HTTPRoute hostnames"),
-    "frontendPort": _int("port of the per-worker frontend sidecar", minimum=1, maximum=65535, default=8000),
+    "frontendPort": _int("port of the per-worker frontend sidecar, the InferencePool's target port",
+                         minimum=1, maximum=65535, default=8000),
     "modelName": _str("model the route serves"),
+    "eppReplicas": _int("Infera: EPP replicas (they share in-flight state over NATS when it is deployed)",
+                        minimum=0, default=1),
 })
 
 DRAIN_SCHEMA = _obj("Infera: the scale-down budget (docs/kubernetes.md). terminationGracePeriodSeconds = "

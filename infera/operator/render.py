@@ -23,6 +23,18 @@ Objects, for a CR ``<idep>`` (see ``spec.py`` for the spec's rules):
   (``infera/operator/grafana_dashboard.json``, a copy of ``deploy/grafana/infera.json`` that a test
   keeps equal: an image has no repository ``deploy/`` folder).
 
+* ``gaie.enabled`` (the Gateway API Inference Extension): the endpoint picker, a ``Deployment`` and
+  ``Service`` ``<idep>-epp`` (``python3 -m infera.gaie``: ext_proc on 9002 over TLS, plaintext gRPC
+  health ``inference-extension`` on 9003 for the kubelet's probes, the server's discovery and plane
+  flags, kv-aware with ``gaie.tokenizerPath``, destination port ``gaie.frontendPort``); a sidecar
+  ``infera-frontend`` in every worker Pod that serves (not LWS followers), ``infera.server
+  --router-mode direct`` on ``frontendPort``, which sends each request to the worker (PD: the pair)
+  the picker named; an ``InferencePool`` ``<idep>-pool`` (``inference.networking.k8s.io/v1``) of
+  the Pods labelled ``infera.amd.com/gaie-frontend``, target port ``frontendPort``, picker
+  ``<idep>-epp:9002`` with ``FailClose`` (without the picker's headers a sidecar cannot route); an
+  ``HTTPRoute`` ``<idep>-route`` (``gateway.networking.k8s.io/v1``) from ``gatewayName`` /
+  ``gatewayNamespace`` and ``hostnames``, path ``/``, to the pool, gateway timeouts off (streams).
+
 Every object carries the contract's labels and, when the CR has a ``metadata.uid`` (it came from
 the API server), an owner reference to it (controller, blockOwnerDeletion), so deleting the CR
 deletes everything. A CR rendered offline has no uid: then there are no owner references, and the
@@ -89,7 +101,17 @@ STARTUP_FAILURE_THRESHOLD = 360
 
 # Apply order: identities and config first, then what serves, then what selects it.
 KIND_ORDER = ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service", "StatefulSet", "DaemonSet",
-              "Deployment", "LeaderWorkerSet", "PodDisruptionBudget"]
+              "Deployment", "LeaderWorkerSet", "PodDisruptionBudget", "InferencePool", "HTTPRoute"]
+
+# GAIE (spec.gaie.enabled): the endpoint picker's ports and health service (GAIE's conventions,
+# which gateways and the kubelet's gRPC probe expect), the per-worker sidecar's container name.
+INFERENCE_POOL_API_VERSION = "inference.networking.k8s.io/v1"
+HTTPROUTE_API_VERSION = "gateway.networking.k8s.io/v1"
+EPP_GRPC_PORT = 9002
+EPP_HEALTH_PORT = 9003
+EPP_HEALTH_SERVICE = "inference-extension"
+FRONTEND = "infera-frontend"
+EPP = "epp"
 
 L_MANAGED_BY = "app.kubernetes.io/managed-by"
 L_PART_OF = "app.kubernetes.io/part-of"
@@ -97,6 +119,8 @@ L_DEPLOYMENT = "infera.amd.com/deployment"
 L_SERVICE = "infera.amd.com/service"
 L_COMPONENT = "infera.amd.com/component"
 L_ROLE = "infera.amd.com/role"
+# On the worker Pods that run the GAIE frontend sidecar (not LWS followers): the InferencePool's selector.
+L_GAIE_FRONTEND = "infera.amd.com/gaie-frontend"
 
 # What the sim accepts (tests/unit/test_operator_render.py checks these against its parsers):
 # the launcher's flags, which every engine launcher shares ...
@@ -377,6 +401,34 @@ def worker_command(ctx: _Ctx, svc: ServiceSpec, *, follower: bool = False) -> tu
     return ["python3", "-m", f"infera.engine.{backend}"], args
 
 
+def epp_command(ctx: _Ctx) -> tuple[list[str], list[str]]:
+    """(command, args) of the GAIE endpoint picker: it discovers the workers as the server does,
+    picks kv-aware from the same KV events, and names ``<pod ip>:<frontendPort>`` (the sidecar) as
+    the destination. TLS on the ext_proc port (gateways connect with TLS and skip verification, as
+    GAIE's reference EPP expects); the health port stays plaintext for the kubelet's gRPC probe."""
+    gaie = ctx.dep.gaie
+    assert gaie.tokenizer_path is not None  # spec.py requires it with gaie.enabled
+    # The server's plane flags: the same discovery and KV events, and with NATS the replicas share
+    # in-flight state (--replica-sync defaults to nats there) as server replicas do.
+    args = ["--host", "0.0.0.0", "--grpc-port", str(EPP_GRPC_PORT), "--grpc-health-port", str(EPP_HEALTH_PORT),
+            "--destination-port", str(gaie.frontend_port), "--secure-serving",
+            *_plane_flags(ctx, server=True),
+            "--router-policy", "kv-aware", "--router-tokenizer-path", gaie.tokenizer_path]
+    return ["python3", "-m", "infera.gaie"], args
+
+
+def frontend_command(ctx: _Ctx) -> tuple[list[str], list[str]]:
+    """(command, args) of the per-worker GAIE sidecar: an ``infera.server`` that routes each request
+    to the worker the EPP named (``x-worker-instance-id``; for PD the pair, with
+    ``x-prefill-instance-id``), over NATS requests when NATS is deployed, else HTTP. It picks
+    nothing itself: one process, round-robin (no tokenizer), no replica sync or engine scrapes."""
+    args = ["--host", "0.0.0.0", "--port", str(ctx.dep.gaie.frontend_port), "--router-mode", "direct",
+            *_plane_flags(ctx, server=True),
+            "--router-policy", "round-robin", "--workers", "1", "--replica-sync", "off",
+            "--engine-scrape-interval", "0"]
+    return ["python3", "-m", "infera.server"], args
+
+
 # ---------------------------------------------------------------------------------------------
 # Pods
 # ---------------------------------------------------------------------------------------------
@@ -488,7 +540,8 @@ def _merge_main_container(main: dict[str, Any], theirs: dict[str, Any]) -> None:
 
 
 def _pod_template(ctx: _Ctx, svc: ServiceSpec, command: list[str], args: list[str], image: str, *,
-                  probes: bool, extra_env: list[dict[str, Any]], kvd_mount: bool) -> dict[str, Any]:
+                  probes: bool, extra_env: list[dict[str, Any]], kvd_mount: bool,
+                  frontend: bool = False) -> dict[str, Any]:
     dep = ctx.dep
     labels = {**dict(svc.pod_labels), **pool_labels(dep, svc)}
     env = _merge_env(_downward_env(), extra_env, dep.envs, svc.env)
@@ -524,10 +577,41 @@ def _pod_template(ctx: _Ctx, svc: ServiceSpec, command: list[str], args: list[st
                             "terminationGracePeriodSeconds": grace_period_seconds(pre_stop, drain)}
     if volumes:
         spec["volumes"] = volumes
+    if frontend:
+        spec["containers"].append(_frontend_container(ctx, pre_stop + math.ceil(drain)))
+        labels[L_GAIE_FRONTEND] = "true"
     template = {"metadata": {"labels": labels}, "spec": spec}
     _merge_extra_pod_spec(template, svc.extra_pod_spec)
     template["metadata"]["labels"] = {**template["metadata"]["labels"], **pool_labels(dep, svc)}
+    if frontend:
+        template["metadata"]["labels"][L_GAIE_FRONTEND] = "true"
     return template
+
+
+def _frontend_container(ctx: _Ctx, stay_seconds: int) -> dict[str, Any]:
+    """The GAIE sidecar. Its preStop outlasts the worker's preStop and drain, so the streams the
+    worker finishes while draining still have their proxy (the grace period covers both)."""
+    dep = ctx.dep
+    command, args = frontend_command(ctx)
+    extra_env = ([{"name": "INFERA_K8S_LABEL_SELECTOR", "value": worker_label_selector(dep)}]
+                 if dep.discovery == "kubernetes" else [])
+    get = {"path": "/health", "port": "frontend"}
+    container: dict[str, Any] = {
+        "name": FRONTEND, "image": _frontend_image(ctx), "command": command, "args": args,
+        "ports": [{"name": "frontend", "containerPort": dep.gaie.frontend_port, "protocol": "TCP"}],
+        "env": _merge_env(_downward_env(), extra_env, dep.envs),
+        "readinessProbe": {"httpGet": dict(get), "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {"httpGet": dict(get), "periodSeconds": 10, "timeoutSeconds": 10, "failureThreshold": 6},
+    }
+    if stay_seconds > 0:
+        container["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", str(stay_seconds)]}}}
+    return container
+
+
+def _frontend_image(ctx: _Ctx) -> str:
+    """The server pool's image: it has infera.server (a worker's engine image need not)."""
+    server = next(s for s in ctx.dep.services if s.is_server)
+    return server.image or ctx.dep.image or ctx.options.infera_image
 
 
 def _pool_image(ctx: _Ctx, svc: ServiceSpec) -> str:
@@ -592,7 +676,8 @@ def _worker_objects(ctx: _Ctx, svc: ServiceSpec) -> list[dict[str, Any]]:
     image = _pool_image(ctx, svc)
     kvd_mount = dep.kvd.enabled
     command, args = worker_command(ctx, svc)
-    leader = _pod_template(ctx, svc, command, args, image, probes=True, extra_env=[], kvd_mount=kvd_mount)
+    leader = _pod_template(ctx, svc, command, args, image, probes=True, extra_env=[], kvd_mount=kvd_mount,
+                           frontend=dep.gaie.enabled)
     if not svc.multinode:
         return [{"apiVersion": "apps/v1", "kind": "Deployment", "metadata": ctx.meta(name, labels),
                  "spec": {"replicas": svc.replicas, "selector": {"matchLabels": selector},
@@ -702,6 +787,65 @@ def _kvd_objects(ctx: _Ctx) -> list[dict[str, Any]]:
                                                                       "type": "DirectoryOrCreate"}}]}}}}]
 
 
+def _gaie_objects(ctx: _Ctx) -> list[dict[str, Any]]:
+    """The endpoint picker (Deployment + Service ``<idep>-epp``), the InferencePool ``<idep>-pool``
+    of the worker Pods' sidecars, and the HTTPRoute ``<idep>-route`` from the Gateway to it."""
+    dep = ctx.dep
+    gaie = dep.gaie
+    name = object_name(dep, EPP)
+    labels = component_labels(dep, EPP)
+    selector = component_selector(dep, EPP)
+    command, args = epp_command(ctx)
+    extra_env = ([{"name": "INFERA_K8S_LABEL_SELECTOR", "value": worker_label_selector(dep)}]
+                 if dep.discovery == "kubernetes" else [])
+    grpc_probe = {"grpc": {"port": EPP_HEALTH_PORT, "service": EPP_HEALTH_SERVICE}}
+    container = {
+        "name": MAIN, "image": gaie.epp_image or ctx.options.infera_image, "command": command, "args": args,
+        "ports": [{"name": "grpc", "containerPort": EPP_GRPC_PORT, "protocol": "TCP"},
+                  {"name": "grpc-health", "containerPort": EPP_HEALTH_PORT, "protocol": "TCP"}],
+        "env": _merge_env(_downward_env(), extra_env, dep.envs),
+        "readinessProbe": {**grpc_probe, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {**grpc_probe, "periodSeconds": 10, "timeoutSeconds": 10, "failureThreshold": 6},
+    }
+    epp_deployment = {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": ctx.meta(name, labels),
+        "spec": {"replicas": gaie.epp_replicas, "selector": {"matchLabels": selector},
+                 "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+                 "template": {"metadata": {"labels": dict(labels)},
+                              "spec": {"serviceAccountName": ctx.sa_name, "containers": [container]}}}}
+    epp_service = {
+        "apiVersion": "v1", "kind": "Service", "metadata": ctx.meta(name, labels),
+        "spec": {"type": "ClusterIP", "selector": dict(selector),
+                 "ports": [{"name": "grpc", "port": EPP_GRPC_PORT, "targetPort": "grpc", "protocol": "TCP",
+                            "appProtocol": "http2"},
+                           {"name": "grpc-health", "port": EPP_HEALTH_PORT, "targetPort": "grpc-health",
+                            "protocol": "TCP", "appProtocol": "http2"}]}}
+    pool_name = object_name(dep, "pool")
+    gaie_labels = component_labels(dep, "gaie")
+    pool = {
+        "apiVersion": INFERENCE_POOL_API_VERSION, "kind": "InferencePool", "metadata": ctx.meta(pool_name, gaie_labels),
+        "spec": {"selector": {"matchLabels": {L_DEPLOYMENT: dep.name, L_GAIE_FRONTEND: "true"}},
+                 "targetPorts": [{"number": gaie.frontend_port}],
+                 # FailClose: without the picker's headers the sidecar cannot route (direct mode)
+                 "endpointPickerRef": {"kind": "Service", "name": name, "port": {"number": EPP_GRPC_PORT},
+                                       "failureMode": "FailClose"}}}
+    parent: dict[str, Any] = {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": gaie.gateway_name}
+    if gaie.gateway_namespace:
+        parent["namespace"] = gaie.gateway_namespace
+    route_spec: dict[str, Any] = {"parentRefs": [parent]}
+    if gaie.hostnames:
+        route_spec["hostnames"] = list(gaie.hostnames)
+    route_spec["rules"] = [{
+        "matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
+        "backendRefs": [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": pool_name}],
+        # 0s disables the gateway's timeouts (Gateway API: "SHOULD disable"): a stream lasts as long
+        # as the generation; the sidecar's own first-byte and idle timeouts still bound a stalled one.
+        "timeouts": {"request": "0s", "backendRequest": "0s"}}]
+    route = {"apiVersion": HTTPROUTE_API_VERSION, "kind": "HTTPRoute",
+             "metadata": ctx.meta(object_name(dep, "route"), gaie_labels), "spec": route_spec}
+    return [epp_deployment, epp_service, pool, route]
+
+
 def grafana_dashboard_json() -> str:
     """The Grafana dashboard shipped with the package (a copy of deploy/grafana/infera.json)."""
     return importlib_resources.files("infera.operator").joinpath("grafana_dashboard.json").read_text("utf-8")
@@ -730,6 +874,8 @@ def render_deployment(dep: Deployment, namespace: str, options: RenderOptions = 
         objects += _etcd_objects(ctx)
     if dep.kvd.enabled:
         objects += _kvd_objects(ctx)
+    if dep.gaie.enabled:
+        objects += _gaie_objects(ctx)
     return sorted(objects, key=_sort_key)
 
 

@@ -15,7 +15,9 @@ itself (a manifest rendered offline never met an API server) plus the rules a sc
 * SGLang's ``--disaggregation-mode`` in args must agree with the role;
 * ATOM runs on etcd (its launcher registers nowhere else) and on one node per engine;
 * ``etcdEndpoint`` only with ``discoveryBackend: etcd`` (which works here: upstream refused it ⚠);
-* GAIE cannot be enabled (no EPP is shipped); its fields are accepted so upstream manifests parse.
+* GAIE (``gaie.enabled``) needs ``tokenizerPath`` and ``gatewayName``; its ``frontendPort`` (the
+  per-worker sidecar) must differ from every worker pool's port, and no pool may be named ``epp``
+  (``<name>-epp`` is the endpoint picker's Deployment and Service).
 
 Defaults that depend on another field: server replicas 2, worker replicas 1; server port 8000,
 worker port 30000; discovery kubernetes (etcd for atom).
@@ -50,6 +52,11 @@ DEFAULT_WORKER_PORT = 30000
 DEFAULT_PRESTOP_SECONDS = 15
 DEFAULT_KVD_SOCKET_DIR = "/var/run/infera-kvd"
 DEFAULT_GPU_TYPE = "amd.com/gpu"
+DEFAULT_FRONTEND_PORT = 8000
+DEFAULT_EPP_REPLICAS = 1
+# Gateway API's Hostname (a wildcard only as the first label), as its CRD's pattern.
+GATEWAY_HOSTNAME = re.compile(r"^(\*\.)?[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+MAX_HOSTNAMES = 16  # HTTPRoute spec.hostnames maxItems
 
 # vLLM's kv_role per pool role (vLLM, the sim and ATOM read the PD role from --kv-transfer-config).
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "mixed": "kv_both"}
@@ -118,6 +125,14 @@ class NatsSpec:
 @dataclass(frozen=True)
 class GaieSpec:
     enabled: bool = False
+    epp_image: str | None = None
+    tokenizer_path: str | None = None  # required when enabled
+    gateway_name: str | None = None  # required when enabled
+    gateway_namespace: str | None = None  # None: the HTTPRoute's own namespace
+    hostnames: tuple[str, ...] = ()
+    frontend_port: int = DEFAULT_FRONTEND_PORT
+    model_name: str | None = None
+    epp_replicas: int = DEFAULT_EPP_REPLICAS
 
 
 @dataclass(frozen=True)
@@ -401,6 +416,37 @@ def _service(name: str, raw: Any, backend: str, path: str) -> ServiceSpec:
                        pod_labels=_pod_labels(svc, path))
 
 
+def _gaie(raw: Mapping[str, Any]) -> GaieSpec:
+    path = "spec.gaie"
+    _fields(raw, path, GAIE_FIELDS)
+    hostnames = _str_list(raw, "hostnames", path)
+    if len(hostnames) > MAX_HOSTNAMES:
+        raise SpecError(f"{path}.hostnames: at most {MAX_HOSTNAMES} (the HTTPRoute's limit)")
+    for i, host in enumerate(hostnames):
+        if len(host) > 253 or not GATEWAY_HOSTNAME.match(host):
+            raise SpecError(f"{path}.hostnames[{i}]: must be a lowercase DNS name, optionally '*.'-prefixed, "
+                            f"without a port, got {host!r}")
+    gateway_namespace = _str(raw, "gatewayNamespace", path)
+    if gateway_namespace is not None and not NAMESPACE.match(gateway_namespace):
+        raise SpecError(f"{path}.gatewayNamespace: must be a namespace name (DNS label), got {gateway_namespace!r}")
+    gaie = GaieSpec(enabled=_bool(raw, "enabled", path, False), epp_image=_str(raw, "eppImage", path),
+                    tokenizer_path=_str(raw, "tokenizerPath", path), gateway_name=_str(raw, "gatewayName", path),
+                    gateway_namespace=gateway_namespace, hostnames=hostnames,
+                    frontend_port=_int(raw, "frontendPort", path, DEFAULT_FRONTEND_PORT, minimum=1, maximum=65535),
+                    model_name=_str(raw, "modelName", path),
+                    epp_replicas=_int(raw, "eppReplicas", path, DEFAULT_EPP_REPLICAS, minimum=0))
+    if gaie.gateway_name is not None and (len(gaie.gateway_name) > 253 or not NAMESPACE.match(gaie.gateway_name)):
+        raise SpecError(f"{path}.gatewayName: must be an object name (lowercase letters, digits, '-'), "
+                        f"got {gaie.gateway_name!r}")
+    if gaie.enabled:
+        if gaie.tokenizer_path is None:
+            raise SpecError(f"{path}.tokenizerPath: required with gaie.enabled (the endpoint picker's kv-aware "
+                            "picks tokenize the prompt: a folder with tokenizer.json, or the file)")
+        if gaie.gateway_name is None:
+            raise SpecError(f"{path}.gatewayName: required with gaie.enabled (the Gateway the HTTPRoute attaches to)")
+    return gaie
+
+
 def parse_spec(name: str, spec_raw: Any, *, namespace: str | None = None, uid: str | None = None) -> Deployment:
     spec = _mapping(spec_raw, "spec")
     _fields(spec, "spec", SPEC_FIELDS)
@@ -420,16 +466,7 @@ def parse_spec(name: str, spec_raw: Any, *, namespace: str | None = None, uid: s
                     storage_size=_quantity(nats_raw, "storageSize", "spec.nats"),
                     storage_class_name=_str(nats_raw, "storageClassName", "spec.nats"))
 
-    gaie_raw = _get_mapping(spec, "gaie", "spec")
-    _fields(gaie_raw, "spec.gaie", GAIE_FIELDS)
-    for key in ("eppImage", "tokenizerPath", "gatewayName", "gatewayNamespace", "modelName"):
-        _str(gaie_raw, key, "spec.gaie")
-    _str_list(gaie_raw, "hostnames", "spec.gaie")
-    _int(gaie_raw, "frontendPort", "spec.gaie", minimum=1, maximum=65535)
-    gaie = GaieSpec(enabled=_bool(gaie_raw, "enabled", "spec.gaie", False))
-    if gaie.enabled:
-        raise SpecError("spec.gaie.enabled: GAIE (EPP, InferencePool, HTTPRoute) is not supported by this "
-                        "operator; route through the server Service instead")
+    gaie = _gaie(_get_mapping(spec, "gaie", "spec"))
 
     drain_raw = _get_mapping(spec, "drain", "spec")
     _fields(drain_raw, "spec.drain", DRAIN_FIELDS)
@@ -477,6 +514,14 @@ def parse_spec(name: str, spec_raw: Any, *, namespace: str | None = None, uid: s
         raise SpecError(f"spec.services: PD needs a {missing} pool too (a prefill pool and a decode pool)")
     if kvd.enabled and backend in ("atom",):
         raise SpecError("spec.kvd.enabled: ATOM has no kvd connector")
+    if gaie.enabled:
+        if any(s.name == "epp" for s in services):
+            raise SpecError("spec.services.epp: with gaie.enabled, <name>-epp is the endpoint picker's Deployment "
+                            "and Service; rename the pool")
+        for w in workers:
+            if w.port == gaie.frontend_port:
+                raise SpecError(f"spec.gaie.frontendPort: {gaie.frontend_port} is also spec.services.{w.name}.port; "
+                                "the sidecar and the engine share the Pod's network, so they need different ports")
 
     return Deployment(name=name, namespace=namespace, uid=uid, backend=backend, image=_str(spec, "image", "spec"),
                       discovery=discovery, etcd_endpoint=etcd_endpoint, nats=nats, gaie=gaie,

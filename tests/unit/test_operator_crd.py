@@ -118,7 +118,8 @@ def test_schema_types_every_field_of_section_10() -> None:
     assert "default" not in svc["properties"]["replicas"]  # 2 for a server, 1 for a worker: spec.py decides
     assert set(spec["properties"]["gaie"]["properties"]) == {"enabled", "eppImage", "tokenizerPath", "gatewayName",
                                                               "gatewayNamespace", "hostnames", "frontendPort",
-                                                              "modelName"}
+                                                              "modelName", "eppReplicas"}
+    assert spec["properties"]["gaie"]["properties"]["frontendPort"]["default"] == 8000
     assert spec["properties"]["drain"]["properties"]["preStopSeconds"]["default"] == 15
     status = openapi_schema()["properties"]["status"]["properties"]
     assert status["state"]["enum"] == ["initializing", "pending", "ready", "degraded", "failed"]

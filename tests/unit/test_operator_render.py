@@ -14,6 +14,7 @@ import copy
 import glob
 import json
 import os
+import re
 from typing import Any, Iterator
 
 import jsonschema
@@ -34,6 +35,7 @@ from infera.operator.render import (KIND_ORDER, SIM_ENGINE_VALUE_FLAGS, SIM_LAUN
                                     grafana_dashboard_json, render)
 from infera.operator.spec import SpecError
 from infera.server.cli import build_parser as build_server_parser
+from infera.server.cli import parse_args as parse_server_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "deploy", "examples", "*.yaml")))
@@ -42,7 +44,8 @@ GOLDEN_DIR = os.path.join(ROOT, "tests", "fixtures", "operator", "golden")
 K8S_VERSION = "1.37.0"
 # Kinds kubernetes-validate has no schema for (CRD-defined): checked against LWS_SCHEMA below, and
 # their Pod templates strictly as v1 PodTemplates.
-KINDS_UNKNOWN_TO_KUBERNETES_VALIDATE = {"LeaderWorkerSet"}
+KINDS_UNKNOWN_TO_KUBERNETES_VALIDATE = {"LeaderWorkerSet", "InferencePool", "HTTPRoute"}
+GAIE_FIXTURES = os.path.join(ROOT, "tests", "fixtures", "gaie")
 UID = "5d1c0f7e-1111-4222-8333-944455556666"
 ADAPTERS = {"vllm": VllmAdapter, "sglang": SglangAdapter, "atom": AtomAdapter, "sim": SimAdapter}
 
@@ -68,6 +71,77 @@ LWS_SCHEMA = {
                                          "restartPolicy": {"enum": ["Default", "RecreateGroupOnPodRestart",
                                                                     "RecreateGroupAfterStart", "None"]},
                                          "leaderTemplate": _TEMPLATE, "workerTemplate": _TEMPLATE}}}}}}
+
+
+def strict(schema: Any) -> Any:
+    """A CRD's openAPIV3Schema as jsonschema, unknown fields refused (kubectl's strict field
+    validation; a structural schema would silently prune them) unless the schema preserves them."""
+    if isinstance(schema, list):
+        return [strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (strict(v) if k not in ("properties", "enum", "default", "x-kubernetes-validations", "required")
+               else v) for k, v in schema.items()}
+    if "properties" in schema:
+        out["properties"] = {k: strict(v) for k, v in schema["properties"].items()}
+        if "additionalProperties" not in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+            out["additionalProperties"] = False
+    return out
+
+
+def crd_schema(file: str) -> dict:
+    with open(os.path.join(GAIE_FIXTURES, file), encoding="utf-8") as f:
+        return strict(yaml.safe_load(f))
+
+
+# The upstream CRDs' schemas (tests/fixtures/gaie/README.md: pinned tags).
+GAIE_SCHEMAS = {("inference.networking.k8s.io/v1", "InferencePool"): crd_schema("inferencepool-v1.schema.yaml"),
+                ("gateway.networking.k8s.io/v1", "HTTPRoute"): crd_schema("httproute-v1.schema.yaml")}
+
+
+def check_gaie_cel_rules(obj: dict) -> None:
+    """The CRDs' CEL rules (x-kubernetes-validations, which jsonschema skips) our objects touch."""
+    spec = obj["spec"]
+    if obj["kind"] == "InferencePool":
+        ref = spec["endpointPickerRef"]
+        assert ref.get("kind", "Service") != "Service" or "port" in ref  # port required for a Service
+        numbers = [p["number"] for p in spec["targetPorts"]]
+        assert len(numbers) == len(set(numbers))  # port number must be unique
+    elif obj["kind"] == "HTTPRoute":
+        for rule in spec["rules"]:
+            for match in rule.get("matches", []):
+                path = match.get("path", {})
+                if path.get("type") in ("Exact", "PathPrefix"):
+                    assert path["value"].startswith("/") and "//" not in path["value"]
+            for ref in rule.get("backendRefs", []):
+                assert ref.get("group", "") != "" or ref.get("kind", "Service") != "Service" or "port" in ref
+            timeouts = rule.get("timeouts", {})
+            if "request" in timeouts and "backendRequest" in timeouts and duration_s(timeouts["request"]) != 0:
+                assert duration_s(timeouts["backendRequest"]) <= duration_s(timeouts["request"])
+
+
+def duration_s(value: str) -> float:
+    """A Gateway API Duration (GEP-2257: e.g. 1h30m, 500ms) in seconds."""
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+    parts = re.findall(r"([0-9]{1,5})(ms|h|m|s)", value)
+    assert "".join(n + u for n, u in parts) == value, value
+    return sum(int(n) * units[u] for n, u in parts)
+
+
+def validate_crd_kind(obj: dict) -> None:
+    if obj["kind"] == "LeaderWorkerSet":
+        jsonschema.validate(obj, LWS_SCHEMA)
+        for i, template in enumerate(pod_templates(obj)):
+            as_pod_template = {"apiVersion": "v1", "kind": "PodTemplate",
+                               "metadata": {"name": f"{obj['metadata']['name']}-{i}"}, "template": template}
+            kubernetes_validate.validate(as_pod_template, K8S_VERSION, strict=True)
+        return
+    schema = GAIE_SCHEMAS[(obj["apiVersion"], obj["kind"])]
+    jsonschema.validate(obj, schema)
+    check_gaie_cel_rules(obj)
+    # metadata is only {type: object} in a CRD schema: check it as the API server's ObjectMeta
+    as_config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": obj["metadata"]}
+    kubernetes_validate.validate(as_config_map, K8S_VERSION, strict=True)
 
 
 def load(path: str) -> dict:
@@ -125,10 +199,13 @@ def test_golden(path: str, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 # --------------------------------------------------------------------------------------------- validity
-def test_kubernetes_validate_cannot_know_the_lws_kind() -> None:
-    lws = {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet", "metadata": {"name": "x"}, "spec": {}}
+@pytest.mark.parametrize("api_version,kind", [("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"),
+                                              ("inference.networking.k8s.io/v1", "InferencePool"),
+                                              ("gateway.networking.k8s.io/v1", "HTTPRoute")])
+def test_kubernetes_validate_cannot_know_the_crd_kinds(api_version: str, kind: str) -> None:
+    obj = {"apiVersion": api_version, "kind": kind, "metadata": {"name": "x"}, "spec": {}}
     with pytest.raises(SchemaNotFoundError):
-        kubernetes_validate.validate(lws, K8S_VERSION, strict=True)
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
 
 @pytest.mark.parametrize("path,sim", CASES, ids=CASE_IDS)
@@ -137,11 +214,7 @@ def test_every_object_is_valid_kubernetes(path: str, sim: bool) -> None:
     assert objects
     for obj in objects:
         if obj["kind"] in KINDS_UNKNOWN_TO_KUBERNETES_VALIDATE:
-            jsonschema.validate(obj, LWS_SCHEMA)
-            for i, template in enumerate(pod_templates(obj)):
-                as_pod_template = {"apiVersion": "v1", "kind": "PodTemplate",
-                                   "metadata": {"name": f"{obj['metadata']['name']}-{i}"}, "template": template}
-                kubernetes_validate.validate(as_pod_template, K8S_VERSION, strict=True)
+            validate_crd_kind(obj)
         else:
             kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
@@ -165,7 +238,7 @@ def test_labels_owner_references_and_order(path: str, sim: bool) -> None:
         for template in pod_templates(obj):
             labels = template["metadata"]["labels"]
             assert labels["infera.amd.com/deployment"] == name
-            assert labels["infera.amd.com/component"] in ("server", "worker", "nats", "etcd", "kvd")
+            assert labels["infera.amd.com/component"] in ("server", "worker", "nats", "etcd", "kvd", "epp")
             if labels["infera.amd.com/component"] == "worker":
                 assert labels["infera.amd.com/role"] in ("mixed", "prefill", "decode")
             if labels["infera.amd.com/component"] in ("server", "worker"):
@@ -202,6 +275,10 @@ def test_every_rendered_flag_exists(path: str, sim: bool) -> None:
     backend = "sim" if sim else cr["spec"].get("backendFramework", "sglang")
     for obj, template, _ in _pools(render(cr, RenderOptions(sim=sim))):
         main = main_container(template)
+        frontend = containers(template).get("infera-frontend")
+        if frontend is not None:  # the GAIE sidecar: the server's parser and its checks
+            assert frontend["command"] == ["python3", "-m", "infera.server"]
+            parse_server_args(frontend["args"], {})
         if template["metadata"]["labels"]["infera.amd.com/component"] == "server":
             assert main["command"] == ["python3", "-m", "infera.server"]
             build_server_parser({}).parse_args(main["args"])
@@ -679,3 +756,173 @@ def test_cli_run_dispatches_lazily(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cli.main(["run", "--sim-engines", "--namespace", "x"]) == 0
     assert seen == [["--sim-engines", "--namespace", "x"]]
     assert cli.main(["nonsense"]) == 2
+
+
+# --------------------------------------------------------------------------------------------- GAIE
+GAIE_EXAMPLE = os.path.join(ROOT, "deploy", "examples", "gaie-vllm.yaml")
+GAIE_ON = {"enabled": True, "tokenizerPath": "/models/tok", "gatewayName": "gw"}
+
+
+def containers(template: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in template["spec"]["containers"]}
+
+
+def test_the_gaie_schemas_are_strict() -> None:
+    """The validator refuses what a real API server (strict field validation) would: the pre-GA
+    InferencePool field, an unknown HTTPRoute field, a targetPort out of range."""
+    pool = by_kind_name(render(load(GAIE_EXAMPLE)))[("InferencePool", "gaie-pool")]
+    route = by_kind_name(render(load(GAIE_EXAMPLE)))[("HTTPRoute", "gaie-route")]
+    validate_crd_kind(pool)
+    validate_crd_kind(route)
+    for bad in (_with(pool, ["spec", "targetPortNumber"], 8000), _with(pool, ["spec", "targetPorts"], [{"number": 0}]),
+                _with(pool, ["spec", "endpointPickerRef", "failureMode"], "FailSometimes"),
+                _with(route, ["spec", "rules", 0, "timeout"], "0s"),
+                _with(route, ["spec", "rules", 0, "timeouts", "request"], "forever")):
+        with pytest.raises(jsonschema.ValidationError):
+            validate_crd_kind(bad)
+
+
+def _with(obj: dict, path: list, value: Any) -> dict:
+    obj = copy.deepcopy(obj)
+    node = obj
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return obj
+
+
+def test_gaie_objects_are_wired_to_each_other() -> None:
+    """EPP Deployment/Service, InferencePool and HTTPRoute name each other; the pool selects exactly
+    the Pods that run the sidecar, on the sidecar's port, which is the EPP's destination port."""
+    cr = with_uid(load(GAIE_EXAMPLE))
+    objects = render(cr)
+    by = by_kind_name(objects)
+    epp = by[("Deployment", "gaie-epp")]
+    epp_svc = by[("Service", "gaie-epp")]
+    pool = by[("InferencePool", "gaie-pool")]
+    route = by[("HTTPRoute", "gaie-route")]
+    main = main_container(epp["spec"]["template"])
+    assert main["command"] == ["python3", "-m", "infera.gaie"]
+    assert main["image"] == RenderOptions().infera_image
+    assert epp["spec"]["template"]["spec"]["serviceAccountName"] == "gaie-infera"  # Pods get/list/watch
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert main[probe]["grpc"] == {"port": 9003, "service": "inference-extension"}
+    assert _flag(main["args"], "--grpc-port") == ["9002"] and _flag(main["args"], "--grpc-health-port") == ["9003"]
+    assert _flag(main["args"], "--router-tokenizer-path") == ["meta-llama/Llama-3.1-8B-Instruct"]
+    assert {(p["name"], p["port"]) for p in epp_svc["spec"]["ports"]} == {("grpc", 9002), ("grpc-health", 9003)}
+    assert epp_svc["spec"]["selector"].items() <= epp["spec"]["template"]["metadata"]["labels"].items()
+    ref = pool["spec"]["endpointPickerRef"]
+    assert (ref["kind"], ref["name"], ref["port"]["number"], ref["failureMode"]) == ("Service", "gaie-epp", 9002,
+                                                                                     "FailClose")
+    (target,) = pool["spec"]["targetPorts"]
+    assert _flag(main["args"], "--destination-port") == [str(target["number"])]
+    selector = pool["spec"]["selector"]["matchLabels"]
+    selected = [(obj["metadata"]["name"], template) for obj in objects for template in pod_templates(obj)
+                if selector.items() <= template["metadata"]["labels"].items()]
+    assert sorted(n for n, _ in selected) == ["gaie-decode", "gaie-prefill"]
+    for _, template in selected:
+        frontend = containers(template)["infera-frontend"]
+        assert frontend["ports"] == [{"name": "frontend", "containerPort": target["number"], "protocol": "TCP"}]
+    (rule,) = route["spec"]["rules"]
+    assert rule["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                                    "name": "gaie-pool"}]
+    assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/"}}]
+    assert duration_s(rule["timeouts"]["request"]) == 0  # no gateway timeout on a long stream
+    assert route["spec"]["parentRefs"] == [{"group": "gateway.networking.k8s.io", "kind": "Gateway",
+                                            "name": "inference-gateway", "namespace": "gateway-system"}]
+    assert route["spec"]["hostnames"] == ["llm.example.com"]
+
+
+@pytest.mark.parametrize("path,sim", CASES, ids=CASE_IDS)
+def test_the_sidecar_is_there_only_with_gaie(path: str, sim: bool) -> None:
+    cr = load(path)
+    gaie = bool((cr["spec"].get("gaie") or {}).get("enabled"))
+    objects = render(cr, RenderOptions(sim=sim))
+    kinds = {o["kind"] for o in objects}
+    assert ({"InferencePool", "HTTPRoute"} <= kinds) == gaie
+    assert (("Deployment", f"{cr['metadata']['name']}-epp") in by_kind_name(objects)) == gaie
+    for obj, template, follower in _pools(objects):
+        worker = template["metadata"]["labels"]["infera.amd.com/component"] == "worker"
+        has_sidecar = "infera-frontend" in containers(template)
+        assert has_sidecar == (gaie and worker and not follower), obj["metadata"]["name"]
+        assert ("infera.amd.com/gaie-frontend" in template["metadata"]["labels"]) == has_sidecar
+
+
+def test_the_sidecar_routes_as_the_epp_says_over_the_fleets_plane() -> None:
+    objects = render(load(GAIE_EXAMPLE))
+    by = by_kind_name(objects)
+    template = by[("Deployment", "gaie-decode")]["spec"]["template"]
+    frontend = containers(template)["infera-frontend"]
+    args = frontend["args"]
+    assert frontend["command"] == ["python3", "-m", "infera.server"]
+    assert frontend["image"] == RenderOptions().infera_image  # the server's image, not vLLM's
+    assert _flag(args, "--router-mode") == ["direct"] and _flag(args, "--port") == ["8000"]
+    assert _flag(args, "--request-transport") == ["nats"]
+    assert _flag(args, "--nats-server") == ["nats://gaie-nats.infera.svc:4222"]
+    assert _flag(args, "--k8s-label-selector") == ["infera.amd.com/deployment=gaie,infera.amd.com/component=worker"]
+    assert frontend["readinessProbe"]["httpGet"] == {"path": "/health", "port": "frontend"}
+    # it outlives the worker's preStop and drain, inside the grace period
+    stay = int(frontend["lifecycle"]["preStop"]["exec"]["command"][1])
+    main_stay = int(main_container(template)["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert stay == main_stay + DEFAULT_DRAIN
+    assert stay < template["spec"]["terminationGracePeriodSeconds"]
+    epp_args = main_container(by[("Deployment", "gaie-epp")]["spec"]["template"])["args"]
+    assert _flag(epp_args, "--kv-event-transport") == ["nats"]
+    assert _flag(epp_args, "--nats-server") == ["nats://gaie-nats.infera.svc:4222"]
+    assert _flag(epp_args, "--k8s-label-selector") == _flag(args, "--k8s-label-selector")
+
+
+DEFAULT_DRAIN = 30
+
+
+def test_gaie_without_nats_is_http_and_zmq() -> None:
+    cr = pd_cr("vllm", nats={"deploy": False}, gaie=GAIE_ON)
+    by = by_kind_name(render(cr))
+    frontend = containers(by[("Deployment", "f-decode")]["spec"]["template"])["infera-frontend"]
+    assert _flag(frontend["args"], "--request-transport") == ["http"]
+    assert not _flag(frontend["args"], "--nats-server")
+    epp_args = main_container(by[("Deployment", "f-epp")]["spec"]["template"])["args"]
+    assert _flag(epp_args, "--kv-event-transport") == ["zmq"] and not _flag(epp_args, "--nats-server")
+
+
+def test_gaie_with_etcd_discovery() -> None:
+    cr = pd_cr("vllm", discoveryBackend="etcd", gaie=GAIE_ON)
+    by = by_kind_name(render(cr))
+    for args in (containers(by[("Deployment", "f-prefill")]["spec"]["template"])["infera-frontend"]["args"],
+                 main_container(by[("Deployment", "f-epp")]["spec"]["template"])["args"]):
+        assert _flag(args, "--discovery-backend") == ["etcd"]
+        assert _flag(args, "--etcd-endpoint") == ["http://f-etcd.default.svc:2379"]
+        assert not _flag(args, "--k8s-label-selector")
+
+
+def test_gaie_options_images_port_replicas_and_a_multinode_pool() -> None:
+    cr = pd_cr("vllm", image="registry/infera-vllm:1",
+               gaie={**GAIE_ON, "eppImage": "registry/epp:2", "frontendPort": 8100, "eppReplicas": 3})
+    cr["spec"]["services"]["decode"]["numberOfNodes"] = 2
+    cr["spec"]["services"]["server"]["image"] = "registry/infera:3"
+    objects = render(with_uid(cr))
+    by = by_kind_name(objects)
+    epp = by[("Deployment", "f-epp")]
+    assert epp["spec"]["replicas"] == 3
+    assert main_container(epp["spec"]["template"])["image"] == "registry/epp:2"
+    assert _flag(main_container(epp["spec"]["template"])["args"], "--destination-port") == ["8100"]
+    assert by[("InferencePool", "f-pool")]["spec"]["targetPorts"] == [{"number": 8100}]
+    assert "namespace" not in by[("HTTPRoute", "f-route")]["spec"]["parentRefs"][0]  # the route's own
+    assert "hostnames" not in by[("HTTPRoute", "f-route")]["spec"]
+    lws = by[("LeaderWorkerSet", "f-decode")]["spec"]["leaderWorkerTemplate"]
+    leader = containers(lws["leaderTemplate"])
+    assert leader["infera-frontend"]["image"] == "registry/infera:3"
+    assert leader["infera-frontend"]["ports"][0]["containerPort"] == 8100
+    assert "infera-frontend" not in containers(lws["workerTemplate"])  # followers serve nothing
+    for obj in objects:
+        if obj["kind"] in KINDS_UNKNOWN_TO_KUBERNETES_VALIDATE:
+            validate_crd_kind(obj)
+        else:
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_gaie_spec_errors_reach_render() -> None:
+    with pytest.raises(SpecError, match=r"^spec\.gaie\.tokenizerPath: required"):
+        render(pd_cr("vllm", gaie={"enabled": True, "gatewayName": "gw"}))
+    with pytest.raises(SpecError, match=r"^spec\.gaie\.gatewayName: required"):
+        render(pd_cr("vllm", gaie={"enabled": True, "tokenizerPath": "t"}))

@@ -94,6 +94,8 @@ def _set(spec: dict, dotted: str, value: Any) -> dict:
     return spec
 
 
+GAIE_ON = {"enabled": True, "tokenizerPath": "/models/tok", "gatewayName": "gw"}
+
 BAD: list[tuple[str, dict[str, Any], str]] = [
     ("replicas < 0", _set(fleet(), "services.workers.replicas", -1), "spec.services.workers.replicas: must be >= 0"),
     ("replicas bool", _set(fleet(), "services.workers.replicas", True), "spec.services.workers.replicas: must be an integer"),
@@ -133,7 +135,29 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("atom on kubernetes", fleet("atom", discoveryBackend="kubernetes"), "spec.discoveryBackend: atom registers in etcd only"),
     ("atom multi-node", _set(fleet("atom"), "services.workers.numberOfNodes", 2), "spec.services.workers.numberOfNodes: ATOM"),
     ("etcdEndpoint with kubernetes", fleet(etcdEndpoint="http://e:2379"), "spec.etcdEndpoint: only used with discoveryBackend: etcd"),
-    ("GAIE on", fleet(gaie={"enabled": True, "tokenizerPath": "t", "gatewayName": "g"}), "spec.gaie.enabled"),
+    ("GAIE without tokenizerPath", fleet(gaie={"enabled": True, "gatewayName": "g"}),
+     "spec.gaie.tokenizerPath: required with gaie.enabled"),
+    ("GAIE without gatewayName", fleet(gaie={"enabled": True, "tokenizerPath": "t"}),
+     "spec.gaie.gatewayName: required with gaie.enabled"),
+    ("GAIE empty tokenizerPath", fleet(gaie={"enabled": True, "tokenizerPath": "", "gatewayName": "g"}),
+     "spec.gaie.tokenizerPath: must not be empty"),
+    ("GAIE gatewayName not a name", fleet(gaie={"enabled": True, "tokenizerPath": "t", "gatewayName": "My GW"}),
+     "spec.gaie.gatewayName: must be an object name"),
+    ("GAIE gatewayNamespace not a name", fleet(gaie={**GAIE_ON, "gatewayNamespace": "Gw_NS"}),
+     "spec.gaie.gatewayNamespace: must be a namespace name"),
+    ("GAIE hostname with a port", fleet(gaie={**GAIE_ON, "hostnames": ["ok.example", "llm.example:443"]}),
+     "spec.gaie.hostnames[1]: must be a lowercase DNS name"),
+    ("GAIE too many hostnames", fleet(gaie={**GAIE_ON, "hostnames": [f"h{i}.example" for i in range(17)]}),
+     "spec.gaie.hostnames: at most 16"),
+    ("GAIE frontendPort is a worker's port", _set(fleet(gaie={**GAIE_ON, "frontendPort": 9000}),
+                                                  "services.workers.port", 9000),
+     "spec.gaie.frontendPort: 9000 is also spec.services.workers.port"),
+    ("GAIE frontendPort out of range", fleet(gaie={**GAIE_ON, "frontendPort": 70000}),
+     "spec.gaie.frontendPort: must be <= 65535"),
+    ("GAIE negative eppReplicas", fleet(gaie={**GAIE_ON, "eppReplicas": -1}), "spec.gaie.eppReplicas: must be >= 0"),
+    ("GAIE and a pool named epp", _set(fleet(gaie=GAIE_ON), "services.epp", {"componentType": "worker"}),
+     "spec.services.epp: with gaie.enabled"),
+    ("typo in gaie", fleet(gaie={**GAIE_ON, "gatewayname": "g"}), "spec.gaie.gatewayname: unknown field"),
     ("reserved pool name", _set(fleet(), "services.nats", {"componentType": "worker"}), "spec.services.nats: 'nats' names"),
     ("pool name not DNS", _set(fleet(), "services.Decode_1", {"componentType": "worker"}), "spec.services.Decode_1: a pool name"),
     ("reserved label", _set(fleet(), "services.workers.podLabels", {"infera.amd.com/role": "x"}),
@@ -187,3 +211,18 @@ def test_gaie_fields_are_accepted_when_off() -> None:
                                           "gatewayNamespace": "gw", "hostnames": ["a.example"], "frontendPort": 8000,
                                           "modelName": "m"})))
     assert not dep.gaie.enabled
+
+
+def test_gaie_enabled_is_parsed_with_defaults() -> None:
+    dep = parse_deployment(cr(fleet(gaie=GAIE_ON)))
+    assert dep.gaie.enabled and dep.gaie.tokenizer_path == "/models/tok" and dep.gaie.gateway_name == "gw"
+    assert (dep.gaie.frontend_port, dep.gaie.epp_replicas, dep.gaie.gateway_namespace, dep.gaie.hostnames) == \
+        (8000, 1, None, ())
+    full = parse_deployment(cr(fleet(gaie={**GAIE_ON, "eppImage": "e:1", "gatewayNamespace": "gw-system",
+                                           "hostnames": ["*.example.com", "llm.example.com"], "frontendPort": 8100,
+                                           "modelName": "m", "eppReplicas": 2})))
+    assert (full.gaie.epp_image, full.gaie.gateway_namespace, full.gaie.hostnames, full.gaie.frontend_port,
+            full.gaie.model_name, full.gaie.epp_replicas) == \
+        ("e:1", "gw-system", ("*.example.com", "llm.example.com"), 8100, "m", 2)
+    # a pool named epp is fine without GAIE (no <name>-epp of the picker to collide with)
+    parse_deployment(cr(_set(fleet(), "services.epp", {"componentType": "worker", "args": ["--model", "m"]})))
