@@ -211,6 +211,23 @@ def host_port(url: str) -> tuple[str, int]:
     return host, int(port)
 
 
+ENVOY_COUNTERS = ("upstream_cx_total", "upstream_rq_total", "downstream_cx_total", "downstream_rq_total",
+                  "upstream_rq_retry", "upstream_cx_connect_fail")
+
+
+async def envoy_counters(admin_url: str) -> dict[str, int]:
+    """Envoy's connection and request counters (cluster.*, http.*), from its admin /stats."""
+    async with aiohttp.ClientSession() as session:
+        async with session.get(admin_url + "/stats", timeout=aiohttp.ClientTimeout(total=10)) as r:
+            text = await r.text()
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(": ")
+        if name.rsplit(".", 1)[-1] in ENVOY_COUNTERS and value.strip().isdigit():
+            out[name] = int(value)
+    return out
+
+
 def envoy_cmd(config_path: str, base_id: int, log_level: str = "warning") -> list[str]:
     return [ENVOY, "-c", config_path, "--base-id", str(base_id), "--concurrency", "1", "--disable-hot-restart",
             "--log-level", log_level]
@@ -373,6 +390,7 @@ class GaieBench:
                "requests": a.requests, "duration": a.duration, "warmup": a.warmup,
                "bodies": [b.decode() for b in request_bodies(a, stream)], "request_timeout": a.request_timeout}
         roles = self.roles(hop)
+        stats_before = await envoy_counters(hop.admin_url) if hop.admin_url else None
         before = tree_cpu_seconds(roles)
         self.loadgen.proc.stdin.write((json.dumps(job) + "\n").encode())
         await self.loadgen.proc.stdin.drain()
@@ -383,6 +401,10 @@ class GaieBench:
         if "fatal" in res:
             raise FleetError(f"the load generator failed: {res['fatal']}")
         after = tree_cpu_seconds(roles)
+        if stats_before is not None:  # connection reuse: upstream/downstream connections per request
+            stats_after = await envoy_counters(hop.admin_url)
+            res["envoy_counters"] = {k: v - stats_before.get(k, 0) for k, v in stats_after.items()
+                                     if v != stats_before.get(k, 0)}
         res["loadavg_1m"] = round(os.getloadavg()[0], 2)
         n = res["completed"] + res["warmup_requests"]
         if before is not None and after is not None and n:
