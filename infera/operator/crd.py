@@ -12,8 +12,8 @@ renderer (``spec.py``) decides: ``replicas`` (2 for a server, 1 for a worker), `
 worker 30000), ``discoveryBackend`` (kubernetes; etcd for ``atom``).
 
 Infera's extensions to upstream's schema (upstream manifests stay valid): ``atom`` and ``sim``
-backends, ``drain``, ``kvd``, ``etcd``, and ``discoveryBackend: etcd`` (upstream's controller refused
-it).
+backends, ``drain``, ``kvd``, ``etcd``, ``gaie.eppReplicas``, and ``discoveryBackend: etcd``
+(upstream's controller refused it).
 """
 from __future__ import annotations
 
