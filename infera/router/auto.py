@@ -10,14 +10,62 @@ and a prefill worker alone only ever prefills.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from infera.api.errors import ApiError
 from infera.discovery.fleet import Fleet
 from infera.discovery.record import WorkerRecord
-from infera.router.disagg import DisaggRouter
+from infera.router.breaker import CircuitBreaker
+from infera.router.disagg import DisaggRouter, PickedPair
 from infera.router.dispatch import MixedRouter, Reply
 from infera.router.policy import RoutedRequest
 
 _RETRY = {"Retry-After": "1"}
+
+
+class Picked:
+    """``AutoRouter.pick``'s answer: where a gateway sends the request, charged like a dispatch.
+    ``worker``: the mixed worker, or the decode of a PD pair (``prefill`` then names its prefill);
+    ``dp_rank``: the rank the policy chose on a rank-multiplexed worker. Call ``finish`` once the
+    reply has ended or broken (more calls do nothing)."""
+
+    __slots__ = ("worker", "dp_rank", "prefill", "prefill_dp_rank", "_finish", "finished")
+
+    def __init__(self, worker: WorkerRecord, dp_rank: int | None, finish: Callable[[int | None], None], *,
+                 prefill: WorkerRecord | None = None, prefill_dp_rank: int | None = None) -> None:
+        self.worker, self.dp_rank, self._finish = worker, dp_rank, finish
+        self.prefill, self.prefill_dp_rank = prefill, prefill_dp_rank
+        self.finished = False
+
+    def finish(self, status: int | None) -> None:
+        """``status``: the reply's HTTP status (None: none came, e.g. the client left first).
+        < 400: the worker computed the prompt (the policy counts it cached there), the breaker
+        hears a success; 5xx: a failure; anything else: no verdict."""
+        if not self.finished:
+            self.finished = True
+            self._finish(status)
+
+
+def _mixed_finish(breaker: CircuitBreaker, worker: WorkerRecord, req: RoutedRequest,
+                  release: Callable[[], None]) -> Callable[[int | None], None]:
+    def finish(status: int | None) -> None:
+        if status is not None and status < 400:
+            req.state["served"] = True
+            breaker.record_success(worker.worker_id)
+        elif status is not None and status >= 500:
+            breaker.record_failure(worker.worker_id)
+        else:
+            breaker.record_neutral(worker.worker_id)
+        release()
+
+    return finish
+
+
+def _pair_finish(pair: PickedPair) -> Callable[[int | None], None]:
+    def finish(status: int | None) -> None:
+        pair.finish(status is not None and status < 400, failed=status is not None and status >= 500)
+
+    return finish
 
 
 class AutoRouter:
@@ -33,17 +81,34 @@ class AutoRouter:
         if self.direct and req.direct_worker is not None:
             self._check_lone_worker(req.direct_worker)
         else:
-            model = req.model
-            prefills = self.fleet.active(model, "prefill")
-            decodes = self.fleet.active(model, "decode")
-            if prefills and decodes:
+            if self.topology(req.model) == "pd":
                 return await self.disagg.dispatch(req)
-            if (prefills or decodes) and not self.fleet.active(model, "mixed"):
-                present, missing = ("prefill", "decode") if prefills else ("decode", "prefill")
-                raise ApiError(503, f"model {model!r} has active {present} workers but no active {missing} "
-                               f"worker, and no mixed worker serves it: PD needs both pools; retry when a "
-                               f"{missing} worker registers", f"no_{missing}_worker", headers=_RETRY)
         return await self.mixed.dispatch(req)
+
+    def topology(self, model: str) -> str:
+        """``"pd"`` when both PD pools of ``model`` are active, else ``"mixed"``; the 503 of one PD pool
+        alone without a mixed worker (as ``dispatch``)."""
+        prefills = self.fleet.active(model, "prefill")
+        decodes = self.fleet.active(model, "decode")
+        if prefills and decodes:
+            return "pd"
+        if (prefills or decodes) and not self.fleet.active(model, "mixed"):
+            present, missing = ("prefill", "decode") if prefills else ("decode", "prefill")
+            raise ApiError(503, f"model {model!r} has active {present} workers but no active {missing} "
+                           f"worker, and no mixed worker serves it: PD needs both pools; retry when a "
+                           f"{missing} worker registers", f"no_{missing}_worker", headers=_RETRY)
+        return "mixed"
+
+    async def pick(self, req: RoutedRequest, exclude: frozenset[str] = frozenset()) -> Picked:
+        """Pick only, for a gateway that sends the request itself (``infera.gaie``): the target(s)
+        ``dispatch`` would try first, by the same topology rule and policy, charged in flight until
+        ``Picked.finish``. ``exclude``: worker ids not to pick (a gateway's retry)."""
+        if self.topology(req.model) == "pd":
+            pair = await self.disagg.pick(req, exclude)
+            return Picked(pair.decode.worker, pair.decode.rank, _pair_finish(pair), prefill=pair.prefill.worker,
+                          prefill_dp_rank=pair.prefill.rank)
+        worker, release = await self.mixed.pick(req, exclude)
+        return Picked(worker, req.state.get("dp_rank"), _mixed_finish(self.mixed.breaker, worker, req, release))
 
     def _check_lone_worker(self, worker_id: str) -> None:
         """A worker pinned alone must be mixed (a missing one is MixedRouter's 503)."""

@@ -27,7 +27,7 @@ import asyncio
 import logging
 import random
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import msgspec
 
@@ -100,6 +100,28 @@ class _Leg:
             self._router.breaker.record_neutral(self.worker.worker_id)
 
 
+class PickedPair:
+    """A pair picked but not sent (``DisaggRouter.pick``): each leg charged, released once."""
+
+    __slots__ = ("prefill", "decode")
+
+    def __init__(self, prefill: _Leg, decode: _Leg) -> None:
+        self.prefill, self.decode = prefill, decode
+
+    def finish(self, served: bool, *, failed: bool = False) -> None:
+        """The gateway's request ended: ``served`` (the engines answered < 400) marks the prompt as
+        computed there; ``failed`` (5xx) counts against the decode leg's worker (the one it called).
+        Idempotent: the first call stands."""
+        for leg in (self.prefill, self.decode):
+            if served:
+                leg.score_success()
+            elif failed and leg is self.decode:
+                leg.score_failure()
+            else:
+                leg.score_neutral()
+            leg.release()
+
+
 def _leg_request(req: RoutedRequest) -> RoutedRequest:
     """A per-leg copy: tokenization is shared, pick state (route key, rank, charges) is not."""
     return RoutedRequest(route=req.route, body=req.body, parsed=req.parsed, model=req.model, stream=req.stream,
@@ -163,20 +185,7 @@ class DisaggRouter:
             d_pool = [w for w in decodes if w.worker_id not in failed]
             if not p_pool or not d_pool:
                 break
-            p_req, d_req = _leg_request(req), _leg_request(req)
-            prefill = self.policy.pick(self.breaker.filter(p_pool), p_req, "prefill")
-            # A pair never mixes engines or connectors: the decode comes from the prefill's kind.
-            kind = pd_kind(prefill)
-            d_pool = [w for w in d_pool if pd_kind(w) == kind]
-            if not d_pool:
-                log.error("request %s: no decode worker for model %r speaks %r on %s like prefill worker %r "
-                          "(decode workers: %s)", req.request_id, req.model, kind[1], kind[0], prefill.worker_id,
-                          ", ".join(f"{w.worker_id}={pd_kind(w)[1]}" for w in decodes))
-                raise ApiError(500, f"no decode worker for model {req.model!r} speaks {kind[1]!r} on {kind[0]} like "
-                               "the prefill worker picked (see the server log)", "pd_protocol_mismatch")
-            # Filtered after the kind match, so an open decode is avoided only while a healthy one of
-            # the same kind exists (and all of that kind are tried rather than none).
-            decode = self.policy.pick(self.breaker.filter(d_pool), d_req, "decode")
+            prefill, p_req, decode, d_req = self.choose_pair(req, p_pool, d_pool, decodes)
             try:
                 reply = await self._attempt(req, body, prefill, p_req, decode, d_req, hold_engine_error=True)
             except LegFailure as exc:
@@ -202,6 +211,40 @@ class DisaggRouter:
                            headers={"Retry-After": "1"})
         raise ApiError(failure.status, f"{failure.role} leg: {failure.message}", failure.reason,
                        headers=failure.headers)
+
+    def choose_pair(self, req: RoutedRequest, p_pool: Sequence[WorkerRecord], d_pool: Sequence[WorkerRecord],
+                    decodes: Sequence[WorkerRecord]) -> tuple[WorkerRecord, RoutedRequest, WorkerRecord, RoutedRequest]:
+        """The policy's pair among the pools (non-empty): (prefill, its leg request, decode, its leg
+        request). ``decodes``: every active decode worker (named in the error when none matches)."""
+        p_req, d_req = _leg_request(req), _leg_request(req)
+        prefill = self.policy.pick(self.breaker.filter(p_pool), p_req, "prefill")
+        # A pair never mixes engines or connectors: the decode comes from the prefill's kind.
+        kind = pd_kind(prefill)
+        d_pool = [w for w in d_pool if pd_kind(w) == kind]
+        if not d_pool:
+            log.error("request %s: no decode worker for model %r speaks %r on %s like prefill worker %r "
+                      "(decode workers: %s)", req.request_id, req.model, kind[1], kind[0], prefill.worker_id,
+                      ", ".join(f"{w.worker_id}={pd_kind(w)[1]}" for w in decodes))
+            raise ApiError(500, f"no decode worker for model {req.model!r} speaks {kind[1]!r} on {kind[0]} like "
+                           "the prefill worker picked (see the server log)", "pd_protocol_mismatch")
+        # Filtered after the kind match, so an open decode is avoided only while a healthy one of
+        # the same kind exists (and all of that kind are tried rather than none).
+        decode = self.policy.pick(self.breaker.filter(d_pool), d_req, "decode")
+        return prefill, p_req, decode, d_req
+
+    async def pick(self, req: RoutedRequest, exclude: frozenset[str] = frozenset()) -> "PickedPair":
+        """Pick only (a gateway sends the request to the decode's sidecar, which runs the pair):
+        the pair ``dispatch`` would try first, both legs charged as ``dispatch`` charges them."""
+        prefills = [w for w in self.fleet.active(req.model, "prefill") if w.worker_id not in exclude]
+        decodes = self.fleet.active(req.model, "decode")
+        d_pool = [w for w in decodes if w.worker_id not in exclude]
+        if not prefills or not d_pool:
+            raise ApiError(503, f"no active {'prefill' if not prefills else 'decode'} worker for model "
+                           f"{req.model!r}; retry shortly", "no_active_worker", headers={"Retry-After": "1"})
+        if self._prepare is not None and (self._prepare_cached is None or not self._prepare_cached(req)):
+            await self._prepare(req)
+        prefill, p_req, decode, d_req = self.choose_pair(req, prefills, d_pool, decodes)
+        return PickedPair(_Leg(self, "prefill", prefill, p_req), _Leg(self, "decode", decode, d_req))
 
     async def dispatch_pair(self, req: RoutedRequest, prefill: WorkerRecord, decode: WorkerRecord) -> Reply:
         """Direct mode (``x-prefill-instance-id`` + ``x-worker-instance-id``): exactly this pair, one

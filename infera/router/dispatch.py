@@ -113,8 +113,7 @@ class MixedRouter:
                 raise ApiError(exc.status, exc.message, exc.reason, headers=exc.headers) from None
 
         candidates = self.candidates(req.model)
-        if self._prepare is not None and (self._prepare_cached is None or not self._prepare_cached(req)):
-            await self._prepare(req)
+        await self.prepare(req)
         tried: set[str] = set()
         failure: LegFailure | None = None
         # A worker whose engine answered 5xx, its breaker vote held until another worker has been
@@ -124,7 +123,7 @@ class MixedRouter:
             pool = candidates if not tried else [w for w in candidates if w.worker_id not in tried]
             if not pool:
                 break
-            worker = self.policy.pick(self.breaker.filter(pool), req)
+            worker = self.choose(pool, req)
             tried.add(worker.worker_id)
             try:
                 reply = await self._attempt(worker, req, hold_engine_error=True)
@@ -217,20 +216,16 @@ class MixedRouter:
             raise failure
         raise LegFailure("", 503, "no other worker to continue the stream on", "no_candidate")
 
-    async def _open(self, worker: WorkerRecord, req: RoutedRequest, route: str, body: bytes, *,
-                    hold_engine_error: bool = False) -> tuple[Opened, Callable[[], None]]:
-        """Send to one worker up to its first byte, with the policy, in-flight and breaker
-        accounting; returns the answer and the release to call when done with it.
-        ``hold_engine_error``: an engine's 5xx is scored neutral here (the caller scores it)."""
-        body = self.engine_hints.apply_bytes(body, worker, req)
+    def charge(self, worker: WorkerRecord, req: RoutedRequest) -> Callable[[], None]:
+        """Charge a picked worker with ``req`` (policy in flight, the in-flight gauge, the breaker's
+        probe slot); returns the release, which undoes the first two once however often called.
+        The caller scores the breaker (every outcome frees the probe slot)."""
         policy = self.policy
-        breaker = self.breaker
         inflight = self.metrics.inflight_gauge(worker.worker_id)
         policy.on_started(worker, req)
         inflight.inc()
-        # Still the pick's loop step: on a half-open worker this request is the probe (every
-        # outcome below is scored, which frees the slot again).
-        breaker.claim(worker.worker_id)
+        # Still the pick's loop step: on a half-open worker this request is the probe.
+        self.breaker.claim(worker.worker_id)
         released = False
 
         def release() -> None:
@@ -240,6 +235,38 @@ class MixedRouter:
                 inflight.dec()
                 policy.on_finished(worker, req)
 
+        return release
+
+    async def prepare(self, req: RoutedRequest) -> None:
+        """The policy's per-request work (tokenizing, on the tokenizer threads), once."""
+        if self._prepare is not None and (self._prepare_cached is None or not self._prepare_cached(req)):
+            await self._prepare(req)
+
+    def choose(self, pool: Sequence[WorkerRecord], req: RoutedRequest) -> WorkerRecord:
+        """The policy's pick among ``pool`` (non-empty) after the breaker's filter."""
+        return self.policy.pick(self.breaker.filter(pool), req)
+
+    async def pick(self, req: RoutedRequest,
+                   exclude: frozenset[str] = frozenset()) -> tuple[WorkerRecord, Callable[[], None]]:
+        """Pick only (a gateway sends the request, e.g. the GAIE endpoint picker): the worker
+        ``dispatch`` would try first, charged as ``dispatch`` charges it, and its release."""
+        candidates = self.candidates(req.model)
+        await self.prepare(req)
+        pool = [w for w in candidates if w.worker_id not in exclude] if exclude else candidates
+        if not pool:
+            raise ApiError(503, f"no untried mixed worker left for model {req.model!r}; retry shortly",
+                           "no_active_worker", headers={"Retry-After": "1"})
+        worker = self.choose(pool, req)
+        return worker, self.charge(worker, req)
+
+    async def _open(self, worker: WorkerRecord, req: RoutedRequest, route: str, body: bytes, *,
+                    hold_engine_error: bool = False) -> tuple[Opened, Callable[[], None]]:
+        """Send to one worker up to its first byte, with the policy, in-flight and breaker
+        accounting; returns the answer and the release to call when done with it.
+        ``hold_engine_error``: an engine's 5xx is scored neutral here (the caller scores it)."""
+        body = self.engine_hints.apply_bytes(body, worker, req)
+        breaker = self.breaker
+        release = self.charge(worker, req)
         headers = request_headers(req.request_id, req.state.get("dp_rank"))
         try:
             opened = await open_upstream(self.transport, worker, route, body, headers, req.stream)

@@ -263,6 +263,14 @@ def optional_secret(value: str) -> str | None:
 def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> argparse.Namespace:
     parser = build_parser(environ)
     args = parser.parse_args(argv)
+    check_args(parser, args, environ)
+    return args
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
+               environ: Mapping[str, str] | None = None) -> None:
+    """The checks across flags and the derived defaults (also the GAIE endpoint picker's, whose
+    parser is this one plus its own flags); a bad combination is ``parser.error``."""
     if args.discovery_backend == "etcd" and not args.etcd_endpoint:
         parser.error("--etcd-endpoint (or INFERA_ETCD_ENDPOINT) is required with --discovery-backend etcd")
     if args.discovery_backend == "kubernetes" and not args.k8s_label_selector:
@@ -296,4 +304,3 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
     if args.breaker_max_cooldown_s < args.breaker_cooldown_s:
         parser.error(f"--breaker-max-cooldown-s ({args.breaker_max_cooldown_s:g}) must be >= --breaker-cooldown-s "
                      f"({args.breaker_cooldown_s:g})")
-    return args

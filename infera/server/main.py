@@ -10,32 +10,14 @@ from typing import Sequence
 
 from aiohttp import web
 
-from infera.discovery import discovery_options, make_discovery
 from infera.discovery.base import Discovery
-from infera.discovery.fleet import Fleet
-from infera.discovery.record import WorkerRecord
-from infera.router.auto import AutoRouter
-from infera.router.breaker import CircuitBreaker
-from infera.router.disagg import DisaggRouter
-from infera.router.dispatch import MixedRouter
-from infera.router.engine_hints import EngineHints
-from infera.api.cache_hints import RETENTION_BY_NAME
-from infera.router.pd import protocol_registry
-from infera.router.policy import make_policy
-from infera.server.app import ServerState, build_app
-from infera.kv.index import KvIndex
 from infera.runtime import install_event_loop, wait_for_shutdown_signal
+from infera.server.app import ServerState, build_app
 from infera.server.cli import parse_args
-from infera.server.kv import KvEventsBridge
-from infera.server.engine_scrape import EngineHitWindow
-from infera.server.tokenizers import RouterTokenizers
 from infera.server.limits import LimitedAppRunner, LimitsMetrics, ServerLimits, limits_middleware
-from infera.server.metrics import NatsMetrics, ProcessMetrics, ReplicaSyncMetrics, ServerMetrics, drop_worker_keys
+from infera.server.metrics import ProcessMetrics
+from infera.server.routing_stack import RoutingStack
 from infera.server.supervisor import ChildContext, Supervisor
-from infera.transport.http import HttpTransport
-from infera.transport.nats_conn import NatsConnection
-from infera.transport.nats_request import NatsRequestClient
-from infera.transport.request import RequestTransports
 
 log = logging.getLogger("infera.server")
 
@@ -54,84 +36,13 @@ class InferaServer:
             args = argparse.Namespace(**{**vars(args), "replica_sync": "off"})
         self.args = args
         self.process = process
-        # A worker this server cannot reach (NATS-only, no NATS here) stays listed but never routed.
-        self.fleet = Fleet(unroutable=lambda record: self.transport.unreachable_reason(record))
-        self.discovery = discovery or make_discovery(args.discovery_backend, etcd_endpoint=args.etcd_endpoint,
-                                                     etcd_prefix=args.etcd_prefix, k8s_namespace=args.k8s_namespace,
-                                                     k8s_label_selector=args.k8s_label_selector,
-                                                     **discovery_options(args))
-        # One breaker for mixed and PD dispatch: a worker's verdict holds whichever router sent to it.
-        self.breaker = CircuitBreaker(failure_threshold=args.breaker_failure_threshold,
-                                      cooldown_s=args.breaker_cooldown_s, max_cooldown_s=args.breaker_max_cooldown_s,
-                                      is_member=lambda worker_id: self.fleet.get(worker_id) is not None)
-        self.metrics = ServerMetrics(self.fleet, breaker=self.breaker)
-        # One NATS connection for every NATS use, opened only when a flag asks for the broker plane.
-        self.nats: NatsConnection | None = None
-        if "nats" in (args.request_transport, args.kv_event_transport) or args.replica_sync == "nats":
-            self.nats = NatsConnection.from_args(args, name="infera-server")
-        nats_requests = None
-        if args.request_transport == "nats":
-            assert self.nats is not None
-            nats_requests = NatsRequestClient(self.nats, idle_timeout=args.nats_req_idle_timeout,
-                                              max_duration=args.nats_req_max_duration,
-                                              max_pending=args.nats_req_max_pending)
-        self.transport = RequestTransports(HttpTransport(first_byte_timeout=args.request_first_byte_timeout,
-                                                         idle_timeout=args.request_idle_timeout,
-                                                         max_reply_bytes=args.max_upstream_reply_bytes),
-                                           nats_requests)
-        self.kv: KvEventsBridge | None = None
-        self.tokenizers: RouterTokenizers | None = None  # kv-aware only
-        usage_observer = None
-        self.replica_sync = None  # a ReplicaSync: kv-aware replicas share what only each one knows
-        if args.router_policy == "kv-aware":
-            replica_id = (process.replica_id or None) if process is not None else None
-            if args.replica_sync == "nats":
-                from infera.transport.replica_sync_nats import NatsReplicaSync
-
-                assert self.nats is not None
-                self.replica_sync = NatsReplicaSync(self.nats, replica_id=replica_id)
-            elif args.replica_sync == "local":
-                from infera.transport.replica_sync_local import LocalReplicaSync
-
-                assert process is not None
-                self.replica_sync = LocalReplicaSync(process.runtime_dir, process.index, process.count,
-                                                     replica_id=replica_id)
-            index = KvIndex()
-            self.kv = KvEventsBridge(self.fleet, index, nats=self.nats if args.kv_event_transport == "nats" else None)
-            self.metrics.registry.register(self.kv)
-            # The tokenizer per model: --router-tokenizer-path, else the one the model's workers name.
-            self.tokenizers = RouterTokenizers(self.fleet, args.router_tokenizer_path, self_check=self.kv)
-            self.metrics.registry.register(self.tokenizers)
-            # Routing prefix cap and token-cache budget (infera/kv/prompt.py) of every router tokenizer.
-            self.tokenizers.configure(prefix_chars=args.router_prefix_chars,
-                                      cache_bytes=args.router_tokenizer_cache_bytes)
-            self.policy = make_policy("kv-aware", index=index, prompts=self.tokenizers,
-                                      overlap_weight=args.kv_overlap_weight,
-                                      prefill_overlap_weight=args.kv_prefill_overlap_weight,
-                                      decode_overlap_weight=args.kv_decode_overlap_weight, observer=self.kv,
-                                      replica_sync=self.replica_sync, inflight_weight=args.kv_inflight_weight,
-                                      lower_tier_weight=args.kv_lower_tier_weight)
-            usage_observer = self.kv.observe_usage
-            self.kv.active_blocks = getattr(self.policy, "active_blocks", None)  # infera_policy_active_blocks
-            self.kv.balance = getattr(self.policy, "balance", None)  # infera_policy_inflight_weight
-        else:
-            self.policy = make_policy(args.router_policy)
-        direct = args.router_mode == "direct"
-        # What each engine is told about a request's cache retention (--router-default-retention).
-        engine_hints = EngineHints(RETENTION_BY_NAME[args.router_default_retention],
-                                   allow_client_priority=args.allow_client_priority)
-        mixed = MixedRouter(self.fleet, self.policy, self.transport, self.metrics,
-                            max_retries=args.request_max_retries, direct=direct, usage_observer=usage_observer,
-                            breaker=self.breaker, migration_limit=args.migration_limit,
-                            engine_hints=engine_hints)
-        disagg = DisaggRouter(self.fleet, self.policy, self.transport, self.metrics, protocol_registry(),
-                              max_retries=args.request_max_retries, prefill_timeout=args.pd_prefill_timeout,
-                              breaker=self.breaker, engine_hints=engine_hints)
-        self.router = AutoRouter(self.fleet, mixed, disagg, direct=direct)
-        if self.nats is not None:
-            self.metrics.registry.register(NatsMetrics(self.nats, nats_requests))
-        if self.replica_sync is not None:
-            self.metrics.registry.register(ReplicaSyncMetrics(self.replica_sync))
+        # Fleet, discovery, breaker, NATS, transports, KV events, tokenizers, policy and routers:
+        # shared with the GAIE endpoint picker (infera/server/routing_stack.py).
+        self.stack = stack = RoutingStack(args, discovery, process, nats_name="infera-server")
+        self.fleet, self.discovery, self.breaker = stack.fleet, stack.discovery, stack.breaker
+        self.metrics, self.nats, self.transport = stack.metrics, stack.nats, stack.transport
+        self.kv, self.tokenizers, self.replica_sync = stack.kv, stack.tokenizers, stack.replica_sync
+        self.policy, self.router = stack.policy, stack.router
         # One /metrics for all the processes of a --workers N server, gathered over a private channel.
         self.process_metrics: ProcessMetrics | None = None
         if process is not None:
@@ -139,14 +50,9 @@ class InferaServer:
                                                   socket_path=process.metrics_socket, restarts=process.generation)
             self.metrics.registry.register(self.process_metrics)
         # The KV self-check over a window: engines' prefix-cache counters against the predictions.
-        self.engine_window: EngineHitWindow | None = None
-        if self.kv is not None and args.engine_scrape_interval > 0:
-            self.engine_window = EngineHitWindow(self.fleet, self.kv.hit_totals,
-                                                 interval_s=args.engine_scrape_interval,
-                                                 window_s=args.engine_scrape_window)
+        self.engine_window = stack.engine_window
+        if self.engine_window is not None:
             self.metrics.registry.register(self.engine_window)
-        self._workers: dict[str, WorkerRecord] = {}
-        self.fleet.subscribe(self._on_fleet_change)
         self._runner: web.AppRunner | None = None
         self.limits = ServerLimits.from_args(args)
         self.metrics.registry.register(LimitsMetrics(self.limits))
@@ -157,31 +63,8 @@ class InferaServer:
 
             self.scaler = DeploymentScaler(args.k8s_namespace, args.k8s_pod_name)
 
-    def _on_fleet_change(self, worker_id: str, record) -> None:
-        if record is None or not record.is_active:
-            self.policy.forget(worker_id)
-            self.breaker.forget(worker_id)
-            self.metrics.forget_worker(worker_id)
-        if record is None:
-            if self.kv is not None:  # its kv-aware pick counters (the metrics drop their own series)
-                drop_worker_keys(self.kv.picks, worker_id, 1)
-            old = self._workers.pop(worker_id, None)
-            if old is not None:
-                self.transport.forget(old)
-        else:
-            self._workers[worker_id] = record
-
     async def start(self) -> None:
-        if self.nats is not None:
-            await self.nats.start()  # in the background: a broker that comes up later is fine
-        await self.transport.start()
-        if self.kv is not None:
-            await self.kv.start()
-        if self.engine_window is not None:
-            await self.engine_window.start()
-        if self.replica_sync is not None:
-            await self.replica_sync.start()
-        await self.discovery.start(self.fleet)  # returns at once; converges in the background
+        await self.stack.start()
         if self.process_metrics is not None:
             await self.process_metrics.start()
         if self.process is not None:
@@ -239,21 +122,9 @@ class InferaServer:
             self._runner = None
         if self.process_metrics is not None:
             await self.process_metrics.stop()
-        await self.router.close()
         if self.scaler is not None:
             await self.scaler.close()
-        await self.discovery.stop()
-        if self.replica_sync is not None:
-            await self.replica_sync.stop()
-        if self.engine_window is not None:
-            await self.engine_window.stop()
-        if self.kv is not None:
-            await self.kv.stop()
-        if self.tokenizers is not None:
-            self.tokenizers.close()
-        await self.transport.close()
-        if self.nats is not None:
-            await self.nats.close()
+        await self.stack.stop()
 
 
 async def serve(args: argparse.Namespace, process: ChildContext | None = None) -> None:

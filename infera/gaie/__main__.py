@@ -1,0 +1,4 @@
+from infera.gaie.cli import main
+
+if __name__ == "__main__":
+    main()

