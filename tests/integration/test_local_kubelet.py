@@ -444,8 +444,8 @@ async def test_api_failures_and_outage_are_retried(cluster):
     await api.stop()
     await api.start()
     again = server_template("again")
-    await client.create(PODS.collection(NS), {"apiVersion": "v1", "kind": "Pod",
-                                              "metadata": {"name": "again", **again["metadata"]}, "spec": again["spec"]})
+    await client.create(PODS.collection(NS), {"apiVersion": "v1", "kind": "Pod", "spec": again["spec"],
+                                              "metadata": {"name": "again", **again["metadata"]}})
     await ready_pods(client, "app=again", 1, kubelet, timeout=20)
 
 
@@ -481,7 +481,8 @@ async def test_init_container_volumes_and_env_sources(cluster):
     await client.create(PODS.collection(NS), {
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "mounts", "labels": {"app": "mounts"}},
         "spec": {
-            "volumes": [{"name": "cfg", "configMap": {"name": "cfg", "items": [{"key": "app.conf", "path": "app.conf"}]}},
+            "volumes": [{"name": "cfg",
+                         "configMap": {"name": "cfg", "items": [{"key": "app.conf", "path": "app.conf"}]}},
                         {"name": "work", "emptyDir": {}}],
             "initContainers": [{"name": "init", "image": "x", "command": [
                 "python3", "-c", "open('/work/data/init-was-here', 'w').write('yes')"],
