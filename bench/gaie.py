@@ -228,6 +228,42 @@ async def envoy_counters(admin_url: str) -> dict[str, int]:
     return out
 
 
+EPP_MODES = {"epp": "buffered", "epp-duplex": "full-duplex-streamed"}  # path → --processing-mode
+KV_PROBES_IN_A_ROW = 3
+
+
+async def print_envoy_config(listen_port: int, grpc_port: int, admin_port: int, mode: str,
+                             epp_args: list[str]) -> str:
+    """What ``python -m infera.gaie --print-envoy-config`` prints for this picker (with its TLS
+    flag, if ``--epp-args`` has one, so both ends agree)."""
+    tls = [x for x in epp_args if x in ("--secure-serving", "--no-secure-serving")]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "infera.gaie", "--print-envoy-config", "--listen-port", str(listen_port),
+        "--grpc-port", str(grpc_port), "--epp-host", "127.0.0.1", "--admin-port", str(admin_port),
+        "--processing-mode", mode, *tls, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = await proc.communicate()
+    if proc.returncode != 0:
+        raise FleetError(f"python -m infera.gaie --print-envoy-config failed: {err.decode(errors='replace')[-1500:]}")
+    return out.decode()
+
+
+def kv_probe_body(model: str, tag: str, words: int = 160) -> bytes:
+    """A unary chat whose prompt (``tag`` first, so no other prompt shares a block) spans several
+    KV blocks."""
+    text = f"Probe {tag}. " + " ".join(f"w{(j * 7919) % 10007}" for j in range(words))
+    return json.dumps({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 1,
+                       "ignore_eos": True}).encode()
+
+
+async def post_json(session: aiohttp.ClientSession, url: str, body: bytes) -> dict[str, Any]:
+    async with session.post(url, data=body, headers={"Content-Type": "application/json"},
+                            timeout=aiohttp.ClientTimeout(total=30)) as r:
+        text = await r.text()
+        if r.status != 200:
+            raise FleetError(f"POST {url}: HTTP {r.status} {text[:300]}")
+        return json.loads(text)
+
+
 def envoy_cmd(config_path: str, base_id: int, log_level: str = "warning") -> list[str]:
     return [ENVOY, "-c", config_path, "--base-id", str(base_id), "--concurrency", "1", "--disable-hot-restart",
             "--log-level", log_level]
@@ -334,7 +370,50 @@ class GaieBench:
         return hop
 
     async def start_epp(self, session: aiohttp.ClientSession, path: str, tag: str) -> Hop:
-        raise FleetError("the EPP path is not wired yet")
+        """``python -m infera.gaie`` (kv-aware, as server-kv: one process, no replica sync, TLS as
+        its default) and an Envoy from its ``--print-envoy-config``, the output run unchanged."""
+        a = self.args
+        grpc_port, health_port, listen, admin = (_free_port() for _ in range(4))
+        epp_cmd = [sys.executable, "-m", "infera.gaie", "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
+                   "--grpc-health-port", str(health_port), "--destination-port", "0",
+                   "--discovery-backend", "etcd", "--etcd-endpoint", self.fleet.etcd.url,
+                   "--router-policy", "kv-aware", "--replica-sync", "off", "--log-level", "warning",
+                   *shlex.split(a.epp_args)]
+        config = await print_envoy_config(listen, grpc_port, admin, EPP_MODES[path], shlex.split(a.epp_args))
+        config_path = os.path.join(self.logs_dir, f"{path}-{tag}.yaml")
+        with open(config_path, "w") as f:
+            f.write(config)
+        epp = Proc(f"{path}-{tag}-epp", epp_cmd, os.path.join(self.logs_dir, f"{path}-{tag}-epp.log"))
+        hop = Hop(path, f"http://127.0.0.1:{listen}", {"epp": epp}, f"http://127.0.0.1:{admin}")
+        try:
+            await epp.start()
+            hop.procs["envoy"] = await self.start_envoy(f"{path}-{tag}-envoy", config_path, admin, session)
+            await self.preflight(session, hop)  # 503 until the EPP serves and knows a worker
+            await self.wait_kv_informed(session, hop)
+        except BaseException:
+            await hop.stop()
+            raise
+        return hop
+
+    async def wait_kv_informed(self, session: aiohttp.ClientSession, hop: Hop) -> None:
+        """Until ``hop`` routes on every worker's KV events: a new long prompt sent straight to
+        worker i, then through the hop, must find its blocks cached (it went to worker i), for
+        ``KV_PROBES_IN_A_ROW`` fresh prompts in a row per worker. The picker's process has no admin
+        port that says its views caught up (the server's /v1/admin/cache-view does), so this asks
+        the picks themselves; a pick by load alone lands on worker i 1 time in N."""
+        deadline = time.monotonic() + self.args.ready_timeout
+        for i, worker in enumerate(self.fleet.worker_urls):
+            in_a_row = 0
+            while in_a_row < KV_PROBES_IN_A_ROW:
+                if time.monotonic() > deadline:
+                    print(f"  warning: {hop.path} did not route on worker {i}'s KV events within "
+                          f"{self.args.ready_timeout:.0f}s", flush=True)
+                    return
+                body = kv_probe_body(self.args.model, f"{hop.path}-{i}-{time.monotonic_ns()}")
+                await post_json(session, worker + "/v1/chat/completions", body)  # worker i caches it
+                usage = await post_json(session, self.urls_for(hop)[0], body)
+                cached = ((usage.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                in_a_row = in_a_row + 1 if cached >= self.args.block_size else 0
 
     async def start_hop(self, session: aiohttp.ClientSession, path: str, tag: str) -> Hop:
         if path == "direct":
