@@ -29,6 +29,7 @@ from infera.engine.sim import server as sim_server
 from infera.engine.sim.launcher import SimAdapter
 from infera.engine.vllm.adapter import VllmAdapter
 from infera.engine.atom.adapter import AtomAdapter
+from infera.gaie.cli import parse_args as parse_epp_args
 from infera.operator import __main__ as cli
 from infera.operator.render import (KIND_ORDER, SIM_ENGINE_VALUE_FLAGS, SIM_LAUNCHER_BOOL_FLAGS,
                                     SIM_LAUNCHER_VALUE_FLAGS, RenderOptions, drain_seconds, grace_period_seconds,
@@ -273,7 +274,13 @@ def test_every_rendered_flag_exists(path: str, sim: bool) -> None:
     parses with the simulated engine's parser."""
     cr = load(path)
     backend = "sim" if sim else cr["spec"].get("backendFramework", "sglang")
-    for obj, template, _ in _pools(render(cr, RenderOptions(sim=sim))):
+    objects = render(cr, RenderOptions(sim=sim))
+    for obj in objects:  # the GAIE endpoint picker: infera.gaie's parser and its checks
+        if obj["kind"] == "Deployment" and obj["metadata"]["labels"].get("infera.amd.com/component") == "epp":
+            epp = main_container(obj["spec"]["template"])
+            assert epp["command"] == ["python3", "-m", "infera.gaie"]
+            parse_epp_args(epp["args"], {})
+    for obj, template, _ in _pools(objects):
         main = main_container(template)
         frontend = containers(template).get("infera-frontend")
         if frontend is not None:  # the GAIE sidecar: the server's parser and its checks
@@ -870,6 +877,9 @@ def test_the_sidecar_routes_as_the_epp_says_over_the_fleets_plane() -> None:
     assert _flag(epp_args, "--kv-event-transport") == ["nats"]
     assert _flag(epp_args, "--nats-server") == ["nats://gaie-nats.infera.svc:4222"]
     assert _flag(epp_args, "--k8s-label-selector") == _flag(args, "--k8s-label-selector")
+    epp = parse_epp_args(epp_args, {})
+    assert (epp.grpc_port, epp.grpc_health_port, epp.destination_port, epp.secure_serving) == (9002, 9003, 8000, True)
+    assert epp.replica_sync == "nats"  # EPP replicas share in-flight state, as server replicas do
 
 
 DEFAULT_DRAIN = 30
@@ -883,6 +893,9 @@ def test_gaie_without_nats_is_http_and_zmq() -> None:
     assert not _flag(frontend["args"], "--nats-server")
     epp_args = main_container(by[("Deployment", "f-epp")]["spec"]["template"])["args"]
     assert _flag(epp_args, "--kv-event-transport") == ["zmq"] and not _flag(epp_args, "--nats-server")
+    assert _flag(epp_args, "--request-transport") == ["http"]  # in a Pod the default would be NATS
+    assert parse_epp_args(epp_args, {}).replica_sync == "off"
+    parse_server_args(frontend["args"], {})
 
 
 def test_gaie_with_etcd_discovery() -> None:
@@ -893,6 +906,7 @@ def test_gaie_with_etcd_discovery() -> None:
         assert _flag(args, "--discovery-backend") == ["etcd"]
         assert _flag(args, "--etcd-endpoint") == ["http://f-etcd.default.svc:2379"]
         assert not _flag(args, "--k8s-label-selector")
+    parse_epp_args(main_container(by[("Deployment", "f-epp")]["spec"]["template"])["args"], {})
 
 
 def test_gaie_options_images_port_replicas_and_a_multinode_pool() -> None:
