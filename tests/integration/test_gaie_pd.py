@@ -19,7 +19,8 @@ import aiohttp
 import pytest
 
 from infera.engine.base.prom import sample_sum
-from tests.conftest import free_port, stop_process_group, wait_for
+from tests.conftest import free_port, requests_by_worker, stop_process_group, wait_for
+from tests.integration.test_gaie_failures import gateway  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.integration
 
@@ -170,3 +171,43 @@ async def test_sidecar_serves_exactly_the_pair_the_headers_name(sims, sidecars):
             after = [await w.metric(s, "vllm:request_success_total") for w in (p0, d0, p1, d1)]
             assert [a - b for a, b in zip(after, before)] == [0, 1, 1, 0]
             assert await d0.metric(s, *EXTERNAL) > moved
+
+
+async def test_chat_through_envoy_is_served_by_the_pair_the_epp_chose(sims, sidecars, gateway):
+    """Envoy + EPP in front of 2 PD pairs: each chat (unary, then streaming) runs on one prefill and
+    one decode (the decode pulled the prompt's KV), through that decode worker's own sidecar."""
+    pairs, dest_port = await pd_pairs(sims, sidecars, 2)
+    gw = await gateway("--destination-port", str(dest_port), "--router-policy", "round-robin")
+    await wait_for(lambda: gw.has_workers(4), 30, message="the EPP sees both pairs")
+    prefills = [p for p, _, _ in pairs]
+    decodes = [d for _, d, _ in pairs]
+    cars = {d.worker_id: car for _, d, car in pairs}
+    async with aiohttp.ClientSession() as s:
+        async def snapshot() -> tuple[list[float], list[float], list[float], dict[str, float]]:
+            done_p = [await p.metric(s, "vllm:request_success_total") for p in prefills]
+            done_d = [await d.metric(s, "vllm:request_success_total") for d in decodes]
+            moved = [await d.metric(s, *EXTERNAL) for d in decodes]
+            by_car = {}
+            for wid, car in cars.items():
+                async with s.get(car.url + "/metrics") as r:
+                    by_car[wid] = requests_by_worker(await r.text()).get(wid, 0)
+            return done_p, done_d, moved, by_car
+
+        for i, stream in enumerate((False, True, False, True)):
+            before = await snapshot()
+            body = {"model": MODEL, "messages": messages(f"gw-{i}"), "max_tokens": 6, "stream": stream}
+            async with s.post(gw.url + "/v1/chat/completions", json=body,
+                              timeout=aiohttp.ClientTimeout(total=20)) as r:
+                assert r.status == 200, await r.text()
+                text = await r.text()
+            if stream:
+                assert text.rstrip().endswith("data: [DONE]")
+            after = await snapshot()
+            served_p = [a - b for a, b in zip(after[0], before[0])]
+            served_d = [a - b for a, b in zip(after[1], before[1])]
+            assert sorted(served_p) == [0, 1] and sorted(served_d) == [0, 1], (served_p, served_d)
+            decode = decodes[served_d.index(1)]
+            assert after[2][served_d.index(1)] > before[2][served_d.index(1)], "the decode pulled no KV"
+            # it came through the chosen decode worker's own sidecar, and no other
+            assert {wid: after[3][wid] - before[3][wid] for wid in cars} == {
+                wid: int(wid == decode.worker_id) for wid in cars}

@@ -1,0 +1,387 @@
+"""The gateway's failure behaviour, on a real Envoy (the ``--print-envoy-config`` bootstrap), the
+real EPP (``python -m infera.gaie``) and sim workers:
+
+* the EPP down: with ``failure_mode_allow`` off Envoy answers 503 at once; with it on the request
+  goes on without a destination, which an ORIGINAL_DST cluster cannot route (503 "no healthy
+  upstream") — and a client's own destination header must not steer it either;
+* a worker that refuses connections (SIGKILL) never fails a request: the refused attempt is retried
+  through the picker, which picks another worker; after discovery drops it, nothing goes there;
+* a client that leaves mid-stream releases the picker's in-flight charge;
+* the EPP killed and restarted under load: fast 503s while it is down (no hang), success again
+  within a bound once it is back on the same port.
+
+Every request has a deadline; every wait polls a condition with a deadline.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from infera.engine.base.prom import sample_sum, samples
+from tests.conftest import free_port, stop_process_group, wait_for
+
+pytestmark = pytest.mark.integration
+
+ENVOY = os.path.join(os.path.dirname(sys.executable), "envoy")
+HEALTH_SERVICE = "inference-extension"
+REQUEST_DEADLINE = aiohttp.ClientTimeout(total=10)
+EPP_DOWN = 503  # Envoy's answer while the picker is unreachable (ext_proc status_on_error)
+
+
+def chat(tag: str, max_tokens: int = 4, **extra) -> dict:
+    return {"model": "sim-model", "max_tokens": max_tokens, "ignore_eos": True,
+            "messages": [{"role": "user", "content": f"[{tag}] say something about gateways"}], **extra}
+
+
+def find_ext_proc(bootstrap: dict) -> list[dict]:
+    """Every ext_proc filter config in the bootstrap (one per HTTP connection manager that picks)."""
+    found = []
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            if node.get("name") == "envoy.filters.http.ext_proc":
+                found.append(node["typed_config"])
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(bootstrap)
+    return found
+
+
+@dataclass
+class Gateway:
+    """One EPP (restartable on its ports) and one Envoy started from the EPP's printed bootstrap."""
+
+    etcd_endpoint: str
+    prefix: str
+    workdir: str
+    epp_flags: tuple[str, ...] = ()
+    mode: str = "full-duplex-streamed"
+    grpc_port: int = field(default_factory=free_port)
+    health_port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
+    listen_port: int = field(default_factory=free_port)
+    admin_port: int = field(default_factory=free_port)
+    epp: asyncio.subprocess.Process | None = None
+    envoy: asyncio.subprocess.Process | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.listen_port}"
+
+    @property
+    def admin(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    def _epp_args(self) -> list[str]:
+        return [sys.executable, "-m", "infera.gaie", "--host", "127.0.0.1", "--grpc-port", str(self.grpc_port),
+                "--grpc-health-port", str(self.health_port), "--metrics-port", str(self.metrics_port),
+                "--no-secure-serving", "--etcd-endpoint", self.etcd_endpoint, "--etcd-prefix", self.prefix,
+                *self.epp_flags]
+
+    async def start_epp(self) -> None:
+        log = open(os.path.join(self.workdir, "epp.log"), "ab")
+        self.epp = await asyncio.create_subprocess_exec(*self._epp_args(), stdout=log, stderr=log,
+                                                        start_new_session=True)
+        await wait_for(self.epp_serving, 30, interval=0.1, message="EPP gRPC health SERVING")
+
+    async def epp_serving(self) -> bool:
+        assert self.epp is not None and self.epp.returncode is None, "the EPP exited"
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{self.health_port}") as channel:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=HEALTH_SERVICE), timeout=1)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            return False
+
+    async def kill_epp(self) -> None:
+        assert self.epp is not None
+        os.killpg(self.epp.pid, signal.SIGKILL)
+        await self.epp.wait()
+
+    async def bootstrap(self) -> dict:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "infera.gaie", "--print-envoy-config", "--listen-port", str(self.listen_port),
+            "--grpc-port", str(self.grpc_port), "--no-secure-serving", "--admin-port", str(self.admin_port),
+            "--processing-mode", self.mode, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0, err.decode()
+        return yaml.safe_load(out)
+
+    async def start_envoy(self, *, failure_mode_allow: bool | None = None) -> None:
+        config = await self.bootstrap()
+        if failure_mode_allow is not None:
+            filters = find_ext_proc(config)
+            assert filters, "the bootstrap has no ext_proc filter"
+            for f in filters:
+                f["failure_mode_allow"] = failure_mode_allow
+        path = os.path.join(self.workdir, "envoy.yaml")
+        with open(path, "w") as f:
+            yaml.safe_dump(config, f)
+        log = open(os.path.join(self.workdir, "envoy.log"), "ab")
+        self.envoy = await asyncio.create_subprocess_exec(
+            ENVOY, "-c", path, "--base-id", str(random.randint(1000, 1 << 20)), "--concurrency", "1",
+            "--disable-hot-restart", "-l", "warning", stdout=log, stderr=log, start_new_session=True)
+
+        async def ready() -> bool:
+            assert self.envoy is not None and self.envoy.returncode is None, "envoy exited (see envoy.log)"
+            try:
+                async with aiohttp.ClientSession() as s, s.get(self.admin + "/ready") as r:
+                    return r.status == 200
+            except aiohttp.ClientError:
+                return False
+
+        await wait_for(ready, 30, interval=0.1, message="envoy /ready")
+
+    async def stats(self) -> dict[str, int]:
+        async with aiohttp.ClientSession() as s, s.get(self.admin + "/stats?format=json") as r:
+            data = await r.json()
+        return {st["name"]: st.get("value", 0) for st in data["stats"] if "name" in st and "value" in st}
+
+    async def epp_metrics(self) -> str:
+        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                                       timeout=aiohttp.ClientTimeout(total=3)) as r:
+            return await r.text()
+
+    async def active_workers(self) -> float:
+        try:
+            return sample_sum(await self.epp_metrics(), "infera_workers", 'status="active"')
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return -1
+
+    async def has_workers(self, n: int) -> bool:
+        return await self.active_workers() == n
+
+    async def close(self) -> None:
+        for proc in (self.envoy, self.epp):
+            if proc is not None:
+                await stop_process_group(proc, grace=5, group_term=True)
+
+
+@pytest.fixture
+async def gateway(etcd, prefix, tmp_path):
+    made: list[Gateway] = []
+
+    async def factory(*epp_flags: str, failure_mode_allow: bool | None = None,
+                      mode: str = "full-duplex-streamed") -> Gateway:
+        if "--destination-port" not in epp_flags:  # no sidecars: straight to the sim's own port
+            epp_flags = ("--destination-port", "0", *epp_flags)
+        gw = Gateway(etcd.endpoint, prefix, str(tmp_path), epp_flags=epp_flags, mode=mode)
+        made.append(gw)
+        await gw.start_epp()
+        await gw.start_envoy(failure_mode_allow=failure_mode_allow)
+        return gw
+
+    yield factory
+    for gw in made:
+        await gw.close()
+
+
+async def post(s: aiohttp.ClientSession, url: str, body: dict, headers: dict | None = None) -> tuple[int, str]:
+    async with s.post(url + "/v1/chat/completions", json=body, headers=headers or {}, timeout=REQUEST_DEADLINE) as r:
+        return r.status, await r.text()
+
+
+def kill_worker(worker) -> None:
+    """SIGKILL the launcher's whole group: the engine's port closes at once, its lease runs out later."""
+    os.killpg(worker.proc.pid, signal.SIGKILL)
+
+
+def inflight(metrics_text: str) -> dict[str, float]:
+    return {labels: v for n, labels, v in samples(metrics_text) if n == "infera_worker_inflight_requests"}
+
+
+# -- the EPP down ---------------------------------------------------------------------------------
+
+async def test_epp_down_with_failure_mode_allow_off_is_a_fast_503(gateway, spawn_worker):
+    w = await spawn_worker()
+    gw = await gateway("--router-policy", "round-robin")
+    await wait_for(lambda: gw.has_workers(1), 30, message="the EPP sees the worker")
+    async with aiohttp.ClientSession() as s:
+        status, text = await post(s, gw.url, chat("up"))
+        assert status == 200, text
+        await gw.kill_epp()
+        for i in range(3):
+            t0 = time.monotonic()
+            status, text = await post(s, gw.url, chat(f"down-{i}"))
+            assert status == EPP_DOWN, text
+            assert time.monotonic() - t0 < 2, "a down picker must fail fast, not hang"
+    assert w.proc.returncode is None
+
+
+@pytest.mark.parametrize("mode", ["buffered", "full-duplex-streamed"])
+async def test_epp_down_with_failure_mode_allow_on_still_fails(gateway, spawn_worker, mode):
+    """failure_mode_allow on buys nothing here. Buffered: Envoy goes on without the picker, so
+    without a destination header, and ORIGINAL_DST has nowhere to connect (503 "no healthy
+    upstream"). FULL_DUPLEX_STREAMED: Envoy cannot fail open once the body is streamed to the
+    picker; it answers the ext_proc error status (503). Either way a client naming a destination
+    itself must not get through (the bootstrap strips client routing headers)."""
+    w = await spawn_worker()
+    gw = await gateway("--router-policy", "round-robin", failure_mode_allow=True, mode=mode)
+    await wait_for(lambda: gw.has_workers(1), 30, message="the EPP sees the worker")
+    async with aiohttp.ClientSession() as s:
+        status, text = await post(s, gw.url, chat("up"))
+        assert status == 200, text
+        served_before = await w.engine_metric(s, "vllm:request_success_total")
+        await gw.kill_epp()
+        status, text = await post(s, gw.url, chat("down"))
+        assert status == EPP_DOWN, text
+        if mode == "buffered":
+            assert text == "no healthy upstream"
+        status, text = await post(s, gw.url, chat("spoofed"), headers={
+            "x-gateway-destination-endpoint": w.worker_id, "x-worker-instance-id": w.worker_id})
+        assert status == 503, f"a client-supplied destination was honoured with the picker down: {status} {text}"
+        assert await w.engine_metric(s, "vllm:request_success_total") == served_before
+    stats = await gw.stats()
+    assert sum(v for k, v in stats.items() if k.endswith("ext_proc.failure_mode_allowed")) >= 1
+
+
+# -- a worker that refuses connections ------------------------------------------------------------
+
+async def test_killed_worker_is_retried_through_the_picker_and_then_dropped(gateway, spawn_worker):
+    """3 workers under load, one SIGKILLed: requests picked onto it before its lease ran out are
+    refused, retried through the picker and served elsewhere (none fails); once discovery dropped
+    it every request succeeds and none is retried."""
+    workers = [await spawn_worker(lease_ttl=3.0) for _ in range(3)]
+    gw = await gateway("--router-policy", "round-robin")
+    await wait_for(lambda: gw.has_workers(3), 30, message="the EPP sees 3 workers")
+    failures: list[tuple[int, str]] = []
+    served = 0
+    stop = asyncio.Event()
+
+    async with aiohttp.ClientSession() as s:
+        async def client(i: int) -> None:
+            nonlocal served
+            n = 0
+            while not stop.is_set():
+                try:
+                    status, text = await post(s, gw.url, chat(f"load-{i}-{n}"))
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    status, text = -1, repr(exc)
+                n += 1
+                if status == 200:
+                    served += 1
+                else:
+                    failures.append((status, text[:200]))
+
+        clients = [asyncio.create_task(client(i)) for i in range(4)]
+        try:
+            await wait_for(lambda: served >= 20, 20, message="load running")
+            kill_worker(workers[0])
+            killed_at = time.monotonic()
+            await wait_for(lambda: gw.has_workers(2), 20, message="discovery drops the killed worker")
+            dropped_after = time.monotonic() - killed_at
+            retried = (await gw.stats()).get("cluster.infera_pick.upstream_rq_retry_success", 0)
+            after_drop = served
+            await wait_for(lambda: served >= after_drop + 30, 20, message="30 requests after the drop")
+        finally:
+            stop.set()
+            await asyncio.wait_for(asyncio.gather(*clients), 15)
+    stats = await gw.stats()
+    assert failures == [], f"{len(failures)} requests failed, first: {failures[:3]}"
+    # round-robin sent every third pick to the dead worker until the drop: each one was retried
+    assert retried >= 1, f"no refused request was retried (dropped after {dropped_after:.1f}s)"
+    # after the drop only requests already in flight to it (at most the 4 clients') can still be refused
+    assert stats.get("cluster.infera_pick.upstream_rq_retry_success", 0) - retried <= 4, "retries after the drop"
+    retried = stats.get("cluster.infera_pick.upstream_rq_retry_success", 0)
+    refused = sample_sum(await gw.epp_metrics(), "infera_epp_upstream_connect_failures_total")
+    assert refused == retried, (refused, retried)
+    print(f"killed worker: dropped after {dropped_after:.1f}s, {retried} refused requests retried elsewhere, "
+          f"{served} served, 0 failed")
+
+
+# -- a client that leaves -------------------------------------------------------------------------
+
+async def test_client_disconnect_mid_stream_releases_the_in_flight_charge(gateway, spawn_worker):
+    w = await spawn_worker(speedup=1.0)  # a stream that lasts seconds
+    gw = await gateway("--router-policy", "round-robin")
+    await wait_for(lambda: gw.has_workers(1), 30, message="the EPP sees the worker")
+    label = f'worker_id="{w.worker_id}"'
+
+    async def charged() -> float:
+        return sum(v for labels, v in inflight(await gw.epp_metrics()).items() if label in labels)
+
+    async with aiohttp.ClientSession() as s:
+        body = chat("leave", max_tokens=2000, stream=True)
+        async with s.post(gw.url + "/v1/chat/completions", json=body, timeout=REQUEST_DEADLINE) as r:
+            assert r.status == 200
+            events = 0
+            async for line in r.content:
+                if line.startswith(b"data:"):
+                    events += 1
+                    if events == 3:
+                        break
+            assert await charged() == 1
+            r.close()  # the client leaves mid-stream
+    async def released() -> bool:
+        return await charged() == 0
+
+    await wait_for(released, 10, message="in-flight charge back to 0")
+
+
+# -- the EPP killed and restarted under load ------------------------------------------------------
+
+async def test_epp_killed_and_restarted_under_load(gateway, spawn_worker):
+    await spawn_worker()
+    await spawn_worker()
+    gw = await gateway("--router-policy", "round-robin")
+    await wait_for(lambda: gw.has_workers(2), 30, message="the EPP sees 2 workers")
+    outcomes: list[tuple[float, int, float]] = []  # (start, status or -1 for a broken request, seconds)
+    stop = asyncio.Event()
+
+    async with aiohttp.ClientSession() as s:
+        async def client(i: int) -> None:
+            n = 0
+            while not stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    status, _ = await post(s, gw.url, chat(f"epp-{i}-{n}"))
+                except asyncio.TimeoutError:
+                    status = 0  # hung past its deadline: the failure this test exists for
+                except aiohttp.ClientError:
+                    status = -1  # in flight when the picker died: its ext_proc stream broke
+                outcomes.append((t0, status, time.monotonic() - t0))
+                n += 1
+                if status != 200:
+                    await asyncio.sleep(0.02)  # a failing gateway answers at once: don't spin
+
+        clients = [asyncio.create_task(client(i)) for i in range(4)]
+        try:
+            await wait_for(lambda: sum(1 for o in outcomes if o[1] == 200) >= 20, 20, message="load running")
+            await gw.kill_epp()
+            killed_at = time.monotonic()
+            await wait_for(lambda: sum(1 for o in outcomes if o[0] > killed_at and o[1] == EPP_DOWN) >= 10, 10,
+                           message="503s while the EPP is down")
+            restarting_at = time.monotonic()
+            await gw.start_epp()
+            back_at = time.monotonic()
+            await wait_for(lambda: sum(1 for o in outcomes if o[0] > back_at and o[1] == 200) >= 20, 20,
+                           message="success again after the restart")
+            recovered = min(o[0] for o in outcomes if o[0] > back_at and o[1] == 200) - back_at
+        finally:
+            stop.set()
+            await asyncio.wait_for(asyncio.gather(*clients), 15)
+    assert not [o for o in outcomes if o[1] == 0], "a request hung past its deadline"
+    down = [o for o in outcomes if killed_at < o[0] and o[0] + o[2] < restarting_at]
+    slow_or_other = [o for o in down if not (o[1] == EPP_DOWN and o[2] < 2)]
+    assert down and not slow_or_other, f"while down: fast 503s only, not {slow_or_other[:5]}"
+    # before the kill everything succeeded; at the kill only requests already in flight may break
+    assert all(o[1] == 200 for o in outcomes if o[0] + o[2] < killed_at)
+    assert all(o[1] in (200, EPP_DOWN, -1) for o in outcomes), sorted({o[1] for o in outcomes})
+    assert recovered < 10
+    print(f"EPP restart: {len(down)} fast 503s while down, first success {recovered:.2f}s after it was SERVING")
