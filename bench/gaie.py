@@ -76,6 +76,7 @@ for _p in (REPO, BENCH_DIR):
 
 import _kv_workload as wl  # noqa: E402
 import kv_routing  # noqa: E402
+from kv_path_e2e import thread_cpu  # noqa: E402
 from router_overhead import (FleetError, Proc, _f, _free_port, _git_commit, _median,  # noqa: E402
                              request_bodies, tree_cpu_seconds)
 
@@ -125,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epp-args", default="", help="extra flags for python -m infera.gaie, one string")
     p.add_argument("--ready-timeout", type=float, default=90.0, help="seconds to wait for the fleet and each hop")
     p.add_argument("--request-timeout", type=float, default=120.0, help="per-request client timeout (s)")
+    p.add_argument("--profile", default=None,
+                   help="py-spy raw profiles (-f raw) of the server's and the EPP's windows go to this folder")
     p.add_argument("--out", default=DEFAULT_OUT, help="JSON results file (its folder is created)")
     return p
 
@@ -262,6 +265,15 @@ async def post_json(session: aiohttp.ClientSession, url: str, body: bytes) -> di
         if r.status != 200:
             raise FleetError(f"POST {url}: HTTP {r.status} {text[:300]}")
         return json.loads(text)
+
+
+def stop_profiles(spies: list[subprocess.Popen]) -> None:
+    for spy in spies:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        try:
+            spy.wait(15)
+        except subprocess.TimeoutExpired:
+            spy.kill()
 
 
 def envoy_cmd(config_path: str, base_id: int, log_level: str = "warning") -> list[str]:
@@ -469,7 +481,9 @@ class GaieBench:
                "requests": a.requests, "duration": a.duration, "warmup": a.warmup,
                "bodies": [b.decode() for b in request_bodies(a, stream)], "request_timeout": a.request_timeout}
         roles = self.roles(hop)
+        spies = self.start_profiles(hop, f"c{concurrency}-{'stream' if stream else 'unary'}")
         stats_before = await envoy_counters(hop.admin_url) if hop.admin_url else None
+        threads_before = {role: thread_cpu(p.proc.pid) for role, p in hop.procs.items() if role != "envoy"}
         before = tree_cpu_seconds(roles)
         self.loadgen.proc.stdin.write((json.dumps(job) + "\n").encode())
         await self.loadgen.proc.stdin.drain()
@@ -480,18 +494,43 @@ class GaieBench:
         if "fatal" in res:
             raise FleetError(f"the load generator failed: {res['fatal']}")
         after = tree_cpu_seconds(roles)
+        stop_profiles(spies)
+        n = res["completed"] + res["warmup_requests"]
+        if n:  # where a Python hop's CPU goes: its event loop or other threads (gRPC's poller, …)
+            res["thread_cpu_us_per_req"] = {
+                role: {name: round((used - before_t.get(name, 0.0)) / n * 1e6, 1)
+                       for name, used in thread_cpu(hop.procs[role].proc.pid).items()
+                       if used - before_t.get(name, 0.0) > 0}
+                for role, before_t in threads_before.items()}
         if stats_before is not None:  # connection reuse: upstream/downstream connections per request
             stats_after = await envoy_counters(hop.admin_url)
             res["envoy_counters"] = {k: v - stats_before.get(k, 0) for k, v in stats_after.items()
                                      if v != stats_before.get(k, 0)}
         res["loadavg_1m"] = round(os.getloadavg()[0], 2)
-        n = res["completed"] + res["warmup_requests"]
         if before is not None and after is not None and n:
             used = {k: after[k] - before[k] for k in before}
             res["cpu_us_per_req"] = {k: round(v / n * 1e6, 1) for k, v in used.items()}
             res["cpu_us_per_req"]["hop"] = round(sum(v for k, v in used.items()
                                                      if k not in ("loadgen", "workers")) / n * 1e6, 1)
         return res
+
+    def start_profiles(self, hop: Hop, cell: str) -> list[subprocess.Popen]:
+        """``--profile DIR``: ``py-spy record -f raw`` of the hop's Python processes (server, EPP)
+        for one window; ``SPY_ARGS`` overrides ``--nonblocking`` (as kv_path_e2e.py)."""
+        if not self.args.profile:
+            return []
+        os.makedirs(self.args.profile, exist_ok=True)
+        spies = []
+        self._serial += 1
+        for role in ("server", "epp"):
+            if role in hop.procs:
+                out = os.path.join(self.args.profile, f"{hop.path}-{role}-{cell}-{self._serial}.raw")
+                spies.append(subprocess.Popen(
+                    [os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "-r", "500", "-f", "raw",
+                     "-o", out, "-p", str(hop.procs[role].proc.pid),
+                     *os.environ.get("SPY_ARGS", "--nonblocking").split()],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        return spies
 
     async def kv_window(self, session: aiohttp.ClientSession, hop: Hop, workload: wl.Workload) -> dict[str, Any]:
         a = self.args
