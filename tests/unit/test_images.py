@@ -571,7 +571,7 @@ def test_installed_package_has_its_data_files(installed):
 # What the images run: the modules in their CMDs and every command the operator renders into Pods
 # on these images (docs/kubernetes.md). The engine launchers must start without their engine, since
 # they parse their own flags before spawning it.
-RUN_MODULES = ["infera.server", "infera.operator", "infera.kvd", "infera.engine.sim",
+RUN_MODULES = ["infera.server", "infera.operator", "infera.gaie", "infera.kvd", "infera.engine.sim",
                "infera.engine.vllm", "infera.engine.sglang", "infera.engine.atom"]
 
 
