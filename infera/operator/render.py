@@ -787,6 +787,11 @@ def _kvd_objects(ctx: _Ctx) -> list[dict[str, Any]]:
                                                                       "type": "DirectoryOrCreate"}}]}}}}]
 
 
+def _worker_grace_seconds(ctx: _Ctx, svc: ServiceSpec) -> int:
+    command, args = worker_command(ctx, svc)
+    return grace_period_seconds(ctx.dep.drain.pre_stop_seconds, drain_seconds(args, svc.env, ctx.dep.envs))
+
+
 def _gaie_objects(ctx: _Ctx) -> list[dict[str, Any]]:
     """The endpoint picker (Deployment + Service ``<idep>-epp``), the InferencePool ``<idep>-pool``
     of the worker Pods' sidecars, and the HTTPRoute ``<idep>-route`` from the Gateway to it."""
@@ -807,12 +812,19 @@ def _gaie_objects(ctx: _Ctx) -> list[dict[str, Any]]:
         "readinessProbe": {**grpc_probe, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {**grpc_probe, "periodSeconds": 10, "timeoutSeconds": 10, "failureThreshold": 6},
     }
+    # In full-duplex mode a response streams through the picker: a stopping replica first leaves the
+    # Service (preStop), then lets its open streams finish, as long as a worker may take to drain.
+    pre_stop = dep.drain.pre_stop_seconds
+    if pre_stop > 0:
+        container["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", str(pre_stop)]}}}
+    grace = max(_worker_grace_seconds(ctx, svc) for svc in dep.services if not svc.is_server)
     epp_deployment = {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": ctx.meta(name, labels),
         "spec": {"replicas": gaie.epp_replicas, "selector": {"matchLabels": selector},
                  "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
                  "template": {"metadata": {"labels": dict(labels)},
-                              "spec": {"serviceAccountName": ctx.sa_name, "containers": [container]}}}}
+                              "spec": {"serviceAccountName": ctx.sa_name, "containers": [container],
+                                       "terminationGracePeriodSeconds": grace}}}}
     epp_service = {
         "apiVersion": "v1", "kind": "Service", "metadata": ctx.meta(name, labels),
         "spec": {"type": "ClusterIP", "selector": dict(selector),

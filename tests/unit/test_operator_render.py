@@ -940,3 +940,17 @@ def test_gaie_spec_errors_reach_render() -> None:
         render(pd_cr("vllm", gaie={"enabled": True, "gatewayName": "gw"}))
     with pytest.raises(SpecError, match=r"^spec\.gaie\.gatewayName: required"):
         render(pd_cr("vllm", gaie={"enabled": True, "tokenizerPath": "t"}))
+
+
+def test_the_epp_outlasts_the_streams_it_carries() -> None:
+    """Full-duplex ext_proc streams last as long as the response: a stopping picker leaves the
+    Service first (preStop) and may take as long as the slowest worker pool's grace period."""
+    cr = pd_cr("vllm", gaie=GAIE_ON, drain={"preStopSeconds": 7})
+    cr["spec"]["services"]["decode"]["args"] += ["--drain-timeout", "400"]
+    by = by_kind_name(render(cr))
+    epp = by[("Deployment", "f-epp")]["spec"]["template"]
+    graces = [by[("Deployment", f"f-{pool}")]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+              for pool in ("prefill", "decode")]
+    assert graces == [120, 7 + 400 + 50]
+    assert epp["spec"]["terminationGracePeriodSeconds"] == max(graces)
+    assert main_container(epp)["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "7"]
