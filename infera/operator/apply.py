@@ -44,7 +44,7 @@ RESOURCES: dict[tuple[str, str], str] = {
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): "leaderworkersets",
-    ("inference.networking.x-k8s.io/v1alpha2", "InferencePool"): "inferencepools",
+    ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",  # GAIE v1 (GA)
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproutes",
     (f"{CRD_GROUP}/{CRD_VERSION}", CRD_KIND): CRD_PLURAL,
 }
@@ -60,7 +60,17 @@ PRUNE_KINDS: tuple[tuple[str, str], ...] = (
     ("policy/v1", "PodDisruptionBudget"),
     ("rbac.authorization.k8s.io/v1", "Role"), ("rbac.authorization.k8s.io/v1", "RoleBinding"),
     ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"),
+    # gaie.enabled; a cluster without these CRDs answers the list with 404: skipped, not an error
+    ("inference.networking.k8s.io/v1", "InferencePool"), ("gateway.networking.k8s.io/v1", "HTTPRoute"),
 )
+
+# What to install when the API server does not serve a kind the render has (an apply answered 404).
+CRD_HINTS: dict[str, str] = {
+    "LeaderWorkerSet": " (install the LeaderWorkerSet CRD: https://github.com/kubernetes-sigs/lws)",
+    "InferencePool": " (install the Gateway API Inference Extension CRDs, or set gaie.enabled false: "
+                     "https://github.com/kubernetes-sigs/gateway-api-inference-extension)",
+    "HTTPRoute": " (install the Gateway API CRDs, or set gaie.enabled false: https://gateway-api.sigs.k8s.io)",
+}
 
 # The workloads whose status feeds the CR's status.
 WORKLOAD_RESOURCES: tuple[tuple[str, str], ...] = (
@@ -207,8 +217,7 @@ class KubeRest:
                                          content_type="application/apply-patch+yaml")
         except KubeApiError as exc:
             if exc.code == 404:  # an apply creates: a 404 means the kind itself is not served
-                hint = " (install the LeaderWorkerSet CRD: https://github.com/kubernetes-sigs/lws)" \
-                    if body.get("kind") == "LeaderWorkerSet" else ""
+                hint = CRD_HINTS.get(body.get("kind", ""), "")
                 raise KubeApiError(404, "PATCH", path, f"the API server does not serve {body.get('kind')} "
                                    f"{body.get('apiVersion')}{hint}") from exc
             raise
