@@ -135,7 +135,8 @@ GAIE_SCHEMA = _obj("Gateway API Inference Extension: the endpoint picker (python
     "hostnames": _string_list("HTTPRoute hostnames"),
     "frontendPort": _int("port of the per-worker frontend sidecar, the InferencePool's target port",
                          minimum=1, maximum=65535, default=8000),
-    "modelName": _str("model the route serves"),
+    "modelName": _str("model the route serves; accepted for upstream compatibility, not rendered (GAIE v1 "
+                      "has no per-model object: the picker routes each request by its own model)"),
     "eppReplicas": _int("Infera: EPP replicas (they share in-flight state over NATS when it is deployed)",
                         minimum=0, default=1),
 })
