@@ -177,7 +177,7 @@ async def test_chat_through_envoy_is_served_by_the_pair_the_epp_chose(sims, side
     """Envoy + EPP in front of 2 PD pairs: each chat (unary, then streaming) runs on one prefill and
     one decode (the decode pulled the prompt's KV), through that decode worker's own sidecar."""
     pairs, dest_port = await pd_pairs(sims, sidecars, 2)
-    gw = await gateway("--destination-port", str(dest_port), "--router-policy", "round-robin")
+    gw = await gateway("--router-policy", "round-robin", destination_port=dest_port)
     await wait_for(lambda: gw.has_workers(4), 30, message="the EPP sees both pairs")
     prefills = [p for p, _, _ in pairs]
     decodes = [d for _, d, _ in pairs]
