@@ -36,6 +36,9 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
             "mixed workers only, a PD pair needs the sidecar)")
     fg("--secure-serving", env="INFERA_EPP_SECURE", default=True, action=argparse.BooleanOptionalAction,
        help="serve ext_proc over TLS with a self-signed RSA-2048 certificate made in memory at start")
+    fg("--metrics-port", env="INFERA_EPP_METRICS_PORT", default=0, type=port_number,
+       help="HTTP port serving the picker's Prometheus /metrics (the server's routing series: workers, in-flight "
+            "requests per worker, kv-aware picks); 0: off")
     # --print-envoy-config: print a bootstrap and exit
     fg("--print-envoy-config", default=False, action="store_true",
        help="print an Envoy v3 bootstrap (YAML) for this picker and exit")
@@ -84,7 +87,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.stdout.write(render_envoy_config(listen_port=args.listen_port, grpc_port=args.grpc_port,
                                              epp_host=args.epp_host, mode=args.processing_mode,
                                              secure=args.secure_serving, admin_port=args.admin_port,
-                                             failure_mode_allow=args.failure_mode_allow))
+                                             failure_mode_allow=args.failure_mode_allow,
+                                             max_body_bytes=args.max_request_bytes))
         return
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from infera.runtime import install_event_loop

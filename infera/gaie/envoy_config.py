@@ -1,9 +1,11 @@
 """``python -m infera.gaie --print-envoy-config``: an Envoy v3 bootstrap for this picker.
 
-A listener with an HTTP connection manager whose ext_proc filter asks the picker (cluster
+Two HTTP stages in one Envoy. The public listener removes the headers only the picker may set and
+forwards to the internal listener ``infera_pick`` (no socket), retrying there when the picked worker
+refused the connection. In that inner stage the ext_proc filter asks the picker (cluster
 ``infera_epp``, gRPC over HTTP/2; TLS without certificate validation when the picker serves TLS:
-its certificate is self-signed, made at start) where each request goes; the route sends
-everything to ``infera_workers``, an ORIGINAL_DST cluster that connects to the address in the
+its certificate is self-signed, made at start) where the request goes, and the route sends it to
+``infera_workers``, an ORIGINAL_DST cluster that connects to the address in the
 ``x-gateway-destination-endpoint`` header the picker set. The tests start Envoy with exactly this
 output.
 """
@@ -17,6 +19,15 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 PROCESSING_MODES = ("buffered", "full-duplex-streamed")
 EPP_CLUSTER = "infera_epp"
 WORKERS_CLUSTER = "infera_workers"
+PICK_CLUSTER = PICK_LISTENER = "infera_pick"
+# The inner stage's mark on a reply whose picked worker refused the connection (or reset it before
+# answering): the outer stage retries on it, the picker blames the worker and picks another.
+CONNECT_FAILURE_HEADER = "x-infera-upstream-connect-failure"
+CONNECT_FAILURE_RETRIES = 2
+# Set by the picker only: a client's own values are removed before the picker runs.
+PICKER_HEADERS = (DESTINATION_HEADER, "x-worker-instance-id", "x-prefill-instance-id", "x-data-parallel-rank",
+                  CONNECT_FAILURE_HEADER)
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 # The gateway's own timeouts stay out of a generation's way: no total route timeout (a long
 # generation streams for minutes), and an hour of silence before a stream counts as idle (a long
 # prompt's prefill sends nothing until its first token).
@@ -44,7 +55,8 @@ def processing_mode(mode: str) -> dict[str, str]:
 def envoy_bootstrap(*, listen_port: int, grpc_port: int = 9002, epp_host: str = "127.0.0.1",
                     mode: str = "full-duplex-streamed", secure: bool = True, admin_port: int = 9901,
                     failure_mode_allow: bool = False, listen_host: str = "0.0.0.0",
-                    admin_host: str = "127.0.0.1", connect_timeout_s: float = 5.0) -> dict[str, Any]:
+                    admin_host: str = "127.0.0.1", connect_timeout_s: float = 5.0,
+                    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> dict[str, Any]:
     """The bootstrap as a dict (``render_envoy_config`` prints it as YAML)."""
     epp_cluster: dict[str, Any] = {
         "name": EPP_CLUSTER,
@@ -80,49 +92,108 @@ def envoy_bootstrap(*, listen_port: int, grpc_port: int = 9002, epp_host: str = 
         "connect_timeout": f"{connect_timeout_s:g}s",
         "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
     }
+    # The inner stage reaches itself through Envoy's internal listener: no socket, no port.
+    pick_cluster = {
+        "name": PICK_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": f"{connect_timeout_s:g}s",
+        "load_assignment": {
+            "cluster_name": PICK_CLUSTER,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
+                "envoy_internal_address": {"server_listener_name": PICK_LISTENER}}}}]}],
+        },
+    }
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
             "grpc_service": {"envoy_grpc": {"cluster_name": EPP_CLUSTER}},
-            # false: no picker, no request (503); true would send requests on unpicked (and here,
-            # with no destination header, unroutable) — see the README's gateway section.
+            # false: no picker, no request (503, from status_on_error); true lets requests through
+            # unpicked, which here have no destination (503 too) — keep it false.
             "failure_mode_allow": failure_mode_allow,
+            "status_on_error": {"code": "ServiceUnavailable"},
             "message_timeout": EXT_PROC_MESSAGE_TIMEOUT,
+            "max_message_timeout": EXT_PROC_MESSAGE_TIMEOUT,
             "processing_mode": processing_mode(mode),
         },
     }
-    hcm = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
-                 "HttpConnectionManager",
+    router = {"name": "envoy.filters.http.router",
+              "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}
+    hcm_type = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+    # Outer stage (the public listener): strips what only the picker may set, and retries a request
+    # whose picked worker refused the connection; each attempt goes through the inner stage anew,
+    # so the picker picks again (it excludes the refused worker, by the request's x-request-id).
+    public_hcm = {
+        "@type": hcm_type,
         "stat_prefix": "infera_gateway",
         "codec_type": "AUTO",
         "stream_idle_timeout": STREAM_IDLE_TIMEOUT,
         "route_config": {
-            "name": "infera_route",
+            "name": "infera_public_route",
+            "virtual_hosts": [{
+                "name": "infera",
+                "domains": ["*"],
+                "include_request_attempt_count": True,
+                "routes": [{
+                    "match": {"prefix": "/"},
+                    "route": {"cluster": PICK_CLUSTER, "timeout": "0s", "idle_timeout": STREAM_IDLE_TIMEOUT,
+                              "retry_policy": {
+                                  "retry_on": "retriable-headers",
+                                  "num_retries": CONNECT_FAILURE_RETRIES,
+                                  "retriable_headers": [{"name": CONNECT_FAILURE_HEADER,
+                                                         "present_match": True}],
+                                  "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"}}},
+                    # a retry resends the buffered body: bodies up to this size can be retried
+                    "per_request_buffer_limit_bytes": max_body_bytes,
+                    "request_headers_to_remove": list(PICKER_HEADERS),
+                }],
+            }],
+        },
+        "http_filters": [router],
+    }
+    # Inner stage: the picker chooses, the ORIGINAL_DST cluster connects there; a refused connection
+    # becomes a local reply marked with CONNECT_FAILURE_HEADER (the outer stage retries on it, and
+    # the picker, seeing it among the reply's headers, counts the failure against the worker).
+    pick_hcm = {
+        "@type": hcm_type,
+        "stat_prefix": "infera_pick",
+        "codec_type": "AUTO",
+        "stream_idle_timeout": STREAM_IDLE_TIMEOUT,
+        "local_reply_config": {"mappers": [{
+            "filter": {"response_flag_filter": {"flags": ["UF", "UC"]}},
+            "headers_to_add": [{"header": {"key": CONNECT_FAILURE_HEADER, "value": "%UPSTREAM_HOST%"}}],
+        }]},
+        "route_config": {
+            "name": "infera_pick_route",
             "virtual_hosts": [{
                 "name": "infera",
                 "domains": ["*"],
                 "routes": [{"match": {"prefix": "/"},
-                            "route": {"cluster": WORKERS_CLUSTER, "timeout": "0s", "idle_timeout": STREAM_IDLE_TIMEOUT}}],
+                            "route": {"cluster": WORKERS_CLUSTER, "timeout": "0s",
+                                      "idle_timeout": STREAM_IDLE_TIMEOUT}}],
             }],
         },
-        "http_filters": [
-            ext_proc,
-            {"name": "envoy.filters.http.router",
-             "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
-        ],
+        "http_filters": [ext_proc, router],
     }
     return {
         "admin": {"address": {"socket_address": {"address": admin_host, "port_value": admin_port}}},
+        "bootstrap_extensions": [{
+            "name": "envoy.bootstrap.internal_listener",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.bootstrap.internal_listener.v3.InternalListener"},
+        }],
         "static_resources": {
-            "listeners": [{
-                "name": "infera_gateway",
-                "address": {"socket_address": {"address": listen_host, "port_value": listen_port}},
-                "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
-                                                "typed_config": hcm}]}],
-            }],
-            "clusters": [epp_cluster, workers_cluster],
+            "listeners": [
+                {"name": "infera_gateway",
+                 "address": {"socket_address": {"address": listen_host, "port_value": listen_port}},
+                 "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                                 "typed_config": public_hcm}]}]},
+                {"name": PICK_LISTENER,
+                 "internal_listener": {},
+                 "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                                 "typed_config": pick_hcm}]}]},
+            ],
+            "clusters": [pick_cluster, epp_cluster, workers_cluster],
         },
     }
 

@@ -14,7 +14,9 @@ at the reply's end of stream, or when the gRPC stream ends, breaks or is cancell
 from __future__ import annotations
 
 import logging
-from typing import AsyncIterator
+import time
+from collections import OrderedDict
+from typing import AsyncIterator, Callable
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -24,6 +26,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from infera.api.errors import ApiError
+from infera.gaie.envoy_config import CONNECT_FAILURE_HEADER
 from infera.gaie.picker import DESTINATION_HEADER, PREFILL_HEADER, WORKER_HEADER, EndpointPick, EndpointPicker
 from infera.router.dispatch import reported_cached_tokens
 
@@ -35,6 +38,36 @@ STREAMED_CHUNK_BYTES = 62_000
 # The reply's tail kept for its usage (``cached_tokens`` comes last).
 USAGE_TAIL_BYTES = 4096
 FULL_DUPLEX = 4  # ProcessingMode.BodySendMode.FULL_DUPLEX_STREAMED
+# A request whose picked worker refused the connection is retried by Envoy under the same
+# x-request-id: its refused workers are remembered this long (and this many requests at most).
+REFUSED_TTL_S = 60.0
+REFUSED_MAX = 10_000
+
+
+class RefusedPicks:
+    """Per request id, the workers that refused its connection: a retry picks among the others
+    (the server's rule: never the same worker twice for one request). Bounded in time and size."""
+
+    def __init__(self, ttl_s: float = REFUSED_TTL_S, max_entries: int = REFUSED_MAX,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s, self.max_entries, self._clock = ttl_s, max_entries, clock
+        self._entries: OrderedDict[str, tuple[float, frozenset[str]]] = OrderedDict()
+
+    def add(self, request_id: str, worker_id: str) -> None:
+        now = self._clock()
+        _, ids = self._entries.pop(request_id, (0.0, frozenset()))
+        self._entries[request_id] = (now + self.ttl_s, ids | {worker_id})
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def get(self, request_id: str) -> frozenset[str]:
+        entry = self._entries.get(request_id)
+        if entry is None:
+            return frozenset()
+        if entry[0] < self._clock():
+            del self._entries[request_id]
+            return frozenset()
+        return entry[1]
 
 
 def _header_value(header: base_pb2.HeaderValue) -> str:
@@ -79,9 +112,10 @@ class Exchange:
     """One HTTP request's ext_proc stream: ``handle`` answers each message (zero or more
     responses); ``close`` releases the pick (once) whatever happened."""
 
-    def __init__(self, picker: EndpointPicker, max_body_bytes: int) -> None:
+    def __init__(self, picker: EndpointPicker, max_body_bytes: int, refused: RefusedPicks | None = None) -> None:
         self.picker = picker
         self.max_body_bytes = max_body_bytes
+        self.refused = refused if refused is not None else RefusedPicks()
         self.full_duplex: bool | None = None  # from the stream's protocol_config (None: not told)
         self.headers: dict[str, str] = {}
         self.chunks: list[bytes] = []
@@ -126,8 +160,16 @@ class Exchange:
                 return out + [pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
             return [pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
         if kind == "response_headers":
-            status = header_map(msg.response_headers).get(":status", "")
+            reply = header_map(msg.response_headers)
+            status = reply.get(":status", "")
             self.status = int(status) if status.isdigit() else None
+            if CONNECT_FAILURE_HEADER in reply and self.picked is not None:
+                # Envoy could not connect to the pick: the worker's failure; Envoy retries, we pick elsewhere
+                self.status = 503
+                self.refused.add(self.picked.request.request_id, self.picked.picked.worker.worker_id)
+                log.warning("request %s: worker %s refused the connection (%s): Envoy retries on another pick",
+                            self.picked.request.request_id, self.picked.picked.worker.worker_id,
+                            reply[CONNECT_FAILURE_HEADER])
             if msg.response_headers.end_of_stream:
                 self.finish()
             return [pb.ProcessingResponse(response_headers=self._reply_headers())]
@@ -158,7 +200,9 @@ class Exchange:
         body = b"".join(self.chunks)
         self.chunks = [body]
         try:
-            self.picked = await self.picker.pick(self.headers.get(":path", ""), body, self.headers)
+            request_id = self.headers.get("x-request-id", "")
+            exclude = self.refused.get(request_id) if request_id else frozenset()
+            self.picked = await self.picker.pick(self.headers.get(":path", ""), body, self.headers, exclude=exclude)
         except ApiError as exc:
             self.done = True
             return [immediate(exc)]
@@ -196,10 +240,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def __init__(self, picker: EndpointPicker, max_body_bytes: int) -> None:
         self.picker = picker
         self.max_body_bytes = max_body_bytes
+        self.refused = RefusedPicks()
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
-        exchange = Exchange(self.picker, self.max_body_bytes)
+        exchange = Exchange(self.picker, self.max_body_bytes, self.refused)
         try:
             async for msg in request_iterator:
                 for response in await exchange.handle(msg):

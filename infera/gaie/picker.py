@@ -61,7 +61,9 @@ class EndpointPicker:
         self.destination_port = destination_port
         self.allow_kv_transfer_params = allow_kv_transfer_params
 
-    async def pick(self, path: str, body: bytes, headers: Mapping[str, str]) -> EndpointPick:
+    async def pick(self, path: str, body: bytes, headers: Mapping[str, str],
+                   exclude: frozenset[str] = frozenset()) -> EndpointPick:
+        """``exclude``: workers not to pick (they refused this request's connection before)."""
         route = path.split("?", 1)[0]
         if route not in INFERENCE_ROUTES:
             raise ApiError(404, f"the endpoint picker routes POST {' and '.join(INFERENCE_ROUTES)}, not {route!r}",
@@ -70,7 +72,7 @@ class EndpointPicker:
         request_id = headers.get("x-request-id") or uuid.uuid4().hex
         req = RoutedRequest(route=route, body=body, parsed=parsed, model=parsed.model, stream=bool(parsed.stream),
                             request_id=request_id)
-        picked = await self.router.pick(req)
+        picked = await self.router.pick(req, exclude)
         set_headers = {DESTINATION_HEADER: destination(picked.worker, self.destination_port),
                        WORKER_HEADER: picked.worker.worker_id}
         remove: list[str] = []

@@ -3,9 +3,11 @@ server (with gRPC health, TLS by default) and a plaintext gRPC health server for
 from __future__ import annotations
 
 import argparse
+import hmac
 import logging
 
 import grpc
+from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from infera.discovery.base import Discovery
@@ -36,6 +38,8 @@ class EppServer:
         self._health_grpc: grpc.aio.Server | None = None
         self.grpc_port: int | None = None
         self.health_port: int | None = None
+        self.metrics_port: int | None = None  # --metrics-port (0: off)
+        self._metrics_runner: web.AppRunner | None = None
 
     async def start(self) -> None:
         await self.stack.start()
@@ -54,6 +58,8 @@ class EppServer:
         self.health_port = self._health_grpc.add_insecure_port(f"{self.args.host}:{self.args.grpc_health_port}")
         await self._grpc.start()
         await self._health_grpc.start()
+        if self.args.metrics_port:
+            await self._start_metrics()
         await self.health.set_serving(True)
         log.info("infera endpoint picker: ext_proc on %s:%s (%s), health on %s:%s (discovery=%s, policy=%s, "
                  "destination port %s)", self.args.host, self.grpc_port,
@@ -61,8 +67,33 @@ class EppServer:
                  self.args.discovery_backend, self.args.router_policy,
                  self.args.destination_port or "the worker's own")
 
+    async def _start_metrics(self) -> None:
+        tokens = [t.encode() for t in (self.args.admin_token, self.args.metrics_token) if t]
+
+        async def metrics(request: web.Request) -> web.Response:
+            # as the server's /metrics: per-worker series name every worker's address
+            if tokens:
+                scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+                raw = given.strip().encode("utf-8", "surrogateescape")
+                if scheme.lower() != "bearer" or not any([hmac.compare_digest(raw, t) for t in tokens]):
+                    return web.Response(status=401, text="/metrics needs 'Authorization: Bearer <the "
+                                                          "--metrics-token or --admin-token>'")
+            return web.Response(body=self.stack.metrics.render(),
+                                headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        self._metrics_runner = web.AppRunner(app, access_log=None)
+        await self._metrics_runner.setup()
+        site = web.TCPSite(self._metrics_runner, self.args.host, self.args.metrics_port, reuse_address=True)
+        await site.start()
+        self.metrics_port = self.args.metrics_port
+
     async def stop(self) -> None:
         await self.health.set_serving(False)
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
+            self._metrics_runner = None
         for server in (self._grpc, self._health_grpc):
             if server is not None:
                 await server.stop(STOP_GRACE_S)

@@ -6,7 +6,8 @@ API (all async, all processes on loopback with free ports, stopped by the fixtur
 
 * ``EppProcess(etcd_endpoint, prefix, *, destination_port=0, secure=True, extra=())``:
   ``await start()`` spawns ``python -m infera.gaie`` and waits until its plaintext gRPC health port
-  answers SERVING for ``inference-extension``; ``grpc_port``, ``health_port``; ``await stop()``
+  answers SERVING for ``inference-extension``; ``grpc_port``, ``health_port``, ``metrics_port``
+  (``--metrics-port``: ``await metrics_text()``, ``await inflight(worker_id)``); ``await stop()``
   (SIGTERM, SIGKILL after a grace), ``kill()`` (SIGKILL now), ``await restart()`` (same ports).
 * ``EnvoyProcess(config_yaml)``: ``await start()`` runs Envoy with that bootstrap, waits for the
   admin ``/ready``; ``await stop()``. ``envoy_config(listen_port, grpc_port, mode=..., secure=...,
@@ -46,6 +47,17 @@ from tests.conftest import free_port, stop_process_group, wait_for
 ENVOY = os.path.join(os.path.dirname(sys.executable), "envoy")
 EPP_START_TIMEOUT = 60.0
 ENVOY_START_TIMEOUT = 30.0
+
+
+def sample_value(text: str, name: str, **labels: str) -> float:
+    """The value of the series ``name`` with (at least) ``labels`` in a Prometheus text page (0 when absent)."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            series, _, value = line.rpartition(" ")
+            if all(w in series for w in want):
+                return float(value)
+    return 0.0
 
 
 async def run_cli(*args: str) -> str:
@@ -93,16 +105,19 @@ async def health_status(port: int, service: str = "inference-extension", *, secu
 
 class EppProcess:
     def __init__(self, etcd_endpoint: str, prefix: str, *, destination_port: int = 0, secure: bool = True,
-                 extra: tuple[str, ...] = (), grpc_port: int | None = None, health_port: int | None = None) -> None:
+                 extra: tuple[str, ...] = (), grpc_port: int | None = None, health_port: int | None = None,
+                 metrics_port: int | None = None) -> None:
         self.etcd_endpoint, self.prefix = etcd_endpoint, prefix
         self.destination_port, self.secure, self.extra = destination_port, secure, tuple(extra)
         self.grpc_port = grpc_port or free_port()
         self.health_port = health_port or free_port()
+        self.metrics_port = metrics_port or free_port()
         self.proc: asyncio.subprocess.Process | None = None
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "infera.gaie", "--host", "127.0.0.1", "--grpc-port", str(self.grpc_port),
-                "--grpc-health-port", str(self.health_port), "--destination-port", str(self.destination_port),
+                "--grpc-health-port", str(self.health_port), "--metrics-port", str(self.metrics_port),
+                "--destination-port", str(self.destination_port),
                 "--secure-serving" if self.secure else "--no-secure-serving", "--discovery-backend", "etcd",
                 "--etcd-endpoint", self.etcd_endpoint, "--etcd-prefix", self.prefix,
                 "--engine-scrape-interval", "0", *self.extra]
@@ -118,6 +133,16 @@ class EppProcess:
             return await health_status(self.health_port, timeout=0.5) == "SERVING"
 
         await wait_for(serving, EPP_START_TIMEOUT, interval=0.1, message="the EPP's gRPC health SERVING")
+
+    async def metrics_text(self) -> str:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"http://127.0.0.1:{self.metrics_port}/metrics") as r:
+                assert r.status == 200, r.status
+                return await r.text()
+
+    async def inflight(self, worker_id: str) -> float:
+        """``infera_worker_inflight_requests`` of ``worker_id`` on the EPP's /metrics."""
+        return sample_value(await self.metrics_text(), "infera_worker_inflight_requests", worker_id=worker_id)
 
     async def stop(self, grace: float = 10.0) -> None:
         if self.proc is not None:

@@ -3,12 +3,14 @@
 0) as the destinations, through the real ``openai`` client, in both ext_proc processing modes."""
 from __future__ import annotations
 
+import signal
 import uuid
 
 import aiohttp
 import openai
 import pytest
 
+from tests.conftest import wait_for
 from tests.integration.gaie_harness import gaie_stack  # noqa: F401  (fixture)
 
 MODES = ("buffered", "full-duplex-streamed")
@@ -102,3 +104,49 @@ async def test_the_printed_config_runs_in_envoy_and_both_health_ports_serve(gaie
     assert await health_status(stack.epp.grpc_port, secure=True) == "SERVING"
     # the ext_proc port speaks TLS only: plaintext gets no answer
     assert await health_status(stack.epp.grpc_port, secure=False, timeout=1.0) == "UNREACHABLE"
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_the_in_flight_charge_lasts_the_stream_and_returns_when_the_client_leaves(gaie_stack, mode):  # noqa: F811
+    # a long generation: still streaming when the client goes away
+    stack = await gaie_stack(1, mode=mode)
+    wid = stack.workers[0].worker_id
+    async with aiohttp.ClientSession() as s:
+        body = {"model": "sim-model", "messages": [{"role": "user", "content": "long story"}], "max_tokens": 4000,
+                "stream": True}
+        async with s.post(stack.url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            await r.content.readline()  # the stream is flowing
+            assert await stack.epp.inflight(wid) == 1
+        # the connection is closed mid-stream here (the response was not read to its end)
+    await wait_for(lambda: _inflight_is(stack, wid, 0), 15, message="the EPP's in-flight charge back to 0")
+    # a finished request leaves nothing charged either
+    client = _client(stack)
+    try:
+        await client.completions.create(model="sim-model", prompt="short", max_tokens=2)
+    finally:
+        await client.close()
+    assert await stack.epp.inflight(wid) == 0
+
+
+async def _inflight_is(stack, wid, value) -> bool:
+    return await stack.epp.inflight(wid) == value
+
+
+async def test_a_worker_that_refuses_the_connection_is_retried_on_another_pick(gaie_stack):  # noqa: F811
+    stack = await gaie_stack(2, mode="full-duplex-streamed")
+    dead, alive = stack.workers
+    dead.signal(signal.SIGSTOP)  # keeps its lease a while; then...
+    dead.signal(signal.SIGKILL)  # ...killed: its port refuses, its record stays until the lease expires
+    await dead.proc.wait()
+    client = _client(stack)
+    try:
+        for i in range(6):  # every request succeeds, on the live worker
+            r = await client.completions.with_raw_response.create(model="sim-model", prompt=f"p{i}", max_tokens=2)
+            assert r.headers["x-worker-instance-id"] == alive.worker_id
+    finally:
+        await client.close()
+    async with aiohttp.ClientSession() as s:  # the dead worker was picked, refused, and retried elsewhere
+        async with s.get(f"http://127.0.0.1:{stack.envoy.admin_port}/stats?filter=infera_pick.upstream_rq_retry") as r:
+            stats = dict(line.split(": ", 1) for line in (await r.text()).splitlines() if ": " in line)
+    assert int(stats["cluster.infera_pick.upstream_rq_retry_success"]) >= 1, stats

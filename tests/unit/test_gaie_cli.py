@@ -46,10 +46,17 @@ def test_printed_config_is_yaml_with_the_filter_and_the_clusters(mode, body_mode
                           "--admin-port", "9911"], capture_output=True, text=True, timeout=60, check=True,
                          env={"PATH": "/usr/bin:/bin"})
     config = yaml.safe_load(out.stdout)
-    listener = config["static_resources"]["listeners"][0]
-    assert listener["address"]["socket_address"]["port_value"] == 10000
-    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    public, inner = config["static_resources"]["listeners"]
+    assert public["address"]["socket_address"]["port_value"] == 10000
+    outer_route = public["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0][
+        "routes"][0]
+    assert outer_route["route"]["cluster"] == "infera_pick"
+    assert outer_route["route"]["retry_policy"]["retriable_headers"][0]["name"] == "x-infera-upstream-connect-failure"
+    assert "x-gateway-destination-endpoint" in outer_route["request_headers_to_remove"]  # clients cannot steer
+    assert inner["name"] == "infera_pick" and "internal_listener" in inner
+    hcm = inner["filter_chains"][0]["filters"][0]["typed_config"]
     ext_proc = hcm["http_filters"][0]["typed_config"]
+    assert ext_proc["status_on_error"] == {"code": "ServiceUnavailable"}
     assert ext_proc["@type"].endswith("ext_proc.v3.ExternalProcessor")
     assert ext_proc["grpc_service"]["envoy_grpc"]["cluster_name"] == "infera_epp"
     assert ext_proc["processing_mode"]["request_body_mode"] == body_mode
@@ -70,7 +77,7 @@ def test_plaintext_and_failure_mode_allow():
     config = envoy_bootstrap(listen_port=1, secure=False, failure_mode_allow=True)
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
     assert "transport_socket" not in clusters["infera_epp"]
-    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm = config["static_resources"]["listeners"][1]["filter_chains"][0]["filters"][0]["typed_config"]
     assert hcm["http_filters"][0]["typed_config"]["failure_mode_allow"] is True
 
 

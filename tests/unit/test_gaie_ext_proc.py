@@ -10,7 +10,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from grpc_health.v1 import health_pb2
 
-from infera.gaie.ext_proc import STREAMED_CHUNK_BYTES, Exchange, ExternalProcessor
+from infera.gaie.ext_proc import STREAMED_CHUNK_BYTES, Exchange, ExternalProcessor, RefusedPicks
 from infera.gaie.health import EppHealth
 from infera.gaie.picker import EndpointPicker
 from tests.unit.test_gaie_picker import stack_with, worker
@@ -32,8 +32,9 @@ def body_msg(data: bytes, eos: bool) -> pb.ProcessingRequest:
     return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=eos))
 
 
-def reply_headers(status: int = 200, eos: bool = False) -> pb.ProcessingRequest:
-    hv = [base_pb2.HeaderValue(key=":status", raw_value=str(status).encode())]
+def reply_headers(status: int = 200, eos: bool = False, extra: dict | None = None) -> pb.ProcessingRequest:
+    hv = [base_pb2.HeaderValue(key=k, raw_value=v.encode())
+          for k, v in {":status": str(status), **(extra or {})}.items()]
     return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=hv),
                                                                 end_of_stream=eos))
 
@@ -201,3 +202,35 @@ async def test_health_reports_inference_extension_and_the_server():
     await health.set_serving(False)
     reply = await health.servicer.Check(health_pb2.HealthCheckRequest(service="inference-extension"), None)
     assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def test_a_refused_connection_blames_the_worker_and_the_retry_picks_another():
+    stack, picker, _ = setup(workers=[worker("w1"), worker("w2")])
+    refused = RefusedPicks()
+    first = Exchange(picker, 1 << 20, refused)
+    await first.handle(headers_msg(BUFFERED))
+    out = await first.handle(body_msg(CHAT, True))
+    picked = mutations(out[0].request_body.response)["x-worker-instance-id"]
+    await first.handle(reply_headers(503, eos=True, extra={"x-infera-upstream-connect-failure": "10.0.0.1:8000"}))
+    assert inflight(stack, picked) == 0
+    assert stack.breaker.entry(picked).consecutive_failures == 1
+    for _ in range(3):  # Envoy's retries (same x-request-id) never go back to it
+        retry = Exchange(picker, 1 << 20, refused)
+        await retry.handle(headers_msg(BUFFERED))
+        out = await retry.handle(body_msg(CHAT, True))
+        assert mutations(out[0].request_body.response)["x-worker-instance-id"] != picked
+        retry.close()
+    assert refused.get("rid-1") == {picked} and refused.get("other") == frozenset()
+
+
+def test_refused_picks_expire_and_are_bounded():
+    now = [0.0]
+    refused = RefusedPicks(ttl_s=10, max_entries=2, clock=lambda: now[0])
+    refused.add("a", "w1")
+    refused.add("a", "w2")
+    assert refused.get("a") == {"w1", "w2"}
+    refused.add("b", "w1")
+    refused.add("c", "w1")  # over the bound: the oldest goes
+    assert refused.get("a") == frozenset() and refused.get("c") == {"w1"}
+    now[0] = 11
+    assert refused.get("c") == frozenset()
