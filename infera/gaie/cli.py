@@ -9,7 +9,7 @@ import logging
 import sys
 from typing import Mapping, Sequence
 
-from infera.config import add_flag, choice_of, non_negative_int, port_number
+from infera.config import add_flag, choice_of, non_negative_float, non_negative_int, port_number
 from infera.gaie.envoy_config import PROCESSING_MODES, render_envoy_config
 from infera.server.cli import build_parser as build_server_parser
 from infera.server.cli import check_args
@@ -17,6 +17,7 @@ from infera.server.cli import check_args
 DEFAULT_GRPC_PORT = 9002
 DEFAULT_HEALTH_PORT = 9003
 DEFAULT_DESTINATION_PORT = 8000
+DEFAULT_DRAIN_TIMEOUT = 30.0
 
 
 def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
@@ -39,6 +40,10 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     fg("--metrics-port", env="INFERA_EPP_METRICS_PORT", default=0, type=port_number,
        help="HTTP port serving the picker's Prometheus /metrics (the server's routing series: workers, in-flight "
             "requests per worker, kv-aware picks); 0: off")
+    fg("--drain-timeout", env="INFERA_EPP_DRAIN_TIMEOUT", default=DEFAULT_DRAIN_TIMEOUT, type=non_negative_float,
+       help="on SIGTERM: seconds the open ext_proc streams (requests in progress; in full-duplex-streamed mode "
+            "their replies stream through the picker) may finish while no new one is accepted and health says "
+            "NOT_SERVING")
     # --print-envoy-config: print a bootstrap and exit
     fg("--print-envoy-config", default=False, action="store_true",
        help="print an Envoy v3 bootstrap (YAML) for this picker and exit")

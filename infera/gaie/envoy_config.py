@@ -37,12 +37,19 @@ EXT_PROC_MESSAGE_TIMEOUT = "10s"
 
 
 def processing_mode(mode: str) -> dict[str, str]:
-    """The ext_proc processing mode per ``--processing-mode``. Both send headers both ways (the
-    picker learns the reply's status) and pass reply bodies through chunk by chunk (a stream is
-    never held back); they differ in how the request body reaches the picker."""
+    """The ext_proc processing mode per ``--processing-mode``. Both send the reply's headers (the
+    picker learns its status, and a refused connection's mark).
+
+    * buffered: Envoy buffers the request body and sends it whole; the reply body does not go
+      through the picker at all (each ext_proc message is a round trip through the picker: a
+      streamed reply would pay one per chunk). The charge is released when Envoy ends the ext_proc
+      stream, at the end of the HTTP request. The fewest messages: the faster mode.
+    * full-duplex-streamed (GAIE's): the request body streams to the picker, which answers once it
+      is complete; reply bodies pass through the picker chunk by chunk (it sees the reply's end and
+      its usage)."""
     if mode == "buffered":
         return {"request_header_mode": "SEND", "response_header_mode": "SEND",
-                "request_body_mode": "BUFFERED", "response_body_mode": "STREAMED",
+                "request_body_mode": "BUFFERED", "response_body_mode": "NONE",
                 "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}
     if mode == "full-duplex-streamed":
         # Envoy requires trailers sent in FULL_DUPLEX_STREAMED (they may end a body).

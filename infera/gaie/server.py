@@ -19,7 +19,6 @@ from infera.server.routing_stack import RoutingStack
 
 log = logging.getLogger("infera.gaie")
 
-STOP_GRACE_S = 5.0
 
 
 class EppServer:
@@ -90,12 +89,15 @@ class EppServer:
         self.metrics_port = self.args.metrics_port
 
     async def stop(self) -> None:
+        """Health NOT_SERVING first, then up to ``--drain-timeout`` for the open ext_proc streams
+        (in FULL_DUPLEX_STREAMED every reply streams through the picker) while refusing new ones."""
         await self.health.set_serving(False)
         if self._metrics_runner is not None:
             await self._metrics_runner.cleanup()
             self._metrics_runner = None
-        for server in (self._grpc, self._health_grpc):
-            if server is not None:
-                await server.stop(STOP_GRACE_S)
+        if self._grpc is not None:
+            await self._grpc.stop(self.args.drain_timeout)
+        if self._health_grpc is not None:
+            await self._health_grpc.stop(0)
         self._grpc = self._health_grpc = None
         await self.stack.stop()
