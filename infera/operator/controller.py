@@ -39,8 +39,8 @@ from infera.operator.apply import (CRD_GROUP, CRD_KIND, CRD_PLURAL, CRD_VERSION,
                                    WORKLOAD_RESOURCES, KubeApiError, KubeRest, collection_path,
                                    deployment_selector, object_key, owned_by, select_prunable,
                                    state_event)
-from infera.operator.status import (MANAGED_BY, MANAGED_BY_LABEL, Outcome, compute_status, now_rfc3339,
-                                    status_merge_patch, workload_readiness)
+from infera.operator.status import (COMPONENT_LABEL, MANAGED_BY, MANAGED_BY_LABEL, Outcome, compute_status,
+                                    gaie_status, now_rfc3339, status_merge_patch, workload_readiness)
 
 log = logging.getLogger("infera.operator")
 
@@ -208,13 +208,21 @@ class Reconciler:
             if transient is not None:
                 raise transient
             return
-        workloads = await self._prune_and_read(cr, objects)
-        await self._write_status(cr, Outcome(generation=generation, applied=True,
-                                             workloads=tuple(workload_readiness(w) for w in workloads)))
+        gaie_objects: dict[str, dict] = {}
+        workloads = await self._prune_and_read(cr, objects, gaie_objects)
+        readiness = tuple(workload_readiness(w) for w in workloads)
+        gaie = None
+        if any(obj.get("kind") == "InferencePool" for obj in objects):
+            epp = next((w for w, obj in zip(readiness, workloads)
+                        if ((obj.get("metadata") or {}).get("labels") or {}).get(COMPONENT_LABEL) == "epp"), None)
+            gaie = gaie_status(epp, gaie_objects.get("InferencePool"), gaie_objects.get("HTTPRoute"))
+        await self._write_status(cr, Outcome(generation=generation, applied=True, workloads=readiness, gaie=gaie))
 
-    async def _prune_and_read(self, cr: Mapping[str, Any], rendered: list[dict]) -> list[dict]:
+    async def _prune_and_read(self, cr: Mapping[str, Any], rendered: list[dict],
+                              gaie_objects: dict[str, dict] | None = None) -> list[dict]:
         """Delete the owned objects the render no longer has; return each rendered workload as it
-        is live (as rendered, so 0 ready, when the list does not have it yet)."""
+        is live (as rendered, so 0 ready, when the list does not have it yet). The live
+        InferencePool and HTTPRoute it lists go into ``gaie_objects`` by kind (for status.gaie)."""
         meta = cr["metadata"]
         namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
         kinds = list(PRUNE_KINDS)
@@ -236,6 +244,10 @@ class Reconciler:
                 await self._rest.delete(obj, namespace)
             if (api_version, kind) in WORKLOAD_RESOURCES:
                 live_workloads.update((object_key(i), i) for i in items if owned_by(i, uid))
+            elif gaie_objects is not None and kind in ("InferencePool", "HTTPRoute"):
+                owned = [i for i in items if owned_by(i, uid)]
+                if owned:
+                    gaie_objects[kind] = owned[0]
         return [live_workloads.get(object_key(obj), obj) for obj in rendered
                 if (obj.get("apiVersion"), obj.get("kind")) in WORKLOAD_RESOURCES]
 

@@ -116,6 +116,7 @@ class Outcome:
     spec_error: str | None = None       # SpecError's message: the spec is invalid
     apply_error: str | None = None      # the API server refused an object (terminal until the spec changes)
     transient_error: str | None = None  # the API could not be reached / answered 5xx (retried)
+    gaie: dict[str, Any] | None = None  # status.gaie (gaie.enabled), from gaie_status; None: not enabled
 
 
 def _conditions_for(state: str, outcome: Outcome) -> list[tuple[str, str, str, str]]:
@@ -192,10 +193,43 @@ def compute_status(previous: Mapping[str, Any] | None, outcome: Outcome, now: st
     status["message"] = next(message for ctype, _, _, message in wanted if ctype == "Ready")
     status["conditions"] = merge_conditions(previous.get("conditions"), wanted, now, outcome.generation)
     status["services"] = services_status(outcome.workloads) if outcome.applied else {}
-    # Fields other writers own (e.g. gaie) pass through untouched.
+    if outcome.applied and outcome.gaie is not None:
+        status["gaie"] = outcome.gaie
+    # Fields other writers own pass through untouched; gaie is ours (dropped once it is turned off).
     for key, value in previous.items():
-        if key not in ("observedGeneration", "state", "message", "conditions", "services"):
+        if key not in ("observedGeneration", "state", "message", "conditions", "services", "gaie"):
             status.setdefault(key, value)
+        elif key == "gaie" and not outcome.applied:
+            status.setdefault(key, value)
+    return status
+
+
+def _accepted(obj: Mapping[str, Any] | None) -> bool:
+    """A Gateway API object accepted by some parent: a gateway controller wrote ``Accepted=True``
+    into one of its ``status.parents``."""
+    for parent in ((obj or {}).get("status") or {}).get("parents") or []:
+        for condition in parent.get("conditions") or []:
+            if condition.get("type") == "Accepted" and condition.get("status") == "True":
+                return True
+    return False
+
+
+def gaie_status(epp: WorkloadReadiness | None, pool: Mapping[str, Any] | None,
+                route: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``status.gaie``: the endpoint picker's replicas, and whether the gateway controller accepted
+    the InferencePool and the HTTPRoute. Only a gateway controller writes that acceptance, so
+    ``ready`` is reported but does not hold the CR's own state (a fleet serves through its Service
+    either way)."""
+    status: dict[str, Any] = {"eppReplicas": epp.replicas if epp else 0,
+                              "eppReadyReplicas": epp.ready_replicas if epp else 0}
+    if pool is not None:
+        status["inferencePoolName"] = (pool.get("metadata") or {}).get("name", "")
+        status["inferencePoolReady"] = _accepted(pool)
+    if route is not None:
+        status["httpRouteName"] = (route.get("metadata") or {}).get("name", "")
+        status["httpRouteAccepted"] = _accepted(route)
+    status["ready"] = bool(epp is not None and epp.ready and status.get("inferencePoolReady")
+                           and status.get("httpRouteAccepted"))
     return status
 
 

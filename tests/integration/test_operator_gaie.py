@@ -73,6 +73,22 @@ async def test_gaie_without_then_with_its_crds_and_turned_off(api: FakeKubeApi, 
     uid = the_cr(api, "gw")["metadata"]["uid"]
     make_ready(api, uid)  # every Deployment, the EPP's included, and the NATS StatefulSet
     await wait_for(lambda: state(api, "gw") == "ready", T, message="ready with the picker ready")
+    # status.gaie: the picker is ready; no gateway controller has accepted the pool or the route yet,
+    # which does not hold the CR's own state.
+    await wait_for(lambda: (the_cr(api, "gw")["status"].get("gaie") or {}).get("eppReadyReplicas") == 1, T,
+                   message="status.gaie counts the ready picker")
+    assert the_cr(api, "gw")["status"]["gaie"] == {
+        "eppReplicas": 1, "eppReadyReplicas": 1, "inferencePoolName": "gw-pool", "inferencePoolReady": False,
+        "httpRouteName": "gw-route", "httpRouteAccepted": False, "ready": False}
+    accepted = {"status": {"parents": [{"parentRef": {"name": "gw"}, "controllerName": "example.com/gateway",
+                                        "conditions": [{"type": "Accepted", "status": "True", "reason": "Accepted",
+                                                        "message": "", "lastTransitionTime": "2026-12-03T00:00:00Z"}]}]}}
+    for api_version, kind, name in (("inference.networking.k8s.io/v1", "InferencePool", "gw-pool"),
+                                    ("gateway.networking.k8s.io/v1", "HTTPRoute", "gw-route")):
+        api.patch_object(api.resource_type(api_version, kind), NS, name, "application/merge-patch+json", accepted,
+                         subresource="status")
+    await wait_for(lambda: the_cr(api, "gw")["status"]["gaie"].get("ready") is True, T,
+                   message="status.gaie ready once the gateway controller accepted the pool and the route")
 
     patch_cr(api, {"spec": {"gaie": {"enabled": False}}}, name="gw")
     await wait_for(lambda: api.get("inference.networking.k8s.io/v1", "InferencePool", "gw-pool", NS) is None, T,
@@ -80,5 +96,6 @@ async def test_gaie_without_then_with_its_crds_and_turned_off(api: FakeKubeApi, 
     await wait_for(lambda: api.get("gateway.networking.k8s.io/v1", "HTTPRoute", "gw-route", NS) is None, T,
                    message="the HTTPRoute pruned")
     await wait_for(lambda: "gw-epp" not in deployments(api), T, message="the EPP pruned")
+    await wait_for(lambda: "gaie" not in the_cr(api, "gw")["status"], T, message="status.gaie dropped")
     await wait_for(lambda: [c["name"] for c in deployments(api)["gw-pool-a"]["spec"]["template"]["spec"]["containers"]]
                    == ["main"], T, message="the sidecar gone")

@@ -13,7 +13,7 @@ from infera.operator import apply as ops_apply
 from infera.operator.apply import KubeApiError, ListResult, select_prunable
 from infera.operator.controller import NamespaceScope, Reconciler, build_parser, connection_info, owner_keys
 from infera.operator.status import (DEGRADED, FAILED, INITIALIZING, PENDING, READY, Outcome, WorkloadReadiness,
-                                    compute_status, merge_conditions, next_state, status_merge_patch,
+                                    compute_status, gaie_status, merge_conditions, next_state, status_merge_patch,
                                     workload_readiness)
 
 T0, T1, T2 = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z", "2026-01-01T00:02:00Z"
@@ -475,3 +475,35 @@ def test_main_refuses_without_a_scope_or_a_kube_config(monkeypatch, capsys, tmp_
     monkeypatch.setattr(controller, "load_kube_config", lambda: load_kube_config(no_service_account))
     assert controller.main([]) == 2
     assert "no Kubernetes API config" in capsys.readouterr().err
+
+
+def _parents(*statuses: str) -> dict:
+    return {"metadata": {"name": "x"}, "status": {"parents": [
+        {"conditions": [{"type": "Accepted", "status": s}]} for s in statuses]}}
+
+
+@pytest.mark.parametrize("epp_ready, pool, route, ready", [
+    (1, _parents("True"), _parents("True"), True),
+    (0, _parents("True"), _parents("True"), False),  # the picker not ready
+    (1, _parents("False", "True"), _parents("True"), True),  # accepted by one of its parents
+    (1, _parents("False"), _parents("True"), False),
+    (1, {"metadata": {"name": "x"}}, _parents("True"), False),  # no gateway controller has written status
+    (1, None, _parents("True"), False),  # the pool not listed (yet)
+])
+def test_gaie_status(epp_ready, pool, route, ready):
+    epp = WorkloadReadiness(name="epp", kind="Deployment", replicas=1, ready_replicas=epp_ready, up_to_date=True,
+                            pool=False)
+    status = gaie_status(epp, pool, route)
+    assert status["ready"] is ready
+    assert status["eppReadyReplicas"] == epp_ready
+    assert ("inferencePoolName" in status) == (pool is not None)
+
+
+def test_gaie_status_is_ours_and_dropped_when_off():
+    gaie = {"eppReplicas": 1, "eppReadyReplicas": 0, "ready": False}
+    on = compute_status({}, Outcome(generation=1, applied=True, gaie=gaie), "2026-12-03T00:00:00Z")
+    assert on["gaie"] == gaie
+    off = compute_status(on, Outcome(generation=2, applied=True), "2026-12-03T00:00:01Z")
+    assert "gaie" not in off
+    kept = compute_status(on, Outcome(generation=1, transient_error="boom"), "2026-12-03T00:00:01Z")
+    assert kept["gaie"] == gaie  # a failed reconcile reports nothing new
