@@ -18,7 +18,8 @@ API (all async, all processes on loopback with free ports, stopped by the fixtur
   ``openai_base`` (``url + "/v1"``), ``workers`` (tests/integration/conftest.Worker), ``epp``,
   ``envoy``; ``await wait_routable(model)``: until a request through Envoy answers 200 on every
   worker (the EPP's discovery has caught up).
-* fixture ``gaie_stack``: ``await gaie_stack(workers=2, mode="buffered"|"full-duplex-streamed",
+* fixture ``gaie_stack``: ``await gaie_stack(workers=2 (or a list: one engine-args tuple per sim),
+  mode="buffered"|"full-duplex-streamed",
   secure=True, epp_args=(), worker_args=(), failure_mode_allow=False, model="sim-model",
   destination_port=0, wait=True) -> GaieStack``. Import it into a test module
   (``from tests.integration.gaie_harness import gaie_stack  # noqa: F401``); it needs the
@@ -242,8 +243,9 @@ class GaieStack:
                         async with s.post(self.url + "/v1/completions", json=body,
                                           timeout=aiohttp.ClientTimeout(total=5)) as r:
                             await r.read()
-                            if r.status == 200:
+                            if r.status == 200:  # (a PD pair names both)
                                 seen.add(r.headers.get("x-worker-instance-id", ""))
+                                seen.add(r.headers.get("x-prefill-instance-id", ""))
                     except (aiohttp.ClientError, asyncio.TimeoutError):
                         return False
             return want <= seen
@@ -255,11 +257,12 @@ class GaieStack:
 async def gaie_stack(etcd, prefix, spawn_worker):
     made: list[GaieStack] = []
 
-    async def factory(workers: int = 2, *, mode: str = "buffered", secure: bool = True,
+    async def factory(workers: "int | list[tuple[str, ...]]" = 2, *, mode: str = "buffered", secure: bool = True,
                       epp_args: tuple[str, ...] = (), worker_args: tuple[str, ...] = (),
                       failure_mode_allow: bool = False, model: str = "sim-model", destination_port: int = 0,
                       wait: bool = True) -> GaieStack:
-        sims = [await spawn_worker(*worker_args, model=model) for _ in range(workers)]
+        per_worker = [tuple(worker_args)] * workers if isinstance(workers, int) else [tuple(a) for a in workers]
+        sims = [await spawn_worker(*args, model=model) for args in per_worker]
         epp = EppProcess(etcd.endpoint, prefix, destination_port=destination_port, secure=secure, extra=epp_args)
         listen_port, admin_port = free_port(), free_port()
         config = await envoy_config(listen_port, epp.grpc_port, mode=mode, secure=secure, admin_port=admin_port,

@@ -3,6 +3,7 @@
 0) as the destinations, through the real ``openai`` client, in both ext_proc processing modes."""
 from __future__ import annotations
 
+import json
 import signal
 import uuid
 
@@ -10,6 +11,7 @@ import aiohttp
 import openai
 import pytest
 
+from infera.engine.base.prom import sample_sum
 from tests.conftest import wait_for
 from tests.integration.gaie_harness import gaie_stack  # noqa: F401  (fixture)
 
@@ -150,3 +152,40 @@ async def test_a_worker_that_refuses_the_connection_is_retried_on_another_pick(g
         async with s.get(f"http://127.0.0.1:{stack.envoy.admin_port}/stats?filter=infera_pick.upstream_rq_retry") as r:
             stats = dict(line.split(": ", 1) for line in (await r.text()).splitlines() if ": " in line)
     assert int(stats["cluster.infera_pick.upstream_rq_retry_success"]) >= 1, stats
+
+
+NIXL = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
+EXTERNAL = ('vllm:prompt_tokens_by_source_total', 'source="external_kv_transfer"')
+
+
+def _nixl(role: str) -> tuple[str, str]:
+    return "--kv-transfer-config", json.dumps({**NIXL, "kv_role": role})
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_pd_pair_through_the_direct_mode_sidecar(gaie_stack, make_server, mode):  # noqa: F811
+    # The sidecar: infera.server --router-mode direct, which runs the pair the picker named. On
+    # loopback every worker's host is 127.0.0.1, so one sidecar port serves them all.
+    sidecar = await make_server("--router-mode", "direct", "--router-policy", "round-robin")
+    stack = await gaie_stack([_nixl("kv_producer"), _nixl("kv_consumer")], mode=mode, model="pd",
+                             destination_port=sidecar.port)
+    prefill, decode = stack.workers
+    client = _client(stack)
+    body = [{"role": "system", "content": "You are brief. " * 40}, {"role": "user", "content": "What is PD?"}]
+    try:
+        async with aiohttp.ClientSession() as s:
+            before = sample_sum(await (await s.get(decode.url + "/metrics")).text(), *EXTERNAL)
+            reply = await client.chat.completions.with_raw_response.create(model="pd", messages=body, max_tokens=6)
+            assert (reply.headers["x-worker-instance-id"], reply.headers["x-prefill-instance-id"]) == (
+                decode.worker_id, prefill.worker_id)
+            assert reply.parse().usage.completion_tokens == 6
+            text = ""
+            async for chunk in await client.chat.completions.create(model="pd", messages=body, max_tokens=6,
+                                                                    stream=True):
+                if chunk.choices:
+                    text += chunk.choices[0].delta.content or ""
+            assert text
+            moved = sample_sum(await (await s.get(decode.url + "/metrics")).text(), *EXTERNAL) - before
+        assert moved > 0  # the decode pulled the prompt's KV from the prefill: a real PD pair ran
+    finally:
+        await client.close()
