@@ -189,3 +189,33 @@ async def test_a_pd_pair_through_the_direct_mode_sidecar(gaie_stack, make_server
         assert moved > 0  # the decode pulled the prompt's KV from the prefill: a real PD pair ran
     finally:
         await client.close()
+
+
+async def _hit_rate(base_url: str, tag: str, rounds: int = 4, conversations: int = 4) -> float:
+    """Cached over prompt tokens (the sims' own usage) of a multi-turn workload, sent one by one."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=30)
+    cached = prompt = 0
+    try:
+        history = {c: [{"role": "system", "content": f"[{tag}-{c}] " + "Answer with care and cite rules. " * 25}]
+                   for c in range(conversations)}
+        for turn in range(rounds):
+            for c in range(conversations):
+                history[c].append({"role": "user", "content": f"turn {turn} of conversation {c}"})
+                reply = await client.chat.completions.create(model="sim-model", messages=history[c], max_tokens=8)
+                history[c].append({"role": "assistant", "content": reply.choices[0].message.content})
+                cached += reply.usage.prompt_tokens_details.cached_tokens
+                prompt += reply.usage.prompt_tokens
+    finally:
+        await client.close()
+    return cached / prompt
+
+
+async def test_the_epps_hit_rate_is_the_servers_on_the_same_sims(gaie_stack, make_server):  # noqa: F811
+    stack = await gaie_stack(3, mode="full-duplex-streamed")
+    server = await make_server("--router-policy", "kv-aware")
+    await wait_for(lambda: len(server.fleet.active()) == 3, 30, message="the server sees the 3 sims")
+    # different conversations (no cache shared between the two runs), the same shape
+    through_server = await _hit_rate(f"http://127.0.0.1:{server.port}/v1", "server")
+    through_epp = await _hit_rate(stack.openai_base, "epp")
+    assert through_server > 0.5  # multi-turn: most of each prompt is the cached history
+    assert abs(through_epp - through_server) <= 0.01, (through_epp, through_server)

@@ -157,3 +157,21 @@ def test_destination_formats():
     assert destination(worker("w1"), 0) == "10.0.0.1:30000"
     v6 = WorkerRecord(worker_id="v6", url="http://[fd00::5]:31000", model_name="m")
     assert destination(v6, 0) == "[fd00::5]:31000"
+
+
+async def test_a_rank_multiplexed_worker_gets_the_chosen_rank_header():
+    stack = stack_with([worker("w1", dp_size=2)])
+    picker = EndpointPicker(stack.router, destination_port=8000)
+    ranks = set()
+    picks = []
+    for i in range(4):  # in flight together: the load spreads over both ranks
+        pick = await picker.pick("/v1/completions", json.dumps({"model": "m", "prompt": [i] * 40}).encode(), {})
+        ranks.add(pick.set_headers["x-data-parallel-rank"])
+        assert "x-data-parallel-rank" not in pick.remove_headers
+        picks.append(pick)
+    assert ranks == {"0", "1"}
+    for pick in picks:
+        pick.finish(200)
+    plain = await EndpointPicker(stack_with([worker("w2")]).router, destination_port=8000).pick(
+        "/v1/completions", b'{"model": "m", "prompt": "x"}', {"x-data-parallel-rank": "1"})
+    assert "x-data-parallel-rank" in plain.remove_headers  # a client's rank never reaches a worker unasked
