@@ -14,6 +14,7 @@ import random
 import signal
 import socket
 import sys
+import time
 
 import aiohttp
 import pytest
@@ -211,3 +212,38 @@ async def test_chat_through_envoy_is_served_by_the_pair_the_epp_chose(sims, side
             # it came through the chosen decode worker's own sidecar, and no other
             assert {wid: after[3][wid] - before[3][wid] for wid in cars} == {
                 wid: int(wid == decode.worker_id) for wid in cars}
+
+
+async def test_a_killed_prefill_is_dropped_and_pd_requests_succeed_again(sims, sidecars, gateway):
+    """SIGKILL one pair's prefill worker: requests whose pair names it fail fast (the sidecar runs the
+    pair it is told, there is no other prefill to try there) until discovery drops it; from then
+    on every request goes to the live prefill, with either decode."""
+    pairs, dest_port = await pd_pairs(sims, sidecars, 2)
+    gw = await gateway("--router-policy", "round-robin", destination_port=dest_port)
+    await wait_for(lambda: gw.has_workers(4), 30, message="the EPP sees both pairs")
+    (p0, d0, _), (p1, d1, _) = pairs
+    os.killpg(p1.proc.pid, signal.SIGKILL)
+    window: list[tuple[int, float]] = []
+    async with aiohttp.ClientSession() as s:
+        async def one(tag: str) -> int:
+            t0 = time.monotonic()
+            body = {"model": MODEL, "messages": messages(tag), "max_tokens": 4}
+            async with s.post(gw.url + "/v1/chat/completions", json=body,
+                              timeout=aiohttp.ClientTimeout(total=20)) as r:
+                await r.read()
+                window.append((r.status, time.monotonic() - t0))
+                return r.status
+
+        async def dropped() -> bool:
+            await one(f"window-{len(window)}")
+            return await gw.has_workers(3)
+
+        await wait_for(dropped, 30, message="discovery drops the killed prefill")
+        before = [await w.metric(s, "vllm:request_success_total") for w in (p0, d0, d1)]
+        statuses = [await one(f"after-{i}") for i in range(6)]
+        after = [await w.metric(s, "vllm:request_success_total") for w in (p0, d0, d1)]
+    assert statuses == [200] * 6
+    assert after[0] - before[0] == 6 and (after[1] - before[1]) + (after[2] - before[2]) == 6
+    assert all(seconds < 5 for _, seconds in window), f"a request hung while the prefill was dead: {window}"
+    print(f"killed prefill: {sum(1 for st, _ in window if st != 200)} of {len(window)} requests failed before the drop "
+          f"({sorted({st for st, _ in window})})")
