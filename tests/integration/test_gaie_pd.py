@@ -201,6 +201,7 @@ async def test_chat_through_envoy_is_served_by_the_pair_the_epp_chose(sims, side
                               timeout=aiohttp.ClientTimeout(total=20)) as r:
                 assert r.status == 200, await r.text()
                 text = await r.text()
+                named = (r.headers.get("x-worker-instance-id"), r.headers.get("x-prefill-instance-id"))
             if stream:
                 assert text.rstrip().endswith("data: [DONE]")
             after = await snapshot()
@@ -208,6 +209,8 @@ async def test_chat_through_envoy_is_served_by_the_pair_the_epp_chose(sims, side
             served_d = [a - b for a, b in zip(after[1], before[1])]
             assert sorted(served_p) == [0, 1] and sorted(served_d) == [0, 1], (served_p, served_d)
             decode = decodes[served_d.index(1)]
+            # the pair the EPP named (echoed on the reply) is the pair that served
+            assert named == (decode.worker_id, prefills[served_p.index(1)].worker_id), named
             assert after[2][served_d.index(1)] > before[2][served_d.index(1)], "the decode pulled no KV"
             # it came through the chosen decode worker's own sidecar, and no other
             assert {wid: after[3][wid] - before[3][wid] for wid in cars} == {
