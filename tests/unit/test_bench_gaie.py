@@ -55,7 +55,7 @@ def test_envoy_cmd_is_one_worker_thread_without_hot_restart():
 def test_flags_defaults_quick_and_errors():
     a = gaie.resolve_args(["--paths", "envoy-rr", "server-kv"])
     assert a.paths == ["direct", "envoy-rr", "server-kv"]  # direct is always measured: the baseline
-    assert (a.runs, a.concurrency, a.streams) == (3, [16, 64], [False])
+    assert (a.runs, a.concurrency, a.streams, a.kv_concurrency) == (3, [16, 64], [False], [1, 16])
     q = gaie.resolve_args(["--quick", "--paths", "server-kv", "direct"])
     assert q.runs == 1 and q.duration < a.duration and q.kv_requests < a.kv_requests
     assert gaie.resolve_args(["--runs", "5", "--stream", "both"]).streams == [False, True]
@@ -78,8 +78,8 @@ def _overhead(path, run, c, p50, rps, errors=0, hop=None):
             "error_samples": [], "cpu_us_per_req": {"hop": hop} if hop is not None else {}}
 
 
-def _kv(path, run, hit, errors=0):
-    return {"kind": "kv", "path": path, "run": run, "hit_rate": hit, "ttft_p50_ms": 10.0, "rps": 100.0,
+def _kv(path, run, hit, errors=0, concurrency=1):
+    return {"kind": "kv", "path": path, "run": run, "concurrency": concurrency, "hit_rate": hit, "ttft_p50_ms": 10.0, "rps": 100.0,
             "errors": errors, "error_samples": []}
 
 
@@ -94,7 +94,8 @@ def _rows(epp_p50=(4.0, 4.2, 4.1), epp_hit=0.78, epp_errors=0):
                  _overhead("epp", run, 16, epp_p50[run], 850.0, errors=epp_errors, hop=200.0),
                  _overhead("epp", run, 64, 14.0, 750.0, hop=200.0),
                  _kv("direct", run, 0.30), _kv("envoy-rr", run, 0.31), _kv("server-kv", run, 0.78),
-                 _kv("epp", run, epp_hit)]
+                 _kv("epp", run, epp_hit),
+                 _kv("server-kv", run, 0.40, concurrency=16), _kv("epp", run, 0.45, concurrency=16)]
     return rows
 
 
@@ -108,7 +109,8 @@ def test_summary_takes_medians_and_compares_with_direct():
     assert epp["delta_p50_ms"] == pytest.approx(4.1 - 3.1)  # median of its runs − median of direct's
     assert epp["paired_delta_ms"] == pytest.approx([1.0, 1.1, 0.9])  # each round against its own direct
     assert s["paths"]["server-kv"]["cells"]["c64-unary"]["rps_ratio"] == 0.7
-    assert s["paths"]["epp"]["kv"]["hit_rate"] == 0.78 and s["paths"]["epp"]["kv"]["runs"] == 3
+    assert s["paths"]["epp"]["kv"]["c1"]["hit_rate"] == 0.78 and s["paths"]["epp"]["kv"]["c1"]["runs"] == 3
+    assert s["paths"]["epp"]["kv"]["c16"]["hit_rate"] == 0.45  # each hit-rate concurrency apart
 
 
 def test_goals_pass_when_the_epp_costs_at_most_envoy_plus_server_and_hits_as_the_server():
@@ -116,7 +118,8 @@ def test_goals_pass_when_the_epp_costs_at_most_envoy_plus_server_and_hits_as_the
     latency, hit = gaie.goal_checks(s, ["epp"])
     # envoy-rr +0.5, server-kv +1.0: the bound is +1.5; the EPP adds +1.0
     assert latency["status"] == "PASS" and latency["bound"] == pytest.approx(1.5) and latency["value"] == 1.0
-    assert hit["status"] == "PASS"
+    assert hit["status"] == "PASS" and "c=1" in hit["check"]  # the picks alone, not c=16's 5-point gap
+    assert gaie.goal_checks(s, ["epp"], hit_c=16)[1]["status"] == "FAIL"
 
 
 def test_goals_fail_on_a_slower_epp_a_lower_hit_rate_or_errors():
@@ -138,13 +141,14 @@ def test_goals_skip_when_a_path_was_not_measured():
 
 def test_table_has_a_row_per_path_with_deltas_against_direct():
     s = gaie.summarize(_rows(), PATHS, [16, 64], [False])
-    text = gaie.render_table(s, PATHS, [16, 64], [False])
+    text = gaie.render_table(s, PATHS, [16, 64], [False], [1, 16])
     lines = text.splitlines()
     assert "c=16 unary (e2e)" in lines[0] and "c=64 unary (e2e)" in lines[0]
     rows = {line.split("|")[0].strip(): line for line in lines[2:]}
     assert set(rows) == {gaie.PATH_LABELS[p] for p in PATHS}
     epp = [c.split() for c in rows[gaie.PATH_LABELS["epp"]].split("|")[1:-1]]
-    assert epp[0] == ["78.0"]  # hit %
+    assert lines[1].split("|")[1].split() == ["c=1", "c=16"]
+    assert epp[0] == ["78.0", "45.0"]  # hit % at c=1 and c=16
     assert epp[1][:4] == ["4.10", "+1.00", "850.0", "0.85"]  # p50, Δp50 d, req/s, thr/d at c=16
     direct = [c.split() for c in rows["direct"].split("|")[1:-1]]
     assert direct[1][1] == "-" and direct[1][3] == "-"  # no delta against itself
