@@ -95,7 +95,7 @@ KV_PATHS = ("server-kv", *EPP_PATHS)  # follow KV events: up only during their o
 HIT_RATE_TOLERANCE = 0.01  # the EPP's hit rate "is the server's": within 1 point (issue 29's test)
 LATENCY_CONCURRENCY, THROUGHPUT_CONCURRENCY = 16, 64
 OVERHEAD_METRICS = ("rps", "lat_p50_ms", "lat_p99_ms", "ttft_p50_ms")
-KV_METRICS = ("hit_rate", "ttft_p50_ms", "rps")
+KV_METRICS = ("hit_rate", "ttft_p50_ms", "rps", "engine_requests_mean")
 
 
 # ------------------------------------------------------------------------------------------- CLI
@@ -550,13 +550,40 @@ class GaieBench:
             url_for = lambda conv: urls[next(counter) % len(urls)]  # noqa: E731
         else:
             url_for = lambda conv: urls[0]  # noqa: E731
-        load = await wl.run_load(workload, url_for, model=a.model, concurrency=concurrency,
-                                 max_requests=a.kv_requests, max_tokens=a.max_tokens,
-                                 request_timeout=a.request_timeout, seed=a.seed)
+        done = asyncio.Event()
+        sampler = asyncio.ensure_future(self.sample_engine_load(session, done))
+        try:
+            load = await wl.run_load(workload, url_for, model=a.model, concurrency=concurrency,
+                                     max_requests=a.kv_requests, max_tokens=a.max_tokens,
+                                     request_timeout=a.request_timeout, seed=a.seed)
+        finally:
+            done.set()
+            samples = await sampler
         res = wl.summarize(load)
-        return {k: res[k] for k in ("issued", "completed", "errors", "error_samples", "prompt_tokens",
+        res["engine_requests_mean"] = round(sum(samples) / len(samples), 2) if samples else None
+        return {k: res[k] for k in ("engine_requests_mean", "issued", "completed", "errors", "error_samples", "prompt_tokens",
                                     "cached_tokens", "hit_rate", "hit_rate_turn1", "hit_rate_later_turns",
                                     "cached_field_missing", "rps", "ttft_p50_ms", "lat_p50_ms")}
+
+    async def sample_engine_load(self, session: aiohttp.ClientSession, done: asyncio.Event) -> list[float]:
+        """Requests the engines hold (running + waiting, summed over workers) every ~50 ms until
+        ``done``: how many requests a pick races for the cache, which the hop's speed shapes."""
+        samples: list[float] = []
+        while not done.is_set():
+            total = 0.0
+            try:
+                for url in self.fleet.worker_urls:
+                    async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                        m = kv_routing.parse_prom(await r.text())
+                    total += m.get("vllm:num_requests_running", 0.0) + m.get("vllm:num_requests_waiting", 0.0)
+                samples.append(total)
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                pass
+            try:
+                await asyncio.wait_for(done.wait(), 0.05)
+            except asyncio.TimeoutError:
+                pass
+        return samples
 
     async def round(self, session: aiohttp.ClientSession, run_i: int, order: list[str],
                     workload: wl.Workload, rows: list[dict]) -> None:
@@ -572,6 +599,7 @@ class GaieBench:
                     rows.append(row)
                     print(f"  run {run_i + 1} {path:<11} hit-rate workload c={kc:<3} hit "
                           f"{kv_routing.pct(row['hit_rate']):>5} %  TTFT p50 {_f(row['ttft_p50_ms'], '.1f')} ms  "
+                          f"in the engines {_f(row['engine_requests_mean'], '.1f')}  "
                           f"n={row['completed']}  errors {row['errors']}", flush=True)
                 for c in a.concurrency:
                     for stream in a.streams:
