@@ -133,6 +133,18 @@ def test_goals_fail_on_a_slower_epp_a_lower_hit_rate_or_errors():
     assert gaie.goal_checks(failing, ["epp"])[0]["status"] == "FAIL"
 
 
+def test_streamed_goal_reads_ttft():
+    rows = []
+    for row in _rows():
+        rows.append(row)
+        if row["kind"] == "overhead" and row["concurrency"] == 16:  # streams: TTFT is half the e2e p50
+            rows.append({**row, "stream": True, "ttft_p50_ms": row["lat_p50_ms"] / 2})
+    s = gaie.summarize(rows, PATHS, [16, 64], [False, True])
+    (latency,) = gaie.goal_checks(s, ["epp"], stream=True, hit_c=None)
+    assert "TTFT" in latency["check"] and latency["value"] == pytest.approx(0.5)  # (4.1 − 3.1) / 2
+    assert latency["bound"] == pytest.approx(0.75) and latency["status"] == "PASS"
+
+
 def test_goals_skip_when_a_path_was_not_measured():
     s = gaie.summarize([r for r in _rows() if r["path"] != "server-kv"], ["direct", "envoy-rr", "epp"],
                        [16, 64], [False])
