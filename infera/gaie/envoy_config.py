@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from infera.router.upstream import UNREACHABLE_WORKER_HEADER
+
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 PROCESSING_MODES = ("buffered", "full-duplex-streamed")
 EPP_CLUSTER = "infera_epp"
@@ -22,7 +24,7 @@ WORKERS_CLUSTER = "infera_workers"
 PICK_CLUSTER = PICK_LISTENER = "infera_pick"
 # The inner stage's mark on a reply whose picked worker refused the connection (or reset it before
 # answering): the outer stage retries on it, the picker blames the worker and picks another.
-CONNECT_FAILURE_HEADER = "x-infera-upstream-connect-failure"
+CONNECT_FAILURE_HEADER = UNREACHABLE_WORKER_HEADER  # also set by a sidecar that could not reach a pinned worker
 CONNECT_FAILURE_RETRIES = 2
 # Set by the picker only: a client's own values are removed before the picker runs.
 PICKER_HEADERS = (DESTINATION_HEADER, "x-worker-instance-id", "x-prefill-instance-id", "x-data-parallel-rank",
@@ -197,6 +199,9 @@ def envoy_bootstrap(*, listen_port: int, grpc_port: int = 9002, epp_host: str = 
                                                  "typed_config": public_hcm}]}]},
                 {"name": PICK_LISTENER,
                  "internal_listener": {},
+                 # buffered mode: ext_proc holds the whole request body within this limit (Envoy's
+                 # default, 1 MiB, would answer 413 to a long prompt the picker accepts)
+                 "per_connection_buffer_limit_bytes": max_body_bytes,
                  "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
                                                  "typed_config": pick_hcm}]}]},
             ],

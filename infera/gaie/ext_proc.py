@@ -123,6 +123,7 @@ class Exchange:
         self.picked: EndpointPick | None = None
         self.status: int | None = None
         self.tail = b""
+        self.blame: str | None = None  # the worker a refused connection names
         self.done = False  # the request was answered with an immediate response
 
     def _body_full_duplex(self) -> bool:
@@ -164,12 +165,18 @@ class Exchange:
             status = reply.get(":status", "")
             self.status = int(status) if status.isdigit() else None
             if CONNECT_FAILURE_HEADER in reply and self.picked is not None:
-                # Envoy could not connect to the pick: the worker's failure; Envoy retries, we pick elsewhere
+                # Envoy could not connect to the pick (the mark holds its address), or the sidecar
+                # could not reach a worker of the pair (the mark names it): that worker's failure;
+                # Envoy retries, and the retry's pick leaves it out.
+                picked = self.picked.picked
+                marked = reply[CONNECT_FAILURE_HEADER]
+                self.blame = picked.worker.worker_id
+                if picked.prefill is not None and marked == picked.prefill.worker_id:
+                    self.blame = marked
                 self.status = 503
-                self.refused.add(self.picked.request.request_id, self.picked.picked.worker.worker_id)
-                log.warning("request %s: worker %s refused the connection (%s): Envoy retries on another pick",
-                            self.picked.request.request_id, self.picked.picked.worker.worker_id,
-                            reply[CONNECT_FAILURE_HEADER])
+                self.refused.add(self.picked.request.request_id, self.blame)
+                log.warning("request %s: worker %s could not be reached (%s): Envoy retries on another pick",
+                            self.picked.request.request_id, self.blame, marked)
             if msg.response_headers.end_of_stream:
                 self.finish()
             return [pb.ProcessingResponse(response_headers=self._reply_headers())]
@@ -225,7 +232,7 @@ class Exchange:
         picked = self.picked
         if picked is None or picked.picked.finished:
             return
-        picked.finish(self.status)
+        picked.picked.finish(self.status, self.blame)
         observer = self.picker.usage_observer
         if ended and observer is not None and self.status == 200 and picked.picked.prefill is None:
             observer(picked.picked.worker, picked.request, reported_cached_tokens(self.tail))

@@ -33,8 +33,8 @@ class EndpointPick:
     set_headers: dict[str, str]
     remove_headers: tuple[str, ...]
 
-    def finish(self, status: int | None) -> None:
-        self.picked.finish(status)
+    def finish(self, status: int | None, blame: str | None = None) -> None:
+        self.picked.finish(status, blame)
 
 
 def destination(worker: WorkerRecord, port: int) -> str:

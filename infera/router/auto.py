@@ -31,24 +31,25 @@ class Picked:
 
     __slots__ = ("worker", "dp_rank", "prefill", "prefill_dp_rank", "_finish", "finished")
 
-    def __init__(self, worker: WorkerRecord, dp_rank: int | None, finish: Callable[[int | None], None], *,
-                 prefill: WorkerRecord | None = None, prefill_dp_rank: int | None = None) -> None:
+    def __init__(self, worker: WorkerRecord, dp_rank: int | None,
+                 finish: Callable[[int | None, str | None], None], *, prefill: WorkerRecord | None = None, prefill_dp_rank: int | None = None) -> None:
         self.worker, self.dp_rank, self._finish = worker, dp_rank, finish
         self.prefill, self.prefill_dp_rank = prefill, prefill_dp_rank
         self.finished = False
 
-    def finish(self, status: int | None) -> None:
+    def finish(self, status: int | None, blame: str | None = None) -> None:
         """``status``: the reply's HTTP status (None: none came, e.g. the client left first).
         < 400: the worker computed the prompt (the policy counts it cached there), the breaker
-        hears a success; 5xx: a failure; anything else: no verdict."""
+        hears a success; 5xx: a failure, of ``blame`` when it names the pair's prefill (else of
+        ``worker``); anything else: no verdict."""
         if not self.finished:
             self.finished = True
-            self._finish(status)
+            self._finish(status, blame)
 
 
 def _mixed_finish(breaker: CircuitBreaker, worker: WorkerRecord, req: RoutedRequest,
-                  release: Callable[[], None]) -> Callable[[int | None], None]:
-    def finish(status: int | None) -> None:
+                  release: Callable[[], None]) -> Callable[[int | None, str | None], None]:
+    def finish(status: int | None, blame: str | None) -> None:
         if status is not None and status < 400:
             req.state["served"] = True
             breaker.record_success(worker.worker_id)
@@ -61,9 +62,9 @@ def _mixed_finish(breaker: CircuitBreaker, worker: WorkerRecord, req: RoutedRequ
     return finish
 
 
-def _pair_finish(pair: PickedPair) -> Callable[[int | None], None]:
-    def finish(status: int | None) -> None:
-        pair.finish(status is not None and status < 400, failed=status is not None and status >= 500)
+def _pair_finish(pair: PickedPair) -> Callable[[int | None, str | None], None]:
+    def finish(status: int | None, blame: str | None) -> None:
+        pair.finish(status is not None and status < 400, failed=status is not None and status >= 500, blame=blame)
 
     return finish
 

@@ -41,7 +41,7 @@ from infera.router.pd import PdError, PdPair, PdProtocol, resolve_protocol
 from infera.router.policy import Policy, RoutedRequest
 from infera.server.metrics import ServerMetrics
 from infera.router.upstream import (LegFailure, Opened, Relay, is_engine_error, open_upstream, repeated_engine_error,
-                                    request_headers)
+                                    request_headers, unreachable_mark)
 from infera.transport.request import RequestTransport
 
 log = logging.getLogger(__name__)
@@ -108,14 +108,15 @@ class PickedPair:
     def __init__(self, prefill: _Leg, decode: _Leg) -> None:
         self.prefill, self.decode = prefill, decode
 
-    def finish(self, served: bool, *, failed: bool = False) -> None:
+    def finish(self, served: bool, *, failed: bool = False, blame: str | None = None) -> None:
         """The gateway's request ended: ``served`` (the engines answered < 400) marks the prompt as
-        computed there; ``failed`` (5xx) counts against the decode leg's worker (the one it called).
-        Idempotent: the first call stands."""
+        computed there; ``failed`` (5xx) counts against the leg whose worker is ``blame`` (default:
+        the decode, the one the gateway called). Idempotent: the first call stands."""
+        blamed = self.prefill if blame is not None and blame == self.prefill.worker.worker_id else self.decode
         for leg in (self.prefill, self.decode):
             if served:
                 leg.score_success()
-            elif failed and leg is self.decode:
+            elif failed and leg is blamed:
                 leg.score_failure()
             else:
                 leg.score_neutral()
@@ -255,7 +256,8 @@ class DisaggRouter:
         except LegFailure as exc:
             if not exc.retryable:
                 return Reply(exc.status, exc.content_type, exc.worker_id, body=exc.body)
-            raise ApiError(exc.status, f"{exc.role} leg: {exc.message}", exc.reason, headers=exc.headers) from None
+            raise ApiError(exc.status, f"{exc.role} leg: {exc.message}", exc.reason,
+                           headers=unreachable_mark(exc)) from None
 
     async def close(self) -> None:
         """Server stop: cancel prefill legs still draining in the background."""

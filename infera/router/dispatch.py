@@ -25,7 +25,7 @@ from infera.router.migration import MigratingRelay, StreamTracker, request_for_m
 from infera.router.policy import Policy, RoutedRequest
 from infera.server.metrics import ServerMetrics
 from infera.router.upstream import (LegFailure, Opened, Relay, is_engine_error, open_upstream, repeated_engine_error,
-                                    request_headers)
+                                    request_headers, unreachable_mark)
 from infera.transport.request import RequestTransport
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class MixedRouter:
             try:
                 return await self._attempt(worker, req)
             except LegFailure as exc:
-                raise ApiError(exc.status, exc.message, exc.reason, headers=exc.headers) from None
+                raise ApiError(exc.status, exc.message, exc.reason, headers=unreachable_mark(exc)) from None
 
         candidates = self.candidates(req.model)
         await self.prepare(req)

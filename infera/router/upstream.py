@@ -36,6 +36,19 @@ def request_headers(request_id: str, dp_rank: int | None) -> tuple[tuple[str, st
     return (("X-Request-Id", request_id), (DP_RANK_HEADER, str(dp_rank)))
 
 
+# Direct mode (a gateway's sidecar): a pinned worker that could not be reached before the first byte
+# is named in this reply header, so the gateway retries on another pick that leaves it out
+# (infera.gaie's Envoy bootstrap retries on it; its picker excludes the named worker).
+UNREACHABLE_WORKER_HEADER = "x-infera-upstream-connect-failure"
+
+
+def unreachable_mark(exc: "LegFailure") -> dict[str, str]:
+    """The error reply's headers plus, for a worker that could not be reached, its mark."""
+    if exc.reason == "unreachable":
+        return {**exc.headers, UNREACHABLE_WORKER_HEADER: exc.worker_id}
+    return exc.headers
+
+
 class LegFailure(Exception):
     """A worker failed before the first byte. ``retryable`` False: the client's fault (a 4xx)."""
 

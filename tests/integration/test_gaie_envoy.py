@@ -4,15 +4,18 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import uuid
 
 import aiohttp
+import msgspec
 import openai
 import pytest
 
 from infera.engine.base.prom import sample_sum
-from tests.conftest import wait_for
+from tests.conftest import free_port, wait_for
+from tests.integration.conftest import wait_workers
 from tests.integration.gaie_harness import gaie_stack  # noqa: F401  (fixture)
 
 MODES = ("buffered", "full-duplex-streamed")
@@ -136,14 +139,14 @@ async def _inflight_is(stack, wid, value) -> bool:
 
 
 async def test_a_worker_that_refuses_the_connection_is_retried_on_another_pick(gaie_stack):  # noqa: F811
-    stack = await gaie_stack(2, mode="full-duplex-streamed")
+    # a long lease: the killed worker's record stays, so the picker keeps choosing it for a while
+    stack = await gaie_stack(2, mode="full-duplex-streamed", lease_ttl=30)
     dead, alive = stack.workers
-    dead.signal(signal.SIGSTOP)  # keeps its lease a while; then...
-    dead.signal(signal.SIGKILL)  # ...killed: its port refuses, its record stays until the lease expires
+    os.killpg(dead.proc.pid, signal.SIGKILL)  # launcher and engine: its port refuses
     await dead.proc.wait()
     client = _client(stack)
     try:
-        for i in range(6):  # every request succeeds, on the live worker
+        for i in range(8):  # every request succeeds, on the live worker (new prompts: picks rotate by load)
             r = await client.completions.with_raw_response.create(model="sim-model", prompt=f"p{i}", max_tokens=2)
             assert r.headers["x-worker-instance-id"] == alive.worker_id
     finally:
@@ -219,3 +222,45 @@ async def test_the_epps_hit_rate_is_the_servers_on_the_same_sims(gaie_stack, mak
     through_epp = await _hit_rate(stack.openai_base, "epp")
     assert through_server > 0.5  # multi-turn: most of each prompt is the cached history
     assert abs(through_epp - through_server) <= 0.01, (through_epp, through_server)
+
+
+async def test_the_sidecar_names_a_pinned_worker_it_could_not_reach(make_server, spawn_worker):
+    """Direct mode marks the reply with the unreachable worker, for the gateway to retry elsewhere."""
+    sidecar = await make_server("--router-mode", "direct", "--router-policy", "round-robin")
+    prefill = await spawn_worker(*_nixl("kv_producer"), model="pd")
+    decode = await spawn_worker(*_nixl("kv_consumer"), model="pd")
+    await wait_workers(sidecar, {prefill.worker_id, decode.worker_id})
+    # the prefill's record at an address where nothing listens: a prefill that died, record not yet expired
+    dead = msgspec.structs.replace(sidecar.fleet.get(prefill.worker_id), worker_id="dead-prefill",
+                                   url=f"http://127.0.0.1:{free_port()}")
+    sidecar.fleet.upsert(dead)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"http://127.0.0.1:{sidecar.port}/v1/completions",
+                          json={"model": "pd", "prompt": "hi", "max_tokens": 2},
+                          headers={"x-worker-instance-id": decode.worker_id,
+                                   "x-prefill-instance-id": "dead-prefill"}) as r:
+            text = await r.text()
+            assert r.status == 502, text
+            assert r.headers.get("x-infera-upstream-connect-failure") == "dead-prefill", (r.headers, text)
+        async with s.post(f"http://127.0.0.1:{sidecar.port}/v1/completions",  # a reachable pair: no mark
+                          json={"model": "pd", "prompt": "hi", "max_tokens": 2},
+                          headers={"x-worker-instance-id": decode.worker_id,
+                                   "x-prefill-instance-id": prefill.worker_id}) as r:
+            assert r.status == 200 and "x-infera-upstream-connect-failure" not in r.headers
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_long_bodies_reach_the_worker_and_the_pickers_cap_is_a_413(gaie_stack, mode):  # noqa: F811
+    stack = await gaie_stack(1, mode=mode, epp_args=("--max-request-bytes", str(2_000_000)))
+    async with aiohttp.ClientSession() as s:
+        # 1.5 MB: past Envoy's default 1 MiB buffer, within the picker's cap: the worker answers (its
+        # context is shorter: a 400 from the engine, which proves the body got there)
+        async with s.post(stack.url + "/v1/completions",
+                          json={"model": "sim-model", "prompt": "word " * 300_000, "max_tokens": 1}) as r:
+            body = await r.json()
+            assert r.status == 400 and "context length" in body["error"]["message"], body
+            assert r.headers["x-worker-instance-id"] == stack.workers[0].worker_id
+        async with s.post(stack.url + "/v1/completions",
+                          json={"model": "sim-model", "prompt": "word " * 500_000, "max_tokens": 1}) as r:
+            body = await r.json()
+            assert r.status == 413 and body["error"]["code"] == "request_too_large", body

@@ -234,3 +234,27 @@ def test_refused_picks_expire_and_are_bounded():
     assert refused.get("a") == frozenset() and refused.get("c") == {"w1"}
     now[0] = 11
     assert refused.get("c") == frozenset()
+
+
+async def test_a_sidecar_that_could_not_reach_the_prefill_gets_a_pair_without_it():
+    stack = stack_with([worker("p1", "prefill"), worker("p2", "prefill"), worker("d3", "decode")],
+                       "--router-policy", "round-robin")
+    picker = EndpointPicker(stack.router, destination_port=8000)
+    refused = RefusedPicks()
+    first = Exchange(picker, 1 << 20, refused)
+    await first.handle(headers_msg(BUFFERED))
+    out = await first.handle(body_msg(CHAT, True))
+    dead = mutations(out[0].request_body.response)["x-prefill-instance-id"]
+    await first.handle(reply_headers(502, extra={"x-infera-upstream-connect-failure": dead}))
+    first.close()
+    assert stack.breaker.entry(dead).consecutive_failures == 1  # the prefill is blamed, not the decode
+    assert stack.breaker.entry("d3") is None or stack.breaker.entry("d3").consecutive_failures == 0
+    assert refused.get("rid-1") == {dead}
+    for _ in range(2):
+        retry = Exchange(picker, 1 << 20, refused)
+        await retry.handle(headers_msg(BUFFERED))
+        out = await retry.handle(body_msg(CHAT, True))
+        named = mutations(out[0].request_body.response)
+        assert named["x-prefill-instance-id"] != dead and named["x-worker-instance-id"] == "d3"
+        retry.close()
+    assert all(inflight(stack, w) == 0 for w in ("p1", "p2", "d3"))
