@@ -223,7 +223,9 @@ def host_port(url: str) -> tuple[str, int]:
 
 
 ENVOY_COUNTERS = ("upstream_cx_total", "upstream_rq_total", "downstream_cx_total", "downstream_rq_total",
-                  "upstream_rq_retry", "upstream_cx_connect_fail")
+                  "upstream_rq_retry", "upstream_cx_connect_fail",
+                  # ext_proc: gRPC streams and messages each way (what an EPP request costs both ends)
+                  "streams_started", "stream_msgs_sent", "stream_msgs_received", "streams_failed")
 
 
 async def envoy_counters(admin_url: str) -> dict[str, int]:
@@ -514,6 +516,10 @@ class GaieBench:
             stats_after = await envoy_counters(hop.admin_url)
             res["envoy_counters"] = {k: v - stats_before.get(k, 0) for k, v in stats_after.items()
                                      if v != stats_before.get(k, 0)}
+            sent = sum(v for k, v in res["envoy_counters"].items() if k.endswith("ext_proc.stream_msgs_sent"))
+            streams = sum(v for k, v in res["envoy_counters"].items() if k.endswith("ext_proc.streams_started"))
+            if sent and streams:  # one ext_proc stream per request (a retry opens another)
+                res["ext_proc_msgs_per_req"] = round(sent / streams, 2)
         res["loadavg_1m"] = round(os.getloadavg()[0], 2)
         if before is not None and after is not None and n:
             used = {k: after[k] - before[k] for k in before}
@@ -611,7 +617,10 @@ class GaieBench:
                         print(f"  run {run_i + 1} {path:<11} c={c:<3} {'stream' if stream else 'unary ':<6} "
                               f"{res['rps']:>8.1f} req/s  p50 {_f(res['lat_p50_ms'])} ms"
                               + (f"  TTFT p50 {_f(res['ttft_p50_ms'])} ms" if stream else "")
-                              + f"  hop {cpu.get('hop', '-')} µs/req  errors {res['errors']}", flush=True)
+                              + f"  hop {cpu.get('hop', '-')} µs/req"
+                              + (f" ({res['ext_proc_msgs_per_req']} ext_proc messages/req)"
+                                 if res.get("ext_proc_msgs_per_req") else "")
+                              + f"  errors {res['errors']}", flush=True)
             finally:
                 if not hop.persistent:
                     await hop.stop()
