@@ -217,24 +217,25 @@ async def test_chat_through_envoy_is_served_by_the_pair_the_epp_chose(sims, side
                 wid: int(wid == decode.worker_id) for wid in cars}
 
 
-async def test_a_killed_prefill_is_dropped_and_pd_requests_succeed_again(sims, sidecars, gateway):
-    """SIGKILL one pair's prefill worker: requests whose pair names it fail fast (the sidecar runs the
-    pair it is told, there is no other prefill to try there) until discovery drops it; from then
-    on every request goes to the live prefill, with either decode."""
+async def test_a_killed_prefill_never_fails_a_request(sims, sidecars, gateway):
+    """SIGKILL one pair's prefill worker under sequential load. Until discovery drops it the EPP may
+    still pair it: the decode's sidecar cannot reach it and says so (x-infera-upstream-connect-failure
+    naming it), Envoy retries through the EPP, which picks a pair without it. No request fails, and
+    after the drop every request goes to the live prefill, with either decode."""
     pairs, dest_port = await pd_pairs(sims, sidecars, 2)
     gw = await gateway("--router-policy", "round-robin", destination_port=dest_port)
     await wait_for(lambda: gw.has_workers(4), 30, message="the EPP sees both pairs")
     (p0, d0, _), (p1, d1, _) = pairs
     os.killpg(p1.proc.pid, signal.SIGKILL)
-    window: list[tuple[int, float]] = []
+    window: list[tuple[int, float, str]] = []
     async with aiohttp.ClientSession() as s:
         async def one(tag: str) -> int:
             t0 = time.monotonic()
             body = {"model": MODEL, "messages": messages(tag), "max_tokens": 4}
             async with s.post(gw.url + "/v1/chat/completions", json=body,
                               timeout=aiohttp.ClientTimeout(total=20)) as r:
-                await r.read()
-                window.append((r.status, time.monotonic() - t0))
+                text = await r.text()
+                window.append((r.status, time.monotonic() - t0, text[:200]))
                 return r.status
 
         async def dropped() -> bool:
@@ -245,8 +246,10 @@ async def test_a_killed_prefill_is_dropped_and_pd_requests_succeed_again(sims, s
         before = [await w.metric(s, "vllm:request_success_total") for w in (p0, d0, d1)]
         statuses = [await one(f"after-{i}") for i in range(6)]
         after = [await w.metric(s, "vllm:request_success_total") for w in (p0, d0, d1)]
+    retried = (await gw.stats()).get("cluster.infera_pick.upstream_rq_retry_success", 0)
+    failed = [w for w in window if w[0] != 200]
+    assert not failed, f"{len(failed)} of {len(window)} requests failed while the prefill was dead: {failed[:3]}"
+    assert retried >= 1, "no request was paired with the dead prefill before the drop: nothing was tested"
     assert statuses == [200] * 6
     assert after[0] - before[0] == 6 and (after[1] - before[1]) + (after[2] - before[2]) == 6
-    assert all(seconds < 5 for _, seconds in window), f"a request hung while the prefill was dead: {window}"
-    print(f"killed prefill: {sum(1 for st, _ in window if st != 200)} of {len(window)} requests failed before the drop "
-          f"({sorted({st for st, _ in window})})")
+    print(f"killed prefill: {len(window)} requests before the drop, {retried} retried onto the live prefill, 0 failed")
