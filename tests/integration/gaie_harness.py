@@ -21,7 +21,7 @@ API (all async, all processes on loopback with free ports, stopped by the fixtur
 * fixture ``gaie_stack``: ``await gaie_stack(workers=2 (or a list: one engine-args tuple per sim),
   mode="buffered"|"full-duplex-streamed",
   secure=True, epp_args=(), worker_args=(), failure_mode_allow=False, model="sim-model",
-  destination_port=0, wait=True, lease_ttl=2.0) -> GaieStack``. Import it into a test module
+  destination_port=0, wait=True, lease_ttl=2.0, launcher_args=()) -> GaieStack``. Import it into a test module
   (``from tests.integration.gaie_harness import gaie_stack  # noqa: F401``); it needs the
   ``etcd``, ``prefix`` and ``spawn_worker`` fixtures of tests/integration/conftest.py.
 """
@@ -260,9 +260,11 @@ async def gaie_stack(etcd, prefix, spawn_worker):
     async def factory(workers: "int | list[tuple[str, ...]]" = 2, *, mode: str = "buffered", secure: bool = True,
                       epp_args: tuple[str, ...] = (), worker_args: tuple[str, ...] = (),
                       failure_mode_allow: bool = False, model: str = "sim-model", destination_port: int = 0,
-                      wait: bool = True, lease_ttl: float = 2.0) -> GaieStack:
+                      wait: bool = True, lease_ttl: float = 2.0,
+                      launcher_args: tuple[str, ...] = ()) -> GaieStack:
         per_worker = [tuple(worker_args)] * workers if isinstance(workers, int) else [tuple(a) for a in workers]
-        sims = [await spawn_worker(*args, model=model, lease_ttl=lease_ttl) for args in per_worker]
+        sims = [await spawn_worker(*args, model=model, lease_ttl=lease_ttl, launcher_args=tuple(launcher_args))
+                for args in per_worker]
         epp = EppProcess(etcd.endpoint, prefix, destination_port=destination_port, secure=secure, extra=epp_args)
         listen_port, admin_port = free_port(), free_port()
         config = await envoy_config(listen_port, epp.grpc_port, mode=mode, secure=secure, admin_port=admin_port,

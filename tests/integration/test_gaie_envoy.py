@@ -264,3 +264,32 @@ async def test_long_bodies_reach_the_worker_and_the_pickers_cap_is_a_413(gaie_st
                           json={"model": "sim-model", "prompt": "word " * 500_000, "max_tokens": 1}) as r:
             body = await r.json()
             assert r.status == 413 and body["error"]["code"] == "request_too_large", body
+
+
+async def test_the_picker_and_a_server_replica_share_what_they_route_over_replica_sync(gaie_stack, make_server,  # noqa: F811
+                                                                                      nats_server):
+    """Turn 1 through Envoy + the EPP, turn 2 through an infera.server replica right after, and no KV
+    event ever: the server sends it to the worker the EPP picked (its cached tokens prove it), because
+    the EPP told it over the replica sync, as server replicas tell each other."""
+    from tests.integration.test_kv_routing import chat, post
+
+    sync = ("--replica-sync", "nats", "--nats-server", nats_server.url)
+    server = await make_server(*sync)
+    stack = await gaie_stack(2, mode="full-duplex-streamed", epp_args=sync, worker_args=("--num-gpu-blocks", "2048"),
+                             launcher_args=("--no-enable-kv-events",))
+    await wait_workers(server, {w.worker_id for w in stack.workers})
+    await wait_for(lambda: server.replica_sync.stats().get("peers", 0) >= 1, 10, message="the server hears the EPP")
+    base = f"http://127.0.0.1:{server.port}"
+    replicas = server.policy.replicas
+    async with aiohttp.ClientSession() as s:
+        for g in range(4):  # cold first turns through the EPP spread over both workers
+            heard = replicas.remote_finished
+            async with s.post(stack.url + "/v1/chat/completions", json=chat(g, "first question")) as r:
+                assert r.status == 200, await r.text()
+                first_worker = r.headers["x-worker-instance-id"]
+            await wait_for(lambda: replicas.remote_finished > heard, 5, interval=0.002,
+                           message="the EPP's finish heard by the server")
+            _, reply = await post(s, base, chat(g, "second question"))
+            assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * 10, (g, first_worker,
+                                                                                         reply["usage"])
+    assert len({k for k, v in server.policy.landed.items() if v}) == 2  # both workers were used
