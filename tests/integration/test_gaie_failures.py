@@ -185,9 +185,10 @@ async def test_killed_worker_is_retried_through_the_picker_and_then_dropped(gate
     """3 workers under kv-aware load (each client repeats its own long prefix, so it sticks to the
     worker caching it); the busiest worker is SIGKILLed, in both processing modes. Requests in flight
     on it (reset before their reply began) and those picked onto it before its lease ran out
-    (refused) are retried through the picker, which must not pick it again for that request (its
-    cache still pulls), and served elsewhere: none fails. Once discovery dropped it, every
-    request succeeds and none is refused."""
+    (refused) are retried through the picker and served elsewhere: none fails. Once discovery
+    dropped it, every request succeeds and none is refused. (This does not single out the EPP's
+    per-request exclusion: with it disabled the policy also moved off the dead worker here; that
+    rule has its own unit tests, tests/unit/test_gaie_ext_proc.py.)"""
     workers = [await spawn_worker(lease_ttl=3.0) for _ in range(3)]
     gw = await gateway(mode=mode)  # kv-aware, the default
     await wait_for(lambda: gw.has_workers(3), 30, message="the EPP sees 3 workers")
