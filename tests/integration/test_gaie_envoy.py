@@ -3,6 +3,7 @@
 0) as the destinations, through the real ``openai`` client, in both ext_proc processing modes."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -293,3 +294,25 @@ async def test_the_picker_and_a_server_replica_share_what_they_route_over_replic
             assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * 10, (g, first_worker,
                                                                                          reply["usage"])
     assert len({k for k, v in server.policy.landed.items() if v}) == 2  # both workers were used
+
+
+async def test_sigterm_drains_open_streams_and_reports_not_serving(gaie_stack):  # noqa: F811
+    stack = await gaie_stack(1, mode="full-duplex-streamed", worker_args=("--speedup", "5"))
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": "a long story"}], "max_tokens": 60,
+            "stream": True}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(stack.url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            await r.content.readline()  # streaming through the picker (full duplex: every chunk passes it)
+            stack.epp.proc.send_signal(signal.SIGTERM)
+            await wait_for(lambda: _status_is(stack.epp.health_port, "NOT_SERVING"), 5,
+                           message="health NOT_SERVING while draining")
+            rest = await r.content.read()  # the open stream still ends normally
+        assert rest.rstrip().endswith(b"data: [DONE]"), rest[-200:]
+    assert await asyncio.wait_for(stack.epp.proc.wait(), 30) == 0
+
+
+async def _status_is(port: int, want: str) -> bool:
+    from tests.integration.gaie_harness import health_status
+
+    return await health_status(port, timeout=0.5) == want
