@@ -19,9 +19,40 @@ DEFAULT_HEALTH_PORT = 9003
 DEFAULT_DESTINATION_PORT = 8000
 DEFAULT_DRAIN_TIMEOUT = 30.0
 
+# Server flags the picker has no use for: it serves no HTTP API (no port, processes, connection
+# limits, admin features or dashboard), never dispatches (retries, timeouts, migration, PD legs,
+# engine hints: the request goes through Envoy to the worker or its sidecar, which owns those) and
+# always picks (no direct mode: pinning headers are the sidecar's). Accepting them and ignoring them
+# would be a lie; argparse refuses them instead. Their server defaults stay in the namespace for the
+# shared routing stack, which builds the same objects as the server.
+SERVER_ONLY_FLAGS = frozenset({
+    "--port", "--workers", "--router-mode", "--request-max-retries", "--request-first-byte-timeout",
+    "--request-idle-timeout", "--max-upstream-reply-bytes", "--migration-limit", "--pd-prefill-timeout",
+    "--header-timeout", "--body-timeout", "--keepalive-timeout", "--max-connections", "--max-inflight-bytes",
+    "--dashboard-session-s", "--allow-client-priority", "--router-default-retention", "--enable-profiling",
+    "--enable-scaling-api", "--k8s-pod-name", "--access-log", "--kvd-socket-path", "--nats-req-idle-timeout",
+    "--nats-req-max-duration", "--nats-req-max-pending",
+})
+
+
+def _drop_server_only_flags(parser: argparse.ArgumentParser) -> None:
+    defaults = {}
+    for action in list(parser._actions):
+        if not SERVER_ONLY_FLAGS.intersection(action.option_strings):
+            continue
+        defaults[action.dest] = action.default
+        parser._remove_action(action)
+        for group in parser._action_groups:
+            if action in group._group_actions:
+                group._group_actions.remove(action)
+        for option in action.option_strings:
+            parser._option_string_actions.pop(option, None)
+    parser.set_defaults(**defaults)
+
 
 def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     p = build_server_parser(environ)
+    _drop_server_only_flags(p)
     p.prog = "python -m infera.gaie"
     p.description = ("Infera's Gateway API endpoint picker: an Envoy ext_proc gRPC server that picks the worker "
                      "(kv-aware, PD-preferred) with the same routing stack as infera.server.")

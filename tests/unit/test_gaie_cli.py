@@ -25,7 +25,7 @@ def test_defaults_and_env():
     args = parse_args(BASE, environ=env)
     assert (args.grpc_port, args.destination_port, args.secure_serving) == (9100, 0, False)
     assert args.kv_overlap_weight == 3.0 and args.router_policy == "round-robin"
-    args = parse_args(BASE + ["--grpc-port", "9200", "--secure-serving", "--router-mode", "direct"], environ=env)
+    args = parse_args(BASE + ["--grpc-port", "9200", "--secure-serving"], environ=env)
     assert args.grpc_port == 9200 and args.secure_serving and args.router_mode == "auto"  # the picker always picks
 
 
@@ -92,3 +92,14 @@ def test_self_signed_cert_is_rsa_2048_pem():
     assert key.startswith(b"-----BEGIN PRIVATE KEY-----") and cert.startswith(b"-----BEGIN CERTIFICATE-----")
     text = subprocess.run(["openssl", "x509", "-noout", "-text"], input=cert, capture_output=True, check=True).stdout
     assert b"2048 bit" in text and b"DNS:localhost" in text
+
+
+@pytest.mark.parametrize("flag", sorted(__import__("infera.gaie.cli", fromlist=["SERVER_ONLY_FLAGS"]).SERVER_ONLY_FLAGS))
+def test_server_only_flags_are_refused_not_ignored(flag, capsys):
+    # A flag the picker accepted and never read would be a stub: each is an argparse error.
+    from infera.gaie.cli import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args([flag, "1"], environ={})
+    assert exc.value.code == 2
+    assert "unrecognized arguments" in capsys.readouterr().err
