@@ -48,10 +48,12 @@ and its ratio to direct, hit %, and the hop's CPU per request. The goal checks (
 * the EPP's hit rate equals the server's at c=1 (the picks): within ``HIT_RATE_TOLERANCE`` (1
   point, the issue's test criterion).
 
-    python bench/gaie.py                      # 2 sims, 3 rounds: ~6 min on 2 cores
+    python bench/gaie.py                      # 2 sims, 3 rounds, unary: ~4 min on 2 cores
+    python bench/gaie.py --runs 5 --stream both   # also streamed windows (TTFT p50): ~10 min
     python bench/gaie.py --runs 5 --out bench/results/gaie_5.json
     python bench/gaie.py --paths direct envoy-rr server-kv   # without the EPP
-    python bench/gaie.py --quick              # smoke run: 1 round, tiny windows (~1 min)
+    python bench/gaie.py --quick              # smoke run: 1 round, tiny windows (~30 s)
+    python bench/gaie.py --concurrency 1 --kv-concurrency 1 --stream both   # the unloaded hop
 
 Exit status: 0 when every goal check passes and no request failed; 1 otherwise; 2 when the fleet
 could not be started; 130 on Ctrl-C; 143 on SIGTERM. Everything started is stopped on the way out.
