@@ -142,12 +142,26 @@ async def _inflight_is(stack, wid, value) -> bool:
 async def test_a_worker_that_refuses_the_connection_is_retried_on_another_pick(gaie_stack):  # noqa: F811
     # a long lease: the killed worker's record stays, so the picker keeps choosing it for a while
     stack = await gaie_stack(2, mode="full-duplex-streamed", lease_ttl=30)
-    dead, alive = stack.workers
-    os.killpg(dead.proc.pid, signal.SIGKILL)  # launcher and engine: its port refuses
-    await dead.proc.wait()
     client = _client(stack)
     try:
-        for i in range(8):  # every request succeeds, on the live worker (new prompts: picks rotate by load)
+        # A prompt the picker knows one worker holds (its KV events arrived: the repeat lands there
+        # again), so that after that worker is killed the picker is sure to choose it at least once.
+        prompt = "a prompt only the doomed worker holds in its cache " * 20
+        first = await client.completions.with_raw_response.create(model="sim-model", prompt=prompt, max_tokens=2)
+        holder = first.headers["x-worker-instance-id"]
+
+        async def picker_knows_the_holder() -> bool:
+            r = await client.completions.with_raw_response.create(model="sim-model", prompt=prompt, max_tokens=2)
+            return r.headers["x-worker-instance-id"] == holder and r.parse().usage.prompt_tokens_details is not None \
+                and (r.parse().usage.prompt_tokens_details.cached_tokens or 0) > 0
+        await wait_for(picker_knows_the_holder, 15, interval=0.1, message="the repeat lands on the holder, cached")
+        dead = next(w for w in stack.workers if w.worker_id == holder)
+        alive = next(w for w in stack.workers if w.worker_id != holder)
+        os.killpg(dead.proc.pid, signal.SIGKILL)  # launcher and engine: its port refuses
+        await dead.proc.wait()
+        r = await client.completions.with_raw_response.create(model="sim-model", prompt=prompt, max_tokens=2)
+        assert r.headers["x-worker-instance-id"] == alive.worker_id  # picked the holder, refused, picked again
+        for i in range(8):  # every request succeeds, on the live worker
             r = await client.completions.with_raw_response.create(model="sim-model", prompt=f"p{i}", max_tokens=2)
             assert r.headers["x-worker-instance-id"] == alive.worker_id
     finally:
