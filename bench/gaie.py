@@ -84,6 +84,7 @@ for _p in (REPO, BENCH_DIR):
 import _kv_workload as wl  # noqa: E402
 import kv_routing  # noqa: E402
 from kv_path_e2e import thread_cpu  # noqa: E402
+from _main import run_bench  # noqa: E402
 from router_overhead import (FleetError, Proc, _f, _free_port, _git_commit, _median,  # noqa: E402
                              request_bodies, tree_cpu_seconds)
 
@@ -849,21 +850,7 @@ def envoy_version() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = resolve_args(argv)
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    try:
-        code = asyncio.run(run(args))
-    except KeyboardInterrupt:
-        print("gaie: interrupted; fleet stopped", file=sys.stderr)
-        code = 130
-    except asyncio.CancelledError:
-        code = 143
-    sys.exit(code)
+    sys.exit(run_bench("gaie", run(resolve_args(argv))))
 
 
 if __name__ == "__main__":

@@ -73,6 +73,7 @@ from infera.discovery.embedded_etcd import EmbeddedEtcd  # noqa: E402
 import _kv_workload as wl  # noqa: E402
 from infera.engine.base.prom import samples as prom_samples  # noqa: E402
 import _peers  # noqa: E402
+from _main import run_bench  # noqa: E402
 from router_overhead import (FleetError, Proc, _f, _free_port, _git_commit, _median,  # noqa: E402
                              tree_cpu_seconds)
 
@@ -1072,21 +1073,7 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = resolve_args(argv)
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    try:
-        code = asyncio.run(run(args))
-    except KeyboardInterrupt:
-        print("kv_routing: interrupted; fleet stopped", file=sys.stderr)
-        code = 130
-    except asyncio.CancelledError:
-        code = 143
-    sys.exit(code)
+    sys.exit(run_bench("kv_routing", run(resolve_args(argv))))
 
 
 if __name__ == "__main__":

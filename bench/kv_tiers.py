@@ -52,6 +52,7 @@ for p in (REPO, BENCH_DIR):
         sys.path.insert(0, p)
 
 import kv_routing as kr  # noqa: E402  (the fleet, the routers and the workload plumbing)
+from _main import run_bench  # noqa: E402
 from router_overhead import FleetError, _f, _git_commit, _median  # noqa: E402
 
 DEFAULT_OUT = os.path.join(BENCH_DIR, "results", "kv_tiers.json")
@@ -293,20 +294,7 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = resolve_args(argv)
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    try:
-        code = asyncio.run(run(args))
-    except KeyboardInterrupt:
-        code = 130
-    except asyncio.CancelledError:
-        code = 143
-    sys.exit(code)
+    sys.exit(run_bench("kv_tiers", run(resolve_args(argv))))
 
 
 if __name__ == "__main__":

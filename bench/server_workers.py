@@ -57,6 +57,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from infera.discovery.embedded_etcd import EmbeddedEtcd  # noqa: E402
+from _main import run_bench  # noqa: E402
 from infera.engine.base.launcher import _set_pdeathsig  # noqa: E402
 
 DEFAULT_OUT = os.path.join(BENCH_DIR, "results", "server_workers.json")
@@ -422,17 +423,7 @@ def report(args: argparse.Namespace, windows: list[dict], cores: list[int]) -> i
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = resolve_args(argv)
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    try:
-        return asyncio.run(run(args))
-    except KeyboardInterrupt:
-        return 130
+    return run_bench("server_workers", run(resolve_args(argv)))
 
 
 if __name__ == "__main__":
