@@ -14,6 +14,11 @@ load generator ``bench/_loadgen.py``, and per path:
   else). Up for the whole run; it idles outside its windows;
 * ``server-kv``: ``python -m infera.server --workers 1 --router-policy kv-aware --replica-sync off``
   (``kv_routing.py``'s start: listed the workers, KV views caught up, one request served);
+* ``epp-floor``: the same Envoy bootstrap as ``epp`` (buffered), in front of
+  ``bench/_ext_proc_floor.py``: a grpcio ext_proc server on uvloop (TLS as the picker's) that
+  picks nothing (a fixed answer, round-robin over the workers). Its excess over ``envoy-rr`` is
+  what the mandated stack (grpcio + Envoy's ext_proc client) costs before any picking: the floor
+  under every picker built on it;
 * ``epp`` / ``epp-duplex``: ``python -m infera.gaie --router-policy kv-aware`` (buffered request
   body / FULL_DUPLEX_STREAMED) and an Envoy started from ``python -m infera.gaie
   --print-envoy-config`` run unchanged.
@@ -90,8 +95,9 @@ from router_overhead import (FleetError, Proc, _f, _free_port, _git_commit, _med
 
 DEFAULT_OUT = os.path.join(BENCH_DIR, "results", "gaie.json")
 ENVOY = os.path.join(os.path.dirname(sys.executable), "envoy")
-PATHS = ("direct", "envoy-rr", "server-kv", "epp", "epp-duplex")
-PATH_LABELS = {"direct": "direct", "envoy-rr": "Envoy round-robin", "server-kv": "infera.server kv-aware",
+PATHS = ("direct", "envoy-rr", "epp-floor", "server-kv", "epp", "epp-duplex")
+PATH_LABELS = {"direct": "direct", "envoy-rr": "Envoy round-robin", "epp-floor": "Envoy + ext_proc floor (no pick)",
+               "server-kv": "infera.server kv-aware",
                "epp": "Envoy + EPP kv-aware (buffered)", "epp-duplex": "Envoy + EPP kv-aware (full duplex)"}
 EPP_PATHS = ("epp", "epp-duplex")
 KV_PATHS = ("server-kv", *EPP_PATHS)  # follow KV events: up only during their own windows
@@ -448,7 +454,33 @@ class GaieBench:
             return self.envoy_rr
         if path == "server-kv":
             return await self.start_server_kv(session, tag)
+        if path == "epp-floor":
+            return await self.start_floor(session, tag)
         return await self.start_epp(session, path, tag)
+
+    async def start_floor(self, session: aiohttp.ClientSession, tag: str) -> Hop:
+        """``bench/_ext_proc_floor.py`` behind the ``epp`` path's own Envoy bootstrap (buffered)."""
+        a = self.args
+        grpc_port, listen, admin = (_free_port() for _ in range(3))
+        epp_args = shlex.split(a.epp_args)
+        tls = "--no-secure-serving" not in epp_args
+        workers = [f"{h}:{p}" for h, p in (host_port(u) for u in self.fleet.worker_urls)]
+        cmd = [sys.executable, os.path.join(BENCH_DIR, "_ext_proc_floor.py"), "--grpc-port", str(grpc_port),
+               *(x for w in workers for x in ("--worker", w)), *(["--tls"] if tls else [])]
+        config = await print_envoy_config(listen, grpc_port, admin, EPP_MODES["epp"], epp_args)
+        config_path = os.path.join(self.logs_dir, f"epp-floor-{tag}.yaml")
+        with open(config_path, "w") as f:
+            f.write(config)
+        floor = Proc(f"epp-floor-{tag}", cmd, os.path.join(self.logs_dir, f"epp-floor-{tag}.log"))
+        hop = Hop("epp-floor", f"http://127.0.0.1:{listen}", {"epp": floor}, f"http://127.0.0.1:{admin}")
+        try:
+            await floor.start()
+            hop.procs["envoy"] = await self.start_envoy(f"epp-floor-{tag}-envoy", config_path, admin, session)
+            await self.preflight(session, hop)
+        except BaseException:
+            await hop.stop()
+            raise
+        return hop
 
     def urls_for(self, hop: Hop) -> list[str]:
         bases = self.fleet.worker_urls if hop.path == "direct" else [hop.url]
@@ -732,6 +764,31 @@ def goal_checks(summary: dict[str, Any], epp_paths: list[str], *, stream: bool =
     return checks
 
 
+def floor_checks(summary: dict[str, Any], streams: list[bool],
+                 latency_c: int = LATENCY_CONCURRENCY) -> list[dict[str, Any]]:
+    """INFO lines (never a failure): the ext_proc floor's Δ at c=16 against the EPP goal's bound.
+    A floor above the bound means no picker on grpcio + Envoy's ext_proc can meet the goal here."""
+    paths = summary["paths"]
+    out = []
+    for stream in streams:
+        delta_key = "delta_ttft_p50_ms" if stream else "delta_p50_ms"
+        cells = [paths.get(p, {}).get("cells", {}).get(cell_key(latency_c, stream))
+                 for p in ("epp-floor", "envoy-rr", "server-kv", "epp")]
+        if any(c is None or c[delta_key] is None for c in cells[:3]):
+            continue
+        floor, rr, server = (c[delta_key] for c in cells[:3])
+        hop_us = [c["hop_cpu_us_per_req"] if c else None for c in cells]
+        epp_part = (f"; the picker's own share (EPP − floor): {cells[3][delta_key] - floor:+.3f} ms, "
+                    f"{hop_us[3] - hop_us[0]:+.0f} µs CPU/req" if cells[3] and cells[3][delta_key] is not None
+                    and None not in (hop_us[3], hop_us[0]) else "")
+        out.append({"check": f"epp-floor: Δ{'TTFT p50' if stream else 'p50'} c={latency_c} "
+                             f"{'stream' if stream else 'unary'} of an ext_proc that picks nothing",
+                    "status": "INFO", "value": floor, "bound": round(rr + server, 4),
+                    "detail": f"{floor:+.3f} ms vs the goal's bound {rr + server:+.3f} ms (hop CPU {hop_us[0]} µs/req "
+                              f"vs {hop_us[1]} + {hop_us[2]}){epp_part}"})
+    return out
+
+
 def render_table(summary: dict[str, Any], paths: list[str], concurrency: list[int], streams: list[bool],
                  kv_concurrency: list[int]) -> str:
     """One row per path: hit % per hit-rate concurrency, then per (c, stream) p50 (TTFT p50 for
@@ -811,6 +868,7 @@ async def run(args: argparse.Namespace) -> int:
     checks = goal_checks(summary, epps, hit_c=args.kv_concurrency[0])
     if True in args.streams:
         checks += goal_checks(summary, epps, stream=True, hit_c=None)
+    checks += floor_checks(summary, args.streams)
     errors = sum(r["errors"] for r in rows)
     print()
     print(f"Gateway API endpoint picker — {args.workers} sims, medians of {args.runs} round(s); latency = e2e p50 "

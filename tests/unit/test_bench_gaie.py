@@ -164,3 +164,45 @@ def test_table_has_a_row_per_path_with_deltas_against_direct():
     assert epp[1][:4] == ["4.10", "+1.00", "850.0", "0.85"]  # p50, Δp50 d, req/s, thr/d at c=16
     direct = [c.split() for c in rows["direct"].split("|")[1:-1]]
     assert direct[1][1] == "-" and direct[1][3] == "-"  # no delta against itself
+
+
+def _with_floor(floor_p50=(6.0, 6.1, 6.2), floor_hop=500.0):
+    rows = _rows()
+    for run in range(3):
+        rows.append(_overhead("epp-floor", run, 16, floor_p50[run], 500.0, hop=floor_hop))
+    return rows
+
+
+def test_floor_check_is_informational_and_compares_the_floor_with_the_goal_bound():
+    s = gaie.summarize(_with_floor(), [*PATHS, "epp-floor"], [16, 64], [False])
+    (floor,) = gaie.floor_checks(s, [False])
+    assert floor["status"] == "INFO"  # never fails the run: it explains the goal, it is not one
+    assert floor["value"] == pytest.approx(6.1 - 3.1) and floor["bound"] == pytest.approx(1.5)
+    assert "(EPP − floor): -2.000 ms, -300 µs CPU/req" in floor["detail"]  # Δ 1.0 − 3.0; hop 200 − 500
+    assert gaie.floor_checks(gaie.summarize(_rows(), PATHS, [16, 64], [False]), [False]) == []  # no floor, no line
+
+
+def test_floor_server_answers_every_message_as_the_picker_does():
+    import importlib
+
+    floor = importlib.import_module("_ext_proc_floor")
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    answer = floor.pick_answer("10.0.0.7:8000", "floor-0")
+    common = answer.request_body.response
+    assert common.clear_route_cache
+    assert {h.header.key: h.header.raw_value for h in common.header_mutation.set_headers} == {
+        "x-gateway-destination-endpoint": b"10.0.0.7:8000", "x-worker-instance-id": b"floor-0"}
+
+    async def run():
+        proc = floor.FloorProcessor(["a:1", "b:2"])
+
+        async def messages():
+            yield pb.ProcessingRequest(request_headers=pb.HttpHeaders())
+            yield pb.ProcessingRequest(request_body=pb.HttpBody(body=b"{}", end_of_stream=True))
+            yield pb.ProcessingRequest(response_headers=pb.HttpHeaders())
+        return [m async for m in proc.Process(messages(), None)]
+
+    import asyncio
+    kinds = [m.WhichOneof("response") for m in asyncio.run(run())]
+    assert kinds == ["request_headers", "request_body", "response_headers"]
