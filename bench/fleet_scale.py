@@ -1,0 +1,485 @@
+#!/usr/bin/env python3
+"""A real fleet's KV-event load against ``python -m infera.server`` (kv-aware), 100 to 1,000 engines.
+
+Starts, as subprocesses: an embedded etcd; ``--publishers`` processes (``bench/_fleet_publisher.py``)
+that each host a share of the engines, every engine a real vLLM-wire ZMQ PUB socket plus its
+replay ROUTER on loopback, replaying ``bench/_fleet_workload.py``'s chat workload on an LRU pool of
+``--pool`` blocks of 16 tokens (``--sharing``: the share of conversations every engine draws from
+one fleet catalog, so their blocks are shared; 0: every block distinct); one fake OpenAI worker
+(``bench/_fake_worker.py``, registered under another prefix, so the server never sees it as a
+worker) that every engine's record names as its URL, for the pick measurement; and, per fleet size
+and ``--workers`` N, a fresh ``python -m infera.server --workers N --router-policy kv-aware``
+(``--engine-scrape-interval 0``: the engines serve no /metrics). The bench itself registers one
+real worker record per engine (engine ``vllm``, the model, its KV-event and replay endpoints, block
+size 16, the built-in tokenizer) under one lease.
+
+Per fleet size, once every process of the server lists the whole fleet:
+
+* **memory**: the engines send their first period (filling the pools); when every server process
+  holds ``engines × pool`` (block, worker) entries, the server's memory is read (PSS, and RSS,
+  summed over its processes, ``/proc/<pid>/smaps_rollup``). Bytes per entry: the slope of memory
+  over the fleet sizes (least squares; per run, median reported), so what does not grow with the
+  index (the interpreter, the code) drops out.
+* **events**: windows of ``--window`` s at an offered rate (block events/s, all engines together,
+  round-robin, each batch stamped when sent), then a drain: /metrics is read until every process
+  applied all that was sent. Per window: applied events, the server's CPU (all threads of its
+  processes, ``/proc/*/task/*/schedstat``; the CPU of the /metrics reads themselves, measured
+  first, subtracted) → block events applied per core, end to end from the socket; lag = the
+  server's ``infera_kv_event_delay_seconds`` (apply time − the batch's timestamp) over the
+  window, p50/p99. First ``--rate``, then halving or doubling to the edge, then one step between:
+  **max held** is the highest rate where every process applied ≥ 99.5% of it, drained within 1 s
+  and 99% of the batches lagged < 1 s. Events/s per core is that of the highest held window.
+* **pick**: ``--picks`` ``/v1/completions`` requests with an 8k-token prompt (token ids: a prefix
+  the fleet holds, then fresh tokens; ``max_tokens`` 1), one at a time, through the server and,
+  interleaved, straight to the fake worker: through-the-server p50/p99, **added** = through −
+  direct p50, and the server's CPU per request. (The server has no pick-time metric yet: the added
+  latency includes the JSON of 8k ids, hashing 512 blocks, the match over every engine and the
+  proxying.)
+
+    python bench/fleet_scale.py                         # 100, 300, 1000 engines; --workers 1 and 2; 3 runs
+    python bench/fleet_scale.py --quick                 # ~1-2 min smoke: 20, 60 engines, 1 run
+    python bench/fleet_scale.py --engines 1000 --workers 1 --sharing 0
+
+Prints one line per measurement, then the table of medians; writes ``--out`` (JSON). Exit status
+0 when every goal holds (≤ 48 B per entry at the largest fleet; --workers 2 memory and event CPU
+≤ 1.1 × --workers 1; ≥ 1M block events/s per core, held with lag < 1 s; pick p99 ≤ 1 ms), 1 when one
+fails, 2 when the fleet could not start.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+from array import array
+from typing import Any
+
+import aiohttp
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(BENCH_DIR)
+for _p in (REPO, BENCH_DIR):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from infera.discovery.embedded_etcd import EmbeddedEtcd  # noqa: E402
+from infera.discovery.etcd import EtcdClient  # noqa: E402
+from infera.discovery.record import BUILTIN_TOKENIZER, WorkerRecord, encode_record  # noqa: E402
+from _fleet_report import (hist_quantile, bucket_delta, goals, medians, memory_slopes, parse_kv_metrics,  # noqa: E402
+                           percentile, table, window_held)
+from _fleet_workload import VOCAB, Catalog, Source  # noqa: E402
+from _main import run_bench  # noqa: E402
+from server_workers import Proc, children_of, cpu_ns, free_port, wait_ready  # noqa: E402
+
+DEFAULT_OUT = os.path.join(BENCH_DIR, "results", "fleet_scale.json")
+MODEL = "fleet-bench"
+PREFIX = "/infera/bench-fleet-scale/"
+PICK_PREFIX = "/infera/bench-fleet-scale-pick/"  # the fake worker's own record: not in the fleet
+PROMPT_TOKENS = 8192
+DRAIN_TIMEOUT_S = 60.0
+FULL_TIMEOUT_S = 300.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python bench/fleet_scale.py", allow_abbrev=False,
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--engines", type=int, nargs="+", default=None, help="fleet sizes [100 300 1000; --quick: 20 60]")
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="the server's --workers, each measured")
+    p.add_argument("--sharing", type=float, nargs="+", default=[0.0, 1.0],
+                   help="share of conversations drawn from the fleet catalog (shared blocks), each measured")
+    p.add_argument("--mode", choices=("zmq", "nats"), default="zmq",
+                   help="zmq: the server reads every engine's PUB socket; nats: through JetStream (not yet)")
+    p.add_argument("--runs", type=int, default=None, help="runs for medians [3; --quick: 1]")
+    p.add_argument("--pool", type=int, default=2048, help="blocks in each engine's LRU pool")
+    p.add_argument("--publishers", type=int, default=4, help="publisher processes")
+    p.add_argument("--rate", type=float, default=1_000_000, help="offered block events/s (the lag is reported here)")
+    p.add_argument("--warm-rate", type=float, default=400_000, help="block events/s while the pools fill")
+    p.add_argument("--window", type=float, default=None, help="seconds per rate window [3; --quick: 1.5]")
+    p.add_argument("--picks", type=int, default=None, help="8k-token picks per measurement [200; --quick: 40]")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--ready-timeout", type=float, default=120.0)
+    p.add_argument("--quick", action="store_true", help="small fleets and counts: a smoke run")
+    p.add_argument("--out", default=DEFAULT_OUT, help="JSON results file")
+    return p
+
+
+def resolve_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    q = args.quick
+    args.engines = sorted(set(args.engines or ([20, 60] if q else [100, 300, 1000])))
+    args.runs = args.runs if args.runs is not None else (1 if q else 3)
+    args.window = args.window if args.window is not None else (1.5 if q else 3.0)
+    args.picks = args.picks if args.picks is not None else (40 if q else 200)
+    if q and args.rate == 1_000_000:
+        args.rate = 200_000
+    if min(args.engines) < 1 or args.runs < 1 or args.publishers < 1 or min(args.workers) < 1:
+        raise SystemExit("--engines, --runs, --publishers and --workers must be >= 1")
+    if any(not 0.0 <= s <= 1.0 for s in args.sharing):
+        raise SystemExit("--sharing must be within [0, 1]")
+    if args.mode == "nats":
+        raise SystemExit("--mode nats is not implemented yet: the publishers speak ZMQ only (the launcher's "
+                         "JetStream relay, infera/transport/kv_relay_nats.py, is not wired into this bench)")
+    return args
+
+
+# ------------------------------------------------------------------------------------- processes
+class Publishers:
+    """The publisher processes; engine ``e`` lives in process ``e % count``."""
+
+    def __init__(self, args: argparse.Namespace, sharing: float, log_dir: str) -> None:
+        self.count = min(args.publishers, max(args.engines))
+        self.procs = [Proc(f"publisher{i}-s{sharing:g}",
+                           [sys.executable, os.path.join(BENCH_DIR, "_fleet_publisher.py"), "--count",
+                            str(max(args.engines)), "--procs", str(self.count), "--index", str(i),
+                            "--seed", str(args.seed), "--pool", str(args.pool), "--sharing", str(sharing)], log_dir)
+                      for i in range(self.count)]
+        self.endpoints: dict[int, tuple[str, str]] = {}
+        self.pids: list[int] = []
+        self.info: list[dict] = []
+
+    async def start(self, timeout: float) -> None:
+        await asyncio.gather(*(p.start(stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+                               for p in self.procs))
+        for p in self.procs:
+            line = await asyncio.wait_for(p.proc.stdout.readline(), timeout)
+            if not line:
+                raise RuntimeError(f"{p.name} did not start: {p.log_tail()}")
+            hello = json.loads(line)
+            self.info.append({k: v for k, v in hello.items() if k != "engines"})
+            self.endpoints.update({int(e): tuple(eps) for e, eps in hello["engines"].items()})
+        self.pids = [p.pid for p in self.procs]
+
+    async def _ask(self, i: int, cmd: dict) -> dict:
+        p = self.procs[i].proc
+        p.stdin.write((json.dumps(cmd) + "\n").encode())
+        await p.stdin.drain()
+        line = await p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.procs[i].name} exited: {self.procs[i].log_tail()}")
+        return json.loads(line)
+
+    async def command(self, cmd: str, engines: list[int], rate: float = 0.0, **kw: Any) -> list[dict]:
+        """``cmd`` to every process for its share of ``engines``; ``rate`` split by engine count."""
+        parts = [[e for e in engines if e % self.count == i] for i in range(self.count)]
+        return list(await asyncio.gather(*(
+            self._ask(i, {"cmd": cmd, "engines": part, "rate": rate * len(part) / len(engines), **kw})
+            for i, part in enumerate(parts) if part)))
+
+    async def stop(self) -> None:
+        for p in self.procs:
+            try:
+                if p.proc is not None and p.proc.returncode is None:
+                    p.proc.stdin.write(b'{"cmd": "quit"}\n')
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+        await asyncio.gather(*(p.stop(10) for p in self.procs))
+
+
+def memory(pids: list[int]) -> tuple[int, int]:
+    """(PSS, RSS) in bytes, summed over ``pids``."""
+    pss = rss = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        pss += int(line.split()[1]) * 1024
+                    elif line.startswith("Rss:"):
+                        rss += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return pss, rss
+
+
+class Server:
+    def __init__(self, args: argparse.Namespace, etcd_url: str, workers: int, log_dir: str, tag: str) -> None:
+        self.port = free_port()
+        self.workers = workers
+        self.proc = Proc(f"server-{tag}", [sys.executable, "-m", "infera.server", "--host", "127.0.0.1", "--port",
+                                          str(self.port), "--etcd-endpoint", etcd_url, "--etcd-prefix", PREFIX,
+                                          "--workers", str(workers), "--router-policy", "kv-aware",
+                                          "--engine-scrape-interval", "0", "--log-level", "warning"], log_dir)
+        self.pids: list[int] = []
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.scrape_cpu_s = 0.0
+        self.scrapes = 0
+
+    async def start(self, fleet: int, timeout: float) -> None:
+        await self.proc.start()
+        serving = await wait_ready(self.proc, self.port, self.workers, fleet, timeout)
+        self.pids = sorted({self.proc.pid, *serving, *children_of(self.proc.pid)})
+
+    def cpu_s(self) -> float:
+        return cpu_ns(self.pids) / 1e9
+
+    async def kv(self, session: aiohttp.ClientSession) -> dict:
+        self.scrapes += 1
+        async with session.get(f"{self.url}/metrics") as r:
+            r.raise_for_status()
+            return parse_kv_metrics(await r.text())
+
+    async def measure_scrape_cpu(self, session: aiohttp.ClientSession, n: int = 3) -> None:
+        c0 = self.cpu_s()
+        for _ in range(n):
+            await self.kv(session)
+        self.scrape_cpu_s = (self.cpu_s() - c0) / n
+
+
+# ------------------------------------------------------------------------------------- measurement
+async def register(client: EtcdClient, pubs: Publishers, engines: list[int], fake_url: str) -> int:
+    lease = await client.grant(60)
+    for start in range(0, len(engines), 50):
+        await asyncio.gather(*(client.put(
+            f"{PREFIX}fleet-{e:05d}",
+            encode_record(WorkerRecord(worker_id=f"fleet-{e:05d}", url=fake_url, model_name=MODEL, engine="vllm",
+                                       kv_events_endpoint=pubs.endpoints[e][0],
+                                       kv_events_replay_endpoint=pubs.endpoints[e][1], kv_block_size=16,
+                                       tokenizer=BUILTIN_TOKENIZER)), lease)
+            for e in engines[start:start + 50]))
+    return lease
+
+
+async def keep_alive(client: EtcdClient, lease: int) -> None:
+    while True:
+        await asyncio.sleep(10)
+        await client.keepalive(lease)
+
+
+async def wait_full(server: Server, session: aiohttp.ClientSession, entries: int, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        kv = await server.kv(session)
+        if len(kv) >= server.workers and all(p.view_blocks >= entries for p in kv.values()):
+            return kv
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"index not full after {timeout:.0f}s: " +
+                               ", ".join(f"process {k}: {p.view_blocks:.0f}/{entries}" for k, p in kv.items()))
+        await asyncio.sleep(0.5)
+
+
+async def window(server: Server, pubs: Publishers, session: aiohttp.ClientSession, engines: list[int],
+                 rate: float, duration: float) -> dict:
+    before = await server.kv(session)
+    scrapes0, c0 = server.scrapes, server.cpu_s()
+    sent_parts = await pubs.command("run", engines, rate, duration=duration)
+    sent = sum(s["block_events"] for s in sent_parts)
+    send_wall = max(s["wall_s"] for s in sent_parts)
+    stopped = time.monotonic()
+    while True:
+        after = await server.kv(session)
+        applied = {k: after[k].block_events - before[k].block_events for k in after if k in before}
+        drain = time.monotonic() - stopped
+        if (applied and min(applied.values()) >= sent) or drain > DRAIN_TIMEOUT_S:
+            break
+        await asyncio.sleep(0.1)
+    cpu = server.cpu_s() - c0 - (server.scrapes - scrapes0) * server.scrape_cpu_s
+    buckets: dict[float, float] = {}
+    for k, p in after.items():
+        for le, n in bucket_delta(p.delay_buckets, before[k].delay_buckets if k in before else {}):
+            buckets[le] = buckets.get(le, 0.0) + n
+    cum = sorted(buckets.items())
+    p50, p99 = hist_quantile(cum, 0.5), hist_quantile(cum, 0.99)
+    applied_min = min(applied.values()) if applied else 0.0
+    total = sum(applied.values())
+    return {"offered_rate": rate, "sent": sent, "sent_rate": sent / send_wall if send_wall else None,
+            "applied_min": applied_min, "applied_rate": applied_min / send_wall if send_wall else None,
+            "drain_s": round(drain, 3), "server_cpu_s": round(cpu, 3),
+            "events_per_core": total / cpu if cpu > 0 else None,
+            "lag_p50_ms": None if p50 is None else 1000 * p50, "lag_p99_ms": None if p99 is None else 1000 * p99,
+            "gaps": sum(p.gaps - before.get(k, p).gaps for k, p in after.items()),
+            "held": window_held(sent, applied_min, drain, p99)}
+
+
+async def rate_windows(server: Server, pubs: Publishers, session: aiohttp.ClientSession, engines: list[int],
+                       args: argparse.Namespace) -> list[dict]:
+    """``--rate`` first, then halving (while not held) or doubling (while held), then one step between."""
+    ws = [await window(server, pubs, session, engines, args.rate, args.window)]
+    rate, held = args.rate, ws[0]["held"]
+    for _ in range(4):
+        rate = rate * 2 if held else rate / 2
+        w = await window(server, pubs, session, engines, rate, args.window)
+        ws.append(w)
+        if w["held"] != held:
+            break
+    held_rates = [w["offered_rate"] for w in ws if w["held"]]
+    failed_rates = [w["offered_rate"] for w in ws if not w["held"]]
+    if held_rates and failed_rates and min(failed_rates) > max(held_rates):
+        ws.append(await window(server, pubs, session, engines, (max(held_rates) + min(failed_rates)) / 2, args.window))
+    return ws
+
+
+def pick_prompt(args: argparse.Namespace, sharing: float) -> list[int]:
+    """An 8k-token prompt: a prefix the fleet holds (the fleet catalog's first conversation, or with
+    no sharing engine 0's hottest system prompt), then fresh tokens."""
+    if sharing > 0:
+        head = Catalog(args.seed, 16, args.pool).conversations[0].tokens
+    else:
+        head = Source(f"engine-{args.seed}-0", 16).system[0][0]
+    rng = random.Random(args.seed + 7)
+    tail = array("I", (x % VOCAB for x in array("I", rng.randbytes(4 * PROMPT_TOKENS))))
+    return (head.tolist() + tail.tolist())[:PROMPT_TOKENS]
+
+
+async def picks(server: Server, fake_url: str, session: aiohttp.ClientSession, prompt: list[int], n: int) -> dict:
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1}).encode()
+    headers = {"Content-Type": "application/json"}
+
+    async def one(url: str) -> float:
+        t0 = time.perf_counter()
+        async with session.post(url, data=body, headers=headers) as r:
+            await r.read()
+            if r.status != 200:
+                raise RuntimeError(f"{url}: HTTP {r.status}")
+        return time.perf_counter() - t0
+
+    via_url, direct_url = f"{server.url}/v1/completions", f"{fake_url}/v1/completions"
+    for _ in range(10):  # warm-up: connections, the tokenizer, caches
+        await one(via_url)
+        await one(direct_url)
+    via, direct, cpu = [], [], 0.0
+    for _ in range(n):
+        direct.append(await one(direct_url))
+        c0 = server.cpu_s()
+        via.append(await one(via_url))
+        cpu += server.cpu_s() - c0
+    d50 = percentile(direct, 50)
+    return {"pick_p50_ms": 1000 * percentile(via, 50), "pick_p99_ms": 1000 * percentile(via, 99),
+            "direct_p50_ms": 1000 * d50, "direct_p99_ms": 1000 * percentile(direct, 99),
+            "added_p50_ms": 1000 * (percentile(via, 50) - d50), "added_p99_ms": 1000 * (percentile(via, 99) - d50),
+            "cpu_ms_per_request": 1000 * cpu / n}
+
+
+async def measure(args: argparse.Namespace, etcd: EmbeddedEtcd, client: EtcdClient, pubs: Publishers, fake_url: str,
+                  sharing: float, workers: int, n: int, run: int, log_dir: str) -> dict:
+    engines = list(range(n))
+    await pubs.command("restart", engines)  # fresh engines for a fresh server
+    lease = await register(client, pubs, engines, fake_url)
+    alive = asyncio.ensure_future(keep_alive(client, lease))
+    server = Server(args, etcd.url, workers, log_dir, f"s{sharing:g}-w{workers}-n{n}-r{run}")
+    r: dict[str, Any] = {"sharing": sharing, "workers": workers, "engines": n, "run": run}
+    try:
+        t0 = time.monotonic()
+        await server.start(n, args.ready_timeout)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            r["pss_empty_bytes"], r["rss_empty_bytes"] = memory(server.pids)
+            await pubs.command("warm", engines, args.warm_rate)
+            kv = await wait_full(server, session, n * args.pool, FULL_TIMEOUT_S)
+            r["fill_s"] = round(time.monotonic() - t0, 1)
+            r["entries"] = n * args.pool
+            r["pss_bytes"], r["rss_bytes"] = memory(server.pids)
+            r["pss_mb"] = r["pss_bytes"] / 2 ** 20
+            r["fill_gaps"] = sum(p.gaps for p in kv.values())
+            r["fill_resets"] = sum(p.resets for p in kv.values())
+            await server.measure_scrape_cpu(session)
+            r["scrape_cpu_ms"] = round(1000 * server.scrape_cpu_s, 1)
+            ws = await rate_windows(server, pubs, session, engines, args)
+            r["windows"] = ws
+            at_rate = ws[0]
+            r["lag_p50_ms"], r["lag_p99_ms"] = at_rate["lag_p50_ms"], at_rate["lag_p99_ms"]
+            r["applied_at_rate"] = at_rate["applied_rate"]
+            held = [w for w in ws if w["held"]]
+            best = max(held, key=lambda w: w["offered_rate"]) if held else None
+            r["max_held_rate"] = best["offered_rate"] if best else 0.0
+            r["events_per_core"] = (best or max(ws, key=lambda w: w["applied_rate"] or 0))["events_per_core"]
+            r.update(await picks(server, fake_url, session, pick_prompt(args, sharing), args.picks))
+    finally:
+        alive.cancel()
+        await server.proc.stop()
+        try:
+            await client.revoke(lease)
+        except Exception:  # noqa: BLE001 - the etcd is torn down next anyway
+            pass
+    return r
+
+
+def line(r: dict) -> str:
+    return (f"  sharing {r['sharing']:g} --workers {r['workers']} {r['engines']:>5} engines run {r['run']}: "
+            f"{r['entries']:,} entries, PSS {r['pss_mb']:,.0f} MB (filled in {r['fill_s']} s), "
+            f"{(r['events_per_core'] or 0) / 1e3:,.0f}k ev/s/core, lag p50/p99 at {r['windows'][0]['offered_rate'] / 1e3:,.0f}k/s "
+            f"{r['lag_p50_ms'] or 0:.0f}/{r['lag_p99_ms'] or 0:.0f} ms (applied {(r['applied_at_rate'] or 0) / 1e3:,.0f}k/s), "
+            f"max held {r['max_held_rate'] / 1e3:,.0f}k/s; pick p50/p99 {r['pick_p50_ms']:.2f}/{r['pick_p99_ms']:.2f} ms "
+            f"(+{r['added_p50_ms']:.2f}/+{r['added_p99_ms']:.2f}), {r['cpu_ms_per_request']:.2f} ms CPU/req")
+
+
+async def run(args: argparse.Namespace) -> int:
+    log_dir = tempfile.mkdtemp(prefix="bench-fleet-scale-")
+    etcd = EmbeddedEtcd(unsafe_no_fsync=True)
+    client: EtcdClient | None = None
+    fake: Proc | None = None
+    results: list[dict] = []
+    pub_info: dict[str, Any] = {}
+    try:
+        try:
+            await etcd.start()
+            client = EtcdClient(etcd.url)
+            fake_port = free_port()
+            fake = Proc("fake-worker", [sys.executable, os.path.join(BENCH_DIR, "_fake_worker.py"), "--etcd-endpoint",
+                                        etcd.url, "--etcd-prefix", PICK_PREFIX, "--model", MODEL, "--port",
+                                        str(fake_port)], log_dir)
+            await fake.start()
+        except Exception as exc:  # noqa: BLE001
+            print(f"fleet failed to start: {exc}", file=sys.stderr)
+            return 2
+        fake_url = f"http://127.0.0.1:{fake_port}"
+        for sharing in args.sharing:
+            pubs = Publishers(args, sharing, log_dir)
+            try:
+                t0 = time.monotonic()
+                await pubs.start(600)
+                pub_info[f"{sharing:g}"] = {"setup_s": round(time.monotonic() - t0, 1), "processes": pubs.info}
+                print(f"sharing {sharing:g}: {max(args.engines)} engines in {pubs.count} publishers, ready in "
+                      f"{time.monotonic() - t0:.1f} s (logs: {log_dir})", flush=True)
+                for run_i in range(args.runs):
+                    order = args.workers if run_i % 2 == 0 else args.workers[::-1]  # interleaved: drift hits both
+                    for workers in order:
+                        for n in args.engines:
+                            r = await measure(args, etcd, client, pubs, fake_url, sharing, workers, n, run_i, log_dir)
+                            results.append(r)
+                            print(line(r), flush=True)
+            finally:
+                await pubs.stop()
+    finally:
+        if fake is not None:
+            await fake.stop(5)
+        if client is not None:
+            await client.close()
+        await etcd.stop()
+    return report(args, results, pub_info)
+
+
+def report(args: argparse.Namespace, results: list[dict], pub_info: dict) -> int:
+    rows = medians(results)
+    slopes = memory_slopes(results)
+    print(f"\nfleet_scale: medians of {args.runs} run(s); pool {args.pool} blocks/engine, block size 16; offered "
+          f"{args.rate / 1e3:,.0f}k block events/s; {os.cpu_count()} cores (server and publishers share them)")
+    print(table(rows, slopes))
+    checks = goals(rows, slopes)
+    for name, c in checks.items():
+        verdict = "n/a" if c["ok"] is None else "PASS" if c["ok"] else "FAIL"
+        value = "-" if c["value"] is None else f"{c['value']:,.2f}"
+        print(f"check {name}: {verdict} ({value} vs goal {c['goal']:,})")
+    out = {"meta": {"python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count(),
+                    "loadavg_1m_at_end": os.getloadavg()[0], "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    "args": vars(args), "publishers": pub_info},
+           "results": results, "medians": rows,
+           "bytes_per_entry": [{"sharing": s, "workers": w, **v} for (s, w), v in slopes.items()],
+           "checks": checks}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"JSON: {args.out}")
+    return 0 if checks and all(c["ok"] for c in checks.values()) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_bench("fleet_scale", run(resolve_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
