@@ -15,8 +15,23 @@ is tracked, and a caller's view of a worker is never allowed to drift silently:
 * a restart: ``seq <= last`` and not a duplicate of a batch replay already delivered, or -- when
   the restarted engine has already published more batches than before -- a gap whose replay
   (asked from ``last``, one batch early) returns a different batch ``last`` than the one we
-  delivered: ``on_reset(key)`` first, then as on first contact (replay from 0). A restart that
-  lands exactly on ``last + 1`` cannot be told from seq numbers and goes unnoticed.
+  delivered: ``on_reset(key)`` first, then as on first contact (replay from 0);
+* an idle restart: each reconnect of the SUB (the engine's process went away and came back on the
+  same ports) and each idle probe asks the replay socket from ``last`` (one batch early): a batch
+  ``last`` that differs from ours, or none at all (the engine's newest batch is older than ours),
+  is a restart, found without waiting for the new engine's first batch. Without a replay socket a
+  restart shows with the new engine's first batch (seq back), and one that lands exactly on
+  ``last + 1`` cannot be told from seq numbers.
+
+Every ``on_reset`` has a reason (``stats(key)["reset_reasons"]``, and ``reset_reason(key)`` during
+the callback): ``restart`` (the engine restarted: its cache started empty), ``gap`` (batches lost
+mid-stream that replay could not bring back), ``history`` (first contact: older batches fell out of
+the engine's replay buffer), ``reconnect`` (re-opened after ``stop()``, or a reader failed).
+``caught_up`` turns true (and ``on_caught_up(key)``, when set, is called) once the first-contact
+replay has been answered: the engine's buffered history is delivered. A replay socket that does
+not answer is asked again by the probes, soon after each other; after ``_WARMUP_ATTEMPTS`` failures
+the key is declared caught up all the same (a warning: its view starts from live events), so one
+dead replay socket cannot hold a caller's warm-up forever. Without a replay socket, at once.
 
 ``on_batch(key, seq, payload)`` is called in seq order, at most once per seq between resets; the
 payload is handed over undecoded (the caller picks the vLLM or SGLang decoder). ATOM v0.1.5's
@@ -61,8 +76,9 @@ NO_SEQ = -1
 _END_SEQ = -1
 # Idle replay probes: soon after subscribing (the ZMQ slow-joiner window), then every few seconds
 # of silence.
-_FIRST_PROBE_S = 0.5
+_FIRST_PROBE_S = 0.5  # (also the interval of the warm-up's retries)
 _IDLE_PROBE_S = 5.0
+_WARMUP_ATTEMPTS = 3  # failed replays before a key is caught up without its history
 _STOP_WAIT_S = 5.0  # how long stop() waits for closing readers and connections
 # A reader that fails (fd exhaustion: "Too many open files" on the replay socket, a bug) restarts
 # after a backoff doubling from _RECOVER_MIN_S to _RECOVER_MAX_S (+-25% jitter), not at once: a
@@ -73,6 +89,13 @@ _RECOVER_MAX_S = 30.0
 _RECOVER_RESET_S = 60.0
 OnBatch = Callable[[str, int, bytes], None]
 OnReset = Callable[[str], None]
+OnCaughtUp = Callable[[str], None]
+# Why a view was reset (bounded: these are metric label values).
+RESET_RESTART = "restart"
+RESET_GAP = "gap"
+RESET_HISTORY = "history"
+RESET_RECONNECT = "reconnect"
+RESET_REASONS = (RESET_RESTART, RESET_GAP, RESET_HISTORY, RESET_RECONNECT)
 
 
 def endpoint_for_rank(endpoint: str, rank: int | None) -> str:
@@ -112,7 +135,14 @@ class _KeyState:
     replay_failures: int = 0
     probe_recoveries: int = 0  # batches found by an idle probe that the live stream had dropped
     resets: int = 0
+    reset_reasons: dict[str, int] = field(default_factory=dict)
+    reset_reason: str | None = None  # the last one's
     restarts: int = 0
+    reconnect_checks: int = 0  # probes asked because the SUB reconnected
+    recheck: bool = False  # reconnected: probe the replay socket before delivering anything more
+    replay_answers: int = 0  # replays that returned batches: an empty one then means "nothing that old"
+    replay_answered: bool = False  # a replay was answered (its end marker came), batches or not
+    warmup_failures: int = 0  # replays that failed before caught_up
     caught_up: bool = False  # the first-contact replay of the engine's history is done
     replaying: bool = False  # batches now delivered come from the replay socket (old ones)
     duplicates: int = 0
@@ -130,11 +160,19 @@ class _KeyState:
 
 class KvCallbacks:
     """The callbacks every KV-event subscriber (ZMQ, NATS) drives, with the same bookkeeping on its
-    per-key state (``key``, ``batches``, ``last_batch_at``, ``resets``, ``callback_errors``): a
-    callback's exception is logged and counted, never kills a reader."""
+    per-key state (``key``, ``batches``, ``last_batch_at``, ``resets``, ``reset_reasons``,
+    ``reset_reason``, ``callback_errors``): a callback's exception is logged and counted, never
+    kills a reader."""
 
     on_batch: OnBatch
     on_reset: OnReset
+    on_caught_up: OnCaughtUp | None = None
+    _keys: dict
+
+    def reset_reason(self, key: str) -> str | None:
+        """Why ``key``'s view was last reset (``RESET_REASONS``); None if it never was."""
+        st = self._keys.get(key)
+        return st.reset_reason if st is not None else None
 
     def _emit(self, st, seq: int, payload: bytes) -> None:
         st.batches += 1
@@ -145,24 +183,37 @@ class KvCallbacks:
             st.callback_errors += 1
             log.exception("KV events %s: on_batch failed for seq %d", st.key, seq)
 
-    def _reset(self, st) -> None:
+    def _reset(self, st, reason: str) -> None:
         st.resets += 1
+        st.reset_reason = reason
+        st.reset_reasons[reason] = st.reset_reasons.get(reason, 0) + 1
         try:
             self.on_reset(st.key)
         except Exception:
             st.callback_errors += 1
             log.exception("KV events %s: on_reset failed", st.key)
 
+    def _notify_caught_up(self, st) -> None:
+        if self.on_caught_up is None:
+            return
+        try:
+            self.on_caught_up(st.key)
+        except Exception:
+            st.callback_errors += 1
+            log.exception("KV events %s: on_caught_up failed", st.key)
+
 
 class ZmqKvEventSubscriber(KvCallbacks):
     """Subscribe to many engines' KV events; see the module docstring for the guarantees."""
 
     def __init__(self, on_batch: OnBatch, on_reset: OnReset, *, context: zmq.asyncio.Context | None = None,
-                 replay_timeout: float = 2.0, topic: str = DEFAULT_TOPIC) -> None:
+                 replay_timeout: float = 2.0, topic: str = DEFAULT_TOPIC,
+                 on_caught_up: OnCaughtUp | None = None) -> None:
         if replay_timeout <= 0:
             raise ValueError("replay_timeout must be > 0")
         self.on_batch = on_batch
         self.on_reset = on_reset
+        self.on_caught_up = on_caught_up
         self.replay_timeout = replay_timeout
         self.topic = topic.encode()
         self._ctx = context  # for the replay DEALERs
@@ -244,7 +295,10 @@ class ZmqKvEventSubscriber(KvCallbacks):
             "replay_failures": st.replay_failures,
             "probe_recoveries": st.probe_recoveries,
             "resets": st.resets,
+            "reset_reasons": dict(st.reset_reasons),
             "restarts": st.restarts,
+            "reconnect_checks": st.reconnect_checks,
+            "replay_answers": st.replay_answers,
             "duplicates": st.duplicates,
             "callback_errors": st.callback_errors,
             "last_batch_at": st.last_batch_at,
@@ -258,11 +312,11 @@ class ZmqKvEventSubscriber(KvCallbacks):
         if st.last_seq is not None:  # re-opened after stop(): continuity is lost, start over
             st.last_seq = None
             st.forget_replayed()
-            self._reset(st)
+            self._reset(st, RESET_RECONNECT)
         loop = asyncio.get_running_loop()
-        st.live, st.slow, st.wake, st.pending = False, None, asyncio.Event(), []
+        st.live, st.slow, st.wake, st.pending, st.recheck = False, None, asyncio.Event(), [], False
         st.conn = ZmtpSubscription(st.endpoint, self.topic, lambda frames: self._on_frames(st, frames),
-                                   reconnect_s=0.1, reconnect_max_s=5.0)
+                                   on_connect=lambda: self._on_connect(st), reconnect_s=0.1, reconnect_max_s=5.0)
         st.conn.pause()  # until the task's first contact is done
         st.conn.start()
         st.task = loop.create_task(self._reader(st), name=f"kv-events-sub:{st.key}")
@@ -282,6 +336,19 @@ class ZmqKvEventSubscriber(KvCallbacks):
             closing.add_done_callback(self._closing.discard)
 
     # ------------------------------------------------------------------ reader
+
+    def _on_connect(self, st: _KeyState) -> None:
+        """The SUB (re)connected. After the first connection, the publisher may be a new engine on
+        the same ports: hold delivery and let the task ask the replay socket (``_probe``) before
+        anything else, so that a restarted engine's view is dropped now, not at its next batch."""
+        conn = st.conn
+        if conn is None or conn.connects <= 1 or not st.replay_endpoint or st.last_seq is None:
+            return
+        st.recheck = True
+        st.live = False
+        conn.pause()
+        if st.wake is not None:
+            st.wake.set()
 
     def _on_frames(self, st: _KeyState, frames: list[bytes]) -> None:
         """A message from the connection. The common case, the next batch in sequence, is delivered
@@ -331,7 +398,7 @@ class ZmqKvEventSubscriber(KvCallbacks):
                 await asyncio.sleep(delay)
             if st.replay_endpoint:
                 await self._catch_up(st, 0, None)  # blocks stored before we subscribed
-            st.caught_up = True
+            self._check_caught_up(st)
             if st.recovering:
                 st.recovering = False
                 log.info("KV events %s: reader recovered after %d failure(s)", st.key, st.failures)
@@ -340,6 +407,8 @@ class ZmqKvEventSubscriber(KvCallbacks):
             # cancellation was lost on the way (3.11's wait_for can swallow one that lands as its
             # wait ends), so a removed worker is not probed forever and stop() is not held.
             while st.conn is conn:
+                if not st.caught_up:
+                    self._check_caught_up(st)
                 frames, st.slow = st.slow, None
                 if frames is not None:
                     await self._on_message(st, frames)
@@ -347,28 +416,45 @@ class ZmqKvEventSubscriber(KvCallbacks):
                     frames = st.pending.pop(0)
                     if not self._in_order(st, frames):
                         await self._on_message(st, frames)
+                if st.recheck:  # reconnected (see _on_connect): the new connection waits for this
+                    st.recheck = False
+                    st.reconnect_checks += 1
+                    await self._probe(st)
+                    continue
                 st.live = True
                 if st.conn is not None:
                     st.conn.resume()  # delivers what it holds; hands a message back via st.slow if it must
-                if st.slow is not None or st.pending:
+                if st.slow is not None or st.pending or st.recheck:
                     continue
                 seen = st.batches
                 st.wake.clear()
                 try:
                     await asyncio.wait_for(st.wake.wait(), probe_after if st.replay_endpoint else None)
                 except asyncio.TimeoutError:
-                    if st.batches == seen and st.slow is None:
+                    if st.batches == seen and st.slow is None and not st.recheck:
                         # Quiet: batches published while the SUB was still joining (the publisher
                         # drops them silently) would otherwise stay unknown until the next live batch.
                         st.live = False
                         if st.conn is not None:
                             st.conn.pause()
                         await self._probe(st)
-                        probe_after = _IDLE_PROBE_S
+                        probe_after = _IDLE_PROBE_S if st.caught_up else _FIRST_PROBE_S
         except asyncio.CancelledError:
             raise
         except Exception:  # a bug here must not silently end the subscription
             self._recover(st)
+
+    def _check_caught_up(self, st: _KeyState) -> None:
+        """Caught up once the engine's history has been had (see the module docstring)."""
+        if st.caught_up:
+            return
+        if st.replay_endpoint and not st.replay_answered:
+            if st.warmup_failures < _WARMUP_ATTEMPTS:
+                return  # the probes ask again
+            log.warning("KV events %s: %d replays from %s failed: the view starts from live events, without "
+                        "the engine's earlier history", st.key, st.warmup_failures, st.replay_endpoint)
+        st.caught_up = True
+        self._notify_caught_up(st)
 
     def _recover(self, st: _KeyState) -> None:
         """A reader failed: reset the view (unless nothing was delivered since the last failure)
@@ -379,6 +465,7 @@ class ZmqKvEventSubscriber(KvCallbacks):
             st.failures = 0  # the last failure is long past: a new episode
         st.failures += 1
         st.failed_at = now
+        st.warmup_failures += not st.caught_up  # (a replay that could not even be asked failed too)
         delay = retry_delay(st.failures, _RECOVER_MIN_S, _RECOVER_MAX_S)
         if not st.recovering:
             st.recovering = True
@@ -391,7 +478,7 @@ class ZmqKvEventSubscriber(KvCallbacks):
         st.last_seq = None
         st.forget_replayed()
         if reset:
-            self._reset(st)
+            self._reset(st, RESET_RECONNECT)
         st.batches_at_failure = st.batches
         st.slow, st.pending = None, []
         if self._keys.get(st.key) is st and st.conn is not None:
@@ -433,7 +520,7 @@ class ZmqKvEventSubscriber(KvCallbacks):
                      st.key, st.last_seq, seq)
             st.last_seq = None
             st.forget_replayed()
-            self._reset(st)
+            self._reset(st, RESET_RESTART)
         if st.last_seq is None:
             if seq != 0:
                 await self._catch_up(st, 0, seq)
@@ -446,12 +533,37 @@ class ZmqKvEventSubscriber(KvCallbacks):
             st.forget_replayed()  # live has overtaken everything replay delivered
 
     async def _probe(self, st: _KeyState) -> None:
-        """Ask the replay socket for anything newer than what was delivered (cheap when idle)."""
-        start = 0 if st.last_seq is None else st.last_seq + 1
-        batches = await self._fetch(st, start, counted=False)
-        if batches:
+        """Ask the replay socket for anything newer than what was delivered (cheap when idle), from
+        one batch early: the engine's batch ``last_seq`` must be ours, or the engine restarted."""
+        last = st.last_seq
+        batches = await self._fetch(st, 0 if last is None else last, counted=False)
+        if batches is None:
+            return  # no answer: the next live batch or probe tells
+        if last is not None and st.last_seq == last:
+            anchor = next((p for s, p in batches if s == last), None)
+            ended = st.replay_answers > 0 and not any(s >= last for s, _ in batches)
+            if (anchor is not None and anchor != st.last_payload) or ended:
+                # Our last batch is not the engine's, or the engine has not published that many: a
+                # new engine (its buffer would still hold ``last`` otherwise, or newer ones). An
+                # empty answer counts only from a replay socket that has answered with batches
+                # before (one that buffers nothing would look restarted at every probe).
+                await self._restarted(st, "the engine's replay %s" % (
+                    "differs at batch %d" % last if anchor is not None else "ends before batch %d" % last))
+                return
+        start = 0 if last is None else last + 1
+        before = st.batches
+        self._apply_replay(st, batches, start, None)
+        if st.batches != before:
             st.probe_recoveries += 1
-            self._apply_replay(st, batches, start, None)
+
+    async def _restarted(self, st: _KeyState, why: str) -> None:
+        """The engine behind ``st`` restarted: reset, then its history from seq 0."""
+        st.restarts += 1
+        log.info("KV events %s: %s (engine restart): resetting", st.key, why)
+        st.last_seq = None
+        st.forget_replayed()
+        self._reset(st, RESET_RESTART)
+        await self._catch_up(st, 0, None)
 
     async def _catch_up(self, st: _KeyState, start: int, upto: int | None) -> None:
         """Deliver the missing batches ``start .. upto-1`` by replay (``upto`` None: every buffered
@@ -459,7 +571,7 @@ class ZmqKvEventSubscriber(KvCallbacks):
         batches = await self._fetch(st, start) if st.replay_endpoint else None
         if batches is None:
             if upto is not None:
-                self._reset(st)
+                self._reset(st, RESET_HISTORY)  # (nothing delivered since the last reset, if any)
             return
         self._apply_replay(st, batches, start, upto)
 
@@ -471,7 +583,7 @@ class ZmqKvEventSubscriber(KvCallbacks):
         last = st.last_seq
         batches = await self._fetch(st, last) if st.replay_endpoint else None
         if batches is None:
-            self._reset(st)
+            self._reset(st, RESET_GAP)
             return
         anchor = next((p for s, p in batches if s == last), None)
         if anchor is not None and anchor != st.last_payload:
@@ -480,7 +592,7 @@ class ZmqKvEventSubscriber(KvCallbacks):
                      "resetting", st.key, last)
             st.last_seq = None
             st.forget_replayed()
-            self._reset(st)
+            self._reset(st, RESET_RESTART)
             await self._catch_up(st, 0, upto)  # the new engine's batches from its seq 0
             return
         self._apply_replay(st, batches, last + 1, upto)
@@ -493,8 +605,11 @@ class ZmqKvEventSubscriber(KvCallbacks):
             if seq < start or (upto is not None and seq >= upto) or (usable and seq == usable[-1][0]):
                 continue
             usable.append((seq, payload))
+        # what is missing lies before anything delivered (first contact, or after a restart's reset):
+        # older history; else batches lost mid-stream
+        missing = RESET_GAP if st.last_seq is not None else RESET_HISTORY
         if upto is not None and (not usable or usable[-1][0] != upto - 1):
-            self._reset(st)  # a hole right before the live batch: nothing here can be chained to it
+            self._reset(st, missing)  # a hole right before the live batch: nothing here can be chained to it
             return
         if not usable:
             return  # first contact with an engine that has published nothing yet
@@ -503,7 +618,7 @@ class ZmqKvEventSubscriber(KvCallbacks):
             if usable[i][0] != usable[i - 1][0] + 1:
                 run = i
         if run > 0 or usable[0][0] != start:
-            self._reset(st)  # older batches fell out of the engine's replay buffer
+            self._reset(st, missing)  # older batches fell out of the engine's replay buffer
         st.replaying = True
         try:
             for seq, payload in usable[run:]:
@@ -534,16 +649,21 @@ class ZmqKvEventSubscriber(KvCallbacks):
                     continue
                 seq = int.from_bytes(frames[-2], "big", signed=True)
                 if seq == _END_SEQ:
+                    st.replay_answered = True
+                    if out:
+                        st.replay_answers += 1
                     log.debug("KV events %s: replayed %d batch(es) from %d", st.key, len(out), start)
                     return out
                 out.append((seq, frames[-1]))
         except asyncio.TimeoutError:
             st.replay_failures += 1
+            st.warmup_failures += not st.caught_up
             log.warning("KV events %s: replay from %d via %s timed out after %.1fs", st.key, start,
                         st.replay_endpoint, self.replay_timeout)
             return None
         except zmq.ZMQError as exc:
             st.replay_failures += 1
+            st.warmup_failures += not st.caught_up
             log.warning("KV events %s: replay from %d via %s failed: %s", st.key, start, st.replay_endpoint, exc)
             return None
         finally:
