@@ -20,7 +20,7 @@ DEFAULT_DESTINATION_PORT = 8000
 DEFAULT_DRAIN_TIMEOUT = 30.0
 
 # Server flags the picker has no use for: it serves no HTTP API (no port, processes, connection
-# limits, admin features or dashboard), never dispatches (retries, timeouts, migration, PD legs,
+# limits, admin features, API keys or dashboard: the gateway authenticates), never dispatches (retries, timeouts, migration, PD legs,
 # engine hints: the request goes through Envoy to the worker or its sidecar, which owns those) and
 # always picks (no direct mode: pinning headers are the sidecar's). Accepting them and ignoring them
 # would be a lie; argparse refuses them instead. Their server defaults stay in the namespace for the
@@ -31,7 +31,7 @@ SERVER_ONLY_FLAGS = frozenset({
     "--header-timeout", "--body-timeout", "--keepalive-timeout", "--max-connections", "--max-inflight-bytes",
     "--dashboard-session-s", "--allow-client-priority", "--router-default-retention", "--enable-profiling",
     "--enable-scaling-api", "--k8s-pod-name", "--access-log", "--kvd-socket-path", "--nats-req-idle-timeout",
-    "--nats-req-max-duration", "--nats-req-max-pending",
+    "--nats-req-max-duration", "--nats-req-max-pending", "--api-keys-file",
 })
 
 

@@ -60,6 +60,7 @@ class ServerState:
     metrics_token: str | None = None  # --metrics-token: opens /metrics, /v1/workers, detailed /health (scrapers)
     dashboard_session_s: float = _dashboard.DEFAULT_SESSION_S  # --dashboard-session-s: the cookie's server-side life
     scaler: Any = None  # --enable-scaling-api: a DeploymentScaler for GET/POST /v1/admin/scale; None: off (404)
+    api_keys: Any = None  # --api-keys-file: ApiKeys (infera/server/api_keys.py); None: the API is open
 
 
 STATE_KEY = web.AppKey("state", ServerState)
@@ -155,6 +156,42 @@ async def _admin_auth_middleware(request: web.Request,
     return await handler(request)
 
 
+# The routes an --api-keys-file key opens (the rest have their own tokens, or are open: /health).
+API_KEY_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", _anthropic.MESSAGES_ROUTE,
+                            _anthropic.COUNT_TOKENS_ROUTE})
+API_KEY_KEY = web.RequestKey("api_key", object) if hasattr(web, "RequestKey") else "api_key"
+
+
+@web.middleware
+async def _api_key_middleware(request: web.Request,
+                              handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+    """With ``--api-keys-file``: the inference routes need a key (401 before the body is read), and
+    every answer is counted for its tenant. Models are checked by each handler once it knows the
+    model (``_authorize_model``: 403)."""
+    keys = request.app[STATE_KEY].api_keys
+    resource = request.match_info.route.resource
+    if keys is None or resource is None or resource.canonical not in API_KEY_ROUTES:
+        return await handler(request)
+    key = keys.authenticate(request.headers)
+    request[API_KEY_KEY] = key
+    try:
+        response = await handler(request)
+    except ApiError as exc:
+        keys.count(key.tenant, exc.status)
+        raise
+    except web.HTTPException as exc:
+        keys.count(key.tenant, exc.status)
+        raise
+    keys.count(key.tenant, response.status)
+    return response
+
+
+def _authorize_model(request: web.Request, model: str | None) -> None:
+    keys = request.app[STATE_KEY].api_keys
+    if keys is not None:
+        keys.authorize(request[API_KEY_KEY], model)
+
+
 def _make_inference_handler(route: str):
     async def handler(request: web.Request) -> web.StreamResponse:
         state: ServerState = request.app[STATE_KEY]
@@ -166,6 +203,7 @@ def _make_inference_handler(route: str):
             raise web.HTTPRequestEntityTooLarge(max_size=state.max_request_bytes, actual_size=request.content_length)
         body = await request.read()  # aiohttp enforces client_max_size for chunked bodies too
         parsed = parse_request(route, body, allow_kv_transfer_params=state.allow_client_kv_transfer_params)
+        _authorize_model(request, parsed.model)
         stream = bool(parsed.stream)
         routed = RoutedRequest(route=route, body=body, parsed=parsed, model=parsed.model, stream=stream,
                                request_id=request_id, direct_worker=request.headers.get(DIRECT_WORKER_HEADER),
@@ -212,7 +250,11 @@ def _make_inference_handler(route: str):
 async def _models(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE_KEY]
     now = int(time.time())
-    data = [{"id": m, "object": "model", "created": now, "owned_by": "infera"} for m in state.fleet.models()]
+    models = state.fleet.models()
+    if state.api_keys is not None:  # a key sees the models it may use
+        key = request[API_KEY_KEY]
+        models = [m for m in models if key.allows(m)]
+    data = [{"id": m, "object": "model", "created": now, "owned_by": "infera"} for m in models]
     return web.Response(body=_json.encode({"object": "list", "data": data}), content_type="application/json")
 
 
@@ -326,6 +368,7 @@ async def _anthropic_messages(request: web.Request) -> web.StreamResponse:
     metrics = state.metrics
     try:
         translated = _anthropic.translate_request(await _anthropic_body(request, state))
+        _authorize_model(request, translated.model)
         body = _json.encode(translated.body)
         parsed = parse_request(_anthropic.CHAT_ROUTE, body,
                                allow_kv_transfer_params=state.allow_client_kv_transfer_params)
@@ -402,6 +445,7 @@ async def _anthropic_count_tokens(request: web.Request) -> web.Response:
             raise ApiError(413, f"count_tokens counts prompts of up to {cap} characters (--router-prefix-chars); "
                            f"this body is over {_COUNT_BODY_FACTOR}x that", "prompt_too_large")
         translated = _anthropic.translate_request(await _anthropic_body(request, state), count_only=True)
+        _authorize_model(request, translated.model)
         if not state.fleet.knows_model(translated.model):
             raise ApiError(404, f"The model `{translated.model}` does not exist. Available: "
                            f"{', '.join(state.fleet.models())}", "model_not_found")
@@ -532,7 +576,7 @@ async def _prewarm(request: web.Request) -> web.Response:
 
 
 def build_app(state: ServerState) -> web.Application:
-    app = web.Application(middlewares=[_errors_middleware, _admin_auth_middleware],
+    app = web.Application(middlewares=[_errors_middleware, _admin_auth_middleware, _api_key_middleware],
                           client_max_size=state.max_request_bytes)
     app[STATE_KEY] = state
     app.router.add_post("/v1/chat/completions", _make_inference_handler("/v1/chat/completions"))

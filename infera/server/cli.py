@@ -195,6 +195,11 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
       help="a read-only token for scrapers: 'Authorization: Bearer <token>' (or the admin token) opens /metrics, "
            "/v1/workers and the detailed /health once either token is set; without one /health shows status "
            "and counts only")
+    f("--api-keys-file", env="INFERA_API_KEYS_FILE", default=None,
+      help="YAML (or JSON) list of API keys by their sha256, each with a tenant and the models it may use "
+           "(README: API keys); the inference API then needs 'Authorization: Bearer <key>' or 'x-api-key: <key>' "
+           "(401 without a valid one, 403 for a model the key may not use). Reloaded when the file changes "
+           "(a mounted Kubernetes Secret); off: the API is open")
     f("--dashboard-session-s", env="INFERA_DASHBOARD_SESSION_S", default=12 * 3600.0, type=positive_float,
       help="seconds a /dashboard sign-in (its cookie) stays valid; the server refuses it afterwards")
     f("--allow-client-kv-transfer-params", env="INFERA_ALLOW_CLIENT_KV_TRANSFER_PARAMS", default=False,
@@ -297,6 +302,13 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
             NatsAuth.from_args(args, environ)
         except ValueError as exc:
             parser.error(str(exc))
+    if getattr(args, "api_keys_file", None):
+        from infera.server.api_keys import ApiKeys, ApiKeysError
+
+        try:  # read at start: a bad file stops the server here, naming the entry and field
+            ApiKeys(args.api_keys_file).load()
+        except ApiKeysError as exc:
+            parser.error(f"--api-keys-file {args.api_keys_file}: {exc}")
     if args.enable_scaling_api and not args.admin_token:
         parser.error("--enable-scaling-api (or INFERA_ENABLE_SCALING_API) needs --admin-token (or "
                      "INFERA_ADMIN_TOKEN): POST /v1/admin/scale resizes the deployment, and the admin endpoints "

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from infera.discovery.base import Discovery
 from infera.runtime import install_event_loop, wait_for_shutdown_signal
+from infera.server.api_keys import ApiKeys, ApiKeysMetrics
 from infera.server.app import ServerState, build_app
 from infera.server.cli import parse_args
 from infera.server.limits import LimitedAppRunner, LimitsMetrics, ServerLimits, limits_middleware
@@ -54,6 +55,11 @@ class InferaServer:
         if self.engine_window is not None:
             self.metrics.registry.register(self.engine_window)
         self._runner: web.AppRunner | None = None
+        self.api_keys: ApiKeys | None = None  # --api-keys-file (infera/server/api_keys.py)
+        if args.api_keys_file:
+            self.api_keys = ApiKeys(args.api_keys_file)
+            self.api_keys.load()
+            self.metrics.registry.register(ApiKeysMetrics(self.api_keys))
         self.limits = ServerLimits.from_args(args)
         self.metrics.registry.register(LimitsMetrics(self.limits))
         self.port: int | None = None
@@ -65,6 +71,8 @@ class InferaServer:
 
     async def start(self) -> None:
         await self.stack.start()
+        if self.api_keys is not None:
+            self.api_keys.start()  # reloads the file when it changes
         if self.process_metrics is not None:
             await self.process_metrics.start()
         if self.process is not None:
@@ -82,7 +90,8 @@ class InferaServer:
                                     enable_profiling=self.args.enable_profiling,
                                     kvd_socket_path=self.args.kvd_socket_path,
                                     metrics_token=self.args.metrics_token,
-                                    dashboard_session_s=self.args.dashboard_session_s, scaler=self.scaler))
+                                    dashboard_session_s=self.args.dashboard_session_s, scaler=self.scaler,
+                                    api_keys=self.api_keys))
         app.middlewares.append(limits_middleware(self.limits))  # body timeout, request bytes in flight
         # handler_cancellation: a client that disconnects cancels its handler, which closes the
         # upstream connection, which makes the engine abort the request and free its slot.
@@ -117,6 +126,8 @@ class InferaServer:
             log.warning("the worker registry did not answer in %.0f s: listening anyway", timeout)
 
     async def stop(self) -> None:
+        if self.api_keys is not None:
+            await self.api_keys.stop()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
