@@ -20,11 +20,12 @@ DEFAULT_DESTINATION_PORT = 8000
 DEFAULT_DRAIN_TIMEOUT = 30.0
 
 # Server flags the picker has no use for: it serves no HTTP API (no port, processes, connection
-# limits, admin features, API keys or dashboard: the gateway authenticates), never dispatches (retries, timeouts, migration, PD legs,
-# engine hints: the request goes through Envoy to the worker or its sidecar, which owns those) and
-# always picks (no direct mode: pinning headers are the sidecar's). Accepting them and ignoring them
-# would be a lie; argparse refuses them instead. Their server defaults stay in the namespace for the
-# shared routing stack, which builds the same objects as the server.
+# limits, admin features, API keys or dashboard: the gateway authenticates), never dispatches
+# (retries, timeouts, migration, PD legs, engine hints: the request goes through Envoy to the worker
+# or its sidecar, which owns those) and always picks (no direct mode: pinning headers are the
+# sidecar's). Accepting them and ignoring them would be a lie; argparse refuses them instead. Their
+# server defaults stay in the namespace for the shared routing stack, which builds the same objects
+# as the server.
 SERVER_ONLY_FLAGS = frozenset({
     "--port", "--workers", "--router-mode", "--request-max-retries", "--request-first-byte-timeout",
     "--request-idle-timeout", "--max-upstream-reply-bytes", "--migration-limit", "--pd-prefill-timeout",
