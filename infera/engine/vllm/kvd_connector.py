@@ -19,11 +19,15 @@ or as a ``MultiConnector`` child. The daemon's socket comes from ``INFERA_KVD_SO
   later is logged once; until it answers again (retried every few seconds) lookups report 0 tokens
   and saves are dropped: recompute, never a wrong answer.
 
-Supported: one KV-cache group (dense attention) in vLLM's CPU layout ``(blocks, kv_heads,
-block_size, 2 * head_dim)`` (K rows, then V rows, per head). Other layouts are refused at start.
+Supported (``kv_layouts``): one KV-cache group, dense or MLA, in any of vLLM's six stride orders, as
+the CPU, FlashAttention, FlashInfer, Triton and ROCm backends pack it, bf16/fp16/fp32 or fp8 with
+per-tensor scales. The layout's tag joins the compat key; the fp8 scales join the chunk header.
+Anything else (packed or scale-carrying content, hybrid models) is refused at start, naming it.
+On an accelerator the copies run on a side stream through pinned staging (``kv_staging``).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -42,7 +46,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from infera.engine.vllm import kvd_format as fmt
+from infera.engine.vllm import kv_layouts, kvd_format as fmt
+from infera.engine.vllm.kv_pages import PagedLayer, gather_layer, payload_nbytes, payload_view, scatter_layer
+from infera.engine.vllm.kv_staging import BufferPool, KvDevice, device_for
 from infera.kvd import protocol as kvp
 from infera.kvd.arena import SLOT_HEADER, SLOT_HEADER_BYTES
 from infera.kvd.client import default_socket_path
@@ -66,7 +72,6 @@ SAVE_QUEUE_MIB_ENV = "INFERA_KVD_SAVE_QUEUE_MIB"
 DEFAULT_SAVE_QUEUE_MIB = 1024
 SCHEDULER_TIMEOUT_S = 2.0  # the scheduler's exists() must not hang a step on a wedged daemon
 WORKER_TIMEOUT_S = 30.0
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 # --- metadata (scheduler -> worker, pickled with the scheduler output) ----------------------------
@@ -131,10 +136,22 @@ class _Settings:
     collapse_tp: bool  # MLA: the latent KV is the same on every TP rank
     fingerprint: str | None
     default_retention: str
+    # The group's page geometry (its tag joins the compat key); None only where a test builds the
+    # settings by hand: the worker then takes vLLM's CPU layout from the tensors it is given.
+    geometry: kv_layouts.KvGeometry | None = None
+    num_blocks: int | None = None  # engine blocks (kv_cache_config.num_blocks); None: the tensors' first dim
 
     def compat_key(self, tp_rank: int, pp_rank: int) -> str:
-        return fmt.compat_key(0 if self.collapse_tp else tp_rank, self.tp_size, pp_rank, self.pp_size,
-                              self.fingerprint)
+        key = fmt.compat_key(0 if self.collapse_tp else tp_rank, self.tp_size, pp_rank, self.pp_size,
+                             self.fingerprint)
+        return key + kv_layouts.compat_suffix(self.geometry) if self.geometry is not None else key
+
+
+def _platform() -> str:
+    from vllm.platforms import current_platform
+    if current_platform.is_cpu():
+        return "cpu"
+    return "rocm" if current_platform.is_rocm() else str(current_platform.device_type)
 
 
 def _settings(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> _Settings:
@@ -142,30 +159,36 @@ def _settings(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None"
     served = model_config.served_model_name
     model = (served[0] if isinstance(served, (list, tuple)) else served) or model_config.model
     block_size = vllm_config.cache_config.block_size
-    groups = list(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else []
-    usable = len(groups) == 1
-    layer_names: tuple[str, ...] = ()
-    bytes_per_token = 1
-    if usable:
-        spec = groups[0].kv_cache_spec
-        layer_names = tuple(groups[0].layer_names)
-        usable = getattr(spec, "block_size", None) == block_size and hasattr(spec, "page_size_bytes")
-        if usable:
-            bytes_per_token = spec.page_size_bytes * len(layer_names) // block_size
-    if not usable:
-        log.warning("InferaKvdConnector: %d KV-cache groups (or a non-paged one): only a single dense attention "
-                    "group is supported; this engine will neither load from nor save to kvd", len(groups))
+    if kv_cache_config is None:
+        raise kv_layouts.UnsupportedKvLayout("InferaKvdConnector: vLLM gave no KV-cache config")
+    groups = list(kv_cache_config.kv_cache_groups)
+    try:
+        group_id = kv_layouts.select_group(groups, getattr(kv_cache_config, "transfer_group_ids", None))
+        spec = groups[group_id].kv_cache_spec
+        layout = (getattr(kv_cache_config, "kv_cache_layout", None)
+                  or getattr(vllm_config.cache_config, "kv_cache_layout", None) or kv_layouts.DEFAULT_LAYOUT)
+        geometry = kv_layouts.classify(kv_layouts.spec_facts(spec), layout=str(layout),
+                                       cache_dtype=str(vllm_config.cache_config.cache_dtype or "auto"),
+                                       platform=_platform())
+        if geometry.block_size != block_size:
+            raise kv_layouts.UnsupportedKvLayout(f"group block size {geometry.block_size} is not the engine's "
+                                                 f"{block_size}")
+    except kv_layouts.UnsupportedKvLayout as e:
+        raise kv_layouts.UnsupportedKvLayout(f"InferaKvdConnector refuses this engine's KV cache: {e}") from None
+    layer_names = tuple(groups[group_id].layer_names)
+    bytes_per_token = spec.page_size_bytes * len(layer_names) // block_size
     chunk_tokens = fmt.resolve_chunk_tokens(os.environ.get(fmt.CHUNK_TOKENS_ENV), block_size, bytes_per_token,
                                             model_config.max_model_len,
                                             int(os.environ.get(fmt.CHUNK_TARGET_MIB_ENV,
                                                                fmt.DEFAULT_CHUNK_TARGET_MIB)))
     parallel = vllm_config.parallel_config
     return _Settings(socket=default_socket_path(), model=model, block_size=block_size,
-                     pages_per_chunk=chunk_tokens // block_size, group_id=0, layer_names=layer_names,
-                     usable=usable, tp_size=parallel.tensor_parallel_size, pp_size=parallel.pipeline_parallel_size,
+                     pages_per_chunk=chunk_tokens // block_size, group_id=group_id, layer_names=layer_names,
+                     usable=True, tp_size=parallel.tensor_parallel_size, pp_size=parallel.pipeline_parallel_size,
                      collapse_tp=bool(model_config.use_mla) and parallel.tensor_parallel_size > 1,
                      fingerprint=fmt.model_fingerprint(model_config.model),
-                     default_retention=fmt.default_retention())
+                     default_retention=fmt.default_retention(), geometry=geometry,
+                     num_blocks=getattr(kv_cache_config, "num_blocks", None))
 
 
 def _worker_ranks(vllm_config: "VllmConfig") -> tuple[int, int]:
@@ -319,8 +342,10 @@ class _SchedulerSide:
 @dataclass
 class _SaveJob:
     key: bytes
-    blob: torch.Tensor  # uint8, header + payload
+    blob: torch.Tensor  # uint8 host buffer (pinned on an accelerator): header + payload
     retention: str
+    ready: Any = None  # device event: the payload's device-to-host copy is done
+    release: Any = None  # hands the staging buffers back to their pools once written
 
 
 class _Saver:
@@ -336,6 +361,7 @@ class _Saver:
         self._busy = False
         self._cond = threading.Condition()
         self.saved = self.dropped = self.rejected = 0
+        self.device: KvDevice | None = None  # set when the worker registers its caches
         self._thread = threading.Thread(target=self._run, name="infera-kvd-save", daemon=True)
         self._thread.start()
 
@@ -373,12 +399,16 @@ class _Saver:
             try:
                 self._write(job)
             finally:
+                if job.release is not None:
+                    job.release()
                 with self._cond:
                     self._bytes -= job.blob.numel()
                     self._busy = False
                     self._cond.notify_all()
 
     def _write(self, job: _SaveJob) -> None:
+        if job.ready is not None and self.device is not None:
+            self.device.host_waits(job.ready)  # this thread, not the step, waits for the copy
         value = memoryview(job.blob.numpy())
         try:
             result = self.daemon.call(lambda c: c.put_zero_copy(job.key, value, retention=job.retention,
@@ -400,95 +430,146 @@ class _Saver:
         self.daemon.close()
 
 
-class _PagedLayer:
-    """A layer's paged KV as ``(blocks, C, block_size, kv_heads, head_dim)`` (a view, no copy)."""
-
-    def __init__(self, name: str, kv: torch.Tensor, block_size: int):
-        if kv.dim() != 4 or kv.shape[2] != block_size or kv.shape[3] % 2:
-            raise ValueError(f"InferaKvdConnector: layer {name} has KV shape {tuple(kv.shape)}; only vLLM's CPU "
-                             f"layout (blocks, kv_heads, {block_size}, 2*head_dim) is supported")
-        blocks, heads, _, two_hd = kv.shape
-        # The CPU backend reads a block as (heads, 2*block_size, head_dim): K rows, then V rows.
-        self.pages = kv.view(blocks, heads, 2, block_size, two_hd // 2).permute(0, 2, 3, 1, 4)
-        self.channels, self.heads, self.head_dim = 2, heads, two_hd // 2
-        self.dtype = kv.dtype
-
-
 class _WorkerSide:
     def __init__(self, settings: _Settings, vllm_config: "VllmConfig"):
         self.s = settings
+        self.vllm_config = vllm_config
         self.tp_rank, self.pp_rank = _worker_ranks(vllm_config)
         self.compat_key = settings.compat_key(self.tp_rank, self.pp_rank)
-        cache_dtype = str(vllm_config.cache_config.cache_dtype or "auto")
-        self.fp8_name = "fp8_e4m3" if cache_dtype.startswith("fp8") and "e5m2" not in cache_dtype else \
-            ("fp8_e5m2" if "e5m2" in cache_dtype else None)
+        self.cache_dtype = str(vllm_config.cache_config.cache_dtype or "auto")
         ident = f"vllm-{settings.model}-rank{self.tp_rank}"
         self.loader = _daemon(settings, f"{ident}-load", arena=True, timeout=WORKER_TIMEOUT_S)
-        max_bytes = int(os.environ.get(SAVE_QUEUE_MIB_ENV, DEFAULT_SAVE_QUEUE_MIB)) << 20
-        self.saver = _Saver(settings, self.compat_key, f"{ident}-save", max_bytes)
-        self.layers: list[_PagedLayer] = []
+        self.max_bytes = int(os.environ.get(SAVE_QUEUE_MIB_ENV, DEFAULT_SAVE_QUEUE_MIB)) << 20
+        self.saver = _Saver(settings, self.compat_key, f"{ident}-save", self.max_bytes)
+        self.layers: list[PagedLayer] = []
+        self.geometry: kv_layouts.KvGeometry | None = settings.geometry
+        self.device: KvDevice | None = None
+        self.host_pool: BufferPool | None = None  # save blobs and load staging (pinned on an accelerator)
+        self.device_pool: BufferPool | None = None  # device staging of saves and loads
+        self.layer_ready: dict[str, Any] = {}  # layer -> event: this step's loads into it are written
+        self._in_flight_loads: list[tuple[Any, Any]] = []  # (event, release) of loads still copying
         self.invalid: set[int] = set()
         self.failed_from_page: dict[str, int] = {}
-        self._headers: dict[int, bytes] = {}
+        self._headers: dict[tuple[int, str], bytes] = {}
         self.loaded_chunks = self.loaded_tokens = self.failed_chunks = 0
 
-    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        if not self.s.usable:
-            return
-        self.layers = [_PagedLayer(name, kv_caches[name], self.s.block_size) for name in self.s.layer_names]
-        first = self.layers[0]
-        if any((l.heads, l.head_dim, l.dtype) != (first.heads, first.head_dim, first.dtype) for l in self.layers):
-            raise ValueError("InferaKvdConnector: layers of one KV-cache group differ in shape or dtype")
+    def register(self, kv_caches: dict[str, Any]) -> None:
+        first = kv_caches[self.s.layer_names[0]]
+        if self.geometry is None:  # hand-built settings (tests): vLLM's CPU layout
+            if not isinstance(first, torch.Tensor) or first.dim() != 4 or first.shape[3] % 2:
+                raise kv_layouts.UnsupportedKvLayout(f"InferaKvdConnector: layer {self.s.layer_names[0]} has KV "
+                                                     f"shape {tuple(getattr(first, 'shape', ()))}")
+            self.geometry = kv_layouts.KvGeometry(
+                platform="cpu", packing="kv_rows", layout="LBHNC", heads=first.shape[1], content=first.shape[3],
+                storage=str(first.dtype).removeprefix("torch."),
+                dtype=kv_layouts.header_dtype(str(first.dtype).removeprefix("torch."), self.cache_dtype),
+                quant="NONE", channels=2, hidden=first.shape[1] * first.shape[3] // 2, block_size=self.s.block_size)
+        g = self.geometry
+        num_blocks = self.s.num_blocks or first.shape[0] // max(1, g.block_size // first.shape[2])
+        layers = []
+        for name in self.s.layer_names:
+            kv = kv_caches[name]
+            if not isinstance(kv, torch.Tensor):
+                raise kv_layouts.UnsupportedKvLayout(f"InferaKvdConnector: layer {name}'s KV is a "
+                                                     f"{type(kv).__name__}, not one paged tensor")
+            layers.append(PagedLayer(name, kv, g, num_blocks))
+        if len({(l.page_shape, l.dtype, l.device) for l in layers}) != 1:
+            raise kv_layouts.UnsupportedKvLayout("InferaKvdConnector: layers of one KV-cache group differ in shape, "
+                                                 "dtype or device")
+        self.layers = layers
+        self.use_device(device_for(first))
+        log.info("InferaKvdConnector: %d layers, layout %s, %s, compat key %s", len(layers), g.tag(),
+                 type(self.device).__name__, self.compat_key)
+
+    def use_device(self, device: KvDevice) -> None:
+        """The copies' device and staging pools (``register`` picks the cache's own device)."""
+        self.device = self.saver.device = device
+        self.host_pool = BufferPool(device.host_empty, self.max_bytes)
+        self.device_pool = BufferPool(device.empty, self.max_bytes)
 
     # header / payload geometry
     def _dtype_name(self) -> str:
-        dtype = self.layers[0].dtype
-        return _DTYPE_NAMES.get(dtype) or self.fp8_name or str(dtype).removeprefix("torch.")
+        """The header's dtype; fp8 adds a digest of the layers' scales: a chunk written under other
+        scales fails the header check and is recomputed."""
+        assert self.geometry is not None
+        name = self.geometry.dtype
+        if not name.startswith("fp8"):
+            return name
+        ctx = getattr(getattr(self.vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+        scales = [(getattr(ctx.get(n), "_k_scale_float", 1.0), getattr(ctx.get(n), "_v_scale_float", 1.0))
+                  for n in self.s.layer_names]
+        return f"{name}/s{hashlib.sha256(repr(scales).encode()).hexdigest()[:12]}"
 
-    def _header(self, pages: int) -> fmt.ChunkHeader:
-        l0 = self.layers[0]
+    def _header(self, pages: int, dtype_name: str) -> fmt.ChunkHeader:
+        g = self.geometry
+        assert g is not None
         return fmt.ChunkHeader(v=fmt.BLOB_VERSION, chunk_tokens=pages * self.s.block_size,
                                block_size=self.s.block_size, num_layers=len(self.layers),
-                               layer_names=list(self.s.layer_names), hidden_dim=l0.heads * l0.head_dim,
-                               dtype=self._dtype_name(), cache_group_id=self.s.group_id,
-                               num_kv_channels=l0.channels, payload_byte_offset=0)
+                               layer_names=list(self.s.layer_names), hidden_dim=g.hidden,
+                               dtype=dtype_name, cache_group_id=self.s.group_id,
+                               num_kv_channels=g.channels, payload_byte_offset=0)
 
-    def _prefix(self, pages: int) -> bytes:
-        prefix = self._headers.get(pages)
+    def _prefix(self, pages: int, dtype_name: str) -> bytes:
+        prefix = self._headers.get((pages, dtype_name))
         if prefix is None:
-            prefix = self._headers[pages] = fmt.encode_header(self._header(pages))
+            prefix = self._headers[(pages, dtype_name)] = fmt.encode_header(self._header(pages, dtype_name))
         return prefix
 
-    def _payload_view(self, buf: torch.Tensor, offset: int, pages: int) -> torch.Tensor:
-        l0 = self.layers[0]
-        count = l0.channels * len(self.layers) * pages * self.s.block_size * l0.heads * l0.head_dim
-        raw = buf[offset:offset + count * l0.dtype.itemsize]
-        return raw.view(l0.dtype).view(l0.channels, len(self.layers), pages, self.s.block_size, l0.heads,
-                                       l0.head_dim)
+    def _ids(self, block_ids: list[int]) -> torch.Tensor:
+        return torch.tensor(block_ids, dtype=torch.long).to(self.layers[0].device, non_blocking=True)
 
     # --- saving ---
     def save(self, saves: list[ChunkSave]) -> None:
         if not self.layers:
             return
+        assert self.device is not None and self.host_pool is not None and self.device_pool is not None
+        dtype_name = self._dtype_name()
         for job in saves:
             pages = len(job.block_ids)
-            prefix = self._prefix(pages)
-            l0 = self.layers[0]
-            total = len(prefix) + l0.channels * len(self.layers) * pages * self.s.block_size * l0.heads * \
-                l0.head_dim * l0.dtype.itemsize
-            blob = torch.empty(total, dtype=torch.uint8)
-            blob[:len(prefix)] = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
-            payload = self._payload_view(blob, len(prefix), pages)  # (C, L, P, N, H, D)
-            ids = torch.tensor(job.block_ids, dtype=torch.long)
-            for i, layer in enumerate(self.layers):
-                payload[:, i].copy_(layer.pages.index_select(0, ids).transpose(0, 1))
-            self.saver.submit(_SaveJob(job.key, blob, job.retention))
+            prefix = self._prefix(pages, dtype_name)
+            size = payload_nbytes(self.layers, pages)
+            host = self.host_pool.take(len(prefix) + size)
+            if host is None:
+                self.saver.dropped += 1  # the staging budget is spent by saves not yet written
+                continue
+            host[:len(prefix)] = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
+            host_pool, device_pool = self.host_pool, self.device_pool
+            if self.device.direct:
+                payload = payload_view(host, len(prefix), self.layers, pages)  # (C, L, P, R, N, H, D)
+                ids = self._ids(job.block_ids)
+                for i, layer in enumerate(self.layers):
+                    gather_layer(layer, ids, payload[:, i])
+                ready, release = None, (lambda h=host: host_pool.give(h))
+            else:
+                staging = device_pool.take(size)
+                if staging is None:
+                    host_pool.give(host)
+                    self.saver.dropped += 1
+                    continue
+                with self.device.side():
+                    self.device.after_compute()  # the step's KV writes come first
+                    ids = self._ids(job.block_ids)
+                    payload = payload_view(staging, 0, self.layers, pages)
+                    for i, layer in enumerate(self.layers):
+                        gather_layer(layer, ids, payload[:, i])
+                    gathered = self.device.record()
+                    host[len(prefix):].copy_(staging, non_blocking=True)
+                    ready = self.device.record()
+                self.device.compute_waits(gathered)  # a later step may reuse these blocks: after the gather
+                release = (lambda h=host, d=staging: (host_pool.give(h), device_pool.give(d)))
+            if not self.saver.submit(_SaveJob(job.key, host, job.retention, ready, release)):
+                if ready is not None:
+                    self.device.host_waits(ready)  # rare: a full queue; the buffers must be idle to reuse
+                release()
 
     # --- loading ---
     def load(self, loads: list[RequestLoad]) -> None:
+        self._finish_loads()
+        self.layer_ready.clear()
+        dtype_name = self._dtype_name() if self.layers else ""
         for req in loads:
             for i, chunk in enumerate(req.chunks):
-                problem = self._load_chunk(chunk) if self.layers else "connector has no KV layers"
+                problem = self._load_chunk(chunk, dtype_name) if self.layers else "connector has no KV layers"
                 if problem is None:
                     self.loaded_chunks += 1
                     self.loaded_tokens += (chunk.write_to - chunk.write_from) * self.s.block_size
@@ -501,8 +582,22 @@ class _WorkerSide:
                             chunk.key.hex(), req.req_id, problem, len(failed))
                 break
 
-    def _load_chunk(self, chunk: ChunkLoad) -> str | None:
-        """None when the chunk's pages were written; else why not."""
+    def wait_for_layer(self, layer_name: str) -> None:
+        event = self.layer_ready.pop(layer_name, None)
+        if event is not None and self.device is not None:
+            self.device.compute_waits(event)
+
+    def _finish_loads(self) -> None:
+        """Every load's copies are done (the previous step's forward waited on them): staging back."""
+        for name, event in self.layer_ready.items():  # layers the forward never asked for
+            self.device.compute_waits(event)
+        for event, release in self._in_flight_loads:
+            self.device.host_waits(event)
+            release()
+        self._in_flight_loads.clear()
+
+    def _load_chunk(self, chunk: ChunkLoad, dtype_name: str) -> str | None:
+        """None when the chunk's pages were written (or queued to be, on an accelerator); else why not."""
         get = kvp.Get(key=chunk.key, model=self.s.model, compat_key=self.compat_key)
         try:
             resp = self.loader.call(lambda c: c.request(get))
@@ -519,7 +614,19 @@ class _WorkerSide:
             whole = memoryview(mm)
             try:
                 buf = torch.frombuffer(whole, dtype=torch.uint8, count=resp.length, offset=start)
-                problem = self._write_pages(buf, chunk)
+                if self.device is not None and not self.device.direct:
+                    # Copy out of the arena into pinned memory first: the seqlock covers that copy,
+                    # and the device reads the pinned copy asynchronously.
+                    staged = self.host_pool.take(resp.length) if self.host_pool is not None else None
+                    if staged is None:
+                        return "load staging budget spent"
+                    staged.copy_(buf)
+                    del buf
+                    if SLOT_HEADER.unpack_from(mm, resp.slot_offset)[0] != resp.version:
+                        self.host_pool.give(staged)
+                        return "arena slot rewritten during the copy"
+                    return self._write_pages(staged, chunk, dtype_name, host_buffer=staged)
+                problem = self._write_pages(buf, chunk, dtype_name)
                 del buf
             finally:
                 whole.release()
@@ -533,12 +640,52 @@ class _WorkerSide:
             with warnings.catch_warnings():  # read-only bytes: we only read from it
                 warnings.simplefilter("ignore", UserWarning)
                 buf = torch.frombuffer(resp.value, dtype=torch.uint8)
-            return self._write_pages(buf, chunk)
+            if self.device is not None and not self.device.direct and self.host_pool is not None:
+                staged = self.host_pool.take(len(buf))
+                if staged is None:
+                    return "load staging budget spent"
+                staged.copy_(buf)
+                return self._write_pages(staged, chunk, dtype_name, host_buffer=staged)
+            return self._write_pages(buf, chunk, dtype_name)
         if isinstance(resp, kvp.Error):
             return f"kvd error {resp.code}: {resp.message}"
         return f"unexpected answer {type(resp).__name__}"
 
-    def _write_pages(self, buf: torch.Tensor, chunk: ChunkLoad) -> str | None:
+    def _write_pages(self, buf: torch.Tensor, chunk: ChunkLoad, dtype_name: str,
+                     host_buffer: torch.Tensor | None = None) -> str | None:
+        problem = self._check_header(buf, chunk, dtype_name)
+        if problem is not None or host_buffer is None:
+            if problem is None:  # direct: scatter from the bytes as they are
+                payload = self._payload_of(buf, chunk)
+                ids = self._ids(chunk.block_ids)
+                a, b = chunk.write_from - chunk.first_page, chunk.write_to - chunk.first_page
+                for i, layer in enumerate(self.layers):
+                    scatter_layer(layer, ids, payload[:, i, a:b])
+            elif host_buffer is not None:
+                self.host_pool.give(host_buffer)
+            return problem
+        # staged: host-to-device per layer on the side stream, then the scatter; one event per layer
+        host_payload = self._payload_of(buf, chunk)
+        size = payload_nbytes(self.layers, chunk.num_pages)
+        staging = self.device_pool.take(size)
+        if staging is None:
+            self.host_pool.give(host_buffer)
+            return "load staging budget spent"
+        device_payload = payload_view(staging, 0, self.layers, chunk.num_pages)
+        a, b = chunk.write_from - chunk.first_page, chunk.write_to - chunk.first_page
+        with self.device.side():
+            self.device.after_compute()
+            ids = self._ids(chunk.block_ids)
+            for i, layer in enumerate(self.layers):
+                device_payload[:, i].copy_(host_payload[:, i], non_blocking=True)
+                scatter_layer(layer, ids, device_payload[:, i, a:b])
+                self.layer_ready[layer.name] = self.device.record()
+            done = self.device.record()
+        host_pool, device_pool = self.host_pool, self.device_pool
+        self._in_flight_loads.append((done, lambda: (host_pool.give(host_buffer), device_pool.give(staging))))
+        return None
+
+    def _check_header(self, buf: torch.Tensor, chunk: ChunkLoad, dtype_name: str) -> str | None:
         if len(buf) < 4:
             return "blob shorter than its header length"
         header_end = 4 + int.from_bytes(bytes(buf[:4].numpy()), "little")
@@ -546,19 +693,17 @@ class _WorkerSide:
             header = fmt.decode_header(bytes(buf[:min(len(buf), header_end)].numpy()))
         except ValueError as e:
             return str(e)
-        expect = self._header(chunk.num_pages)
+        expect = self._header(chunk.num_pages, dtype_name)
         expect.payload_byte_offset = header.payload_byte_offset
         if header != expect:
             return f"chunk header {header} does not match this engine's {expect}"
-        l0 = self.layers[0]
-        if header.payload_byte_offset + fmt.payload_bytes(header, l0.dtype.itemsize) > len(buf):
+        if header.payload_byte_offset + payload_nbytes(self.layers, chunk.num_pages) > len(buf):
             return "chunk shorter than its header says"
-        payload = self._payload_view(buf, header.payload_byte_offset, chunk.num_pages)
-        a, b = chunk.write_from - chunk.first_page, chunk.write_to - chunk.first_page
-        ids = torch.tensor(chunk.block_ids, dtype=torch.long)
-        for i, layer in enumerate(self.layers):
-            layer.pages.index_copy_(0, ids, payload[:, i, a:b].transpose(0, 1))
+        self._payload_offset = header.payload_byte_offset
         return None
+
+    def _payload_of(self, buf: torch.Tensor, chunk: ChunkLoad) -> torch.Tensor:
+        return payload_view(buf, self._payload_offset, self.layers, chunk.num_pages)
 
     def take_invalid(self) -> set[int]:
         out, self.invalid = self.invalid, set()
@@ -571,6 +716,8 @@ class _WorkerSide:
         return out
 
     def close(self) -> None:
+        if self.device is not None:
+            self._finish_loads()
         self.saver.idle(10)
         self.saver.close()
         self.loader.close()
@@ -611,7 +758,10 @@ class InferaKvdConnector(KVConnectorBase_V1):
             self._worker.load(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv, before the forward
+        # The CPU loads in start_load_kv; an accelerator's copies run on a side stream, and the
+        # forward waits (on the device) for each layer's just before that layer's attention.
+        if self._worker is not None:
+            self._worker.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
                       **kwargs: Any) -> None:
