@@ -126,7 +126,7 @@ class PickedPair:
 def _leg_request(req: RoutedRequest) -> RoutedRequest:
     """A per-leg copy: tokenization is shared, pick state (route key, rank, charges) is not."""
     return RoutedRequest(route=req.route, body=req.body, parsed=req.parsed, model=req.model, stream=req.stream,
-                         request_id=req.request_id, state=dict(req.state))
+                         request_id=req.request_id, state=dict(req.state), trace_headers=req.trace_headers)
 
 
 def pd_kind(worker: WorkerRecord) -> tuple[str, str]:
@@ -287,7 +287,8 @@ class DisaggRouter:
         body = self.engine_hints.apply_dict(body, leg.worker, leg.req)
         try:
             opened = await open_upstream(self.transport, leg.worker, route, _encode_json(body),
-                                         request_headers(request_id, leg.rank), stream, leg.role)
+                                         request_headers(request_id, leg.rank, leg.req.trace_headers), stream,
+                                         leg.role)
         except LegFailure as exc:  # 5xx or transport error before the first byte (or a full NATS backlog)
             if exc.blames_worker and not (leg.hold_engine_error and is_engine_error(exc)):
                 leg.score_failure()
@@ -311,6 +312,7 @@ class DisaggRouter:
             protocol.check_route(req.route)
         except PdError as exc:
             raise ApiError(exc.status, exc.message, exc.code) from None
+        req.state["prefill_worker"] = prefill.worker_id  # the request's trace span reports the pair
         p_leg = _Leg(self, "prefill", prefill, p_req, hold_engine_error=hold_engine_error)
         d_leg = _Leg(self, "decode", decode, d_req, hold_engine_error=hold_engine_error)
         committed = False

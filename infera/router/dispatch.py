@@ -125,6 +125,7 @@ class MixedRouter:
                 break
             worker = self.choose(pool, req)
             tried.add(worker.worker_id)
+            req.state["attempts"] = attempt + 1  # the request's trace span reports it
             try:
                 reply = await self._attempt(worker, req, hold_engine_error=True)
             except LegFailure as exc:
@@ -199,6 +200,7 @@ class MixedRouter:
                 break
             worker = self.policy.pick(self.breaker.filter(pool), req)
             tried.add(worker.worker_id)
+            req.state["migrations"] = req.state.get("migrations", 0) + 1  # the request's trace span reports it
             route, body = tracker.continuation(worker.engine)
             try:
                 opened, release = await self._open(worker, req, route, body)
@@ -267,7 +269,7 @@ class MixedRouter:
         body = self.engine_hints.apply_bytes(body, worker, req)
         breaker = self.breaker
         release = self.charge(worker, req)
-        headers = request_headers(req.request_id, req.state.get("dp_rank"))
+        headers = request_headers(req.request_id, req.state.get("dp_rank"), req.trace_headers)
         try:
             opened = await open_upstream(self.transport, worker, route, body, headers, req.stream)
         except LegFailure as exc:  # 5xx or transport error before the first byte: the worker's fault

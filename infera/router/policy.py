@@ -20,6 +20,8 @@ class RoutedRequest:
     direct_worker: str | None = None  # router-mode direct: x-worker-instance-id
     direct_prefill: str | None = None  # router-mode direct, PD: x-prefill-instance-id
     state: dict[str, Any] = field(default_factory=dict)  # per-policy scratch (e.g. block hashes)
+    # sent to every engine leg with the request id: the W3C trace context (traceparent, tracestate)
+    trace_headers: tuple[tuple[str, str], ...] = ()
 
 
 class Policy(Protocol):

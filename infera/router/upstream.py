@@ -29,11 +29,13 @@ TAIL_BYTES = 2048
 DP_RANK_HEADER = "X-Data-Parallel-Rank"
 
 
-def request_headers(request_id: str, dp_rank: int | None) -> tuple[tuple[str, str], ...]:
-    """The request id every engine sees, and the DP rank a rank-multiplexed worker must run on."""
+def request_headers(request_id: str, dp_rank: int | None,
+                    trace: tuple[tuple[str, str], ...] = ()) -> tuple[tuple[str, str], ...]:
+    """The request id every engine sees, the DP rank a rank-multiplexed worker must run on, and
+    the request's trace context (``traceparent``: the engine's spans join the trace)."""
     if dp_rank is None:
-        return (("X-Request-Id", request_id),)
-    return (("X-Request-Id", request_id), (DP_RANK_HEADER, str(dp_rank)))
+        return (("X-Request-Id", request_id), *trace)
+    return (("X-Request-Id", request_id), (DP_RANK_HEADER, str(dp_rank)), *trace)
 
 
 # Direct mode (a gateway's sidecar): a pinned worker that could not be reached before the first byte

@@ -25,6 +25,7 @@ from infera.discovery.record import record_to_dict
 from infera.kv.prompt import DEFAULT_PREFIX_CHARS
 from infera.router.auto import AutoRouter
 from infera.router.policy import RoutedRequest
+from infera.server.tracing import RequestSpan, client_trace_headers
 from infera.server.metrics import ServerMetrics
 from infera.server import profiling as _profiling
 from infera.server import dashboard as _dashboard
@@ -61,6 +62,7 @@ class ServerState:
     dashboard_session_s: float = _dashboard.DEFAULT_SESSION_S  # --dashboard-session-s: the cookie's server-side life
     scaler: Any = None  # --enable-scaling-api: a DeploymentScaler for GET/POST /v1/admin/scale; None: off (404)
     api_keys: Any = None  # --api-keys-file: ApiKeys (infera/server/api_keys.py); None: the API is open
+    tracer: Any = None  # --otlp-traces-endpoint: RequestTracer (infera/server/tracing.py); None: off
 
 
 STATE_KEY = web.AppKey("state", ServerState)
@@ -192,6 +194,18 @@ def _authorize_model(request: web.Request, model: str | None) -> None:
         keys.authorize(request[API_KEY_KEY], model)
 
 
+def _trace(state: ServerState, request: web.Request, route: str, model: str | None,
+           request_id: str) -> tuple[RequestSpan | None, tuple[tuple[str, str], ...]]:
+    """The request's span (tracing on) and the trace headers every engine leg gets: the span's
+    context, or (tracing off) the client's own ``traceparent`` unchanged."""
+    if state.tracer is None:
+        return None, client_trace_headers(request.headers)
+    key = request.get(API_KEY_KEY)
+    span = state.tracer.start(route, request.headers, model=model, request_id=request_id,
+                              tenant=key.tenant if key is not None else None)
+    return span, span.headers
+
+
 def _make_inference_handler(route: str):
     async def handler(request: web.Request) -> web.StreamResponse:
         state: ServerState = request.app[STATE_KEY]
@@ -205,22 +219,29 @@ def _make_inference_handler(route: str):
         parsed = parse_request(route, body, allow_kv_transfer_params=state.allow_client_kv_transfer_params)
         _authorize_model(request, parsed.model)
         stream = bool(parsed.stream)
+        span, trace_headers = _trace(state, request, route, parsed.model, request_id)
         routed = RoutedRequest(route=route, body=body, parsed=parsed, model=parsed.model, stream=stream,
                                request_id=request_id, direct_worker=request.headers.get(DIRECT_WORKER_HEADER),
-                               direct_prefill=request.headers.get(DIRECT_PREFILL_HEADER))
+                               direct_prefill=request.headers.get(DIRECT_PREFILL_HEADER), trace_headers=trace_headers)
         metrics = state.metrics
         try:
             reply = await state.router.dispatch(routed)
         except ApiError as exc:
             metrics.count_request(route, exc.status, "none")
+            if span is not None:
+                span.finish(exc.status, routed.state, error=exc.message if exc.status >= 500 else None)
             raise
         except asyncio.CancelledError:
             metrics.count_disconnect(route)
+            if span is not None:
+                span.finish(None, routed.state, error="the client disconnected")
             raise
         headers = {REQUEST_ID_HEADER: request_id}
         if reply.stream is None:
             metrics.count_request(route, reply.status, reply.worker_id)
             metrics.observe_e2e(route, stream, time.perf_counter() - started)
+            if span is not None:
+                span.finish(reply.status, routed.state, worker_id=reply.worker_id)
             return web.Response(status=reply.status, body=reply.body, headers=headers,
                                 content_type=reply.content_type.split(";")[0])
         metrics.observe_ttft(route, (reply.first_byte_at or time.perf_counter()) - started)
@@ -230,6 +251,7 @@ def _make_inference_handler(route: str):
         headers["Cache-Control"] = "no-cache"
         resp = web.StreamResponse(status=200, headers=headers)
         chunks = reply.stream
+        broken: str | None = None
         try:
             await resp.prepare(request)
             async for chunk in chunks:
@@ -237,11 +259,14 @@ def _make_inference_handler(route: str):
             await resp.write_eof()
         except (ConnectionResetError, asyncio.CancelledError):
             metrics.count_disconnect(route)
+            broken = "the client disconnected"
             raise
         finally:
             await chunks.aclose()  # releases upstream on any exit, even before the first chunk
             metrics.count_request(route, 200, reply.worker_id)
             metrics.observe_e2e(route, stream, time.perf_counter() - started)
+            if span is not None:
+                span.finish(200, routed.state, worker_id=reply.worker_id, error=broken)
         return resp
 
     return handler
@@ -366,31 +391,41 @@ async def _anthropic_messages(request: web.Request) -> web.StreamResponse:
     request_id = _request_id(request)
     request[REQUEST_ID_KEY] = request_id
     metrics = state.metrics
+    span: RequestSpan | None = None
+    routed: RoutedRequest | None = None
     try:
         translated = _anthropic.translate_request(await _anthropic_body(request, state))
         _authorize_model(request, translated.model)
         body = _json.encode(translated.body)
         parsed = parse_request(_anthropic.CHAT_ROUTE, body,
                                allow_kv_transfer_params=state.allow_client_kv_transfer_params)
+        span, trace_headers = _trace(state, request, route, translated.model, request_id)
         routed = RoutedRequest(route=_anthropic.CHAT_ROUTE, body=body, parsed=parsed, model=translated.model,
                                stream=translated.stream, request_id=request_id,
                                direct_worker=request.headers.get(DIRECT_WORKER_HEADER),
-                               direct_prefill=request.headers.get(DIRECT_PREFILL_HEADER))
+                               direct_prefill=request.headers.get(DIRECT_PREFILL_HEADER), trace_headers=trace_headers)
         reply = await state.router.dispatch(routed)
     except ApiError as exc:
         metrics.count_request(route, exc.status, "none")
+        if span is not None:
+            span.finish(exc.status, routed.state if routed is not None else None,
+                        error=exc.message if exc.status >= 500 else None)
         return _anthropic_error(exc.status, exc.message, request_id, exc.headers)
     except web.HTTPRequestEntityTooLarge:
         metrics.count_request(route, 413, "none")
         return _anthropic_error(413, f"request body larger than the {state.max_request_bytes}-byte limit", request_id)
     except asyncio.CancelledError:
         metrics.count_disconnect(route)
+        if span is not None:
+            span.finish(None, routed.state if routed is not None else None, error="the client disconnected")
         raise
     msg_id = _anthropic.message_id(request_id)
     headers = {REQUEST_ID_HEADER: request_id}
     if reply.stream is None:
         metrics.count_request(route, reply.status, reply.worker_id)
         metrics.observe_e2e(route, False, time.perf_counter() - started)
+        if span is not None:
+            span.finish(reply.status, routed.state, worker_id=reply.worker_id)
         if reply.status >= 400:  # the engine refused it: its message, in Anthropic's shape
             return _anthropic_error(reply.status, _anthropic.error_message_of(reply.body, reply.status), request_id)
         try:
@@ -408,6 +443,7 @@ async def _anthropic_messages(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(status=200, headers=headers)
     chunks = reply.stream
     events = _anthropic.StreamTranslator(translated.model, msg_id, translated.stop_sequences)
+    broken: str | None = None
     try:
         await resp.prepare(request)
         async for chunk in chunks:  # read to the end even after [DONE]: the relay's usage tail feeds kv-aware
@@ -420,11 +456,14 @@ async def _anthropic_messages(request: web.Request) -> web.StreamResponse:
         await resp.write_eof()
     except (ConnectionResetError, asyncio.CancelledError):
         metrics.count_disconnect(route)
+        broken = "the client disconnected"
         raise
     finally:
         await chunks.aclose()  # releases upstream on any exit, even before the first chunk
         metrics.count_request(route, 200, reply.worker_id)
         metrics.observe_e2e(route, True, time.perf_counter() - started)
+        if span is not None:
+            span.finish(200, routed.state, worker_id=reply.worker_id, error=broken)
     return resp
 
 

@@ -200,6 +200,11 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
            "(README: API keys); the inference API then needs 'Authorization: Bearer <key>' or 'x-api-key: <key>' "
            "(401 without a valid one, 403 for a model the key may not use). Reloaded when the file changes "
            "(a mounted Kubernetes Secret); off: the API is open")
+    f("--otlp-traces-endpoint", env="INFERA_OTLP_TRACES_ENDPOINT", default=None,
+      help="export a span per request over OTLP to this collector (e.g. http://otel-collector:4317; the protocol "
+           "is OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, grpc by default as in vLLM) and send each engine the span's "
+           "traceparent, so the engine's own spans join the trace; off: no spans (a client's own traceparent "
+           "still reaches the engine)")
     f("--dashboard-session-s", env="INFERA_DASHBOARD_SESSION_S", default=12 * 3600.0, type=positive_float,
       help="seconds a /dashboard sign-in (its cookie) stays valid; the server refuses it afterwards")
     f("--allow-client-kv-transfer-params", env="INFERA_ALLOW_CLIENT_KV_TRANSFER_PARAMS", default=False,
@@ -302,6 +307,18 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
             NatsAuth.from_args(args, environ)
         except ValueError as exc:
             parser.error(str(exc))
+    if getattr(args, "otlp_traces_endpoint", None):
+        from infera.server.tracing import PROTOCOL_ENV, PROTOCOLS
+
+        env = os.environ if environ is None else environ
+        if env.get(PROTOCOL_ENV, "grpc") not in PROTOCOLS:
+            parser.error(f"--otlp-traces-endpoint: {PROTOCOL_ENV}={env[PROTOCOL_ENV]!r} is not one of "
+                         f"{', '.join(PROTOCOLS)}")
+        try:
+            import opentelemetry.sdk.trace  # noqa: F401
+        except ImportError:
+            parser.error("--otlp-traces-endpoint needs the OpenTelemetry SDK and OTLP exporters "
+                         "(pip install opentelemetry-sdk opentelemetry-exporter-otlp)")
     if getattr(args, "api_keys_file", None):
         from infera.server.api_keys import ApiKeys, ApiKeysError
 

@@ -13,6 +13,7 @@ from aiohttp import web
 from infera.discovery.base import Discovery
 from infera.runtime import install_event_loop, wait_for_shutdown_signal
 from infera.server.api_keys import ApiKeys, ApiKeysMetrics
+from infera.server.tracing import RequestTracer
 from infera.server.app import ServerState, build_app
 from infera.server.cli import parse_args
 from infera.server.limits import LimitedAppRunner, LimitsMetrics, ServerLimits, limits_middleware
@@ -60,6 +61,9 @@ class InferaServer:
             self.api_keys = ApiKeys(args.api_keys_file)
             self.api_keys.load()
             self.metrics.registry.register(ApiKeysMetrics(self.api_keys))
+        self.tracer: RequestTracer | None = None  # --otlp-traces-endpoint (infera/server/tracing.py)
+        if args.otlp_traces_endpoint:
+            self.tracer = RequestTracer(args.otlp_traces_endpoint, policy=args.router_policy)
         self.limits = ServerLimits.from_args(args)
         self.metrics.registry.register(LimitsMetrics(self.limits))
         self.port: int | None = None
@@ -91,7 +95,7 @@ class InferaServer:
                                     kvd_socket_path=self.args.kvd_socket_path,
                                     metrics_token=self.args.metrics_token,
                                     dashboard_session_s=self.args.dashboard_session_s, scaler=self.scaler,
-                                    api_keys=self.api_keys))
+                                    api_keys=self.api_keys, tracer=self.tracer))
         app.middlewares.append(limits_middleware(self.limits))  # body timeout, request bytes in flight
         # handler_cancellation: a client that disconnects cancels its handler, which closes the
         # upstream connection, which makes the engine abort the request and free its slot.
@@ -135,6 +139,8 @@ class InferaServer:
             await self.process_metrics.stop()
         if self.scaler is not None:
             await self.scaler.close()
+        if self.tracer is not None:
+            await self.tracer.shutdown()  # the spans still batched go out
         await self.stack.stop()
 
 
