@@ -27,6 +27,7 @@ import asyncio
 import logging
 import random
 import time
+from time import perf_counter
 from typing import Callable, Sequence
 
 import msgspec
@@ -218,7 +219,9 @@ class DisaggRouter:
         """The policy's pair among the pools (non-empty): (prefill, its leg request, decode, its leg
         request). ``decodes``: every active decode worker (named in the error when none matches)."""
         p_req, d_req = _leg_request(req), _leg_request(req)
+        started = perf_counter()
         prefill = self.policy.pick(self.breaker.filter(p_pool), p_req, "prefill")
+        self.metrics.observe_pick("prefill", perf_counter() - started)
         # A pair never mixes engines or connectors: the decode comes from the prefill's kind.
         kind = pd_kind(prefill)
         d_pool = [w for w in d_pool if pd_kind(w) == kind]
@@ -230,7 +233,9 @@ class DisaggRouter:
                            "the prefill worker picked (see the server log)", "pd_protocol_mismatch")
         # Filtered after the kind match, so an open decode is avoided only while a healthy one of
         # the same kind exists (and all of that kind are tried rather than none).
+        started = perf_counter()
         decode = self.policy.pick(self.breaker.filter(d_pool), d_req, "decode")
+        self.metrics.observe_pick("decode", perf_counter() - started)
         return prefill, p_req, decode, d_req
 
     async def pick(self, req: RoutedRequest, exclude: frozenset[str] = frozenset()) -> "PickedPair":

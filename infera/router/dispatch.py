@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from time import perf_counter
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -245,8 +246,11 @@ class MixedRouter:
             await self._prepare(req)
 
     def choose(self, pool: Sequence[WorkerRecord], req: RoutedRequest) -> WorkerRecord:
-        """The policy's pick among ``pool`` (non-empty) after the breaker's filter."""
-        return self.policy.pick(self.breaker.filter(pool), req)
+        """The policy's pick among ``pool`` (non-empty) after the breaker's filter, timed."""
+        started = perf_counter()
+        worker = self.policy.pick(self.breaker.filter(pool), req)
+        self.metrics.observe_pick("mixed", perf_counter() - started)
+        return worker
 
     async def pick(self, req: RoutedRequest,
                    exclude: frozenset[str] = frozenset()) -> tuple[WorkerRecord, Callable[[], None]]:

@@ -23,6 +23,8 @@ from infera.discovery.fleet import Fleet
 from infera.discovery.record import WorkerRecord
 from infera.router.breaker import STATE_CODES, CircuitBreaker
 
+# The policy's pick alone (no tokenizing or hashing: those run before it), sub-millisecond.
+PICK_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -89,6 +91,7 @@ class ServerMetrics:
         self.requests: dict[tuple[str, str, str], int] = {}
         self.e2e: dict[tuple[str, str], Histogram] = {}
         self.ttft: dict[str, Histogram] = {}
+        self.pick: dict[str, Histogram] = {}  # role → the policy's pick time
         self.inflight: dict[str, Gauge] = {}
         self.retries: dict[tuple[str, str], int] = {}
         self.midstream_failures: dict[str, int] = {}
@@ -113,6 +116,12 @@ class ServerMetrics:
         h = self.e2e.get(key)
         if h is None:
             h = self.e2e[key] = Histogram()
+        h.observe(seconds)
+
+    def observe_pick(self, role: str, seconds: float) -> None:
+        h = self.pick.get(role)
+        if h is None:
+            h = self.pick[role] = Histogram(PICK_BUCKETS)
         h.observe(seconds)
 
     def observe_ttft(self, route: str, seconds: float) -> None:
@@ -184,6 +193,11 @@ class ServerMetrics:
                                      labels=["route"])
         for route, h in sorted(self.ttft.items()):
             hist.add_metric([route], h.cumulative(), h.total)
+        yield hist
+        hist = HistogramMetricFamily("infera_router_pick_seconds", "The routing policy's pick per request leg "
+                                     "(candidates scored; tokenizing and hashing come before it)", labels=["role"])
+        for role, h in sorted(self.pick.items()):
+            hist.add_metric([role], h.cumulative(), h.total)
         yield hist
         g = GaugeMetricFamily("infera_worker_inflight_requests", "Requests in flight per worker",
                               labels=["worker_id"])
