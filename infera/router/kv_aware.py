@@ -17,6 +17,12 @@ cost(target) = w_overlap × missed_blocks + w_mm × missed_images + in_flight_bl
   legs) × the retention amplifier (long ×2, explicit none ×0.1);
 * multimodal requests are steered by image affinity (w_mm = 48 × w) instead of text overlap.
 
+While a candidate's view is still warming up (the observer's ``warming``: its history not yet
+replayed, e.g. just after this server started), the pick is made by load alone: no target is
+credited with a partial view's hits or blamed for blocks its view has not caught up with, and
+``predicted_hit_blocks`` is 0 (``kv_load_only`` in the request state keeps the reply out of the
+self-check).
+
 A rank-multiplexed worker (DP attention) is scored per rank; the chosen rank travels as
 ``X-Data-Parallel-Rank``. The argmin is over (cost, load); remaining ties go to the target whose
 cache holds the fewest blocks, then rotate.
@@ -266,7 +272,10 @@ class PrefixIndex(Protocol):
 
 
 class KvPickObserver(Protocol):
-    """Metrics sink (the server's); optional."""
+    """Metrics sink (the server's); optional. It may also have ``warming``: a live collection of the
+    route keys whose view is not caught up yet (picks among them are by load; see the docstring);
+    and ``on_engine_restart``: a list the policy appends its callback to, called with a route key
+    whose engine restarted (its cache is gone: so are the blocks served there just before)."""
 
     def record_pick(self, role: str, key: str, hit_blocks: int, request_blocks: int) -> None: ...
 
@@ -318,6 +327,10 @@ class KvAwarePolicy:
                         "prefill": overlap_weight if prefill_overlap_weight is None else prefill_overlap_weight,
                         "decode": overlap_weight if decode_overlap_weight is None else decode_overlap_weight}
         self.observer = observer
+        self._warming = getattr(observer, "warming", None)  # route keys whose view is still warming up
+        restarts = getattr(observer, "on_engine_restart", None)
+        if restarts is not None:
+            restarts.append(self.engine_restarted)
         # route key → block hash → requests in flight, this replica's and (with a sync) the others'
         self.active: dict[str, BlockCounter] = {}
         # route key → blocks in flight there beyond their prompts' horizons (estimated, not hashed)
@@ -463,6 +476,10 @@ class KvAwarePolicy:
             w_overlap, w_mm = (0.0, amplified * MM_WEIGHT) if hints.multimodal else (amplified, 0.0)
             mm_keys = hints.image_keys
         layout, n_targets = self._layout if candidates is self._layout_of else self._layout_for(candidates)
+        warming = self._warming
+        load_only = bool(warming) and any(k in warming for _, _, keys in layout for k in keys)
+        if load_only:
+            st["kv_load_only"] = True
 
         # Ties on (cost, load) — typically a cold prompt on an idle fleet — go to the target whose
         # cache holds the least (spreading new prefixes keeps the fleet's caches balanced), then
@@ -495,7 +512,10 @@ class KvAwarePolicy:
                 # No block size registered: nothing can be known cached there, so it pays for every
                 # block (upstream charged it nothing, making it look like a perfect cache hit).
                 total, hashes = most_blocks, _NO_BLOCKS
-            if hashes:
+            if load_only:  # a view is warming up: every target misses every block, the load decides
+                hits = view_hits = [0] * len(keys)
+                pending, lowers, first = False, _NO_LOWER, None
+            elif hashes:
                 hits = view_hits = self.index.match(hashes, keys)
                 # Served there, events still on the way: as good as cached (see LANDED_TTL_S).
                 if landed_of:
@@ -762,6 +782,11 @@ class KvAwarePolicy:
         if landed is None:
             landed = self.landed[key] = LandedClaims()
         landed.land(blocks, finished_at, self.clock() + LANDED_TTL_S, LANDED_CAP)
+
+    def engine_restarted(self, key: str) -> None:
+        """``key``'s engine restarted: the blocks served there that its events had not confirmed
+        yet are not cached there any more (the view itself was dropped by its owner)."""
+        self.landed.pop(key, None)
 
     def sweep_landed(self, now: float) -> None:
         """Drop expired landed claims of every target (a target no pick looks at keeps none)."""

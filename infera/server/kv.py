@@ -10,6 +10,30 @@
   are compared with what the router predicted when it picked the worker. The error is exported,
   and a warning is logged once when predictions diverge (block-size, hash-seed or chat-template
   mismatch) or a worker's events fall silent.
+
+Self-healing: a view never keeps crediting an engine with blocks it may have lost, and says when
+it may be missing some.
+
+* Engine restart: a worker that registers again with another KV-event identity (engine, block
+  size, event or replay endpoint, transport: launchers pick fresh event ports per start), or whose
+  stream shows a new engine (seq back, a replayed batch that differs, a replay that ends before our
+  last batch: ``infera.transport.kv_events_zmq``), has its view dropped at once and rebuilt from
+  the new engine's seq 0. Counted in ``infera_kv_engine_restarts``, one INFO line each.
+* Warm-up: a target's view is ``caught_up`` once its subscription has delivered the history it
+  can get (the engine's replay buffer on ZMQ, the JetStream history on NATS). Until then its key is
+  in ``warming``, which the kv-aware policy reads: a pick with a warming candidate is made by load
+  only (no target credited with a partial view's hits, none blamed for the blocks its view has not
+  caught up with yet), and its reply is left out of the self-check. ``infera_kv_view_caught_up``
+  per target, ``caught_up`` in the cache view, and one INFO line when every view has caught up.
+* Degraded: a view that may lack blocks its engine holds -- batches lost mid-stream that replay
+  could not bring back, or history older than the engine's replay buffer -- is ``degraded``
+  (``infera_kv_view_degraded``, and its reason in the cache view). Such a view is reset when the
+  loss is found, so it holds only what was stored since: it under-predicts, it cannot predict a
+  hit the engine lacks. It stays in use (its hits are real; routing by load instead would lose
+  them too). It is whole again -- not degraded -- once the engine says its cache is empty
+  (AllBlocksCleared), the engine restarts, or a resubscription replays from the engine's seq 0.
+* Staleness: ``infera_kv_view_staleness_seconds``, the age of the last applied batch (or of the
+  subscription, before any), computed at scrape time from one stored timestamp.
 """
 from __future__ import annotations
 
@@ -24,13 +48,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from infera.discovery.fleet import Fleet
 from infera.discovery.record import WorkerRecord
-from infera.kv.events import KvEventDecodeError, decoder_for
-from infera.kv.index import KvIndex
+from infera.kv.events import Cleared, KvEventDecodeError, decoder_for
+from infera.kv.index import KvIndex, lower_tier
 from infera.router.kv_aware import expand_targets, predicted_cached_tokens
 from infera.router.policy import RoutedRequest
 from infera.server.metrics import Histogram
 from infera.transport.kv_events_nats import NatsKvEventSubscriber, kv_event_subject
-from infera.transport.kv_events_zmq import ZmqKvEventSubscriber, endpoint_for_rank
+from infera.transport.kv_events_zmq import RESET_RESTART, ZmqKvEventSubscriber, endpoint_for_rank
 from infera.transport.nats_conn import NatsConnection
 
 log = logging.getLogger(__name__)
@@ -52,15 +76,28 @@ DIVERGENCE_WINDOW = 20
 _endpoint_for_rank = endpoint_for_rank  # engines publish rank r on port + r
 
 
+def _kv_identity(record: WorkerRecord) -> tuple:
+    """What names one engine instance's event stream: a re-registration that changes it is a new
+    engine (launchers bind fresh event ports per start), whose cache starts empty."""
+    return (record.engine, record.kv_block_size, record.kv_events_endpoint, record.kv_events_replay_endpoint,
+            record.kv_event_transport)
+
+
 class _TargetState:
     __slots__ = ("worker_id", "engine", "batches", "events", "decode_errors", "last_batch_at", "last_seq",
                  "unconfirmed_since", "silent", "errors", "abs_error_sum", "observations", "exact", "verdicts",
                  "wrong", "over", "under", "delays", "delay_ewma", "cpu_s", "prompt_tokens", "predicted_tokens",
-                 "reported_prompt_tokens", "reported_cached_tokens")
+                 "reported_prompt_tokens", "reported_cached_tokens", "added_at", "fresh", "degraded", "restarts")
 
-    def __init__(self, worker_id: str, engine: str) -> None:
+    def __init__(self, worker_id: str, engine: str, added_at: float) -> None:
         self.worker_id = worker_id
         self.engine = engine
+        self.added_at = added_at  # (monotonic) the staleness of a view no batch has reached yet
+        # No batch applied since the view was (re)built: the first one says whether it starts at
+        # the engine's seq 0 (whole) or later (blocks stored before it are unknown: degraded).
+        self.fresh = True
+        self.degraded: str | None = None  # why the view may lack blocks (a reset reason), None: whole
+        self.restarts = 0  # engine restarts found (re-registration or stream)
         self.batches = 0
         self.events = 0
         self.cpu_s = 0.0  # this thread's CPU in decoding and applying this target's batches
@@ -101,14 +138,28 @@ class KvEventsBridge:
         self.index = index
         self.clock = clock
         self.wall_clock = wall_clock
-        self.subscriber = subscriber or ZmqKvEventSubscriber(self._on_batch, self._on_reset)
+        self.subscriber = subscriber or ZmqKvEventSubscriber(self._on_batch, self._on_reset,
+                                                             on_caught_up=self._on_caught_up)
         # JetStream, for workers whose launcher relays their events there (None: ZMQ for all).
         self.nats_subscriber = nats_subscriber or (
-            NatsKvEventSubscriber(nats, self._on_batch, self._on_reset) if nats is not None else None)
+            NatsKvEventSubscriber(nats, self._on_batch, self._on_reset, on_caught_up=self._on_caught_up)
+            if nats is not None else None)
+        for sub in (self.subscriber, self.nats_subscriber):
+            if sub is not None and getattr(sub, "on_caught_up", None) is None:
+                sub.on_caught_up = self._on_caught_up  # (one handed in: the watchdog would poll it too)
         self._key_sub: dict[str, Any] = {}  # route key -> the subscriber that holds it
         self.targets: dict[str, _TargetState] = {}
+        # Route keys whose view has not caught up with its engine's history yet (see the module
+        # docstring); the kv-aware policy reads this set (its observer's ``warming``).
+        self.warming: set[str] = set()
+        self._warming_since: float | None = None  # when ``warming`` last became non-empty
+        # Called with a route key whose engine restarted (the kv-aware policy drops what it credits
+        # there beyond the view: blocks of requests served just before).
+        self.on_engine_restart: list[Callable[[str], None]] = []
+        self._caught_up_once = False
         self._decoders: dict[str, Callable[[bytes], Any]] = {}
         self._worker_keys: dict[str, list[str]] = {}
+        self._identity: dict[str, tuple] = {}  # worker id -> _kv_identity of the record subscribed
         self._warned: set[tuple[str, str]] = set()
         self._picks = 0
         self.pick_hits: dict[str, Histogram] = {}
@@ -164,6 +215,7 @@ class KvEventsBridge:
     # -- fleet → subscriptions -----------------------------------------------------------------------
     def _on_fleet_change(self, worker_id: str, record: WorkerRecord | None) -> None:
         old_keys = self._worker_keys.pop(worker_id, [])
+        old_identity = self._identity.pop(worker_id, None)
         if record is None or not record.is_active:
             for key in old_keys:
                 self._drop(key)
@@ -180,15 +232,30 @@ class KvEventsBridge:
             return
         keys = []
         sub = self._subscriber_for(record)
+        identity = _kv_identity(record)
+        restarted = old_identity is not None and identity != old_identity
+        if restarted:
+            log.info("worker %s registered again with a new KV-event stream (engine restart): its cached blocks "
+                     "are dropped from the router's view, rebuilt from the new engine's events", worker_id)
         for rank, key in expand_targets(record):
             keys.append(key)
-            if key in old_keys and self.index.has_target(key) and self._key_sub.get(key) is sub:
+            if key in old_keys and self.index.has_target(key) and self._key_sub.get(key) is sub and not restarted:
                 continue  # unchanged record: keep the subscription and the view
             old_sub = self._key_sub.get(key)
             if old_sub is not None and old_sub is not sub:
                 old_sub.remove(key)  # the worker moved to the other transport
             self.index.add_target(key, record.kv_block_size)
-            self.targets[key] = _TargetState(worker_id, record.engine)
+            state = self.targets.get(key) if key in old_keys else None
+            if state is None:
+                self.targets[key] = _TargetState(worker_id, record.engine, self.clock())
+            else:  # the same target, a new engine: its counters go on, its view starts over
+                self.index.reset(key)
+                state.engine = record.engine
+                state.restarts += 1
+                state.last_seq, state.fresh, state.degraded = None, True, None
+                state.added_at, state.last_batch_at = self.clock(), None
+                self._engine_restarted(key)
+            self._set_warming(key, True)  # until the new subscription says it caught up
             if record.engine not in self._decoders:
                 self._decoders[record.engine] = decoder_for(record.engine)
             self._key_sub[key] = sub
@@ -202,6 +269,10 @@ class KvEventsBridge:
             if key not in keys:
                 self._drop(key)
         self._worker_keys[worker_id] = keys
+        self._identity[worker_id] = identity
+        for key in keys:  # (a subscription may have caught up as it was added: NATS, nothing to fetch)
+            if key in self.warming and self.stats(key).get("caught_up"):
+                self._on_caught_up(key)
 
     def _drop(self, key: str) -> None:
         sub = self._key_sub.pop(key, None)
@@ -209,6 +280,32 @@ class KvEventsBridge:
             sub.remove(key)
         self.index.remove_target(key)
         self.targets.pop(key, None)
+        self._set_warming(key, False)
+
+    # -- warm-up ---------------------------------------------------------------------------------------
+    def _set_warming(self, key: str, warming: bool) -> None:
+        if warming:
+            if not self.warming:
+                self._warming_since = self.clock()
+            self.warming.add(key)
+        else:
+            self.warming.discard(key)
+
+    def _on_caught_up(self, key: str) -> None:
+        """``key``'s subscription delivered the history it could get: its view is used from now."""
+        if key not in self.warming:
+            return
+        self.warming.discard(key)
+        log.debug("KV view of %s caught up", key)
+        if not self.warming:
+            took = self.clock() - self._warming_since if self._warming_since is not None else 0.0
+            if not self._caught_up_once:
+                self._caught_up_once = True
+                log.info("KV views caught up: %d target(s) rebuilt from their engines' replay buffers or "
+                         "JetStream history in %.1fs; kv-aware routing now uses them (it routed by load until "
+                         "then)", len(self.targets), took)
+            else:
+                log.debug("KV views caught up again after %.1fs", took)
 
     # -- events ----------------------------------------------------------------------------------------
     def _on_batch(self, key: str, seq: int, payload: bytes) -> None:
@@ -221,6 +318,12 @@ class KvEventsBridge:
         try:
             # The common batch (GPU stores and removals, map form) is applied from its bytes; the
             # index says None for anything else, decoded and applied as events (the same result).
+            if state.fresh:  # the first batch of this view: does it start at the engine's first batch?
+                state.fresh = False
+                if seq == 0:
+                    state.degraded = None  # the engine's every batch since its start: whole
+                elif seq > 0 and state.degraded is None:
+                    self._degrade(key, state, "history")
             done = self.index.apply_payload(key, payload)
             if done is not None:
                 applied, ts = done
@@ -233,6 +336,11 @@ class KvEventsBridge:
                                     state.engine, exc)
                     return
                 applied, ts = self.index.apply(key, batch), batch.ts
+                if state.degraded is not None and any(type(ev) is Cleared and lower_tier(ev.medium) is None
+                                                      for ev in batch.events):
+                    # the engine's cache is empty now, and so is the view: whole again
+                    state.degraded = None
+                    log.info("KV view of %s is whole again (the engine cleared its cache)", key)
             state.events += applied
             sub = self._key_sub.get(key)
             if sub is None or not sub.replaying(key):  # replayed history is old by design: not a delay
@@ -257,14 +365,43 @@ class KvEventsBridge:
         state = self.targets.get(key)
         if state is None:
             return
-        if state.batches:
-            log.warning("KV event stream of %s lost continuity: its cache view is reset", key)
+        sub = self._key_sub.get(key)
+        reason_of = getattr(sub, "reset_reason", None)
+        reason = (reason_of(key) if reason_of is not None else None) or "gap"
+        blocks = self.index.block_count(key)
+        self.index.reset(key)
+        state.fresh = True
+        if reason == RESET_RESTART:
+            # A new engine: its cache started empty, like the view now (whole; its first batch
+            # decides, if it does not start at seq 0).
+            state.restarts += 1
+            state.degraded = None
+            log.info("KV events of %s: the engine restarted; its %d cached block(s) are dropped from the "
+                     "router's view", key, blocks)
+            self._engine_restarted(key)
+        elif state.batches:
+            self._degrade(key, state, reason)
+            log.warning("KV event stream of %s lost continuity (%s): its cache view is reset and marked degraded "
+                        "(it under-predicts until the engine clears its cache or restarts)", key, reason)
         else:
             # First contact with a long-running engine whose replay buffer no longer reaches its
             # first batch: nothing was lost here, blocks stored earlier are simply unknown until
             # stored again. (Every new server replica would otherwise warn.)
+            self._degrade(key, state, reason)
             log.info("KV events of %s: history before the engine's replay buffer is unknown", key)
-        self.index.reset(key)
+
+    def _engine_restarted(self, key: str) -> None:
+        for callback in self.on_engine_restart:
+            try:
+                callback(key)
+            except Exception:  # a listener's bug must not stop the view's own reset
+                log.exception("engine-restart listener failed for %s", key)
+
+    @staticmethod
+    def _degrade(key: str, state: _TargetState, reason: str) -> None:
+        if state.degraded is None:
+            log.debug("KV view of %s degraded (%s)", key, reason)
+        state.degraded = reason
 
     # -- picks and the self-check ---------------------------------------------------------------------
     def record_pick(self, role: str, key: str, hit_blocks: int, request_blocks: int) -> None:
@@ -311,6 +448,8 @@ class KvEventsBridge:
             return
         state.reported_prompt_tokens += prompt_tokens
         state.reported_cached_tokens += cached_tokens
+        if st.get("kv_load_only"):
+            return  # picked by load while a view warmed up: no prediction to check
         state.observations += 1
         errors = state.errors
         if cached_tokens == predicted:  # (the common case: none of the work below)
@@ -352,6 +491,8 @@ class KvEventsBridge:
     async def _watch_silence(self) -> None:
         while True:
             await asyncio.sleep(1.0)
+            for key in [k for k in self.warming if self.stats(k).get("caught_up")]:
+                self._on_caught_up(key)  # (a subscriber that does not call back)
             now = self.clock()
             for key, state in self.targets.items():
                 if state.unconfirmed_since is not None and now - state.unconfirmed_since > SILENT_AFTER_S:
@@ -374,13 +515,16 @@ class KvEventsBridge:
             return None
         sub = self.stats(key)
         now = self.clock()
+        since = state.last_batch_at if state.last_batch_at is not None else state.added_at
         return {"worker_id": worker_id, "dp_rank": dp_rank, "route_key": key, "engine": state.engine,
                 "block_count": self.index.block_count(key), "last_event_seq": state.last_seq,
                 "lag_s": None if state.last_batch_at is None else round(now - state.last_batch_at, 3),
                 "delay_ms": None if state.delay_ewma is None else round(state.delay_ewma * 1000, 1),
                 "batches": state.batches, "block_events": state.events, "decode_errors": state.decode_errors,
                 "gaps": sub.get("gaps", 0), "replays": sub.get("replays", 0), "resets": sub.get("resets", 0),
-                "events_silent": state.silent, "caught_up": sub.get("caught_up", False),
+                "events_silent": state.silent, "caught_up": key not in self.warming,
+                "degraded": state.degraded is not None, "degraded_reason": state.degraded,
+                "staleness_s": round(now - since, 3), "engine_restarts": state.restarts,
                 "transport": self.transport(key),
                 "prediction": {"observations": state.observations, "exact": state.exact,
                                "over": state.over, "under": state.under,
@@ -427,6 +571,21 @@ class KvEventsBridge:
                                               labels=label)
         reported = CounterMetricFamily("infera_kv_reported_cached_tokens", "Cached prompt tokens the engine "
                                        "reported in those replies' usage", labels=label)
+        caught_up = GaugeMetricFamily("infera_kv_view_caught_up", "1 once a worker's view has caught up with its "
+                                      "engine's history (replay or JetStream); 0 while warming up, when the "
+                                      "kv-aware policy routes its picks by load", labels=label)
+        degraded = GaugeMetricFamily("infera_kv_view_degraded", "1 while a worker's view may lack blocks its engine "
+                                     "holds (events lost beyond replay, or history older than the replay "
+                                     "buffer): it under-predicts until the engine clears its cache or restarts",
+                                     labels=label)
+        staleness = GaugeMetricFamily("infera_kv_view_staleness_seconds", "Seconds since a worker's view last "
+                                      "applied an event batch (or since it was subscribed, before any)",
+                                      labels=label)
+        restarts = CounterMetricFamily("infera_kv_engine_restarts", "Engine restarts found (a new KV-event "
+                                       "stream registered, or the stream started over): the view was dropped",
+                                       labels=label)
+        now = self.clock()
+        warming = self.warming
         active = GaugeMetricFamily("infera_policy_active_blocks", "Distinct prompt blocks of the requests in flight "
                                    "on a worker (the kv-aware policy's load term)", labels=label)
         active_blocks = self.active_blocks
@@ -438,6 +597,11 @@ class KvEventsBridge:
             gaps.add_metric([key], sub.get("gaps", 0))
             resets.add_metric([key], sub.get("resets", 0))
             silent.add_metric([key], 1 if state.silent else 0)
+            caught_up.add_metric([key], 0 if key in warming else 1)
+            degraded.add_metric([key], 0 if state.degraded is None else 1)
+            since = state.last_batch_at if state.last_batch_at is not None else state.added_at
+            staleness.add_metric([key], max(0.0, now - since))
+            restarts.add_metric([key], state.restarts)
             blocks.add_metric([key], self.index.block_count(key))
             delay.add_metric([key], state.delays.cumulative(), state.delays.total)
             off.add_metric([key, "over"], state.over)
@@ -449,7 +613,7 @@ class KvEventsBridge:
             if active_blocks is not None:
                 active.add_metric([key], active_blocks(key))
         yield from (batches, events, cpu, gaps, resets, silent, blocks, delay, off, prompt, predicted,
-                    reported_prompt, reported)
+                    reported_prompt, reported, caught_up, degraded, staleness, restarts)
         if active_blocks is not None:
             yield active
         if self.balance is not None:

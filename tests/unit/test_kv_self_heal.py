@@ -361,3 +361,36 @@ def test_the_watchdog_catches_a_subscriber_that_never_calls_back():
         return b.warming
 
     assert asyncio.run(run()) == set()
+
+
+def test_a_restart_also_drops_the_blocks_the_policy_credits_beyond_the_view():
+    """Blocks of a request just served count as cached there until the events confirm them
+    (landed claims): a restarted engine has lost those too."""
+    b, sub, fleet = fake_bridge(record())
+    sub.catch_up("w")
+    policy = KvAwarePolicy(b.index, PromptTokenizer.from_path(None), observer=b)
+    w = record()
+    req = request(PROMPT)
+    assert pick(policy, (w,), req).worker_id == "w" and req.state["predicted_hit_blocks"] == 0
+    policy.on_started(w, req)
+    req.state["served"] = True
+    policy.on_finished(w, req)  # served: its blocks are claimed as cached on w
+    follow_up = request(PROMPT)
+    pick(policy, (w,), follow_up)
+    assert follow_up.state["predicted_hit_blocks"] == 8
+    fields = {f: getattr(w, f) for f in w.__struct_fields__}
+    fleet.upsert(WorkerRecord(**{**fields, "kv_events_endpoint": "tcp://127.0.0.1:6001"}))  # relaunched
+    sub.catch_up("w")
+    after = request(PROMPT)
+    pick(policy, (w,), after)
+    assert after.state["predicted_hit_blocks"] == 0
+
+
+def test_a_restart_found_on_the_stream_drops_the_policys_claims_too():
+    b, sub, _ = fake_bridge(record())
+    dropped: list[str] = []
+    b.on_engine_restart.append(dropped.append)
+    sub.reset(b, "w", RESET_GAP)
+    assert dropped == []  # a gap: the engine still has its blocks
+    sub.reset(b, "w", RESET_RESTART)
+    assert dropped == ["w"]
