@@ -13,6 +13,12 @@ after reconnects and broker restarts. Messages of keys not added are skipped, bu
 subject: a key added after its history went by fetches that subject's history again through a
 short-lived filtered pull consumer, while its live messages are buffered (bounded), then hands
 over to the shared consumer (stream sequences make the hand-over exact).
+
+Resets carry a reason, as on ZMQ (``RESET_REASONS``): a relay's reset marker sent at its start, a
+new epoch whose marker never came, or a seq going back is ``restart``; any other marker (the
+relay lost continuity with its engine) or a seq gap is ``gap``; a first message past seq 0 (history trimmed by the stream's limits) is
+``history``; a re-created stream is ``reconnect``. ``on_caught_up(key)``, when set, is called when
+a key's history has been delivered (``caught_up`` turns true).
 """
 from __future__ import annotations
 
@@ -26,7 +32,8 @@ import nats.errors
 import nats.js.errors
 from nats.js import api
 
-from infera.transport.kv_events_zmq import NO_SEQ, KvCallbacks
+from infera.transport.kv_events_zmq import (NO_SEQ, RESET_GAP, RESET_HISTORY, RESET_RECONNECT, RESET_RESTART,
+                                            KvCallbacks, OnCaughtUp)
 from infera.transport.nats_conn import NatsConnection, subject_token
 
 log = logging.getLogger("infera.transport.kv_events_nats")
@@ -40,6 +47,7 @@ STREAM_MAX_MSGS = 1_000_000
 HDR_SEQ = "Infera-Kv-Seq"
 HDR_EPOCH = "Infera-Kv-Epoch"
 HDR_RESET = "Infera-Kv-Reset"
+MARKER_RELAY_START = "relay-start"  # HDR_RESET of the marker a relay sends when it starts (a new engine)
 
 _STREAM_IN_USE = 10058  # JetStream err_code: stream name already in use with a different configuration
 
@@ -91,6 +99,8 @@ class _Key:
     markers: int = 0
     gaps: int = 0
     resets: int = 0
+    reset_reasons: dict[str, int] = field(default_factory=dict)
+    reset_reason: str | None = None
     restarts: int = 0
     replays: int = 0
     replay_failures: int = 0
@@ -103,10 +113,11 @@ class NatsKvEventSubscriber(KvCallbacks):
     ``ZmqKvEventSubscriber``. ``add``'s endpoint is the key's subject (``kv_event_subject``)."""
 
     def __init__(self, nats: NatsConnection, on_batch: OnBatch, on_reset: OnReset, *, heartbeat_s: float = 1.0,
-                 api_timeout: float = 5.0) -> None:
+                 api_timeout: float = 5.0, on_caught_up: OnCaughtUp | None = None) -> None:
         self.nats = nats
         self.on_batch = on_batch
         self.on_reset = on_reset
+        self.on_caught_up = on_caught_up
         self.heartbeat_s = heartbeat_s  # the ordered consumer re-creates itself after 2 missed
         self.api_timeout = api_timeout
         self._keys: dict[str, _Key] = {}
@@ -144,6 +155,7 @@ class NatsKvEventSubscriber(KvCallbacks):
         elif self._global_caught_up:
             st.wait_global = False
             st.caught_up = True  # nothing of it in the stream yet: live from here
+            self._notify_caught_up(st)
 
     def remove(self, key: str) -> None:
         st = self._keys.pop(key, None)
@@ -189,7 +201,8 @@ class NatsKvEventSubscriber(KvCallbacks):
                 "connected": self._sub is not None and self.nats.connected,
                 "last_seq": st.last_seq, "epoch": st.epoch, "stream_seq": st.floor,
                 "batches": st.batches, "markers": st.markers, "gaps": st.gaps, "replays": st.replays,
-                "replay_failures": st.replay_failures, "resets": st.resets, "restarts": st.restarts,
+                "replay_failures": st.replay_failures, "resets": st.resets,
+                "reset_reasons": dict(st.reset_reasons), "restarts": st.restarts,
                 "callback_errors": st.callback_errors, "last_batch_at": st.last_batch_at,
                 "caught_up": self._caught_up(st)}
 
@@ -233,7 +246,7 @@ class NatsKvEventSubscriber(KvCallbacks):
                     st.task = None
                 st.live, st.wait_global, st.caught_up, st.buffer = True, True, False, []
                 st.floor, st.seen, st.last_seq, st.epoch = 0, False, None, None
-                self._reset(st)
+                self._reset(st, RESET_RECONNECT)
             self._passed.clear()
             self._passed_overflow = False
             self._last_sseq = 0
@@ -297,10 +310,11 @@ class NatsKvEventSubscriber(KvCallbacks):
 
     def _mark_global_caught_up(self) -> None:
         self._global_caught_up = True
-        for st in self._keys.values():
+        for st in list(self._keys.values()):
             if st.live and st.wait_global:
                 st.caught_up = True
                 st.wait_global = False
+                self._notify_caught_up(st)
 
     def _remember_passed(self, subject: str, sseq: int) -> None:
         self._passed[subject] = max(sseq, self._passed.pop(subject, 0))
@@ -332,6 +346,7 @@ class NatsKvEventSubscriber(KvCallbacks):
         st.live = True
         st.caught_up = True
         st.task = None
+        self._notify_caught_up(st)
 
     async def _fetch_once(self, st: _Key) -> None:
         if not await self.nats.wait_connected(self.api_timeout):
@@ -383,13 +398,15 @@ class NatsKvEventSubscriber(KvCallbacks):
         if HDR_RESET in headers:
             st.markers += 1
             st.last_seq, st.epoch = None, epoch
-            self._reset(st)
+            restart = headers.get(HDR_RESET) == MARKER_RELAY_START
+            st.restarts += restart
+            self._reset(st, RESET_RESTART if restart else RESET_GAP)
             return
         if not first and epoch != st.epoch:
             # A new relay run or generation whose reset marker never reached us.
             st.restarts += 1
             st.last_seq = None
-            self._reset(st)
+            self._reset(st, RESET_RESTART)
         st.epoch = epoch
         try:
             seq = int(headers.get(HDR_SEQ, NO_SEQ))
@@ -400,15 +417,15 @@ class NatsKvEventSubscriber(KvCallbacks):
             return
         if st.last_seq is None:
             if first and seq != 0:
-                self._reset(st)  # the history before this batch is gone (stream limits)
+                self._reset(st, RESET_HISTORY)  # the history before this batch is gone (stream limits)
         elif seq > st.last_seq + 1:
             st.gaps += 1
             log.info("KV events %s: seq gap %d..%d over NATS: resetting", st.key, st.last_seq + 1, seq - 1)
-            self._reset(st)
+            self._reset(st, RESET_GAP)
         elif seq <= st.last_seq:
             st.restarts += 1
             log.info("KV events %s: seq went back from %d to %d: resetting", st.key, st.last_seq, seq)
-            self._reset(st)
+            self._reset(st, RESET_RESTART)
         st.last_seq = seq
         self._emit(st, seq, data)
 
