@@ -40,6 +40,7 @@ from infera.engine.base.engine_config import http_ready, parse_json_flag
 from infera.engine.base.argv import flag_value, flag_values, has_flag
 from infera.engine.base.launcher import EngineProcessSpec, default_advertise_host, engine_command
 from infera.engine.base.preflight import PdSetup
+from infera.engine.base.rocm_env import apply_rocm_env
 from infera.engine.sglang.adapter import add_kv_events_flag, int_flag, kv_events_enabled
 from infera.engine.base.kv_events import free_port, kv_events_bind_ip
 
@@ -187,6 +188,8 @@ class AtomAdapter:
         elif os.environ.get(ATOM_KV_EVENTS_ENABLE) == "1":
             log.warning("%s=1: ATOM publishes KV events, but the record advertises none (pass --enable-kv-events "
                         "for the router to use them)", ATOM_KV_EVENTS_ENABLE)
+        env = dict(env)
+        apply_rocm_env("atom", argv, env)  # spec §6.5: an AMD host's RDMA defaults
         return EngineProcessSpec(cmd=engine_command(args, ATOM_MODULE, argv), port=server_port, host=reach, env=env,
                                  argv=argv)
 

@@ -46,6 +46,7 @@ from infera.engine.base.kv_dtype import has_gpu, with_kv_fp8_default
 from infera.engine.base.kv_events import bind_kv_events, free_port_block
 from infera.engine.base.preflight import SGLANG_RDMA_BACKENDS, PdSetup, sglang_transfer_refusals
 from infera.engine.base.prom import sum_samples
+from infera.engine.base.rocm_env import apply_rocm_env
 from infera.kvd.config import DEFAULT_SOCKET as DEFAULT_KVD_SOCKET, SOCKET_ENV as KVD_SOCKET_ENV
 
 log = logging.getLogger("infera.launcher.sglang")
@@ -307,6 +308,7 @@ class SglangAdapter:
         reach = default_advertise_host(bind)
         if self.kv_events is not None and flag_value(engine_argv, "--kv-events-config") is None:
             argv = bind_kv_events(argv, args.advertise_host or reach)  # ours: bound where the router connects
+        apply_rocm_env("sglang", argv, env)  # spec §6.5: an AMD host's RDMA defaults
         return EngineProcessSpec(cmd=engine_command(args, SGLANG_MODULE, argv), port=port, host=reach, env=env,
                                  argv=argv)
 

@@ -40,6 +40,7 @@ from infera.engine.base.kv_events import add_kv_events_flag, bind_kv_events, eve
 from infera.engine.base.launcher import EngineProcessSpec, default_advertise_host, engine_command
 from infera.engine.base.ports import free_port_blocks
 from infera.engine.base.preflight import PdSetup
+from infera.engine.base.rocm_env import apply_rocm_env
 from infera.engine.base.prom import VLLM_INFLIGHT, info_labels, sum_samples
 from infera.kvd.config import DEFAULT_SOCKET as DEFAULT_KVD_SOCKET, SOCKET_ENV as KVD_SOCKET_ENV
 
@@ -363,6 +364,7 @@ class VllmAdapter:
             log.info("VLLM_HOST_IP=%s (the advertise host; set VLLM_HOST_IP to choose another)", host_ip)
         elif "VLLM_HOST_IP" not in os.environ:
             log.info("advertise host %s is not an IP: VLLM_HOST_IP left to vLLM's own detection", advertise)
+        apply_rocm_env("vllm", argv, env)  # spec §6.5: an AMD host's RDMA defaults (the rail IP among them)
         if flag_value(engine_argv, "--kv-events-config") is None:  # ours: bound where the router connects
             argv = bind_kv_events(argv, advertise)
         if uses_nixl(transfer):
