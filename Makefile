@@ -16,8 +16,9 @@ SGLANG_DIR := $(VLLM_VENV)/sglang-$(SGLANG_VERSION)
 
 setup: $(VENV)/.installed
 
-# The C accelerator (infera/kv/_native.c) is built in place by the editable install.
-NATIVE_SRC := setup.py infera/kv/_native.c
+# The C accelerator (infera/kv/csrc/: a .c per concern and the headers they share) is built in
+# place by the editable install.
+NATIVE_SRC := setup.py $(wildcard infera/kv/csrc/*.c infera/kv/csrc/*.h)
 
 $(VENV)/.installed: pyproject.toml $(NATIVE_SRC)
 	$(PYTHON) -m venv $(VENV)

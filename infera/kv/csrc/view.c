@@ -1,0 +1,321 @@
+/* GpuView's storage and bookkeeping: targets added and removed, a target's view dropped, its
+ * counts and counters, single lookups, and the type with its method table (the matches are in
+ * view_match.c, event application in view_apply.c and view_payload.c). In C because the view is
+ * read per block of every prompt routed and written per block of every engine event. */
+#include "view.h"
+
+/* ------------------------------------------------------------------------------------------ */
+/* GpuView                                                                                     */
+
+static int
+view_ensure(GpuView *v, int bit)
+{
+    if (bit >= v->ntargets) {
+        Py_ssize_t n = v->ntargets ? v->ntargets : 8;
+        while (n <= bit)
+            n *= 2;
+        Target *t = PyMem_Realloc(v->targets, (size_t)n * sizeof(Target));
+        if (t == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        memset(t + v->ntargets, 0, (size_t)(n - v->ntargets) * sizeof(Target));
+        v->targets = t;
+        v->ntargets = n;
+    }
+    int words = (bit >> 6) + 1;
+    if (words > v->holders.words && infera_h_rebuild(&v->holders, v->holders.cap, words) < 0)
+        return -1;
+    return 0;
+}
+
+int
+infera_view_parse_bit(GpuView *v, PyObject *obj, int *bit)
+{
+    long b = PyLong_AsLong(obj);
+    if (b == -1 && PyErr_Occurred())
+        return -1;
+    if (b < 0 || b >= v->ntargets || !v->targets[b].live) {
+        PyErr_Format(PyExc_KeyError, "no target with bit %ld", b);
+        return -1;
+    }
+    *bit = (int)b;
+    return 0;
+}
+
+static int
+GpuView_init(GpuView *v, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"stored", "removed", "cleared", "full_attention_kinds", NULL};
+    PyObject *stored, *removed, *cleared, *kinds;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO:GpuView", kwlist, &stored, &removed, &cleared, &kinds))
+        return -1;
+    if (!PyType_Check(stored) || !PyType_Check(removed) || !PyType_Check(cleared) || !PyAnySet_Check(kinds)) {
+        PyErr_SetString(PyExc_TypeError, "GpuView(stored, removed, cleared: types, full_attention_kinds: set)");
+        return -1;
+    }
+    if (v->holders.slots == NULL && h_alloc(&v->holders, 64, 1) < 0)
+        return -1;
+    Py_INCREF(stored);
+    Py_XSETREF(v->stored_type, stored);
+    Py_INCREF(removed);
+    Py_XSETREF(v->removed_type, removed);
+    Py_INCREF(cleared);
+    Py_XSETREF(v->cleared_type, cleared);
+    Py_INCREF(kinds);
+    Py_XSETREF(v->full_kinds, kinds);
+    return 0;
+}
+
+static void
+GpuView_dealloc(GpuView *v)
+{
+    for (Py_ssize_t i = 0; i < v->ntargets; i++)
+        map_free(&v->targets[i].emap);
+    PyMem_Free(v->targets);
+    PyMem_Free(v->holders.slots);
+    Py_XDECREF(v->stored_type);
+    Py_XDECREF(v->removed_type);
+    Py_XDECREF(v->cleared_type);
+    Py_XDECREF(v->full_kinds);
+    Py_TYPE(v)->tp_free((PyObject *)v);
+}
+
+/* add(bit): a new target, empty */
+static PyObject *
+GpuView_add(GpuView *v, PyObject *arg)
+{
+    long b = PyLong_AsLong(arg);
+    if (b == -1 && PyErr_Occurred())
+        return NULL;
+    if (b < 0 || b > (1 << 20)) {
+        PyErr_SetString(PyExc_ValueError, "bit out of range");
+        return NULL;
+    }
+    if (view_ensure(v, (int)b) < 0)
+        return NULL;
+    Target *t = &v->targets[b];
+    if (t->live) {
+        PyErr_Format(PyExc_ValueError, "bit %ld is in use", b);
+        return NULL;
+    }
+    map_free(&t->emap);
+    t->count = 0;
+    t->unmapped = 0;
+    t->live = 1;
+    memset(t->counters, 0, sizeof(t->counters));
+    Py_RETURN_NONE;
+}
+
+/* Empty a target's view and map (its bit stays). */
+static void
+view_drop(GpuView *v, int bit)
+{
+    Target *t = &v->targets[bit];
+    Holders *h = &v->holders;
+    if (t->count && !t->unmapped) {
+        /* every viewed hash was added with a map entry: clear through the map */
+        for (uint64_t i = 0; i < t->emap.cap && t->count; i++) {
+            if (t->emap.used[i] && h_clear_bit(h, t->emap.vals[i], bit))
+                t->count--;
+        }
+    }
+    if (t->count) {
+        /* misaligned events (or a remapped engine hash) left hashes no map entry names: scan, then
+         * rebuild without the entries left empty */
+        uint64_t stride = H_STRIDE(h), b = 1ULL << (bit & 63);
+        int emptied = 0;
+        for (uint64_t i = 0; i < h->cap; i++) {
+            uint64_t *slot = h->slots + i * stride;
+            if (h_empty(h, slot))
+                continue;
+            slot[1 + (bit >> 6)] &= ~b;
+            if (h_empty(h, slot))
+                emptied = 1;
+        }
+        if (emptied) {
+            /* an emptied slot reads as free, which would break probe chains: re-insert the rest */
+            Holders old = *h;
+            if (h_alloc(h, old.cap, old.words) == 0) {
+                for (uint64_t i = 0; i < old.cap; i++) {
+                    uint64_t *src = old.slots + i * stride;
+                    if (h_empty(&old, src))
+                        continue;
+                    uint64_t mask = h->cap - 1, j = home_of(src[0], h->shift);
+                    while (!h_empty(h, h->slots + j * stride))
+                        j = (j + 1) & mask;
+                    memcpy(h->slots + j * stride, src, stride * sizeof(uint64_t));
+                    h->n++;
+                }
+                PyMem_Free(old.slots);
+            }
+            else {
+                /* no memory for the copy: recount in place (the chains may break: rebuild later) */
+                *h = old;
+                PyErr_Clear();
+                uint64_t n = 0;
+                for (uint64_t i = 0; i < h->cap; i++)
+                    n += !h_empty(h, h->slots + i * stride);
+                h->n = n;
+            }
+        }
+    }
+    t->count = 0;
+    map_free(&t->emap);
+    t->unmapped = 0;
+}
+
+static PyObject *
+GpuView_drop(GpuView *v, PyObject *arg)
+{
+    int bit;
+    if (infera_view_parse_bit(v, arg, &bit) < 0)
+        return NULL;
+    view_drop(v, bit);
+    Py_RETURN_NONE;
+}
+
+/* remove(bit): drop the view and free the bit */
+static PyObject *
+GpuView_remove(GpuView *v, PyObject *arg)
+{
+    int bit;
+    if (infera_view_parse_bit(v, arg, &bit) < 0)
+        return NULL;
+    view_drop(v, bit);
+    v->targets[bit].live = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+GpuView_count(GpuView *v, PyObject *arg)
+{
+    int bit;
+    if (infera_view_parse_bit(v, arg, &bit) < 0)
+        return NULL;
+    return PyLong_FromSsize_t(v->targets[bit].count);
+}
+
+/* counts(bits) -> [count(bit) for bit in bits], 0 for a bit that is no live target (-1: unknown key) */
+static PyObject *
+GpuView_counts(GpuView *v, PyObject *bits)
+{
+    if (!PyList_Check(bits)) {
+        PyErr_SetString(PyExc_TypeError, "counts() takes a list of bits");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(bits);
+    PyObject *out = PyList_New(n);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long b = PyLong_AsLong(PyList_GET_ITEM(bits, i));
+        if (b == -1 && PyErr_Occurred()) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_ssize_t c = (b >= 0 && b < v->ntargets && v->targets[b].live) ? v->targets[b].count : 0;
+        PyObject *x = PyLong_FromSsize_t(c);
+        if (x == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, x);
+    }
+    return out;
+}
+
+static PyObject *
+GpuView_mapped(GpuView *v, PyObject *arg)
+{
+    int bit;
+    if (infera_view_parse_bit(v, arg, &bit) < 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(v->targets[bit].emap.n);
+}
+
+/* counters(bit) -> (stored_events, stored_blocks, removed_events, removed_blocks, dropped_events,
+ * skipped_events, misaligned_events) since the target was added */
+static PyObject *
+GpuView_counters(GpuView *v, PyObject *arg)
+{
+    int bit;
+    if (infera_view_parse_bit(v, arg, &bit) < 0)
+        return NULL;
+    Py_ssize_t *c = v->targets[bit].counters;
+    return Py_BuildValue("(nnnnnnn)", c[0], c[1], c[2], c[3], c[4], c[5], c[6]);
+}
+
+static Py_ssize_t
+GpuView_len(GpuView *v)
+{
+    return (Py_ssize_t)v->holders.n;
+}
+
+/* holds(bit, router_hash) -> bool */
+static PyObject *
+GpuView_holds(GpuView *v, PyObject *args)
+{
+    PyObject *bobj, *hobj;
+    int bit;
+    uint64_t key;
+    if (!PyArg_ParseTuple(args, "OO:holds", &bobj, &hobj) || infera_view_parse_bit(v, bobj, &bit) < 0)
+        return NULL;
+    if (router_key(hobj, &key) < 0)
+        Py_RETURN_FALSE;
+    return PyBool_FromLong(h_has_bit(&v->holders, key, bit));
+}
+
+/* emap_get(bit, engine_hash) -> router hash | None */
+static PyObject *
+GpuView_emap_get(GpuView *v, PyObject *args)
+{
+    PyObject *bobj, *eobj;
+    int bit;
+    uint64_t key;
+    if (!PyArg_ParseTuple(args, "OO:emap_get", &bobj, &eobj) || infera_view_parse_bit(v, bobj, &bit) < 0)
+        return NULL;
+    if (infera_engine_key(eobj, &key) < 0)
+        return NULL;
+    int64_t i = map_find(&v->targets[bit].emap, key);
+    if (i < 0)
+        Py_RETURN_NONE;
+    return PyLong_FromUnsignedLongLong(v->targets[bit].emap.vals[i]);
+}
+
+static PyMethodDef GpuView_methods[] = {
+    {"add", (PyCFunction)GpuView_add, METH_O, "add(bit): a new, empty target"},
+    {"remove", (PyCFunction)GpuView_remove, METH_O, "remove(bit): drop its view and free the bit"},
+    {"drop", (PyCFunction)GpuView_drop, METH_O, "drop(bit): empty the target's view and map"},
+    {"count", (PyCFunction)GpuView_count, METH_O, "count(bit): router hashes in the target's view"},
+    {"counts", (PyCFunction)GpuView_counts, METH_O, "counts(bits): count(bit) of each (0: no such target)"},
+    {"mapped", (PyCFunction)GpuView_mapped, METH_O, "mapped(bit): engine hashes the target can resolve"},
+    {"counters", (PyCFunction)GpuView_counters, METH_O, "counters(bit): the target's event counters"},
+    {"holds", (PyCFunction)GpuView_holds, METH_VARARGS, "holds(bit, router_hash) -> bool"},
+    {"emap_get", (PyCFunction)GpuView_emap_get, METH_VARARGS, "emap_get(bit, engine_hash) -> router hash or None"},
+    {"first_unheld", (PyCFunction)infera_GpuView_first_unheld, METH_VARARGS,
+     "first_unheld(hashes, start=0) -> position of the first hash no target holds"},
+    {"match_one", (PyCFunction)infera_GpuView_match_one, METH_VARARGS, "match_one(hashes, bit) -> held prefix length"},
+    {"match", (PyCFunction)infera_GpuView_match, METH_VARARGS, "match(hashes, bits) -> held prefix length per bit"},
+    {"apply", (PyCFunction)infera_GpuView_apply, METH_VARARGS, "apply(bit, block_size, events, start, lower_parent)"},
+    {"apply_payload", (PyCFunction)infera_GpuView_apply_payload, METH_VARARGS,
+     "apply_payload(bit, block_size, payload) -> counts, or None to decode it in Python"},
+    {NULL},
+};
+
+static PySequenceMethods GpuView_as_sequence = {
+    .sq_length = (lenfunc)GpuView_len,
+};
+
+PyTypeObject infera_GpuViewType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "infera.kv._native.GpuView",
+    .tp_doc = "The index's GPU view: router hash -> holder bits, per target engine hash -> router hash.",
+    .tp_basicsize = sizeof(GpuView),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)GpuView_init,
+    .tp_dealloc = (destructor)GpuView_dealloc,
+    .tp_methods = GpuView_methods,
+    .tp_as_sequence = &GpuView_as_sequence,
+};

@@ -1,0 +1,84 @@
+/* GpuView, the index's GPU view (infera/kv/index.py): router hash -> holder bits (one bit per
+ * target), and per target engine hash -> router hash. Its storage and bookkeeping are in view.c,
+ * the prefix matches in view_match.c, event application in view_apply.c (decoded events) and
+ * view_payload.c (a msgpack batch as it came off the wire). */
+#ifndef INFERA_VIEW_H
+#define INFERA_VIEW_H
+
+#include "ids.h"
+#include "u64table.h"
+
+/* ------------------------------------------------------------------------------------------ */
+/* GpuView                                                                                     */
+
+/* Counters of one apply() or apply_payload() call. */
+typedef struct {
+    Py_ssize_t stored_events, stored_blocks, removed_events, removed_blocks;
+    Py_ssize_t dropped_events, skipped_events, misaligned_events, other_block_size;
+} ApplyCounts;
+
+/* The event counters a target's applies accumulate (TargetStats' fields of the same names). */
+enum { C_STORED_EVENTS, C_STORED_BLOCKS, C_REMOVED_EVENTS, C_REMOVED_BLOCKS, C_DROPPED, C_SKIPPED, C_MISALIGNED,
+       N_COUNTERS };
+
+typedef struct {
+    Map64 emap;         /* engine hash (folded to u64) -> router hash */
+    Py_ssize_t count;   /* router hashes whose entry has this target's bit */
+    int unmapped;       /* the view may hold router hashes no emap value names */
+    int live;
+    Py_ssize_t counters[N_COUNTERS];
+} Target;
+
+typedef struct {
+    PyObject_HEAD
+    Holders holders;
+    Target *targets; /* by bit */
+    Py_ssize_t ntargets;
+    PyObject *stored_type, *removed_type, *cleared_type, *full_kinds;
+} GpuView;
+
+/* An engine hash as a u64 key: an int as its 64-bit two's complement (engines send unsigned or
+ * signed 64-bit ints, one kind each), anything else (vLLM's bytes digests) folded with a seeded
+ * XXH3, as vLLM itself folds a digest to 64 bits for its int hashes. */
+#define FOLD_SEED_BYTES 0x6b76766965775f62ULL
+#define FOLD_SEED_OTHER 0x6b76766965775f6fULL
+
+INFERA_INTERNAL int infera_engine_key(PyObject *obj, uint64_t *out); /* view_apply.c */
+
+/* The bit ``obj`` names, of a live target (else KeyError). */
+INFERA_INTERNAL int infera_view_parse_bit(GpuView *v, PyObject *obj, int *bit); /* view.c */
+/* A call's counts added to the target's counters. */
+INFERA_INTERNAL void infera_view_add_counts(Target *t, const ApplyCounts *c); /* view_apply.c */
+
+/* GpuView's methods defined outside view.c (its method table is there). */
+INFERA_INTERNAL PyObject *infera_GpuView_first_unheld(GpuView *v, PyObject *args); /* view_match.c */
+INFERA_INTERNAL PyObject *infera_GpuView_match_one(GpuView *v, PyObject *args);    /* view_match.c */
+INFERA_INTERNAL PyObject *infera_GpuView_match(GpuView *v, PyObject *args);        /* view_match.c */
+INFERA_INTERNAL PyObject *infera_GpuView_apply(GpuView *v, PyObject *args);        /* view_apply.c */
+INFERA_INTERNAL PyObject *infera_GpuView_apply_payload(GpuView *v, PyObject *args); /* view_payload.c */
+
+/* The bytes one block is hashed from (8 + 4 * block_size): on the stack up to 64-token blocks. */
+typedef struct {
+    unsigned char stack[8 + 4 * 64];
+    unsigned char *heap;
+    Py_ssize_t heap_len;
+} Scratch;
+
+static inline unsigned char *
+scratch_get(Scratch *s, Py_ssize_t need)
+{
+    if (need <= (Py_ssize_t)sizeof(s->stack))
+        return s->stack;
+    if (need > s->heap_len) {
+        unsigned char *b = PyMem_Realloc(s->heap, (size_t)need);
+        if (b == NULL) {
+            PyErr_NoMemory();
+            return NULL;
+        }
+        s->heap = b;
+        s->heap_len = need;
+    }
+    return s->heap;
+}
+
+#endif
