@@ -264,3 +264,45 @@ def routed(body: dict) -> RoutedRequest:
     raw = json.dumps(body).encode()
     return RoutedRequest(route="/v1/chat/completions", body=raw, parsed=parse_request("/v1/chat/completions", raw),
                          model="sim-model", stream=False, request_id="probe")
+
+
+async def test_a_server_following_jetstream_says_caught_up_only_once_the_history_is_in(
+        make_server, spawn_worker, nats_server):
+    from tests.integration.test_kv_events_nats import _more_than, kv_nats, stored
+
+    import nats.js.errors
+
+    async def relayed() -> int:
+        try:
+            return await stored(nats_server.url, w.worker_id)
+        except nats.js.errors.NotFoundError:  # the relay has not created the stream yet
+            return 0
+
+    w = await spawn_worker("--num-gpu-blocks", "2048", launcher_args=kv_nats(nats_server.url))
+    await wait_for(relayed, 20, message="the relay's start marker")
+    await wait_for(lambda: healthy(w.url), 20, message="worker up")
+    async with aiohttp.ClientSession() as s:
+        for g in range(3):  # straight to the engine: the server that follows is started after
+            await post(s, w.url, chat(g, "before this server"))
+    await wait_for(lambda: _more_than(nats_server.url, w.worker_id, 3), 10, message="batches in the stream")
+
+    server = await make_server("--kv-event-transport", "nats", "--nats-server", nats_server.url,
+                               "--admin-token", ADMIN_TOKEN)
+    at_caught_up: dict[str, int] = {}
+    notify = server.kv.nats_subscriber.on_caught_up
+
+    def seen(key: str) -> None:
+        at_caught_up[key] = server.kv.index.block_count(key)
+        notify(key)
+
+    server.kv.nats_subscriber.on_caught_up = seen
+    await wait_workers(server, {w.worker_id})
+    await wait_for(lambda: caught_up(server, w.worker_id), 15, message="caught up from the stream")
+    assert at_caught_up[w.worker_id] >= 3 * 18  # every prompt's blocks, from the history
+    base = f"http://127.0.0.1:{server.port}"
+    async with aiohttp.ClientSession() as s:
+        reply = await post(s, base, chat(1, "after"))
+        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= 10 * BS
+        view = await cache_view(s, base, w.worker_id)
+    assert view["transport"] == "nats" and view["caught_up"] and not view["degraded"]
+    assert view["prediction"]["observations"] == view["prediction"]["exact"] == 1
