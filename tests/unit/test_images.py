@@ -383,7 +383,8 @@ def test_expand_refuses_undeclared_and_valueless_args():
     ("infera/kv/_native.cpython-311-x86_64-linux-gnu.so", True),
     ("infera/server/__pycache__/app.cpython-311.pyc", True),
     ("tests/unit/test_images.py", True),
-    ("infera/kv/_native.c", False),
+    ("infera/kv/csrc/view.c", False),
+    ("infera/kv/csrc/native.h", False),
     ("infera/server/dashboard.html", False),
     ("pyproject.toml", False),
     ("keep/important.so", False),  # the exception below wins: it comes last
