@@ -240,3 +240,18 @@ def test_round_trip_every_backend_layout_and_dtype():
         done.stdout[-3000:] + done.stderr[-6000:]
     _, cases, compats = done.stdout.strip().splitlines()[-1].split()
     assert int(cases) >= 100 and int(compats) >= 20
+
+
+def test_gpu_check_script_smoke_runs_on_cpu_without_vllm(tmp_path):
+    """bench/gpu_kvd_check.py (the GPU-host check, where vLLM is not installed) in its CPU smoke
+    mode: every layout round-trips, direct and staged, with vLLM's import blocked."""
+    out = tmp_path / "check.json"
+    code = ("import sys, runpy; sys.modules['vllm'] = None\n"
+            f"sys.argv = ['gpu_kvd_check.py', '--device', 'cpu', '--quick', '--out', {str(out)!r}]\n"
+            "runpy.run_path('bench/gpu_kvd_check.py', run_name='__main__')\n")
+    done = run_engine_python(code, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    import json
+    result = json.loads(out.read_text())
+    assert len(result["round_trips"]) == 40 and all(r["bit_identical"] for r in result["round_trips"])
+    assert result["save_gbps"] > 0 and result["load_gbps"] > 0 and "step_with_save_ms" in result
