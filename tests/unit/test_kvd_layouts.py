@@ -229,6 +229,16 @@ for bad in (torch.zeros(2, NUM_BLOCKS, BLOCK, 4, 32, dtype=torch.bfloat16),   # 
     except kl.UnsupportedKvLayout as e:
         assert str(tuple(bad.shape)) in str(e), e
     w.close()
+# pinned staging is pooled and bounded: reused by size, other sizes released to make room
+from infera.engine.vllm.kv_staging import BufferPool
+pool = BufferPool(lambda n: torch.empty(n, dtype=torch.uint8), 100)
+a, b = pool.take(40), pool.take(40)
+assert pool.take(40) is None  # 120 bytes would pass the bound: the caller drops the save
+pool.give(a)
+assert pool.take(40) is a and pool.allocated == 2
+pool.give(a); pool.give(b)
+d = pool.take(60)
+assert d is not None and d.numel() == 60 and pool.in_use_bytes == 60 and pool.allocated == 3
 daemon.terminate(); daemon.wait(30)
 print("OK", cases, len(compats))
 '''

@@ -32,6 +32,14 @@ Failure policy: a daemon that does not answer at construction fails the engine's
 ``RECONNECT_EVERY_S`` (``infera.kvd.resilient``, shared with vLLM's connector); no exception
 reaches SGLang's cache threads.
 
+Host layouts: a flat page's byte order is the layout's (``get_data_page``/``set_from_flat_data_page``
+in SGLang's ``pool_host/mha.py`` and ``mla.py``), so the layout is part of the compat key. The
+generic path serves MHA ``layer_first``, ``page_first``, ``page_first_direct`` (direct I/O) and
+``page_head``, and MLA ``layer_first``, ``page_first``, ``page_first_direct``: each round-trips
+bit-identically under ``tests/integration/test_sglang_hicache_layouts.py``, which runs the wheel's
+own layout methods. ``page_unified`` and Ascend's ``page_first_kv_split`` have no flat data page
+(SGLang raises for them), so they never reach this backend's generic calls.
+
 Not supported: hybrid models' sidecar pools (Mamba/SWA states, SGLang's ``*_v2`` calls): the
 attach fails with a clear error rather than caching half a model's state.
 """
