@@ -73,7 +73,9 @@ class HostFacts:
     @classmethod
     def read(cls, root: str = "/") -> "HostFacts":
         r = Path(root)
-        return cls(kfd=(r / "dev/kfd").exists(), rdma=tuple(read_rdma_devices(r / "sys/class/infiniband")),
+        if not (r / "dev/kfd").exists():
+            return cls(kfd=False)  # not an AMD host: nothing else decides anything
+        return cls(kfd=True, rdma=tuple(read_rdma_devices(r / "sys/class/infiniband")),
                    modules=read_modules(r / "proc/modules"), nics=tuple(read_nics(r / "sys/class/net")),
                    gpus=count_amd_gpus(r / "sys/class/kfd/kfd/topology/nodes"))
 
