@@ -489,6 +489,13 @@ def launcher_node_rank(adapter: EngineAdapter, engine_argv: list[str], environ: 
         parser.error(str(exc))
 
 
+def console_prog(module_form: str) -> str:
+    """The name usage lines show: the console script's (``infera-vllm``) when run as one, else the
+    ``python -m`` form."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return name if name.startswith("infera-") else module_form
+
+
 def launch(adapter: EngineAdapter, prog: str, argv: Sequence[str] | None = None) -> None:
     """Entry point body of ``python -m infera.engine.<engine>``."""
     parser = build_launcher_parser(adapter, prog)
