@@ -27,6 +27,8 @@ from infera.kvd.resilient import KvdUnavailable
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
+DEVICE_STAGING_CHUNKS = 2  # device staging buffers, in chunks: a save's gather and a load's copy in flight
+
 
 @dataclass
 class _SaveJob:
@@ -174,7 +176,9 @@ class _WorkerSide:
         """The copies' device and staging pools (``register`` picks the cache's own device)."""
         self.device = self.saver.device = device
         self.host_pool = BufferPool(device.host_empty, self.max_bytes)
-        self.device_pool = BufferPool(device.empty, self.max_bytes)
+        # Device staging sits outside vLLM's KV budget: at most a few chunks of it.
+        chunk = payload_nbytes(self.layers, self.s.pages_per_chunk) if self.layers else self.max_bytes
+        self.device_pool = BufferPool(device.empty, min(self.max_bytes, DEVICE_STAGING_CHUNKS * chunk))
 
     # header / payload geometry
     def _dtype_name(self) -> str:
