@@ -229,6 +229,30 @@ for bad in (torch.zeros(2, NUM_BLOCKS, BLOCK, 4, 32, dtype=torch.bfloat16),   # 
     except kl.UnsupportedKvLayout as e:
         assert str(tuple(bad.shape)) in str(e), e
     w.close()
+# both sides' settings from vLLM's own config objects: the tag in the compat key; hybrid refused
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+dense = FullAttentionSpec(block_size=BLOCK, num_kv_heads=4, head_size=32, dtype=torch.bfloat16)
+vcfg = SimpleNamespace(model_config=SimpleNamespace(served_model_name=["m"], model="m", max_model_len=4096, use_mla=False),
+                       cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="auto", kv_cache_layout=None),
+                       parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1))
+kcc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(list(NAMES), dense)],
+                    kv_cache_layout="LBHNC")
+st = k._settings(vcfg, kcc)
+assert st.compat_key(1, 0) == "tp1of2_pp0of1_kcpu.kv_rows.LBHNC.h4c64.bf16.NONE", st.compat_key(1, 0)
+assert st.num_blocks == NUM_BLOCKS and st.layer_names == NAMES
+kcc.kv_cache_layout = "LBNHC"  # the CPU backend reads head-major blocks only
+try:
+    k._settings(vcfg, kcc); raise AssertionError("accepted LBNHC on the CPU")
+except kl.UnsupportedKvLayout as e:
+    assert "head-major" in str(e), e
+window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=4, head_size=32, dtype=torch.bfloat16, sliding_window=64)
+hybrid = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_layout="LBHNC",
+                       kv_cache_groups=[KVCacheGroupSpec(["a"], dense), KVCacheGroupSpec(["b", "c"], window)])
+try:
+    k._settings(vcfg, hybrid); raise AssertionError("accepted a hybrid model")
+except kl.UnsupportedKvLayout as e:
+    assert "group 0: FullAttentionSpec x1 layers, group 1: SlidingWindowSpec x2 layers" in str(e), e
+
 # pinned staging is pooled and bounded: reused by size, other sizes released to make room
 from infera.engine.vllm.kv_staging import BufferPool
 pool = BufferPool(lambda n: torch.empty(n, dtype=torch.uint8), 100)
