@@ -99,10 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", default="/", help="read sysfs/procfs/dev under this folder (tests, copies)")
     args = parser.parse_args(argv)
     rep = report(args.root, args.path)
-    if not args.json:
-        print(table(rep))
-    print(json.dumps(rep, sort_keys=True))
-    sys.stdout.flush()
+    try:
+        if not args.json:
+            print(table(rep))
+        print(json.dumps(rep, sort_keys=True))
+        sys.stdout.flush()
+    except BrokenPipeError:  # piped into head: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
