@@ -23,7 +23,8 @@ it may be missing some.
   can get (the engine's replay buffer on ZMQ, the JetStream history on NATS). Until then its key is
   in ``warming``, which the kv-aware policy reads: a pick with a warming candidate is made by load
   only (no target credited with a partial view's hits, none blamed for the blocks its view has not
-  caught up with yet), and its reply is left out of the self-check. ``infera_kv_view_caught_up``
+  caught up with yet), and a reply whose cached tokens that pick could not predict is left out of
+  the self-check. ``infera_kv_view_caught_up``
   per target, ``caught_up`` in the cache view, and one INFO line when every view has caught up.
 * Degraded: a view that may lack blocks its engine holds -- batches lost mid-stream that replay
   could not bring back, or history older than the engine's replay buffer -- is ``degraded``
@@ -448,8 +449,10 @@ class KvEventsBridge:
             return
         state.reported_prompt_tokens += prompt_tokens
         state.reported_cached_tokens += cached_tokens
-        if st.get("kv_load_only"):
-            return  # picked by load while a view warmed up: no prediction to check
+        if cached_tokens != predicted and st.get("kv_load_only"):
+            # Picked by load while a view warmed up: the view was not asked, so it is not blamed
+            # (a cold reply, nothing cached either way, counts as any other).
+            return
         state.observations += 1
         errors = state.errors
         if cached_tokens == predicted:  # (the common case: none of the work below)

@@ -129,6 +129,12 @@ async def healthy(url: str) -> bool:
         return False
 
 
+async def serving(sim: Sim) -> bool:
+    if sim.proc.returncode is not None:  # (a port taken meanwhile by another process, typically)
+        raise AssertionError(f"the sim on :{sim.port} exited with {sim.proc.returncode}")
+    return await healthy(sim.url)
+
+
 def caught_up(server, worker_id: str) -> bool:
     return worker_id in server.kv.targets and worker_id not in server.kv.warming
 
@@ -159,7 +165,7 @@ async def test_a_relaunched_engine_has_its_blocks_dropped_when_it_registers_agai
         assert view["engine_restarts"] == 1 and view["degraded"] is False
         assert 'infera_kv_engine_restarts_total{worker_id="%s"} 1.0' % wid in await metrics(s, base)
         # The same prompt again: the new engine has nothing cached and the router predicted nothing.
-        await wait_for(lambda: healthy(new.url), 30, message="the new engine serves")
+        await wait_for(lambda: serving(new), 30, message="the new engine serves")
         await wait_for(lambda: caught_up(server, wid), 10, message="the new stream caught up")
         reply = await post(s, base, chat(1, "first question"))
         assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -170,12 +176,18 @@ async def test_a_relaunched_engine_has_its_blocks_dropped_when_it_registers_agai
 async def test_an_engine_restarted_on_the_same_ports_is_found_before_it_publishes(make_server, sims):
     """A user-given --kv-events-config keeps the ports: the record does not change. The SUB's reconnect
     asks the replay socket, whose history now ends before the router's last batch: a new engine."""
-    pub, replay, port = free_port(), free_port(), free_port()
-    cfg = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
-                      "replay_endpoint": f"tcp://*:{replay}", "topic": "kv-events"})
-    old = await sims(port, "--kv-events-config", cfg)
+    for attempt in range(3):  # free ports are not reserved: another process may take one first
+        pub, replay, port = free_port(), free_port(), free_port()
+        cfg = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
+                          "replay_endpoint": f"tcp://*:{replay}", "topic": "kv-events"})
+        old = await sims(port, "--kv-events-config", cfg)
+        try:
+            await wait_for(lambda: serving(old), 30, message="the engine serves")
+            break
+        except AssertionError:
+            if attempt == 2:
+                raise
     wid = old.worker_id
-    await wait_for(lambda: healthy(old.url), 30, message="the engine serves")
     async with aiohttp.ClientSession() as s:
         await post(s, old.url, chat(2, "stored before the router subscribed"))
     server = await make_server("--admin-token", ADMIN_TOKEN)
@@ -280,7 +292,7 @@ async def test_a_server_following_jetstream_says_caught_up_only_once_the_history
 
     w = await spawn_worker("--num-gpu-blocks", "2048", launcher_args=kv_nats(nats_server.url))
     await wait_for(relayed, 20, message="the relay's start marker")
-    await wait_for(lambda: healthy(w.url), 20, message="worker up")
+    await wait_for(lambda: healthy(w.url), 20, message="worker up")  # (spawn_worker's: no Sim)
     async with aiohttp.ClientSession() as s:
         for g in range(3):  # straight to the engine: the server that follows is started after
             await post(s, w.url, chat(g, "before this server"))

@@ -334,15 +334,22 @@ def test_warming_views_make_picks_by_load_until_every_candidate_caught_up(caplog
     assert b.cache_view("w", None)["caught_up"] is True
 
 
-def test_a_load_only_reply_is_left_out_of_the_self_check():
+def test_a_load_only_reply_is_not_blamed_on_the_view():
     b, sub, _ = fake_bridge(record())
-    req = request(PROMPT)
-    req.state.update({"route_key": "w", "block_size": BS, "predicted_hit_blocks": 0, "tokens": PROMPT,
-                      "kv_load_only": True})
-    b.observe_usage(record(), req, 32)  # the engine had it all cached; the router did not predict it
+
+    def reply(cached: int) -> None:
+        req = request(PROMPT)
+        req.state.update({"route_key": "w", "block_size": BS, "predicted_hit_blocks": 0, "tokens": PROMPT,
+                          "kv_load_only": True})
+        b.observe_usage(record(), req, cached)
+
+    reply(32)  # the engine had it all cached; a pick by load did not ask the view: not counted
     view = b.cache_view("w", None)
     assert view["prediction"]["observations"] == 0 and view["prediction"]["under"] == 0
     assert b.targets["w"].reported_cached_tokens == 32  # the engine's numbers are still counted
+    reply(0)  # cold: nothing cached either way, counted as any cold reply
+    view = b.cache_view("w", None)
+    assert (view["prediction"]["observations"], view["prediction"]["exact"]) == (1, 1)
 
 
 def test_the_watchdog_catches_a_subscriber_that_never_calls_back():
