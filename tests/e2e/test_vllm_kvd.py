@@ -81,7 +81,10 @@ class KvdEngine:
         self.port = 0
         self.log = tmp / "engine-0.log"
         self.starts = 0
-        self.compat_key = fmt.compat_key(0, 1, 0, 1, fmt.model_fingerprint(str(self.model)))
+        # + the layout tag the connector appends (kv_layouts.compat_suffix): vLLM-CPU's row layout
+        # of the tiny model (4 KV heads, 128 channels, bf16, no quantization)
+        self.compat_key = (fmt.compat_key(0, 1, 0, 1, fmt.model_fingerprint(str(self.model)))
+                           + "_kcpu.kv_rows.LBHNC.h4c128.bf16.NONE")
         self.prompt = random.Random(7).choices(range(3, 4000), k=PROMPT_TOKENS)
         hashes = json.loads(subprocess.run([VLLM_PYTHON, "-c", HASHES_SCRIPT, json.dumps(self.prompt), str(BLOCK)],
                                            check=True, capture_output=True, text=True,
