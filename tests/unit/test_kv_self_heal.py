@@ -401,3 +401,49 @@ def test_a_restart_found_on_the_stream_drops_the_policys_claims_too():
     assert dropped == []  # a gap: the engine still has its blocks
     sub.reset(b, "w", RESET_RESTART)
     assert dropped == ["w"]
+
+
+# -- NATS: the same reasons, and caught_up said once the history is in -------------------------------------
+
+def nats_msg(m, epoch: str = "run.1") -> tuple[dict, bytes]:
+    from infera.transport.kv_events_nats import HDR_EPOCH, HDR_RESET, HDR_SEQ
+
+    if isinstance(m, str) and m.startswith("marker:"):
+        return {HDR_EPOCH: epoch, HDR_RESET: m.split(":", 1)[1]}, b""
+    if isinstance(m, tuple):
+        m, epoch = m
+    return {HDR_EPOCH: epoch, HDR_SEQ: str(m)}, b"p"
+
+
+@pytest.mark.parametrize("msgs, reasons, last", [
+    (["marker:relay-start", 0, 1], {RESET_RESTART: 1}, RESET_RESTART),  # a relay (and its engine) started
+    (["marker:relay-start", 0, 1, "marker:engine", 0], {RESET_RESTART: 1, RESET_GAP: 1}, RESET_GAP),  # relay lost some
+    (["marker:relay-start", 0, 1, 0], {RESET_RESTART: 2}, RESET_RESTART),  # seq back
+    (["marker:relay-start", 0, (1, "run.2")], {RESET_RESTART: 2}, RESET_RESTART),  # a new epoch, its marker lost
+    (["marker:relay-start", 0, 3], {RESET_RESTART: 1, RESET_GAP: 1}, RESET_GAP),
+    ([4, 5], {RESET_HISTORY: 1}, RESET_HISTORY),  # the stream's limits dropped the start
+])
+def test_nats_resets_carry_their_reason(msgs, reasons, last):
+    from infera.transport.kv_events_nats import NatsKvEventSubscriber
+
+    sub = NatsKvEventSubscriber(None, lambda *a: None, lambda k: None)
+    sub.add("w")
+    st = sub._keys["w"]
+    for sseq, m in enumerate(msgs, start=1):
+        sub._handle(st, sseq, *nats_msg(m))
+    assert sub.stats("w")["reset_reasons"] == reasons
+    assert sub.reset_reason("w") == last
+
+
+def test_nats_says_caught_up_per_key_when_the_shared_consumer_reaches_the_end():
+    from infera.transport.kv_events_nats import NatsKvEventSubscriber
+
+    told: list[str] = []
+    sub = NatsKvEventSubscriber(None, lambda *a: None, lambda k: None, on_caught_up=told.append)
+    sub.add("a")
+    sub.add("b")
+    assert not sub.stats("a")["caught_up"] and told == []
+    sub._mark_global_caught_up()
+    assert sorted(told) == ["a", "b"] and sub.stats("a")["caught_up"]
+    sub.add("c")  # added after: nothing of it in the stream yet, live from here
+    assert told[-1] == "c"
