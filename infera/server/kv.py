@@ -25,7 +25,8 @@ it may be missing some.
   only (no target credited with a partial view's hits, none blamed for the blocks its view has not
   caught up with yet), and a reply whose cached tokens that pick could not predict is left out of
   the self-check. ``infera_kv_view_caught_up``
-  per target, ``caught_up`` in the cache view, and one INFO line when every view has caught up.
+  per target, ``caught_up`` in the cache view, and INFO lines when the first warm-up starts and
+  when every view has caught up.
 * Degraded: a view that may lack blocks its engine holds -- batches lost mid-stream that replay
   could not bring back, or history older than the engine's replay buffer -- is ``degraded``
   (``infera_kv_view_degraded``, and its reason in the cache view). Such a view is reset when the
@@ -288,6 +289,9 @@ class KvEventsBridge:
         if warming:
             if not self.warming:
                 self._warming_since = self.clock()
+                if not self._caught_up_once:
+                    log.info("KV views warming up from the engines' replay buffers or JetStream history: kv-aware "
+                             "picks are made by load until they have caught up")
             self.warming.add(key)
         else:
             self.warming.discard(key)
