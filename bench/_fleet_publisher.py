@@ -163,7 +163,8 @@ class Publisher:
                     i += 1
             self.poll(0)
         wall = time.perf_counter() - t0
-        return {"block_events": sent, "batches": batches, "wall_s": wall, "max_behind_s": max_behind}
+        return {"block_events": sent, "batches": batches, "wall_s": wall, "max_behind_s": max_behind,
+                "last_seq": {e.id: e.seq - 1 for e in engines}}
 
     def serve(self) -> None:
         while True:

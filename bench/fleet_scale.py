@@ -53,6 +53,7 @@ import json
 import os
 import platform
 import random
+import secrets
 import sys
 import tempfile
 import time
@@ -74,7 +75,7 @@ from _fleet_report import (hist_quantile, bucket_delta, goals, medians, memory_s
                            percentile, table, window_held)
 from _fleet_workload import VOCAB, Catalog, Source  # noqa: E402
 from _main import run_bench  # noqa: E402
-from server_workers import Proc, children_of, cpu_ns, free_port, wait_ready  # noqa: E402
+from server_workers import Proc, children_of, cpu_ns, free_port, pin  # noqa: E402
 
 DEFAULT_OUT = os.path.join(BENCH_DIR, "results", "fleet_scale.json")
 MODEL = "fleet-bench"
@@ -102,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warm-rate", type=float, default=400_000, help="block events/s while the pools fill")
     p.add_argument("--window", type=float, default=None, help="seconds per rate window [3; --quick: 1.5]")
     p.add_argument("--picks", type=int, default=None, help="8k-token picks per measurement [200; --quick: 40]")
+    p.add_argument("--pin", choices=("auto", "off"), default="auto",
+                   help="auto: the server's processes on the first core, the publishers, etcd, the fake worker and "
+                        "this process on the others (where there are 2+ cores); off: nothing pinned")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--ready-timeout", type=float, default=120.0)
     p.add_argument("--quick", action="store_true", help="small fleets and counts: a smoke run")
@@ -209,18 +213,47 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.scrape_cpu_s = 0.0
         self.scrapes = 0
+        # /v1/admin/cache-view needs an admin token (which then guards /metrics too); in the env, not argv
+        self.token = secrets.token_urlsafe(24)
+        self.auth = {"Authorization": f"Bearer {self.token}"}
 
-    async def start(self, fleet: int, timeout: float) -> None:
-        await self.proc.start()
-        serving = await wait_ready(self.proc, self.port, self.workers, fleet, timeout)
+    async def start(self, fleet: int, timeout: float, cores: list[int] | None) -> None:
+        await self.proc.start(env={**os.environ, "INFERA_ADMIN_TOKEN": self.token})
+        if cores:
+            pin([self.proc.pid], cores)  # before its children exist: they inherit it
+        serving = await self.wait_ready(fleet, timeout)
         self.pids = sorted({self.proc.pid, *serving, *children_of(self.proc.pid)})
+        if cores:
+            pin(self.pids, cores)
+
+    async def wait_ready(self, fleet: int, timeout: float) -> list[int]:
+        """Until every process answers /health with the whole fleet active (the detailed /health,
+        with the token: it names the process); returns the pids serving."""
+        deadline = time.monotonic() + timeout
+        seen: dict[int, int] = {}
+        while time.monotonic() < deadline:
+            if self.proc.proc.returncode is not None:
+                raise RuntimeError(f"{self.proc.name} exited: {self.proc.log_tail()}")
+            serving = children_of(self.proc.pid) if self.workers > 1 else [self.proc.pid]
+            try:
+                async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+                    for _ in range(4 * self.workers):
+                        async with s.get(f"{self.url}/health", headers=self.auth) as r:
+                            body = await r.json()
+                        seen[body.get("process", {}).get("pid", self.proc.pid)] = body["active_workers"]
+            except (aiohttp.ClientError, OSError, KeyError, ValueError):
+                pass
+            if len(serving) == self.workers and all(seen.get(p, 0) >= fleet for p in serving):
+                return serving
+            await asyncio.sleep(0.2)
+        raise RuntimeError(f"{self.proc.name}: not every process saw the fleet in {timeout:.0f}s")
 
     def cpu_s(self) -> float:
         return cpu_ns(self.pids) / 1e9
 
     async def kv(self, session: aiohttp.ClientSession) -> dict:
         self.scrapes += 1
-        async with session.get(f"{self.url}/metrics") as r:
+        async with session.get(f"{self.url}/metrics", headers=self.auth) as r:
             r.raise_for_status()
             return parse_kv_metrics(await r.text())
 
@@ -263,21 +296,45 @@ async def wait_full(server: Server, session: aiohttp.ClientSession, entries: int
         await asyncio.sleep(0.5)
 
 
+async def caught_up(server: Server, session: aiohttp.ClientSession, last_seq: dict[int, int]) -> bool:
+    """Whether the server has applied the last batch sent to a sample of the engines (cheap: a
+    /metrics read of 1,000 workers costs the server ~0.3 s of its loop, which would stall the drain)."""
+    keys = sorted(last_seq)
+    sample = keys[::max(1, len(keys) // 8)] + keys[-1:]
+    for e in sample:
+        async with session.get(f"{server.url}/v1/admin/cache-view/fleet-{e:05d}", headers=server.auth) as r:
+            r.raise_for_status()
+            view = await r.json()
+        seq = view.get("last_event_seq")
+        if seq is None or seq < last_seq[e]:
+            return False
+    return True
+
+
 async def window(server: Server, pubs: Publishers, session: aiohttp.ClientSession, engines: list[int],
                  rate: float, duration: float) -> dict:
     before = await server.kv(session)
     scrapes0, c0 = server.scrapes, server.cpu_s()
     sent_parts = await pubs.command("run", engines, rate, duration=duration)
+    stopped = time.monotonic()
     sent = sum(s["block_events"] for s in sent_parts)
     send_wall = max(s["wall_s"] for s in sent_parts)
-    stopped = time.monotonic()
-    while True:
-        after = await server.kv(session)
-        applied = {k: after[k].block_events - before[k].block_events for k in after if k in before}
-        drain = time.monotonic() - stopped
-        if (applied and min(applied.values()) >= sent) or drain > DRAIN_TIMEOUT_S:
-            break
-        await asyncio.sleep(0.1)
+    last_seq = {int(e): q for s in sent_parts for e, q in s["last_seq"].items()}
+    # Fresh connections: with --workers N each check lands on any of the processes.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                     timeout=aiohttp.ClientTimeout(total=30)) as probe:
+        while True:
+            drain = time.monotonic() - stopped
+            if drain > DRAIN_TIMEOUT_S:
+                after = await server.kv(session)
+                break
+            if await caught_up(server, probe, last_seq):
+                after = await server.kv(session)  # every process, every worker
+                if all(after[k].block_events - before[k].block_events >= sent for k in after if k in before):
+                    break
+                await asyncio.sleep(0.5)
+            await asyncio.sleep(0.05)
+    applied = {k: after[k].block_events - before[k].block_events for k in after if k in before}
     cpu = server.cpu_s() - c0 - (server.scrapes - scrapes0) * server.scrape_cpu_s
     buckets: dict[float, float] = {}
     for k, p in after.items():
@@ -286,11 +343,13 @@ async def window(server: Server, pubs: Publishers, session: aiohttp.ClientSessio
     cum = sorted(buckets.items())
     p50, p99 = hist_quantile(cum, 0.5), hist_quantile(cum, 0.99)
     applied_min = min(applied.values()) if applied else 0.0
-    total = sum(applied.values())
-    return {"offered_rate": rate, "sent": sent, "sent_rate": sent / send_wall if send_wall else None,
-            "applied_min": applied_min, "applied_rate": applied_min / send_wall if send_wall else None,
-            "drain_s": round(drain, 3), "server_cpu_s": round(cpu, 3),
-            "events_per_core": total / cpu if cpu > 0 else None,
+    sent_rate = sent / send_wall if send_wall else 0.0
+    return {"offered_rate": rate, "sent": sent, "sent_rate": sent_rate,
+            "applied_min": applied_min, "drain_s": round(drain, 3), "server_cpu_s": round(cpu, 3),
+            "server_cores_busy": round(cpu / (send_wall + drain), 3) if send_wall else None,
+            # per core, of the fleet's events: with --workers N every process applies each one
+            "events_per_core": applied_min / cpu if cpu > 0 else None,
+            "applied_all_processes": sum(applied.values()),
             "lag_p50_ms": None if p50 is None else 1000 * p50, "lag_p99_ms": None if p99 is None else 1000 * p99,
             "gaps": sum(p.gaps - before.get(k, p).gaps for k, p in after.items()),
             "held": window_held(sent, applied_min, drain, p99)}
@@ -365,7 +424,7 @@ async def measure(args: argparse.Namespace, etcd: EmbeddedEtcd, client: EtcdClie
     r: dict[str, Any] = {"sharing": sharing, "workers": workers, "engines": n, "run": run}
     try:
         t0 = time.monotonic()
-        await server.start(n, args.ready_timeout)
+        await server.start(n, args.ready_timeout, args.server_cores)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
             r["pss_empty_bytes"], r["rss_empty_bytes"] = memory(server.pids)
             await pubs.command("warm", engines, args.warm_rate)
@@ -382,11 +441,11 @@ async def measure(args: argparse.Namespace, etcd: EmbeddedEtcd, client: EtcdClie
             r["windows"] = ws
             at_rate = ws[0]
             r["lag_p50_ms"], r["lag_p99_ms"] = at_rate["lag_p50_ms"], at_rate["lag_p99_ms"]
-            r["applied_at_rate"] = at_rate["applied_rate"]
+            r["sent_at_rate"] = at_rate["sent_rate"]
             held = [w for w in ws if w["held"]]
-            best = max(held, key=lambda w: w["offered_rate"]) if held else None
-            r["max_held_rate"] = best["offered_rate"] if best else 0.0
-            r["events_per_core"] = (best or max(ws, key=lambda w: w["applied_rate"] or 0))["events_per_core"]
+            best = max(held, key=lambda w: w["sent_rate"]) if held else None
+            r["max_held_rate"] = best["sent_rate"] if best else 0.0  # what the publishers achieved
+            r["events_per_core"] = (best or max(ws, key=lambda w: w["sent_rate"]))["events_per_core"]
             r.update(await picks(server, fake_url, session, pick_prompt(args, sharing), args.picks))
     finally:
         alive.cancel()
@@ -402,13 +461,25 @@ def line(r: dict) -> str:
     return (f"  sharing {r['sharing']:g} --workers {r['workers']} {r['engines']:>5} engines run {r['run']}: "
             f"{r['entries']:,} entries, PSS {r['pss_mb']:,.0f} MB (filled in {r['fill_s']} s), "
             f"{(r['events_per_core'] or 0) / 1e3:,.0f}k ev/s/core, lag p50/p99 at {r['windows'][0]['offered_rate'] / 1e3:,.0f}k/s "
-            f"{r['lag_p50_ms'] or 0:.0f}/{r['lag_p99_ms'] or 0:.0f} ms (applied {(r['applied_at_rate'] or 0) / 1e3:,.0f}k/s), "
+            f"{r['lag_p50_ms'] or 0:.0f}/{r['lag_p99_ms'] or 0:.0f} ms (sent {(r['sent_at_rate'] or 0) / 1e3:,.0f}k/s), "
             f"max held {r['max_held_rate'] / 1e3:,.0f}k/s; pick p50/p99 {r['pick_p50_ms']:.2f}/{r['pick_p99_ms']:.2f} ms "
             f"(+{r['added_p50_ms']:.2f}/+{r['added_p99_ms']:.2f}), {r['cpu_ms_per_request']:.2f} ms CPU/req")
 
 
+def arrange(args: argparse.Namespace) -> None:
+    """``args.server_cores`` and ``args.bench_cores`` (None: not pinned)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if args.pin == "auto" and len(cores) >= 2:
+        args.server_cores, args.bench_cores = cores[:1], cores[1:]
+    else:
+        args.server_cores = args.bench_cores = None
+
+
 async def run(args: argparse.Namespace) -> int:
     log_dir = tempfile.mkdtemp(prefix="bench-fleet-scale-")
+    arrange(args)
+    if args.bench_cores:
+        pin([os.getpid()], args.bench_cores)
     etcd = EmbeddedEtcd(unsafe_no_fsync=True)
     client: EtcdClient | None = None
     fake: Proc | None = None
@@ -423,6 +494,8 @@ async def run(args: argparse.Namespace) -> int:
                                         etcd.url, "--etcd-prefix", PICK_PREFIX, "--model", MODEL, "--port",
                                         str(fake_port)], log_dir)
             await fake.start()
+            if args.bench_cores:
+                pin([p for p in (etcd.pid, fake.pid) if p], args.bench_cores)
         except Exception as exc:  # noqa: BLE001
             print(f"fleet failed to start: {exc}", file=sys.stderr)
             return 2
@@ -432,6 +505,8 @@ async def run(args: argparse.Namespace) -> int:
             try:
                 t0 = time.monotonic()
                 await pubs.start(600)
+                if args.bench_cores:
+                    pin(pubs.pids, args.bench_cores)
                 pub_info[f"{sharing:g}"] = {"setup_s": round(time.monotonic() - t0, 1), "processes": pubs.info}
                 print(f"sharing {sharing:g}: {max(args.engines)} engines in {pubs.count} publishers, ready in "
                       f"{time.monotonic() - t0:.1f} s (logs: {log_dir})", flush=True)
@@ -456,8 +531,10 @@ async def run(args: argparse.Namespace) -> int:
 def report(args: argparse.Namespace, results: list[dict], pub_info: dict) -> int:
     rows = medians(results)
     slopes = memory_slopes(results)
+    where = (f"server on core(s) {args.server_cores}, publishers and the rest on {args.bench_cores}"
+             if args.server_cores else "nothing pinned")
     print(f"\nfleet_scale: medians of {args.runs} run(s); pool {args.pool} blocks/engine, block size 16; offered "
-          f"{args.rate / 1e3:,.0f}k block events/s; {os.cpu_count()} cores (server and publishers share them)")
+          f"{args.rate / 1e3:,.0f}k block events/s; {os.cpu_count()} cores, {where}")
     print(table(rows, slopes))
     checks = goals(rows, slopes)
     for name, c in checks.items():

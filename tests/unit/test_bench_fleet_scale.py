@@ -167,7 +167,7 @@ def _result(sharing, workers, engines, run, pss_per_entry=100, per_core=2e6, p99
             "pss_bytes": 40e6 * workers + pss_per_entry * entries * workers, "rss_bytes": 50e6 + pss_per_entry * entries,
             "pss_mb": (40e6 * workers + pss_per_entry * entries * workers) / 2 ** 20,
             "events_per_core": per_core / workers, "lag_p50_ms": 1.0, "lag_p99_ms": 5.0,
-            "applied_at_rate": 1e6, "max_held_rate": 1.6e6, "pick_p50_ms": 1.0, "pick_p99_ms": 2.0,
+            "sent_at_rate": 1e6, "max_held_rate": 1.6e6, "pick_p50_ms": 1.0, "pick_p99_ms": 2.0,
             "added_p50_ms": p99 / 2, "added_p99_ms": p99, "cpu_ms_per_request": 1.0}
 
 
