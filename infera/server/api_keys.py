@@ -6,6 +6,9 @@ The file is YAML (JSON is valid YAML), usually a Kubernetes Secret mounted as a 
       - sha256: <hex sha256 of the key>   # never the key itself
         tenant: team-a
         models: ["*"]                      # or a list of model names
+        requests_per_minute: 600           # each limit optional; absent = unlimited
+        tokens_per_minute: 200000
+        max_concurrent: 32
 
 A client sends its key as ``Authorization: Bearer <key>`` (the OpenAI SDKs) or ``x-api-key: <key>``
 (the Anthropic SDK). No key or an unknown one is a 401; a model the key does not allow is a 403;
@@ -21,8 +24,10 @@ The file is watched (``stat`` every ``poll_s``, off the event loop): a change of
 mtime (a Secret update swaps a symlink) reloads it. A file that no longer parses keeps the keys in
 force and says why in the log and in ``infera_api_keys_reload_failures_total``.
 
-Per-tenant limits, priorities and cache isolation are not enforced by this version: an entry that
-sets them is refused, naming the field, so that a limit is never silently ignored.
+Limits (``requests_per_minute``, ``tokens_per_minute``, ``max_concurrent``) are per tenant, shared by
+its keys and by every replica (infera/server/tenant_limits.py). Priorities and cache isolation are
+not enforced by this version: an entry that sets them is refused, naming the field, so that nothing
+is silently ignored.
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ import yaml
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from infera.api.errors import ApiError
+from infera.server.tenant_limits import TenantLimit
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +52,9 @@ DEFAULT_POLL_S = 2.0
 # Tenants become metric label values: a bounded, plain alphabet.
 _TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _SHA256_HEX = re.compile(r"[0-9a-fA-F]{64}")
-KEY_FIELDS = ("sha256", "tenant", "models")
-NOT_ENFORCED_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent", "priority", "cache_isolation")
+LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent")
+KEY_FIELDS = ("sha256", "tenant", "models", *LIMIT_FIELDS)
+NOT_ENFORCED_FIELDS = ("priority", "cache_isolation")
 ALL_MODELS = "*"
 OTHER_TENANT = "other"  # the label of requests without a known tenant in per-tenant series
 _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="infera"'}
@@ -62,6 +69,7 @@ class ApiKey:
     tenant: str
     digest: bytes  # sha256 of the key
     models: frozenset[str] | None  # None: every model
+    limit: TenantLimit = TenantLimit()  # the tenant's (shared by all its keys and every replica)
 
     def allows(self, model: str | None) -> bool:
         return self.models is None or (model is not None and model in self.models)
@@ -82,14 +90,15 @@ def parse_keys(text: str) -> dict[bytes, ApiKey]:
     if not isinstance(doc, dict) or set(doc) != {"keys"} or not isinstance(doc["keys"], list):
         raise ApiKeysError("expected a mapping with exactly one field, 'keys': a list of entries")
     keys: dict[bytes, ApiKey] = {}
+    limits: dict[str, tuple[TenantLimit, int]] = {}  # tenant → its limits, and the entry that set them
     for i, entry in enumerate(doc["keys"]):
         where = f"keys[{i}]"
         if not isinstance(entry, dict):
             raise ApiKeysError(f"{where}: expected a mapping")
         for field in entry:
             if field in NOT_ENFORCED_FIELDS:
-                raise ApiKeysError(f"{where}.{field}: per-tenant limits, priorities and cache isolation are not "
-                                   "enforced by this version; remove the field rather than rely on it")
+                raise ApiKeysError(f"{where}.{field}: priorities and cache isolation are not enforced by this "
+                                   "version; remove the field rather than rely on it")
             if field not in KEY_FIELDS:
                 raise ApiKeysError(f"{where}: unknown field {str(field)[:64]!r} (fields: {', '.join(KEY_FIELDS)})")
         sha = entry.get("sha256")
@@ -102,10 +111,18 @@ def parse_keys(text: str) -> dict[bytes, ApiKey]:
         models = entry.get("models", [ALL_MODELS])
         if not isinstance(models, list) or not models or not all(isinstance(m, str) and m for m in models):
             raise ApiKeysError(f"{where}.models: expected a non-empty list of model names, or [\"*\"]")
+        for field in LIMIT_FIELDS:
+            value = entry.get(field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ApiKeysError(f"{where}.{field}: expected a whole number >= 1 (absent: unlimited)")
+        limit = TenantLimit(*(entry.get(f) for f in LIMIT_FIELDS))
+        if limits.setdefault(tenant, (limit, i))[0] != limit:
+            raise ApiKeysError(f"{where}: tenant {tenant!r} has other limits in keys[{limits[tenant][1]}]; limits are "
+                               "per tenant, so every key of a tenant must state the same ones")
         digest = bytes.fromhex(sha)
         if digest in keys:
             raise ApiKeysError(f"{where}.sha256: the same key is listed twice")
-        keys[digest] = ApiKey(tenant, digest, None if ALL_MODELS in models else frozenset(models))
+        keys[digest] = ApiKey(tenant, digest, None if ALL_MODELS in models else frozenset(models), limit)
     return keys
 
 

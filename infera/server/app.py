@@ -25,6 +25,7 @@ from infera.discovery.record import record_to_dict
 from infera.kv.prompt import DEFAULT_PREFIX_CHARS
 from infera.router.auto import AutoRouter
 from infera.router.policy import RoutedRequest
+from infera.server.tenant_limits import UsageMeter, reply_tokens
 from infera.server.tracing import RequestSpan, client_trace_headers
 from infera.server.metrics import ServerMetrics
 from infera.server import profiling as _profiling
@@ -63,6 +64,7 @@ class ServerState:
     scaler: Any = None  # --enable-scaling-api: a DeploymentScaler for GET/POST /v1/admin/scale; None: off (404)
     api_keys: Any = None  # --api-keys-file: ApiKeys (infera/server/api_keys.py); None: the API is open
     tracer: Any = None  # --otlp-traces-endpoint: RequestTracer (infera/server/tracing.py); None: off
+    limiter: Any = None  # --api-keys-file limits: TenantLimiter (infera/server/tenant_limits.py)
 
 
 STATE_KEY = web.AppKey("state", ServerState)
@@ -162,6 +164,9 @@ async def _admin_auth_middleware(request: web.Request,
 API_KEY_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", _anthropic.MESSAGES_ROUTE,
                             _anthropic.COUNT_TOKENS_ROUTE})
 API_KEY_KEY = web.RequestKey("api_key", object) if hasattr(web, "RequestKey") else "api_key"
+# Set by a handler when its tenant's tokens/min limit needs the reply's tokens (a TenantLimiter's Permit)
+USAGE_TOKENS_KEY = web.RequestKey("usage_tokens", object) if hasattr(web, "RequestKey") else "usage_tokens"
+PERMIT_KEY = web.RequestKey("permit", object) if hasattr(web, "RequestKey") else "permit"
 
 
 @web.middleware
@@ -176,7 +181,11 @@ async def _api_key_middleware(request: web.Request,
         return await handler(request)
     key = keys.authenticate(request.headers)
     request[API_KEY_KEY] = key
+    limiter = request.app[STATE_KEY].limiter
+    permit = None
     try:
+        if key.limit and limiter is not None and resource.canonical != "/v1/models":
+            permit = request[PERMIT_KEY] = limiter.admit(key.tenant, key.limit)  # 429 here
         response = await handler(request)
     except ApiError as exc:
         keys.count(key.tenant, exc.status)
@@ -184,6 +193,9 @@ async def _api_key_middleware(request: web.Request,
     except web.HTTPException as exc:
         keys.count(key.tenant, exc.status)
         raise
+    finally:
+        if permit is not None:  # the reply ended, broke or never came: in flight no more
+            permit.finish(request.get(USAGE_TOKENS_KEY))
     keys.count(key.tenant, response.status)
     return response
 
@@ -237,11 +249,14 @@ def _make_inference_handler(route: str):
                 span.finish(None, routed.state, error="the client disconnected")
             raise
         headers = {REQUEST_ID_HEADER: request_id}
+        metered = PERMIT_KEY in request  # a tenant limit counts this reply's tokens
         if reply.stream is None:
             metrics.count_request(route, reply.status, reply.worker_id)
             metrics.observe_e2e(route, stream, time.perf_counter() - started)
             if span is not None:
                 span.finish(reply.status, routed.state, worker_id=reply.worker_id)
+            if metered:
+                request[USAGE_TOKENS_KEY] = reply_tokens(reply.body)
             return web.Response(status=reply.status, body=reply.body, headers=headers,
                                 content_type=reply.content_type.split(";")[0])
         metrics.observe_ttft(route, (reply.first_byte_at or time.perf_counter()) - started)
@@ -252,9 +267,12 @@ def _make_inference_handler(route: str):
         resp = web.StreamResponse(status=200, headers=headers)
         chunks = reply.stream
         broken: str | None = None
+        meter = UsageMeter() if metered else None
         try:
             await resp.prepare(request)
             async for chunk in chunks:
+                if meter is not None:
+                    meter.feed(chunk)
                 await resp.write(chunk)
             await resp.write_eof()
         except (ConnectionResetError, asyncio.CancelledError):
@@ -267,6 +285,8 @@ def _make_inference_handler(route: str):
             metrics.observe_e2e(route, stream, time.perf_counter() - started)
             if span is not None:
                 span.finish(200, routed.state, worker_id=reply.worker_id, error=broken)
+            if meter is not None:
+                request[USAGE_TOKENS_KEY] = meter.tokens()
         return resp
 
     return handler
@@ -426,6 +446,8 @@ async def _anthropic_messages(request: web.Request) -> web.StreamResponse:
         metrics.observe_e2e(route, False, time.perf_counter() - started)
         if span is not None:
             span.finish(reply.status, routed.state, worker_id=reply.worker_id)
+        if PERMIT_KEY in request:
+            request[USAGE_TOKENS_KEY] = reply_tokens(reply.body)
         if reply.status >= 400:  # the engine refused it: its message, in Anthropic's shape
             return _anthropic_error(reply.status, _anthropic.error_message_of(reply.body, reply.status), request_id)
         try:
@@ -444,9 +466,12 @@ async def _anthropic_messages(request: web.Request) -> web.StreamResponse:
     chunks = reply.stream
     events = _anthropic.StreamTranslator(translated.model, msg_id, translated.stop_sequences)
     broken: str | None = None
+    meter = UsageMeter() if PERMIT_KEY in request else None
     try:
         await resp.prepare(request)
         async for chunk in chunks:  # read to the end even after [DONE]: the relay's usage tail feeds kv-aware
+            if meter is not None:
+                meter.feed(chunk)
             out = events.feed(chunk)
             if out:
                 await resp.write(out)
@@ -464,6 +489,8 @@ async def _anthropic_messages(request: web.Request) -> web.StreamResponse:
         metrics.observe_e2e(route, True, time.perf_counter() - started)
         if span is not None:
             span.finish(200, routed.state, worker_id=reply.worker_id, error=broken)
+        if meter is not None:
+            request[USAGE_TOKENS_KEY] = meter.tokens()
     return resp
 
 

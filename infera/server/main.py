@@ -13,6 +13,7 @@ from aiohttp import web
 from infera.discovery.base import Discovery
 from infera.runtime import install_event_loop, wait_for_shutdown_signal
 from infera.server.api_keys import ApiKeys, ApiKeysMetrics
+from infera.server.tenant_limits import TenantLimiter, TenantLimitsMetrics
 from infera.server.tracing import RequestTracer
 from infera.server.app import ServerState, build_app
 from infera.server.cli import parse_args
@@ -57,10 +58,14 @@ class InferaServer:
             self.metrics.registry.register(self.engine_window)
         self._runner: web.AppRunner | None = None
         self.api_keys: ApiKeys | None = None  # --api-keys-file (infera/server/api_keys.py)
+        self.limiter: TenantLimiter | None = None
         if args.api_keys_file:
             self.api_keys = ApiKeys(args.api_keys_file)
             self.api_keys.load()
             self.metrics.registry.register(ApiKeysMetrics(self.api_keys))
+            # Per-tenant limits, shared with the other replicas over the replica-sync channel.
+            self.limiter = TenantLimiter(stack.replica_sync)
+            self.metrics.registry.register(TenantLimitsMetrics(self.limiter, self.api_keys.tenant_label))
         self.tracer: RequestTracer | None = None  # --otlp-traces-endpoint (infera/server/tracing.py)
         if args.otlp_traces_endpoint:
             self.tracer = RequestTracer(args.otlp_traces_endpoint, policy=args.router_policy)
@@ -77,6 +82,8 @@ class InferaServer:
         await self.stack.start()
         if self.api_keys is not None:
             self.api_keys.start()  # reloads the file when it changes
+        if self.limiter is not None:
+            self.limiter.start()
         if self.process_metrics is not None:
             await self.process_metrics.start()
         if self.process is not None:
@@ -95,7 +102,7 @@ class InferaServer:
                                     kvd_socket_path=self.args.kvd_socket_path,
                                     metrics_token=self.args.metrics_token,
                                     dashboard_session_s=self.args.dashboard_session_s, scaler=self.scaler,
-                                    api_keys=self.api_keys, tracer=self.tracer))
+                                    api_keys=self.api_keys, tracer=self.tracer, limiter=self.limiter))
         app.middlewares.append(limits_middleware(self.limits))  # body timeout, request bytes in flight
         # handler_cancellation: a client that disconnects cancels its handler, which closes the
         # upstream connection, which makes the engine abort the request and free its slot.
@@ -132,6 +139,8 @@ class InferaServer:
     async def stop(self) -> None:
         if self.api_keys is not None:
             await self.api_keys.stop()
+        if self.limiter is not None:
+            await self.limiter.stop()  # its bye goes out before the replica sync closes
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

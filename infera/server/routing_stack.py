@@ -71,9 +71,11 @@ class RoutingStack:
         self.kv: KvEventsBridge | None = None
         self.tokenizers: RouterTokenizers | None = None  # kv-aware only
         usage_observer = None
-        self.replica_sync = None  # a ReplicaSync: kv-aware replicas share what only each one knows
+        # A ReplicaSync: kv-aware replicas share what only each one knows, and every replica its
+        # tenants' usage under --api-keys-file limits (a side channel, infera/server/tenant_limits.py).
+        self.replica_sync = None
         self.policy: Policy
-        if args.router_policy == "kv-aware":
+        if args.router_policy == "kv-aware" or getattr(args, "api_keys_file", None):
             replica_id = (process.replica_id or None) if process is not None else None
             if args.replica_sync == "nats":
                 from infera.transport.replica_sync_nats import NatsReplicaSync
@@ -86,6 +88,7 @@ class RoutingStack:
                 assert process is not None
                 self.replica_sync = LocalReplicaSync(process.runtime_dir, process.index, process.count,
                                                      replica_id=replica_id)
+        if args.router_policy == "kv-aware":
             index = KvIndex()
             self.kv = KvEventsBridge(self.fleet, index, nats=self.nats if args.kv_event_transport == "nats" else None)
             self.metrics.registry.register(self.kv)

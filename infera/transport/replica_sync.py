@@ -108,6 +108,9 @@ def unpack_blocks(data: bytes) -> array:
 
 
 EMPTY_MODEL_TOKEN = "_"  # no base64 token is one character long
+# Side channels: other replica-shared state (the tenant limits) on subjects under the same prefix, so
+# they ride the same subscription and links; "~" never occurs in a model's base64url token.
+SIDE_PREFIX = SUBJECT_PREFIX + "~"
 
 
 def subject_for(model: str) -> str:
@@ -164,6 +167,7 @@ class ReplicaSync(abc.ABC):
         self._owe: set[str] = set()  # models whose full state was asked of us
         self._last_snapshot: dict[str, float] = {}
         self._resend_all = False  # our deltas may have been lost: send the full state of every model
+        self._side: dict[str, Callable[[bytes], None]] = {}  # subject → receiver (add_side_channel)
         self._beat_due = False
         self._beat_timer: asyncio.TimerHandle | None = None
         # counters
@@ -199,6 +203,27 @@ class ReplicaSync(abc.ABC):
     def _on_reconnect(self) -> None:
         self._resend_all = True  # what we published while the link was down is lost
         self._wake.set()
+
+    # -- side channels -------------------------------------------------------------------------
+    def add_side_channel(self, name: str, receive: Callable[[bytes], None]) -> str:
+        """Messages on ``SIDE_PREFIX + name`` go to ``receive`` (own ones included: the receiver
+        tells them apart); returns the subject to ``publish_side`` on."""
+        subject = SIDE_PREFIX + name
+        self._side[subject] = receive
+        return subject
+
+    async def publish_side(self, subject: str, data: bytes) -> bool:
+        """Best effort (the side channels' messages supersede each other): False when not sent."""
+        if not (self.connected and self.subscribed):
+            return False
+        try:
+            await self._send(subject, data)
+        except Exception as exc:  # noqa: BLE001 - down, or its buffer full: the next one follows
+            log.debug("replica sync (%s): side publish failed: %s", self.transport, exc)
+            return False
+        self.messages_sent += 1
+        self.bytes_sent += len(data)
+        return True
 
     # -- wiring --------------------------------------------------------------------------------
     def attach(self, share: ReplicaShare) -> None:
@@ -400,6 +425,12 @@ class ReplicaSync(abc.ABC):
     # -- incoming ------------------------------------------------------------------------------
     def receive(self, subject: str, data: bytes) -> None:
         """Apply one message (the transport's receive path; tests call it directly)."""
+        side = self._side.get(subject)
+        if side is not None:
+            self.messages_received += 1
+            self.bytes_received += len(data)
+            side(data)
+            return
         share = self.share
         if share is None:
             return

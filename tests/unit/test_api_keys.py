@@ -39,6 +39,19 @@ def test_a_valid_file_maps_digests_to_tenants_and_models():
     assert bytes.fromhex(sha("key-b")) in keys  # upper-case hex is the same digest
 
 
+def test_limits_are_per_tenant_and_shared_by_its_keys():
+    from infera.server.tenant_limits import TenantLimit
+
+    text = f"""keys:
+  - {{sha256: {sha('a1')}, tenant: a, requests_per_minute: 60, tokens_per_minute: 1000, max_concurrent: 2}}
+  - {{sha256: {sha('a2')}, tenant: a, requests_per_minute: 60, tokens_per_minute: 1000, max_concurrent: 2}}
+  - {{sha256: {sha('b')}, tenant: b}}
+"""
+    keys = {k.tenant + str(i): k for i, k in enumerate(parse_keys(text).values())}
+    assert keys["a0"].limit == keys["a1"].limit == TenantLimit(60, 1000, 2)
+    assert not keys["b2"].limit  # no limit: nothing to admit against
+
+
 def test_json_is_valid_yaml():
     doc = {"keys": [{"sha256": sha("k"), "tenant": "t1", "models": ["m"]}]}
     assert [k.tenant for k in parse_keys(json.dumps(doc)).values()] == ["t1"]
@@ -60,7 +73,13 @@ def test_json_is_valid_yaml():
     (f"keys: [{{sha256: {sha('k')}, tenant: t, models: small}}]", "keys[0].models"),
     (f"keys: [{{sha256: {sha('k')}, tenant: t, models: ['']}}]", "keys[0].models"),
     (f"keys: [{{sha256: {sha('k')}, tenant: a}}, {{sha256: {sha('k')}, tenant: b}}]", "keys[1].sha256: the same key"),
-    (f"keys: [{{sha256: {sha('k')}, tenant: t, requests_per_minute: 60}}]", "keys[0].requests_per_minute: per-tenant"),
+    (f"keys: [{{sha256: {sha('k')}, tenant: t, requests_per_minute: 0}}]", "keys[0].requests_per_minute: expected"),
+    (f"keys: [{{sha256: {sha('k')}, tenant: t, tokens_per_minute: '100'}}]", "keys[0].tokens_per_minute: expected"),
+    (f"keys: [{{sha256: {sha('k')}, tenant: t, max_concurrent: true}}]", "keys[0].max_concurrent: expected"),
+    (f"keys: [{{sha256: {sha('k')}, tenant: t, max_concurrent: 2.5}}]", "keys[0].max_concurrent: expected"),
+    (f"keys: [{{sha256: {sha('a')}, tenant: t, requests_per_minute: 5}}, {{sha256: {sha('b')}, tenant: t}}]",
+     "keys[1]: tenant 't' has other limits in keys[0]"),
+    (f"keys: [{{sha256: {sha('k')}, tenant: t, priority: 1}}]", "keys[0].priority: priorities"),
     (f"keys: [{{sha256: {sha('k')}, tenant: t, cache_isolation: true}}]", "keys[0].cache_isolation"),
 ])
 def test_every_mistake_is_named_by_entry_and_field(text, says):
