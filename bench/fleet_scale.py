@@ -71,6 +71,7 @@ for _p in (REPO, BENCH_DIR):
 from infera.discovery.embedded_etcd import EmbeddedEtcd  # noqa: E402
 from infera.discovery.etcd import EtcdClient  # noqa: E402
 from infera.discovery.record import BUILTIN_TOKENIZER, WorkerRecord, encode_record  # noqa: E402
+from infera.transport.embedded_nats import EmbeddedNats  # noqa: E402
 from _fleet_report import (hist_quantile, bucket_delta, goals, medians, memory_slopes, parse_kv_metrics,  # noqa: E402
                            percentile, table, window_held)
 from _fleet_workload import VOCAB, Catalog, Source  # noqa: E402
@@ -95,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sharing", type=float, nargs="+", default=[0.0, 1.0],
                    help="share of conversations drawn from the fleet catalog (shared blocks), each measured")
     p.add_argument("--mode", choices=("zmq", "nats"), default="zmq",
-                   help="zmq: the server reads every engine's PUB socket; nats: through JetStream (not yet)")
+                   help="zmq: the server reads every engine's PUB socket; nats: each engine's launcher relay "
+                        "(bench/_fleet_relay.py) republishes its events into JetStream, where the server reads them")
     p.add_argument("--runs", type=int, default=None, help="runs for medians [3; --quick: 1]")
     p.add_argument("--pool", type=int, default=2048, help="blocks in each engine's LRU pool")
     p.add_argument("--publishers", type=int, default=4, help="publisher processes")
@@ -126,9 +128,6 @@ def resolve_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit("--engines, --runs, --publishers and --workers must be >= 1")
     if any(not 0.0 <= s <= 1.0 for s in args.sharing):
         raise SystemExit("--sharing must be within [0, 1]")
-    if args.mode == "nats":
-        raise SystemExit("--mode nats is not implemented yet: the publishers speak ZMQ only (the launcher's "
-                         "JetStream relay, infera/transport/kv_relay_nats.py, is not wired into this bench)")
     return args
 
 
@@ -185,6 +184,54 @@ class Publishers:
         await asyncio.gather(*(p.stop(10) for p in self.procs))
 
 
+class Relays:
+    """``--mode nats``: the relay processes, one per publisher process, with the same engines."""
+
+    def __init__(self, count: int, nats_url: str, log_dir: str) -> None:
+        self.count = count
+        self.procs = [Proc(f"relay{i}", [sys.executable, os.path.join(BENCH_DIR, "_fleet_relay.py"),
+                                         "--nats-server", nats_url], log_dir) for i in range(count)]
+        self.pids: list[int] = []
+
+    async def start(self, timeout: float) -> None:
+        await asyncio.gather(*(p.start(stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+                               for p in self.procs))
+        for p in self.procs:
+            line = await asyncio.wait_for(p.proc.stdout.readline(), timeout)
+            if not line or not json.loads(line).get("ready"):
+                raise RuntimeError(f"{p.name} did not start: {line!r} {p.log_tail()}")
+        self.pids = [p.pid for p in self.procs]
+
+    async def _ask(self, i: int, cmd: dict) -> dict:
+        p = self.procs[i]
+        p.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        await p.proc.stdin.drain()
+        line = await p.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{p.name} exited: {p.log_tail()}")
+        out = json.loads(line)
+        if not out.get("ok"):
+            raise RuntimeError(f"{p.name}: {out}")
+        return out
+
+    async def relay(self, records: dict[int, WorkerRecord]) -> None:
+        parts = [[encode_record(r).decode() for e, r in records.items() if e % self.count == i]
+                 for i in range(self.count)]
+        await asyncio.gather(*(self._ask(i, {"cmd": "start", "records": part}) for i, part in enumerate(parts) if part))
+
+    async def stop_relaying(self) -> None:
+        await asyncio.gather(*(self._ask(i, {"cmd": "stop"}) for i in range(self.count)))
+
+    async def stop(self) -> None:
+        for p in self.procs:
+            try:
+                if p.proc is not None and p.proc.returncode is None:
+                    p.proc.stdin.write(b'{"cmd": "quit"}\n')
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+        await asyncio.gather(*(p.stop(15) for p in self.procs))
+
+
 def memory(pids: list[int]) -> tuple[int, int]:
     """(PSS, RSS) in bytes, summed over ``pids``."""
     pss = rss = 0
@@ -202,13 +249,16 @@ def memory(pids: list[int]) -> tuple[int, int]:
 
 
 class Server:
-    def __init__(self, args: argparse.Namespace, etcd_url: str, workers: int, log_dir: str, tag: str) -> None:
+    def __init__(self, args: argparse.Namespace, etcd_url: str, workers: int, log_dir: str, tag: str,
+                 nats_url: str | None = None) -> None:
         self.port = free_port()
         self.workers = workers
         self.proc = Proc(f"server-{tag}", [sys.executable, "-m", "infera.server", "--host", "127.0.0.1", "--port",
                                           str(self.port), "--etcd-endpoint", etcd_url, "--etcd-prefix", PREFIX,
                                           "--workers", str(workers), "--router-policy", "kv-aware",
-                                          "--engine-scrape-interval", "0", "--log-level", "warning"], log_dir)
+                                          "--engine-scrape-interval", "0", "--log-level", "warning",
+                                          *(["--kv-event-transport", "nats", "--nats-server", nats_url]
+                                            if nats_url else [])], log_dir)
         self.pids: list[int] = []
         self.url = f"http://127.0.0.1:{self.port}"
         self.scrape_cpu_s = 0.0
@@ -265,16 +315,20 @@ class Server:
 
 
 # ------------------------------------------------------------------------------------- measurement
-async def register(client: EtcdClient, pubs: Publishers, engines: list[int], fake_url: str) -> int:
+def records(pubs: Publishers, engines: list[int], fake_url: str, mode: str) -> dict[int, WorkerRecord]:
+    """What a vLLM worker's launcher registers, per engine (its URL: the fake worker's)."""
+    return {e: WorkerRecord(worker_id=f"fleet-{e:05d}", url=fake_url, model_name=MODEL, engine="vllm",
+                            kv_events_endpoint=pubs.endpoints[e][0], kv_events_replay_endpoint=pubs.endpoints[e][1],
+                            kv_block_size=16, tokenizer=BUILTIN_TOKENIZER, kv_event_transport=mode)
+            for e in engines}
+
+
+async def register(client: EtcdClient, recs: dict[int, WorkerRecord]) -> int:
     lease = await client.grant(60)
-    for start in range(0, len(engines), 50):
-        await asyncio.gather(*(client.put(
-            f"{PREFIX}fleet-{e:05d}",
-            encode_record(WorkerRecord(worker_id=f"fleet-{e:05d}", url=fake_url, model_name=MODEL, engine="vllm",
-                                       kv_events_endpoint=pubs.endpoints[e][0],
-                                       kv_events_replay_endpoint=pubs.endpoints[e][1], kv_block_size=16,
-                                       tokenizer=BUILTIN_TOKENIZER)), lease)
-            for e in engines[start:start + 50]))
+    items = list(recs.values())
+    for start in range(0, len(items), 50):
+        await asyncio.gather(*(client.put(f"{PREFIX}{r.worker_id}", encode_record(r), lease)
+                               for r in items[start:start + 50]))
     return lease
 
 
@@ -415,13 +469,17 @@ async def picks(server: Server, fake_url: str, session: aiohttp.ClientSession, p
 
 
 async def measure(args: argparse.Namespace, etcd: EmbeddedEtcd, client: EtcdClient, pubs: Publishers, fake_url: str,
-                  sharing: float, workers: int, n: int, run: int, log_dir: str) -> dict:
+                  sharing: float, workers: int, n: int, run: int, log_dir: str, relays: Relays | None,
+                  nats_url: str | None) -> dict:
     engines = list(range(n))
     await pubs.command("restart", engines)  # fresh engines for a fresh server
-    lease = await register(client, pubs, engines, fake_url)
+    recs = records(pubs, engines, fake_url, args.mode)
+    if relays is not None:
+        await relays.relay(recs)  # the launcher starts its relay before it registers the worker
+    lease = await register(client, recs)
     alive = asyncio.ensure_future(keep_alive(client, lease))
-    server = Server(args, etcd.url, workers, log_dir, f"s{sharing:g}-w{workers}-n{n}-r{run}")
-    r: dict[str, Any] = {"sharing": sharing, "workers": workers, "engines": n, "run": run}
+    server = Server(args, etcd.url, workers, log_dir, f"s{sharing:g}-w{workers}-n{n}-r{run}", nats_url)
+    r: dict[str, Any] = {"sharing": sharing, "workers": workers, "engines": n, "run": run, "mode": args.mode}
     try:
         t0 = time.monotonic()
         await server.start(n, args.ready_timeout, args.server_cores)
@@ -435,6 +493,10 @@ async def measure(args: argparse.Namespace, etcd: EmbeddedEtcd, client: EtcdClie
             r["pss_mb"] = r["pss_bytes"] / 2 ** 20
             r["fill_gaps"] = sum(p.gaps for p in kv.values())
             r["fill_resets"] = sum(p.resets for p in kv.values())
+            async with session.get(f"{server.url}/v1/admin/cache-view/fleet-00000", headers=server.auth) as resp:
+                r["transport"] = (await resp.json()).get("transport")  # the plane the server reads them on
+            if r["transport"] != args.mode:
+                raise RuntimeError(f"the server reads the events over {r['transport']}, not {args.mode}")
             await server.measure_scrape_cpu(session)
             r["scrape_cpu_ms"] = round(1000 * server.scrape_cpu_s, 1)
             ws = await rate_windows(server, pubs, session, engines, args)
@@ -450,6 +512,8 @@ async def measure(args: argparse.Namespace, etcd: EmbeddedEtcd, client: EtcdClie
     finally:
         alive.cancel()
         await server.proc.stop()
+        if relays is not None:
+            await relays.stop_relaying()
         try:
             await client.revoke(lease)
         except Exception:  # noqa: BLE001 - the etcd is torn down next anyway
@@ -483,6 +547,7 @@ async def run(args: argparse.Namespace) -> int:
     etcd = EmbeddedEtcd(unsafe_no_fsync=True)
     client: EtcdClient | None = None
     fake: Proc | None = None
+    nats: EmbeddedNats | None = EmbeddedNats(auth=False) if args.mode == "nats" else None
     results: list[dict] = []
     pub_info: dict[str, Any] = {}
     try:
@@ -494,19 +559,24 @@ async def run(args: argparse.Namespace) -> int:
                                         etcd.url, "--etcd-prefix", PICK_PREFIX, "--model", MODEL, "--port",
                                         str(fake_port)], log_dir)
             await fake.start()
+            if nats is not None:
+                await nats.start()
             if args.bench_cores:
-                pin([p for p in (etcd.pid, fake.pid) if p], args.bench_cores)
+                pin([p for p in (etcd.pid, fake.pid, nats and nats.proc and nats.proc.pid) if p], args.bench_cores)
         except Exception as exc:  # noqa: BLE001
             print(f"fleet failed to start: {exc}", file=sys.stderr)
             return 2
         fake_url = f"http://127.0.0.1:{fake_port}"
         for sharing in args.sharing:
             pubs = Publishers(args, sharing, log_dir)
+            relays = Relays(pubs.count, nats.url, log_dir) if nats is not None else None
             try:
                 t0 = time.monotonic()
                 await pubs.start(600)
+                if relays is not None:
+                    await relays.start(60)
                 if args.bench_cores:
-                    pin(pubs.pids, args.bench_cores)
+                    pin(pubs.pids + (relays.pids if relays else []), args.bench_cores)
                 pub_info[f"{sharing:g}"] = {"setup_s": round(time.monotonic() - t0, 1), "processes": pubs.info}
                 print(f"sharing {sharing:g}: {max(args.engines)} engines in {pubs.count} publishers, ready in "
                       f"{time.monotonic() - t0:.1f} s (logs: {log_dir})", flush=True)
@@ -514,16 +584,21 @@ async def run(args: argparse.Namespace) -> int:
                     order = args.workers if run_i % 2 == 0 else args.workers[::-1]  # interleaved: drift hits both
                     for workers in order:
                         for n in args.engines:
-                            r = await measure(args, etcd, client, pubs, fake_url, sharing, workers, n, run_i, log_dir)
+                            r = await measure(args, etcd, client, pubs, fake_url, sharing, workers, n, run_i, log_dir,
+                                              relays, nats.url if nats is not None else None)
                             results.append(r)
                             print(line(r), flush=True)
             finally:
+                if relays is not None:
+                    await relays.stop()
                 await pubs.stop()
     finally:
         if fake is not None:
             await fake.stop(5)
         if client is not None:
             await client.close()
+        if nats is not None:
+            await nats.stop()
         await etcd.stop()
     return report(args, results, pub_info)
 
@@ -533,7 +608,7 @@ def report(args: argparse.Namespace, results: list[dict], pub_info: dict) -> int
     slopes = memory_slopes(results)
     where = (f"server on core(s) {args.server_cores}, publishers and the rest on {args.bench_cores}"
              if args.server_cores else "nothing pinned")
-    print(f"\nfleet_scale: medians of {args.runs} run(s); pool {args.pool} blocks/engine, block size 16; offered "
+    print(f"\nfleet_scale ({args.mode}): medians of {args.runs} run(s); pool {args.pool} blocks/engine, block size 16; offered "
           f"{args.rate / 1e3:,.0f}k block events/s; {os.cpu_count()} cores, {where}")
     print(table(rows, slopes))
     checks = goals(rows, slopes)

@@ -198,6 +198,7 @@ def test_resolve_args() -> None:
     assert q.engines == [20, 60] and q.runs == 1 and q.rate == 200_000
     a = fleet_scale.resolve_args(["--engines", "300", "100", "300", "--workers", "1"])
     assert a.engines == [100, 300] and a.runs == 3 and a.rate == 1_000_000
-    for bad in (["--sharing", "1.5"], ["--engines", "0"], ["--mode", "nats"]):
+    assert fleet_scale.resolve_args(["--mode", "nats"]).mode == "nats"
+    for bad in (["--sharing", "1.5"], ["--engines", "0"], ["--mode", "grpc"]):
         with pytest.raises(SystemExit):
             fleet_scale.resolve_args(bad)
