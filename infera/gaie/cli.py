@@ -33,7 +33,7 @@ SERVER_ONLY_FLAGS = frozenset({
     "--dashboard-session-s", "--allow-client-priority", "--router-default-retention", "--enable-profiling",
     "--enable-scaling-api", "--k8s-pod-name", "--access-log", "--kvd-socket-path", "--nats-req-idle-timeout",
     "--nats-req-max-duration", "--nats-req-max-pending", "--api-keys-file",
-    "--otlp-traces-endpoint",
+    "--otlp-traces-endpoint", "--max-inflight-per-worker", "--queue-timeout", "--queue-max-waiting",
 })
 
 

@@ -25,9 +25,10 @@ mtime (a Secret update swaps a symlink) reloads it. A file that no longer parses
 force and says why in the log and in ``infera_api_keys_reload_failures_total``.
 
 Limits (``requests_per_minute``, ``tokens_per_minute``, ``max_concurrent``) are per tenant, shared by
-its keys and by every replica (infera/server/tenant_limits.py). Priorities and cache isolation are
-not enforced by this version: an entry that sets them is refused, naming the field, so that nothing
-is silently ignored.
+its keys and by every replica (infera/server/tenant_limits.py). ``priority`` orders the fair queue
+(infera/server/admission.py, with ``--max-inflight-per-worker``). Cache isolation is not enforced by
+this version: an entry that sets it is refused, naming the field, so that nothing is silently
+ignored.
 """
 from __future__ import annotations
 
@@ -53,8 +54,8 @@ DEFAULT_POLL_S = 2.0
 _TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _SHA256_HEX = re.compile(r"[0-9a-fA-F]{64}")
 LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent")
-KEY_FIELDS = ("sha256", "tenant", "models", *LIMIT_FIELDS)
-NOT_ENFORCED_FIELDS = ("priority", "cache_isolation")
+KEY_FIELDS = ("sha256", "tenant", "models", "priority", *LIMIT_FIELDS)
+NOT_ENFORCED_FIELDS = ("cache_isolation",)
 ALL_MODELS = "*"
 OTHER_TENANT = "other"  # the label of requests without a known tenant in per-tenant series
 _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="infera"'}
@@ -70,6 +71,7 @@ class ApiKey:
     digest: bytes  # sha256 of the key
     models: frozenset[str] | None  # None: every model
     limit: TenantLimit = TenantLimit()  # the tenant's (shared by all its keys and every replica)
+    priority: int = 0  # its class in the fair queue (--max-inflight-per-worker): higher is served first
 
     def allows(self, model: str | None) -> bool:
         return self.models is None or (model is not None and model in self.models)
@@ -97,8 +99,8 @@ def parse_keys(text: str) -> dict[bytes, ApiKey]:
             raise ApiKeysError(f"{where}: expected a mapping")
         for field in entry:
             if field in NOT_ENFORCED_FIELDS:
-                raise ApiKeysError(f"{where}.{field}: priorities and cache isolation are not enforced by this "
-                                   "version; remove the field rather than rely on it")
+                raise ApiKeysError(f"{where}.{field}: cache isolation is not enforced by this version; remove the "
+                                   "field rather than rely on it")
             if field not in KEY_FIELDS:
                 raise ApiKeysError(f"{where}: unknown field {str(field)[:64]!r} (fields: {', '.join(KEY_FIELDS)})")
         sha = entry.get("sha256")
@@ -115,6 +117,9 @@ def parse_keys(text: str) -> dict[bytes, ApiKey]:
             value = entry.get(field)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ApiKeysError(f"{where}.{field}: expected a whole number >= 1 (absent: unlimited)")
+        priority = entry.get("priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -1000 <= priority <= 1000:
+            raise ApiKeysError(f"{where}.priority: expected a whole number from -1000 to 1000 (higher is served first)")
         limit = TenantLimit(*(entry.get(f) for f in LIMIT_FIELDS))
         if limits.setdefault(tenant, (limit, i))[0] != limit:
             raise ApiKeysError(f"{where}: tenant {tenant!r} has other limits in keys[{limits[tenant][1]}]; limits are "
@@ -122,7 +127,7 @@ def parse_keys(text: str) -> dict[bytes, ApiKey]:
         digest = bytes.fromhex(sha)
         if digest in keys:
             raise ApiKeysError(f"{where}.sha256: the same key is listed twice")
-        keys[digest] = ApiKey(tenant, digest, None if ALL_MODELS in models else frozenset(models), limit)
+        keys[digest] = ApiKey(tenant, digest, None if ALL_MODELS in models else frozenset(models), limit, priority)
     return keys
 
 

@@ -65,6 +65,7 @@ class ServerState:
     api_keys: Any = None  # --api-keys-file: ApiKeys (infera/server/api_keys.py); None: the API is open
     tracer: Any = None  # --otlp-traces-endpoint: RequestTracer (infera/server/tracing.py); None: off
     limiter: Any = None  # --api-keys-file limits: TenantLimiter (infera/server/tenant_limits.py)
+    admission: Any = None  # --max-inflight-per-worker: AdmissionQueue (infera/server/admission.py); None: off
 
 
 STATE_KEY = web.AppKey("state", ServerState)
@@ -200,6 +201,33 @@ async def _api_key_middleware(request: web.Request,
     return response
 
 
+TICKET_KEY = web.RequestKey("ticket", object) if hasattr(web, "RequestKey") else "ticket"
+
+
+@web.middleware
+async def _admission_middleware(request: web.Request,
+                                handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+    """The fair queue's slot (taken by the handler once the model is known: ``_admit``) is given
+    back when the reply has ended, broken or never come."""
+    try:
+        return await handler(request)
+    finally:
+        ticket = request.get(TICKET_KEY)
+        if ticket is not None:
+            ticket.leave()
+
+
+async def _admit(request: web.Request, model: str) -> None:
+    """With ``--max-inflight-per-worker``: wait for a slot of ``model`` (fair among tenants,
+    higher priority first; 429 after ``--queue-timeout``, 503 when too many wait)."""
+    queue = request.app[STATE_KEY].admission
+    if queue is None or request.headers.get(DIRECT_WORKER_HEADER):  # a gateway's pick is not queued
+        return
+    key = request.get(API_KEY_KEY)
+    tenant, priority = (key.tenant, key.priority) if key is not None else ("", 0)
+    request[TICKET_KEY] = await queue.enter(model, tenant, priority)
+
+
 def _authorize_model(request: web.Request, model: str | None) -> None:
     keys = request.app[STATE_KEY].api_keys
     if keys is not None:
@@ -230,6 +258,7 @@ def _make_inference_handler(route: str):
         body = await request.read()  # aiohttp enforces client_max_size for chunked bodies too
         parsed = parse_request(route, body, allow_kv_transfer_params=state.allow_client_kv_transfer_params)
         _authorize_model(request, parsed.model)
+        await _admit(request, parsed.model)
         stream = bool(parsed.stream)
         span, trace_headers = _trace(state, request, route, parsed.model, request_id)
         routed = RoutedRequest(route=route, body=body, parsed=parsed, model=parsed.model, stream=stream,
@@ -416,6 +445,7 @@ async def _anthropic_messages(request: web.Request) -> web.StreamResponse:
     try:
         translated = _anthropic.translate_request(await _anthropic_body(request, state))
         _authorize_model(request, translated.model)
+        await _admit(request, translated.model)
         body = _json.encode(translated.body)
         parsed = parse_request(_anthropic.CHAT_ROUTE, body,
                                allow_kv_transfer_params=state.allow_client_kv_transfer_params)
@@ -642,7 +672,8 @@ async def _prewarm(request: web.Request) -> web.Response:
 
 
 def build_app(state: ServerState) -> web.Application:
-    app = web.Application(middlewares=[_errors_middleware, _admin_auth_middleware, _api_key_middleware],
+    app = web.Application(middlewares=[_errors_middleware, _admin_auth_middleware, _api_key_middleware,
+                                       _admission_middleware],
                           client_max_size=state.max_request_bytes)
     app[STATE_KEY] = state
     app.router.add_post("/v1/chat/completions", _make_inference_handler("/v1/chat/completions"))

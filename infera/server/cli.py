@@ -200,6 +200,14 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
            "(README: API keys); the inference API then needs 'Authorization: Bearer <key>' or 'x-api-key: <key>' "
            "(401 without a valid one, 403 for a model the key may not use). Reloaded when the file changes "
            "(a mounted Kubernetes Secret); off: the API is open")
+    f("--max-inflight-per-worker", env="INFERA_MAX_INFLIGHT_PER_WORKER", default=0, type=non_negative_int,
+      help="fair queueing under overload: a model admits this many requests per worker (mixed and decode) at "
+           "once; the rest wait in a bounded queue, served fairly among tenants and by their priority, and are "
+           "picked for when a slot frees (0: off, every request goes to the engines at once)")
+    f("--queue-timeout", env="INFERA_QUEUE_TIMEOUT", default=30.0, type=positive_float,
+      help="seconds a request may wait for a free slot (--max-inflight-per-worker); then 429 with Retry-After")
+    f("--queue-max-waiting", env="INFERA_QUEUE_MAX_WAITING", default=1024, type=positive_int,
+      help="requests that may wait per model (--max-inflight-per-worker); past it 503 with Retry-After")
     f("--otlp-traces-endpoint", env="INFERA_OTLP_TRACES_ENDPOINT", default=None,
       help="export a span per request over OTLP to this collector (e.g. http://otel-collector:4317; the protocol "
            "is OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, grpc by default as in vLLM) and send each engine the span's "

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from infera.discovery.base import Discovery
 from infera.runtime import install_event_loop, wait_for_shutdown_signal
+from infera.server.admission import AdmissionMetrics, AdmissionQueue
 from infera.server.api_keys import ApiKeys, ApiKeysMetrics
 from infera.server.tenant_limits import TenantLimiter, TenantLimitsMetrics
 from infera.server.tracing import RequestTracer
@@ -66,6 +67,16 @@ class InferaServer:
             # Per-tenant limits, shared with the other replicas over the replica-sync channel.
             self.limiter = TenantLimiter(stack.replica_sync)
             self.metrics.registry.register(TenantLimitsMetrics(self.limiter, self.api_keys.tenant_label))
+        self.admission: AdmissionQueue | None = None  # --max-inflight-per-worker (infera/server/admission.py)
+        if args.max_inflight_per_worker and args.router_mode == "auto":
+            per_worker, fleet = args.max_inflight_per_worker, self.fleet
+
+            def capacity(model: str) -> int:  # the workers that hold a request for its whole life
+                return per_worker * (len(fleet.active(model, "mixed")) + len(fleet.active(model, "decode")))
+
+            self.admission = AdmissionQueue(capacity, timeout_s=args.queue_timeout, max_waiting=args.queue_max_waiting)
+            self.metrics.registry.register(AdmissionMetrics(self.admission))
+            fleet.subscribe(lambda worker_id, record: self.admission.refresh())  # a joined worker frees slots
         self.tracer: RequestTracer | None = None  # --otlp-traces-endpoint (infera/server/tracing.py)
         if args.otlp_traces_endpoint:
             self.tracer = RequestTracer(args.otlp_traces_endpoint, policy=args.router_policy)
@@ -102,7 +113,8 @@ class InferaServer:
                                     kvd_socket_path=self.args.kvd_socket_path,
                                     metrics_token=self.args.metrics_token,
                                     dashboard_session_s=self.args.dashboard_session_s, scaler=self.scaler,
-                                    api_keys=self.api_keys, tracer=self.tracer, limiter=self.limiter))
+                                    api_keys=self.api_keys, tracer=self.tracer, limiter=self.limiter,
+                                    admission=self.admission))
         app.middlewares.append(limits_middleware(self.limits))  # body timeout, request bytes in flight
         # handler_cancellation: a client that disconnects cancels its handler, which closes the
         # upstream connection, which makes the engine abort the request and free its slot.

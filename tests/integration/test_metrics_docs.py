@@ -78,15 +78,19 @@ def test_promql_name_extraction():
 
 
 @pytest.fixture
-async def live_metrics(make_server, spawn_worker, nats_server) -> str:
+async def live_metrics(make_server, spawn_worker, nats_server, tmp_path) -> str:
     """The /metrics of a kv-aware server fronting two sim workers after some traffic (so the
     per-worker and kv families have samples), of one on the NATS plane (NATS and replica-sync
-    families), and a ``--workers N`` process's own families."""
+    families) with API keys and the fair queue on (their families), and a ``--workers N``
+    process's own families."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(f"keys:\n  - sha256: '{'0' * 64}'\n    tenant: team-a\n    requests_per_minute: 10\n")
     server = await make_server("--engine-scrape-interval", "0.2")
     workers = [await spawn_worker() for _ in range(2)]
     await wait_workers(server, {w.worker_id for w in workers})
     nats_plane = await make_server("--request-transport", "nats", "--kv-event-transport", "nats",
-                                   "--nats-server", nats_server.url)
+                                   "--nats-server", nats_server.url, "--api-keys-file", str(keys),
+                                   "--max-inflight-per-worker", "4")
     base = f"http://127.0.0.1:{server.port}"
     async with aiohttp.ClientSession() as s:
         await wait_for(lambda: all(server.kv.subscriber.stats(w.worker_id).get("connected") for w in workers), 10,

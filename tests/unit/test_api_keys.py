@@ -79,7 +79,8 @@ def test_json_is_valid_yaml():
     (f"keys: [{{sha256: {sha('k')}, tenant: t, max_concurrent: 2.5}}]", "keys[0].max_concurrent: expected"),
     (f"keys: [{{sha256: {sha('a')}, tenant: t, requests_per_minute: 5}}, {{sha256: {sha('b')}, tenant: t}}]",
      "keys[1]: tenant 't' has other limits in keys[0]"),
-    (f"keys: [{{sha256: {sha('k')}, tenant: t, priority: 1}}]", "keys[0].priority: priorities"),
+    (f"keys: [{{sha256: {sha('k')}, tenant: t, priority: high}}]", "keys[0].priority: expected a whole number"),
+    (f"keys: [{{sha256: {sha('k')}, tenant: t, priority: 5000}}]", "keys[0].priority: expected a whole number"),
     (f"keys: [{{sha256: {sha('k')}, tenant: t, cache_isolation: true}}]", "keys[0].cache_isolation"),
 ])
 def test_every_mistake_is_named_by_entry_and_field(text, says):

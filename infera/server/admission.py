@@ -1,0 +1,239 @@
+"""Fair queueing under overload (``--max-inflight-per-worker``): when a model's workers are all at
+their admission bound, a request waits in a bounded queue instead of piling onto the engines, and
+the queue serves tenants fairly, higher priority classes first.
+
+**Capacity.** A model admits ``--max-inflight-per-worker`` × its active workers that hold a request
+for its whole life (mixed and decode workers) at once. The kv-aware (or round-robin) pick happens
+only when a request is admitted, so it is made with the fleet as it is then.
+
+**Order.** Waiting requests are grouped by priority class (the tenant's ``priority`` in
+``--api-keys-file``, higher first) and, within a class, by tenant; the next admitted is the oldest
+request of the tenant that has been served least in that class (a tenant that starts waiting is
+credited no less than the least-served tenant waiting, so idleness does not bank credit): with one
+heavy and one light tenant, each gets half of the freed slots while both wait, and a light request
+never waits behind the heavy tenant's backlog. Without API keys every request is one tenant's:
+first come, first served.
+
+**Bounds.** At most ``--queue-max-waiting`` requests wait per model (more: 503 with Retry-After);
+none waits longer than ``--queue-timeout`` (then 429 with Retry-After); a client that leaves while
+waiting leaves the queue. Nothing is dropped silently.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from infera.api.errors import ApiError
+
+DEFAULT_QUEUE_TIMEOUT_S = 30.0
+DEFAULT_MAX_WAITING = 1024
+WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+@dataclass(slots=True)
+class _Waiter:
+    tenant: str
+    priority: int
+    future: asyncio.Future
+    since: float
+
+
+@dataclass(slots=True)
+class _Class:
+    """One priority class of one model: a FIFO per tenant and what each tenant was served."""
+    queues: dict[str, deque] = field(default_factory=dict)
+    served: dict[str, int] = field(default_factory=dict)
+
+    def push(self, w: _Waiter) -> None:
+        q = self.queues.get(w.tenant)
+        if q is None:
+            q = self.queues[w.tenant] = deque()
+            floor = min((self.served.get(t, 0) for t in self.queues if t != w.tenant), default=None)
+            if floor is not None:  # no credit banked while it was idle
+                self.served[w.tenant] = max(self.served.get(w.tenant, 0), floor)
+        q.append(w)
+
+    def pop(self) -> _Waiter | None:
+        best: tuple[int, float, str] | None = None
+        for tenant, q in self.queues.items():
+            key = (self.served.get(tenant, 0), q[0].since, tenant)
+            if best is None or key < best:
+                best = key
+        if best is None:
+            return None
+        tenant = best[2]
+        q = self.queues[tenant]
+        w = q.popleft()
+        if not q:
+            del self.queues[tenant]
+        self.served[tenant] = self.served.get(tenant, 0) + 1
+        if not self.queues:
+            self.served.clear()  # nobody waits: fairness starts over (the map stays bounded)
+        return w
+
+    def remove(self, w: _Waiter) -> None:
+        q = self.queues.get(w.tenant)
+        if q is not None and w in q:
+            q.remove(w)
+            if not q:
+                del self.queues[w.tenant]
+
+
+class Ticket:
+    """An admitted request's slot: ``leave()`` once when its reply has ended (or broke)."""
+
+    __slots__ = ("_queue", "model", "_left")
+
+    def __init__(self, queue: "AdmissionQueue", model: str) -> None:
+        self._queue, self.model, self._left = queue, model, False
+
+    def leave(self) -> None:
+        if not self._left:
+            self._left = True
+            self._queue._leave(self.model)
+
+
+class _Model:
+    __slots__ = ("inflight", "classes", "waiting")
+
+    def __init__(self) -> None:
+        self.inflight = 0
+        self.classes: dict[int, _Class] = {}
+        self.waiting = 0
+
+
+class AdmissionQueue:
+    """``await enter(model, tenant, priority)`` → ``Ticket`` (at once while the model has room)."""
+
+    def __init__(self, capacity: Callable[[str], int], *, timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
+                 max_waiting: int = DEFAULT_MAX_WAITING, clock: Callable[[], float] = time.monotonic) -> None:
+        self.capacity, self.timeout_s, self.max_waiting, self.clock = capacity, timeout_s, max_waiting, clock
+        self._models: dict[str, _Model] = {}
+        self.admitted = 0
+        self.queued = 0
+        self.timeouts: dict[str, int] = {}
+        self.rejected: dict[str, int] = {}
+        self.wait_counts = [0] * (len(WAIT_BUCKETS) + 1)
+        self.wait_total = 0.0
+
+    def _model(self, model: str) -> _Model:
+        m = self._models.get(model)
+        if m is None:
+            m = self._models[model] = _Model()
+        return m
+
+    async def enter(self, model: str, tenant: str, priority: int = 0) -> Ticket:
+        m = self._model(model)
+        self._admit_waiting(model, m)
+        capacity = self.capacity(model)
+        # No worker serves it (yet): nothing to wait for here; the router answers at once.
+        if capacity <= 0 or (not m.waiting and m.inflight < capacity):
+            m.inflight += 1
+            self.admitted += 1
+            self._observe_wait(0.0)
+            return Ticket(self, model)
+        if m.waiting >= self.max_waiting:
+            self.rejected[model] = self.rejected.get(model, 0) + 1
+            raise ApiError(503, f"model {model!r} is at capacity and {m.waiting} requests already wait for it; "
+                           "retry shortly", "queue_full", headers={"Retry-After": "1"})
+        w = _Waiter(tenant, priority, asyncio.get_running_loop().create_future(), self.clock())
+        cls = m.classes.get(priority)
+        if cls is None:
+            cls = m.classes[priority] = _Class()
+        cls.push(w)
+        m.waiting += 1
+        self.queued += 1
+        try:
+            await asyncio.wait_for(asyncio.shield(w.future), self.timeout_s)
+        except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
+            if w.future.done() and not w.future.cancelled():  # admitted as the wait ended: give it back
+                self._leave(model)
+            else:
+                w.future.cancel()
+                cls.remove(w)
+                m.waiting -= 1
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            self.timeouts[model] = self.timeouts.get(model, 0) + 1
+            raise ApiError(429, f"model {model!r} stayed at capacity for the {self.timeout_s:g} s this request may "
+                           "wait (--queue-timeout); retry later", "queue_timeout",
+                           headers={"Retry-After": str(max(1, round(self.timeout_s / 4)))}) from None
+        self._observe_wait(self.clock() - w.since)
+        return Ticket(self, model)
+
+    def _observe_wait(self, seconds: float) -> None:
+        i = 0
+        while i < len(WAIT_BUCKETS) and seconds > WAIT_BUCKETS[i]:
+            i += 1
+        self.wait_counts[i] += 1
+        self.wait_total += seconds
+
+    def _leave(self, model: str) -> None:
+        m = self._model(model)
+        m.inflight = max(0, m.inflight - 1)
+        self._admit_waiting(model, m)
+
+    def _admit_waiting(self, model: str, m: _Model) -> None:
+        """Hand freed slots to waiting requests: the highest class first, fair among its tenants."""
+        if not m.waiting:
+            return
+        capacity = self.capacity(model)
+        while m.waiting and m.inflight < capacity:
+            w = None
+            for priority in sorted(m.classes, reverse=True):
+                w = m.classes[priority].pop()
+                if w is not None:
+                    break
+            if w is None:
+                break
+            m.waiting -= 1
+            if w.future.done():  # gave up already
+                continue
+            m.inflight += 1
+            self.admitted += 1
+            w.future.set_result(None)
+
+    def refresh(self) -> None:
+        """The fleet changed (a worker joined): waiting requests may fit now."""
+        for model, m in list(self._models.items()):
+            self._admit_waiting(model, m)
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        return {model: {"inflight": m.inflight, "waiting": m.waiting, "capacity": self.capacity(model)}
+                for model, m in self._models.items()}
+
+
+class AdmissionMetrics:
+    def __init__(self, queue: AdmissionQueue) -> None:
+        self.queue = queue
+
+    def collect(self) -> Iterator[Metric]:
+        q = self.queue
+        g = GaugeMetricFamily("infera_queue_waiting", "Requests waiting for a free slot, per model", labels=["model"])
+        a = GaugeMetricFamily("infera_queue_admitted_inflight", "Admitted requests in flight, per model",
+                              labels=["model"])
+        for model, s in sorted(q.snapshot().items()):
+            g.add_metric([model], s["waiting"])
+            a.add_metric([model], s["inflight"])
+        yield g
+        yield a
+        c = CounterMetricFamily("infera_queue_timeouts", "Requests that waited --queue-timeout (429)", labels=["model"])
+        for model, n in sorted(q.timeouts.items()):
+            c.add_metric([model], n)
+        yield c
+        c = CounterMetricFamily("infera_queue_rejected", "Requests refused with the queue full (503)", labels=["model"])
+        for model, n in sorted(q.rejected.items()):
+            c.add_metric([model], n)
+        yield c
+        h = HistogramMetricFamily("infera_queue_wait_seconds", "Time from arrival to admission")
+        buckets, running = [], 0
+        for bound, n in zip((*(repr(float(b)) for b in WAIT_BUCKETS), "+Inf"), q.wait_counts):
+            running += n
+            buckets.append((bound, running))
+        h.add_metric([], buckets, q.wait_total)
+        yield h
