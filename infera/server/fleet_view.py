@@ -197,6 +197,11 @@ class FleetView:
                "events_silent": any(v["events_silent"] for v in ranks),
                "gaps": sum(v["gaps"] for v in ranks), "resets": sum(v["resets"] for v in ranks),
                "decode_errors": sum(v["decode_errors"] for v in ranks),
+               # self-healing: warmed up from the engine's history, complete, fresh, restarts seen
+               "caught_up": all(v.get("caught_up", False) for v in ranks),
+               "degraded": any(v.get("degraded", False) for v in ranks),
+               "staleness_s": max((v["staleness_s"] for v in ranks if v.get("staleness_s") is not None), default=None),
+               "engine_restarts": sum(v.get("engine_restarts", 0) for v in ranks),
                "prediction": {"observations": sum(p["observations"] for p in pred),
                               "exact": sum(p["exact"] for p in pred),
                               "over": sum(p["over"] for p in pred), "under": sum(p["under"] for p in pred),

@@ -98,6 +98,10 @@ async def test_live_fleet_in_flight_rate_ttft_kv_and_a_killed_worker(make_server
         await wait_for(kv_seen, 10, message="KV blocks and self-check observations in /v1/fleet")
         doc = await fleet_doc(s, base)
         assert doc["server"]["kv_blocks"] == sum(w["kv"]["blocks"] for w in workers_of(doc).values())
+        for w in workers_of(doc).values():  # the views' health: warmed up, complete, fresh, no restart
+            kv = w["kv"]
+            assert kv["caught_up"] and not kv["degraded"] and kv["engine_restarts"] == 0
+            assert kv["staleness_s"] is not None and kv["staleness_s"] >= 0
 
         # SIGKILL one launcher (its engine dies with it): the worker leaves the document with its lease
         a.signal(signal.SIGKILL)
