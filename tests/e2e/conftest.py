@@ -84,6 +84,38 @@ class VllmWorker:
         return kids[0]
 
 
+class OtlpReceiver:
+    """An OTLP/gRPC trace collector's receiving end in a thread: the spans the round-robin server
+    and worker 0's vLLM export (the e2e fleet traces; a test checks they join up)."""
+
+    def __init__(self) -> None:
+        from concurrent import futures
+
+        import grpc
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+        receiver = self
+        self.spans: list = []
+
+        class Service(trace_service_pb2_grpc.TraceServiceServicer):
+            def Export(self, request, context):
+                for resource_spans in request.resource_spans:
+                    service = next((a.value.string_value for a in resource_spans.resource.attributes
+                                    if a.key == "service.name"), "")
+                    for scope_spans in resource_spans.scope_spans:
+                        receiver.spans.extend((service, span) for span in scope_spans.spans)
+                return trace_service_pb2.ExportTraceServiceResponse()
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop(0)
+
+
 class WorkerSpec:
     """Per-worker additions: engine flags, launcher flags, environment."""
 
@@ -108,6 +140,7 @@ class VllmFleet:
         self.base = f"http://127.0.0.1:{self.port}"  # round-robin replica
         self.kv_base = f"http://127.0.0.1:{self.kv_port}"  # kv-aware replica over the same fleet
         self.workers: list[VllmWorker] = []
+        self.otlp = OtlpReceiver()
 
     def nats_plane(self) -> list[str]:
         return ["--request-transport", "nats", "--kv-event-transport", "nats", "--nats-server", self.nats.url]
@@ -115,18 +148,23 @@ class VllmFleet:
     def start(self, n: int = 2) -> None:
         self.etcd.start()
         self.nats.start()
-        specs = self.specs or [WorkerSpec(launcher=self.nats_plane() if i % 2 else []) for i in range(n)]
+        # worker 0 (and the round-robin server) trace to the fleet's OTLP receiver, batches every 0.2 s
+        tracing = WorkerSpec(engine=["--otlp-traces-endpoint", self.otlp.endpoint],
+                             env={"OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_EXPORTER_OTLP_TRACES_INSECURE": "true"})
+        specs = self.specs or [WorkerSpec(launcher=self.nats_plane()) if i % 2 else tracing for i in range(n)]
         n = len(specs)
         # The round-robin replica also migrates streams (exactly, from vLLM's token ids) off a
         # worker that stalls for 10 s mid-stream (HTTP and NATS idle timeouts).
         migration = ["--migration-limit", "2", "--request-idle-timeout", "10", "--nats-req-idle-timeout", "10"]
-        for port, policy in ((self.port, ["--router-policy", "round-robin", *migration]),
+        traced = ["--otlp-traces-endpoint", self.otlp.endpoint]
+        for port, policy in ((self.port, ["--router-policy", "round-robin", *migration, *traced]),
                              (self.kv_port, ["--router-policy", "kv-aware", "--router-tokenizer-path", str(self.model)])):
             log = open(self.tmp / f"server-{port}.log", "wb")
             self.servers.append(subprocess.Popen([sys.executable, "-m", "infera.server", "--workers", "1", "--host", "127.0.0.1",
                                                   "--port", str(port), "--etcd-endpoint", self.etcd.endpoint,
                                                   *self.nats_plane(), *policy, "--admin-token", ADMIN_TOKEN],
-                                                 stdout=log, stderr=subprocess.STDOUT))
+                                                 stdout=log, stderr=subprocess.STDOUT,
+                                                 env={**os.environ, "OTEL_BSP_SCHEDULE_DELAY": "200"}))
         for i, spec in enumerate(specs):
             port = free_port()
             env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
@@ -191,6 +229,7 @@ class VllmFleet:
         finally:
             self.etcd.cleanup()
             self.nats.cleanup()
+            self.otlp.stop()
 
 
 @pytest.fixture(scope="module")

@@ -72,6 +72,27 @@ def test_openai_client_chat_and_completions_through_the_router(vllm_fleet):
     assert set(served) == {w.worker_id for w in vllm_fleet.workers}
 
 
+def test_the_engine_joins_the_routers_trace(vllm_fleet):
+    """--otlp-traces-endpoint on the round-robin server and on worker 0's vLLM: vLLM's span of a
+    request is a child of the router's span, which continues the client's traceparent."""
+    client = openai.OpenAI(base_url=vllm_fleet.base + "/v1", api_key="none", max_retries=0, timeout=120)
+    traces = [f"{i + 1:032x}" for i in range(4)]
+    for trace in traces:  # round-robin: two of them reach worker 0, the traced engine
+        client.completions.create(model="tiny", prompt="trace me", max_tokens=2,
+                                  extra_headers={"traceparent": f"00-{trace}-{'ab' * 8}-01"})
+    spans = vllm_fleet.otlp.spans
+
+    def joined() -> list:
+        router = {span.trace_id.hex(): span for service, span in spans if service == "infera-server"}
+        return [(router[span.trace_id.hex()], span) for service, span in spans
+                if service != "infera-server" and span.trace_id.hex() in router]
+
+    wait_until(lambda: len(joined()) >= 2, 60, "vLLM spans in the router's traces")
+    for router_span, engine_span in joined():
+        assert router_span.trace_id.hex() in traces and router_span.parent_span_id.hex() == "ab" * 8
+        assert engine_span.parent_span_id == router_span.span_id  # the engine got the router's span as parent
+
+
 def test_anthropic_client_messages_through_the_router(vllm_fleet):
     """The anthropic SDK against real vLLM: /v1/messages translated to chat and back, unary and
     streamed, usage and stop reasons from the engine. (Tool calls are tested against the sims: a
