@@ -110,7 +110,7 @@ BlockCounter_items(BlockCounter *bc, PyObject *unused)
     if (out == NULL)
         return NULL;
     for (uint64_t i = 0; i < m->cap; i++) {
-        if (!m->used[i])
+        if (!map_used(m, i))
             continue;
         PyObject *pair = Py_BuildValue("(KK)", (unsigned long long)m->keys[i], (unsigned long long)m->vals[i]);
         if (pair == NULL || PyList_Append(out, pair) < 0) {

@@ -1,15 +1,16 @@
-/* Growth and deletion of the open-addressing tables of u64 keys (u64table.h has the probes). */
+/* Growth and deletion of the open-addressing tables of u64 keys, and the holder sets' writes
+ * (u64table.h has the probes and the reads). */
 #include "u64table.h"
+
+/* ------------------------------------------------------------------------------------------ */
+/* Map64                                                                                       */
 
 static int
 map_alloc(Map64 *m, uint64_t cap)
 {
-    int bits = 0;
-    while ((1ULL << bits) < cap)
-        bits++;
     m->keys = PyMem_Malloc(cap * sizeof(uint64_t));
     m->vals = PyMem_Malloc(cap * sizeof(uint64_t));
-    m->used = PyMem_Calloc(cap, 1);
+    m->used = PyMem_Calloc((cap + 63) / 64, sizeof(uint64_t));
     if (m->keys == NULL || m->vals == NULL || m->used == NULL) {
         map_free(m);
         PyErr_NoMemory();
@@ -17,7 +18,6 @@ map_alloc(Map64 *m, uint64_t cap)
     }
     m->cap = cap;
     m->n = 0;
-    m->shift = 64 - bits;
     return 0;
 }
 
@@ -25,12 +25,12 @@ static int
 map_grow(Map64 *m)
 {
     Map64 old = *m;
-    if (map_alloc(m, old.cap ? old.cap * 2 : 16) < 0) {
+    if (map_alloc(m, table_grown(old.cap)) < 0) {
         *m = old;
         return -1;
     }
     for (uint64_t i = 0; i < old.cap; i++) {
-        if (old.used[i])
+        if (map_used(&old, i))
             infera_map_put(m, old.keys[i], old.vals[i]);
     }
     map_free(&old);
@@ -40,18 +40,17 @@ map_grow(Map64 *m)
 int
 infera_map_put(Map64 *m, uint64_t key, uint64_t val)
 {
-    if ((m->n + 1) * 4 > m->cap * 3 && map_grow(m) < 0)
+    if (table_full(m->n, m->cap) && map_grow(m) < 0)
         return -1;
-    uint64_t mask = m->cap - 1;
-    uint64_t i = home_of(key, m->shift);
-    while (m->used[i]) {
+    uint64_t i = home_of(key, m->cap);
+    while (map_used(m, i)) {
         if (m->keys[i] == key) {
             m->vals[i] = val;
             return 0;
         }
-        i = (i + 1) & mask;
+        i = next_slot(i, m->cap);
     }
-    m->used[i] = 1;
+    m->used[i >> 6] |= 1ULL << (i & 63);
     m->keys[i] = key;
     m->vals[i] = val;
     m->n++;
@@ -61,69 +60,418 @@ infera_map_put(Map64 *m, uint64_t key, uint64_t val)
 void
 infera_map_delete_at(Map64 *m, uint64_t i)
 {
-    uint64_t mask = m->cap - 1;
     uint64_t j = i;
     for (;;) {
-        j = (j + 1) & mask;
-        if (!m->used[j])
+        j = next_slot(j, m->cap);
+        if (!map_used(m, j))
             break;
-        uint64_t k = home_of(m->keys[j], m->shift);
         /* move j back to the hole at i unless its home lies cyclically in (i, j] */
-        int stays = (i <= j) ? (i < k && k <= j) : (i < k || k <= j);
-        if (!stays) {
+        if (!stays_put(i, j, home_of(m->keys[j], m->cap))) {
             m->keys[i] = m->keys[j];
             m->vals[i] = m->vals[j];
             i = j;
         }
     }
-    m->used[i] = 0;
+    m->used[i >> 6] &= ~(1ULL << (i & 63));
     m->n--;
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* Holders: the table                                                                          */
+
 int
-infera_h_rebuild(Holders *h, uint64_t cap, int words)
+infera_h_alloc(Holders *h, uint64_t cap)
+{
+    h->slots = PyMem_Calloc(cap * 2, sizeof(uint64_t));
+    if (h->slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    h->cap = cap;
+    h->n = 0;
+    return 0;
+}
+
+static void
+hs_free(Holders *h, uint64_t v)
+{
+    if (!(v & HS_EXT))
+        return;
+    if (v & HS_BITMAP) {
+        h->ext_bytes -= hbits_bytes(hs_bits(v)->words);
+        PyMem_Free(hs_bits(v));
+    }
+    else {
+        h->ext_bytes -= harr_bytes(hs_arr(v)->cap);
+        PyMem_Free(hs_arr(v));
+    }
+}
+
+void
+infera_h_free(Holders *h)
+{
+    for (uint64_t i = 0; i < h->cap; i++)
+        hs_free(h, h->slots[2 * i + 1]);
+    PyMem_Free(h->slots);
+    memset(h, 0, sizeof(*h));
+}
+
+static int
+h_rebuild(Holders *h, uint64_t cap)
 {
     Holders old = *h;
-    if (h_alloc(h, cap, words) < 0) {
+    if (infera_h_alloc(h, cap) < 0) {
         *h = old;
         return -1;
     }
-    uint64_t ostride = H_STRIDE(&old), nstride = H_STRIDE(h);
+    h->ext_bytes = old.ext_bytes;
     for (uint64_t i = 0; i < old.cap; i++) {
-        uint64_t *src = old.slots + i * ostride;
-        if (h_empty(&old, src))
+        uint64_t *src = old.slots + 2 * i;
+        if (src[1] == 0)
             continue;
         /* insert directly: the new table has room and no copy of the key */
-        uint64_t mask = h->cap - 1, j = home_of(src[0], h->shift);
-        while (!h_empty(h, h->slots + j * nstride))
-            j = (j + 1) & mask;
-        uint64_t *dst = h->slots + j * nstride;
-        dst[0] = src[0];
-        memcpy(dst + 1, src + 1, (size_t)old.words * sizeof(uint64_t));
+        uint64_t j = home_of(src[0], h->cap);
+        while (h->slots[2 * j + 1] != 0)
+            j = next_slot(j, h->cap);
+        h->slots[2 * j] = src[0];
+        h->slots[2 * j + 1] = src[1];
         h->n++;
     }
     PyMem_Free(old.slots);
     return 0;
 }
 
-void
-infera_h_delete(Holders *h, uint64_t *slot)
+/* Empty the slot at ``slot`` (backward shift: the entries after it that may move back, do). */
+static void
+h_delete(Holders *h, uint64_t *slot)
 {
-    uint64_t mask = h->cap - 1, stride = H_STRIDE(h);
-    uint64_t i = (uint64_t)(slot - h->slots) / stride;
+    uint64_t i = (uint64_t)(slot - h->slots) / 2;
     uint64_t j = i;
     for (;;) {
-        j = (j + 1) & mask;
-        uint64_t *sj = h->slots + j * stride;
-        if (h_empty(h, sj))
+        j = next_slot(j, h->cap);
+        uint64_t *sj = h->slots + 2 * j;
+        if (sj[1] == 0)
             break;
-        uint64_t k = home_of(sj[0], h->shift);
-        int stays = (i <= j) ? (i < k && k <= j) : (i < k || k <= j);
-        if (!stays) {
-            memcpy(h->slots + i * stride, sj, stride * sizeof(uint64_t));
+        if (!stays_put(i, j, home_of(sj[0], h->cap))) {
+            h->slots[2 * i] = sj[0];
+            h->slots[2 * i + 1] = sj[1];
             i = j;
         }
     }
-    memset(h->slots + i * stride, 0, stride * sizeof(uint64_t));
+    h->slots[2 * i] = 0;
+    h->slots[2 * i + 1] = 0;
     h->n--;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Holders: the sets                                                                           */
+
+/* The inline list of 1..HS_INLINE sorted ids. */
+static uint64_t
+hs_list(const uint32_t *ids, uint32_t n)
+{
+    uint64_t v = (uint64_t)n << HS_COUNT_SHIFT;
+    for (uint32_t f = 0; f < n; f++)
+        v |= (uint64_t)ids[f] << (f * HS_IDBITS);
+    return v;
+}
+
+/* The inline bitmap of ids all below HS_SMALL. */
+static uint64_t
+hs_small(const uint32_t *ids, uint32_t n)
+{
+    uint64_t v = HS_BITMAP;
+    for (uint32_t k = 0; k < n; k++)
+        v |= 1ULL << ids[k];
+    return v;
+}
+
+/* A bitmap of the highest id is smaller than an array of n ids. */
+static int
+prefer_bitmap(uint32_t n, uint32_t max_id)
+{
+    return (uint64_t)n > 2 * ((uint64_t)(max_id >> 6) + 1);
+}
+
+/* The tagged set word of an allocation, counted in ext_bytes. A user-space address leaves the two
+ * tag bits clear on every 64-bit platform CPython runs on (x86-64 and arm64 use at most 57 bits). */
+static uint64_t
+hs_word(Holders *h, void *p, uint64_t bytes, uint64_t flags)
+{
+    if ((uintptr_t)p & ~(uintptr_t)HS_PTR_MASK)
+        Py_FatalError("infera.kv._native: a holder set allocated above the 62-bit address space");
+    h->ext_bytes += bytes;
+    return (uint64_t)(uintptr_t)p | HS_EXT | flags;
+}
+
+/* The set word of the n >= 1 sorted ids in its smallest form: an inline bitmap, an inline list, an
+ * array or a bitmap. 0, or -1 (no memory). */
+static int
+hs_make(Holders *h, const uint32_t *ids, uint32_t n, uint64_t *out)
+{
+    uint32_t max_id = ids[n - 1];
+    if (max_id < HS_SMALL) {
+        *out = hs_small(ids, n);
+        return 0;
+    }
+    if (n <= HS_INLINE) {
+        *out = hs_list(ids, n);
+        return 0;
+    }
+    if (prefer_bitmap(n, max_id)) {
+        uint32_t words = (max_id >> 6) + 1;
+        HBits *b = PyMem_Calloc(1, hbits_bytes(words));
+        if (b == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        b->n = n;
+        b->words = words;
+        for (uint32_t k = 0; k < n; k++)
+            b->bits[ids[k] >> 6] |= 1ULL << (ids[k] & 63);
+        *out = hs_word(h, b, hbits_bytes(words), HS_BITMAP);
+        return 0;
+    }
+    uint32_t cap = n < 8 ? 8 : (n + 1) & ~1u;
+    HArr *a = PyMem_Malloc(harr_bytes(cap));
+    if (a == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    a->n = n;
+    a->cap = cap;
+    memcpy(a->ids, ids, (size_t)n * 4);
+    *out = hs_word(h, a, harr_bytes(cap), 0);
+    return 0;
+}
+
+/* The ids of an inline set (a bitmap or a list), ascending, into out[HS_SMALL]; their number. */
+static uint32_t
+hs_inline_ids(uint64_t v, uint32_t *out)
+{
+    if (!(v & HS_BITMAP))
+        return hs_list_ids(v, out);
+    uint32_t n = 0;
+    for (uint64_t x = v & HS_SMALL_MASK; x; x &= x - 1)
+        out[n++] = (uint32_t)__builtin_ctzll(x);
+    return n;
+}
+
+/* Add ``id`` to the set in ``slot``: 1, 0 (was there), -1 (no memory; the set unchanged). */
+static int
+hs_add(Holders *h, uint64_t *slot, uint32_t id)
+{
+    uint64_t v = slot[1];
+    if (!(v & HS_EXT)) {
+        if ((v & HS_BITMAP) && id < HS_SMALL) {
+            if ((v >> id) & 1)
+                return 0;
+            slot[1] = v | (1ULL << id);
+            return 1;
+        }
+        uint32_t ids[HS_SMALL + 1];
+        uint32_t n = hs_inline_ids(v, ids), at = 0;
+        while (at < n && ids[at] < id)
+            at++;
+        if (at < n && ids[at] == id)
+            return 0;
+        memmove(ids + at + 1, ids + at, (size_t)(n - at) * 4);
+        ids[at] = id;
+        if (hs_make(h, ids, n + 1, &v) < 0)
+            return -1;
+        slot[1] = v;
+        return 1;
+    }
+    if (v & HS_BITMAP) {
+        HBits *b = hs_bits(v);
+        uint32_t w = id >> 6;
+        if (w >= b->words) {
+            uint32_t words = w + 1;
+            HBits *g = PyMem_Realloc(b, hbits_bytes(words));
+            if (g == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            memset(g->bits + g->words, 0, (size_t)(words - g->words) * 8);
+            h->ext_bytes -= hbits_bytes(g->words);
+            g->words = words;
+            slot[1] = hs_word(h, g, hbits_bytes(words), HS_BITMAP);
+            b = g;
+        }
+        uint64_t bit = 1ULL << (id & 63);
+        if (b->bits[w] & bit)
+            return 0;
+        b->bits[w] |= bit;
+        b->n++;
+        return 1;
+    }
+    HArr *a = hs_arr(v);
+    uint32_t lo = 0, hi = a->n;
+    while (lo < hi) {
+        uint32_t mid = (lo + hi) / 2;
+        if (a->ids[mid] < id)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo < a->n && a->ids[lo] == id)
+        return 0;
+    uint32_t max_id = a->ids[a->n - 1] > id ? a->ids[a->n - 1] : id;
+    if (prefer_bitmap(a->n + 1, max_id)) {
+        uint32_t words = (max_id >> 6) + 1;
+        HBits *b = PyMem_Calloc(1, hbits_bytes(words));
+        if (b == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        b->n = a->n + 1;
+        b->words = words;
+        for (uint32_t k = 0; k < a->n; k++)
+            b->bits[a->ids[k] >> 6] |= 1ULL << (a->ids[k] & 63);
+        b->bits[id >> 6] |= 1ULL << (id & 63);
+        v = hs_word(h, b, hbits_bytes(words), HS_BITMAP);
+        hs_free(h, slot[1]);
+        slot[1] = v;
+        return 1;
+    }
+    if (a->n == a->cap) {
+        uint32_t cap = a->cap + (a->cap / 2 + 1) / 2 * 2;
+        HArr *g = PyMem_Realloc(a, harr_bytes(cap));
+        if (g == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        h->ext_bytes -= harr_bytes(g->cap);
+        g->cap = cap;
+        slot[1] = hs_word(h, g, harr_bytes(cap), 0);
+        a = g;
+    }
+    memmove(a->ids + lo + 1, a->ids + lo, (size_t)(a->n - lo) * 4);
+    a->ids[lo] = id;
+    a->n++;
+    return 1;
+}
+
+int
+infera_h_add(Holders *h, uint64_t key, uint32_t id)
+{
+    if (h->cap == 0 || table_full(h->n, h->cap)) {
+        if (h_rebuild(h, table_grown(h->cap)) < 0)
+            return -1;
+    }
+    uint64_t i = home_of(key, h->cap);
+    for (;;) {
+        uint64_t *slot = h->slots + 2 * i;
+        if (slot[1] == 0) {
+            slot[0] = key;
+            slot[1] = id < HS_SMALL ? hs_small(&id, 1) : hs_list(&id, 1);
+            h->n++;
+            return 1;
+        }
+        if (slot[0] == key)
+            return hs_add(h, slot, id);
+        i = next_slot(i, h->cap);
+    }
+}
+
+/* The external set in ``slot`` (n ids, sorted in ``ids``) replaced by its smallest form, when that
+ * is another (an inline one, or an array for a bitmap): best effort, kept as it is without memory. */
+static void
+hs_shrink(Holders *h, uint64_t *slot, const uint32_t *ids, uint32_t n)
+{
+    uint64_t nv;
+    if (hs_make(h, ids, n, &nv) < 0) {
+        PyErr_Clear();
+        return;
+    }
+    hs_free(h, slot[1]);
+    slot[1] = nv;
+}
+
+int
+infera_h_remove_at(Holders *h, uint64_t *slot, uint32_t id)
+{
+    uint64_t v = slot[1];
+    if (!(v & HS_EXT)) {
+        if (v & HS_BITMAP) {
+            if (id >= HS_SMALL || !((v >> id) & 1))
+                return 0;
+            v &= ~(1ULL << id);
+            if (v == HS_BITMAP)
+                h_delete(h, slot);
+            else
+                slot[1] = v;
+            return 1;
+        }
+        uint32_t ids[HS_INLINE];
+        uint32_t n = hs_list_ids(v, ids), at = 0;
+        while (at < n && ids[at] != id)
+            at++;
+        if (at == n)
+            return 0;
+        if (n == 1) {
+            h_delete(h, slot);
+            return 1;
+        }
+        memmove(ids + at, ids + at + 1, (size_t)(n - at - 1) * 4);
+        hs_make(h, ids, n - 1, &slot[1]); /* inline: no allocation */
+        return 1;
+    }
+    if (v & HS_BITMAP) {
+        HBits *b = hs_bits(v);
+        uint32_t w = id >> 6;
+        uint64_t bit = 1ULL << (id & 63);
+        if (w >= b->words || !(b->bits[w] & bit))
+            return 0;
+        b->bits[w] &= ~bit;
+        if (--b->n == 0) { /* only where a shrink below found no memory */
+            hs_free(h, v);
+            h_delete(h, slot);
+            return 1;
+        }
+        uint32_t top = b->words;
+        while (top && !b->bits[top - 1])
+            top--;
+        /* an array would take half the bytes at most, or every id left is small: the smaller form */
+        if (b->n <= b->words || (top == 1 && !(b->bits[0] >> HS_SMALL))) {
+            uint32_t *ids = PyMem_Malloc((size_t)b->n * 4), n = 0;
+            if (ids == NULL) {
+                PyErr_Clear(); /* keep the bitmap */
+                return 1;
+            }
+            for (uint32_t k = 0; k < top; k++) {
+                for (uint64_t x = b->bits[k]; x; x &= x - 1)
+                    ids[n++] = k * 64 + (uint32_t)__builtin_ctzll(x);
+            }
+            hs_shrink(h, slot, ids, n);
+            PyMem_Free(ids);
+        }
+        return 1;
+    }
+    HArr *a = hs_arr(v);
+    uint32_t lo = 0, hi = a->n;
+    while (lo < hi) {
+        uint32_t mid = (lo + hi) / 2;
+        if (a->ids[mid] < id)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo == a->n || a->ids[lo] != id)
+        return 0;
+    memmove(a->ids + lo, a->ids + lo + 1, (size_t)(a->n - lo - 1) * 4);
+    a->n--;
+    if (a->n < HS_INLINE || a->ids[a->n - 1] < HS_SMALL) {
+        hs_shrink(h, slot, a->ids, a->n); /* inline: no allocation */
+    }
+    else if (a->cap > 8 && a->n * 4 < a->cap) {
+        uint32_t cap = a->n * 2 < 8 ? 8 : a->n * 2;
+        HArr *s = PyMem_Realloc(a, harr_bytes(cap));
+        if (s != NULL) {
+            h->ext_bytes -= harr_bytes(s->cap);
+            s->cap = cap;
+            slot[1] = hs_word(h, s, harr_bytes(cap), 0);
+        }
+    }
+    return 1;
 }

@@ -1,7 +1,14 @@
 /* Open-addressing tables of u64 keys (linear probing, backward-shift deletion): Map64 (u64 -> u64)
- * and Holders (router hash -> holder bits). The probes and the bit operations are inline here (the
- * walks call them per block); growth and deletion are in u64table.c. In C because a walk over a
- * prompt's blocks then touches a few cache lines, not a dict entry and two int objects per block. */
+ * and Holders (router hash -> the set of targets holding it). The probes and the set reads are
+ * inline here (the walks call them per block); growth, deletion and the set writes are in
+ * u64table.c. In C because a walk over a prompt's blocks then touches a few cache lines, not a dict
+ * entry and two int objects per block.
+ *
+ * Sized for a fleet (issue 30): capacities are any integer (a key's home is the high half of its
+ * mixed hash times the capacity), filled to 85% and grown by a quarter, so a table is never below
+ * 68% full after it grows and the bytes per entry stay within a narrow band; and a holder set costs
+ * what its members need (a few ids in the slot itself, a sorted array of ids, a bitmap only when
+ * the holders are many), never a bit per target of the fleet. */
 #ifndef INFERA_U64TABLE_H
 #define INFERA_U64TABLE_H
 
@@ -11,22 +18,56 @@
 /* open-addressing tables of u64 keys (linear probing, backward-shift deletion)                */
 
 #define GOLDEN 0x9E3779B97F4A7C15ULL
+#define TABLE_MIN_CAP 16
 
+/* A key's home slot in a table of ``cap`` slots (any cap > 0). */
 static inline uint64_t
-home_of(uint64_t key, int shift)
+home_of(uint64_t key, uint64_t cap)
 {
-    return (key * GOLDEN) >> shift;
+    return (uint64_t)(((unsigned __int128)(key * GOLDEN) * cap) >> 64);
 }
 
-/* key -> u64 value; used[] marks the occupied slots (any key, 0 included, is valid) */
+/* Full past 85%: grow by a quarter (the load stays between 68% and 85%). */
+static inline int
+table_full(uint64_t n, uint64_t cap)
+{
+    return (n + 1) * 20 > cap * 17;
+}
+
+static inline uint64_t
+table_grown(uint64_t cap)
+{
+    return cap < TABLE_MIN_CAP ? TABLE_MIN_CAP : cap + cap / 4;
+}
+
+static inline uint64_t
+next_slot(uint64_t i, uint64_t cap)
+{
+    return ++i == cap ? 0 : i;
+}
+
+/* Whether the element at ``j``, whose home is ``k``, stays when the slot at ``i`` is emptied (its
+ * home lies cyclically in (i, j]). */
+static inline int
+stays_put(uint64_t i, uint64_t j, uint64_t k)
+{
+    return (i <= j) ? (i < k && k <= j) : (i < k || k <= j);
+}
+
+/* key -> u64 value; the bit of used[] marks the occupied slots (any key, 0 included, is valid) */
 typedef struct {
     uint64_t *keys;
     uint64_t *vals;
-    uint8_t *used;
-    uint64_t cap; /* 0 or a power of two */
+    uint64_t *used; /* a bit per slot */
+    uint64_t cap;   /* 0 or >= TABLE_MIN_CAP */
     uint64_t n;
-    int shift;
 } Map64;
+
+static inline int
+map_used(const Map64 *m, uint64_t i)
+{
+    return (int)((m->used[i >> 6] >> (i & 63)) & 1);
+}
 
 static inline void
 map_free(Map64 *m)
@@ -37,17 +78,23 @@ map_free(Map64 *m)
     memset(m, 0, sizeof(*m));
 }
 
+/* The bytes the map has allocated. */
+static inline uint64_t
+map_bytes(const Map64 *m)
+{
+    return m->cap ? m->cap * 16 + ((m->cap + 63) / 64) * 8 : 0;
+}
+
 static inline int64_t
 map_find(const Map64 *m, uint64_t key)
 {
     if (m->cap == 0)
         return -1;
-    uint64_t mask = m->cap - 1;
-    uint64_t i = home_of(key, m->shift);
-    while (m->used[i]) {
+    uint64_t i = home_of(key, m->cap);
+    while (map_used(m, i)) {
         if (m->keys[i] == key)
             return (int64_t)i;
-        i = (i + 1) & mask;
+        i = next_slot(i, m->cap);
     }
     return -1;
 }
@@ -67,122 +114,184 @@ map_pop(Map64 *m, uint64_t key, uint64_t *val)
     return 1;
 }
 
-/* router hash -> holder bits (``words`` u64 words per entry); an entry with no bit is no entry */
+/* ------------------------------------------------------------------------------------------ */
+/* Holders: router hash -> the set of targets (by id, the view's "bit") holding it              */
+
+/* A slot is two words, the key and its holder set; the set's word is 0 in an empty slot (a key
+ * whose last holder leaves is deleted). The set word is one of:
+ *   - an inline bitmap (HS_BITMAP set, HS_EXT clear): the ids, all below HS_SMALL, as bits 0..61;
+ *     the form of every set whose ids are all that small (a fleet of up to 62 targets never leaves
+ *     it: one word per block, as a bitmask);
+ *   - an inline list (neither set): 1 to HS_INLINE ids, ascending, HS_IDBITS bits each from the
+ *     low bits, their number in bits 60..61 (ids are < HS_MAX_IDS, as GpuView.add allows);
+ *   - HS_EXT set: a pointer (the low 62 bits) to an external set, an HArr (the ids, sorted) or,
+ *     with HS_BITMAP set too, an HBits (a bit per id up to the highest held).
+ * Past the inline forms a set is an array while its ids take less room than a bitmap of its highest
+ * id would: a block held by one target among 1,000 costs its slot, one held by all of them a slot
+ * and 1,000 bits. */
+#define HS_EXT (1ULL << 63)
+#define HS_BITMAP (1ULL << 62)
+#define HS_PTR_MASK (HS_BITMAP - 1)
+#define HS_SMALL 62
+#define HS_SMALL_MASK ((1ULL << HS_SMALL) - 1)
+#define HS_IDBITS 20
+#define HS_IDMASK ((1ULL << HS_IDBITS) - 1)
+#define HS_COUNT_SHIFT 60
+#define HS_INLINE 3
+#define HS_MAX_IDS (1 << HS_IDBITS)
+
 typedef struct {
-    uint64_t *slots; /* cap * (1 + words): key, then the bit words */
-    uint64_t cap;
+    uint32_t n, cap;
+    uint32_t ids[];
+} HArr;
+
+typedef struct {
+    uint32_t n, words;
+    uint64_t bits[];
+} HBits;
+
+typedef struct {
+    uint64_t *slots; /* cap * 2 words: key, holder set */
+    uint64_t cap;    /* >= TABLE_MIN_CAP once allocated */
     uint64_t n;
-    int shift;
-    int words;
+    uint64_t ext_bytes; /* bytes of the external sets */
 } Holders;
 
-#define H_STRIDE(h) ((uint64_t)(1 + (h)->words))
-
-static inline int
-h_empty(const Holders *h, const uint64_t *slot)
+static inline HArr *
+hs_arr(uint64_t v)
 {
-    for (int w = 1; w <= h->words; w++) {
-        if (slot[w])
-            return 0;
-    }
-    return 1;
+    return (HArr *)(uintptr_t)(v & HS_PTR_MASK);
+}
+
+static inline HBits *
+hs_bits(uint64_t v)
+{
+    return (HBits *)(uintptr_t)(v & HS_PTR_MASK);
+}
+
+static inline uint64_t
+harr_bytes(uint32_t cap)
+{
+    return sizeof(HArr) + (uint64_t)cap * 4;
+}
+
+static inline uint64_t
+hbits_bytes(uint32_t words)
+{
+    return sizeof(HBits) + (uint64_t)words * 8;
+}
+
+/* The number of ids in a (non-empty) set. */
+static inline uint32_t
+hs_count(uint64_t v)
+{
+    if (v & HS_EXT)
+        return (v & HS_BITMAP) ? hs_bits(v)->n : hs_arr(v)->n;
+    if (v & HS_BITMAP)
+        return (uint32_t)__builtin_popcountll(v & HS_SMALL_MASK);
+    return (uint32_t)(v >> HS_COUNT_SHIFT);
+}
+
+/* The ids of an inline list, ascending, into out[HS_INLINE]; their number. */
+static inline uint32_t
+hs_list_ids(uint64_t v, uint32_t *out)
+{
+    uint32_t n = (uint32_t)(v >> HS_COUNT_SHIFT);
+    for (uint32_t f = 0; f < n; f++)
+        out[f] = (uint32_t)((v >> (f * HS_IDBITS)) & HS_IDMASK);
+    return n;
 }
 
 static inline int
-h_alloc(Holders *h, uint64_t cap, int words)
+harr_has(const HArr *a, uint32_t id)
 {
-    int bits = 0;
-    while ((1ULL << bits) < cap)
-        bits++;
-    h->slots = PyMem_Calloc(cap * (uint64_t)(1 + words), sizeof(uint64_t));
-    if (h->slots == NULL) {
-        PyErr_NoMemory();
-        return -1;
+    uint32_t lo = 0, hi = a->n;
+    while (lo < hi) {
+        uint32_t mid = (lo + hi) / 2;
+        if (a->ids[mid] < id)
+            lo = mid + 1;
+        else
+            hi = mid;
     }
-    h->cap = cap;
-    h->n = 0;
-    h->shift = 64 - bits;
-    h->words = words;
-    return 0;
+    return lo < a->n && a->ids[lo] == id;
+}
+
+static inline int
+hs_has(uint64_t v, uint32_t id)
+{
+    if (!(v & HS_EXT)) {
+        if (v & HS_BITMAP)
+            return id < HS_SMALL && ((v >> id) & 1);
+        uint32_t n = (uint32_t)(v >> HS_COUNT_SHIFT);
+        for (uint32_t f = 0; f < n; f++) {
+            if (((v >> (f * HS_IDBITS)) & HS_IDMASK) == id)
+                return 1;
+        }
+        return 0;
+    }
+    if (v & HS_BITMAP) {
+        const HBits *b = hs_bits(v);
+        return (id >> 6) < b->words && ((b->bits[id >> 6] >> (id & 63)) & 1);
+    }
+    return harr_has(hs_arr(v), id);
 }
 
 /* the slot of ``key``, or NULL */
 static inline uint64_t *
 h_find(const Holders *h, uint64_t key)
 {
-    uint64_t mask = h->cap - 1, stride = H_STRIDE(h);
-    uint64_t i = home_of(key, h->shift);
-    for (;;) {
-        uint64_t *slot = h->slots + i * stride;
-        if (h_empty(h, slot))
-            return NULL;
-        if (slot[0] == key)
-            return slot;
-        i = (i + 1) & mask;
-    }
-}
-
-INFERA_INTERNAL int infera_h_rebuild(Holders *h, uint64_t cap, int words);
-INFERA_INTERNAL void infera_h_delete(Holders *h, uint64_t *slot);
-
-/* the slot of ``key``, inserted empty if absent (the caller sets a bit at once) */
-static inline uint64_t *
-h_slot_for(Holders *h, uint64_t key)
-{
-    if ((h->n + 1) * 4 > h->cap * 3 && infera_h_rebuild(h, h->cap * 2, h->words) < 0)
+    if (h->cap == 0)
         return NULL;
-    uint64_t mask = h->cap - 1, stride = H_STRIDE(h);
-    uint64_t i = home_of(key, h->shift);
+    uint64_t i = home_of(key, h->cap);
     for (;;) {
-        uint64_t *slot = h->slots + i * stride;
-        if (h_empty(h, slot)) {
-            slot[0] = key;
-            h->n++;
+        uint64_t *slot = h->slots + 2 * i;
+        if (slot[0] == key && slot[1] != 0)
             return slot;
-        }
-        if (slot[0] == key)
-            return slot;
-        i = (i + 1) & mask;
+        if (slot[1] == 0)
+            return NULL;
+        i = next_slot(i, h->cap);
     }
 }
 
-/* 1: the bit was newly set; 0: it was set already; -1: out of memory */
-static inline int
-h_set_bit(Holders *h, uint64_t key, int bit)
+/* Start loading the home slot of ``key`` (a walk asks for it a few blocks ahead: the loads of
+ * several blocks then overlap instead of missing the cache one after another). */
+static inline void
+h_prefetch(const Holders *h, uint64_t key)
 {
-    uint64_t *slot = h_slot_for(h, key);
-    if (slot == NULL)
-        return -1;
-    uint64_t b = 1ULL << (bit & 63);
-    uint64_t *word = slot + 1 + (bit >> 6);
-    if (*word & b)
-        return 0;
-    *word |= b;
-    return 1;
+    if (h->cap)
+        __builtin_prefetch(h->slots + 2 * home_of(key, h->cap));
 }
 
-/* 1: the bit was set and is cleared (the entry goes with its last bit); 0: it was not set */
+/* How many blocks ahead a walk prefetches. */
+#define H_AHEAD 8
+
+INFERA_INTERNAL int infera_h_alloc(Holders *h, uint64_t cap);
+INFERA_INTERNAL void infera_h_free(Holders *h);
+/* 1: ``id`` newly joins the set of ``key`` (entered if absent); 0: it was in it; -1: no memory */
+INFERA_INTERNAL int infera_h_add(Holders *h, uint64_t key, uint32_t id);
+/* Remove ``id`` from the set in ``slot``: 1 if it was there (the entry goes with its last id, and
+ * the slot may then hold another key), 0 if not. */
+INFERA_INTERNAL int infera_h_remove_at(Holders *h, uint64_t *slot, uint32_t id);
+
+/* 1: ``id`` was in the set of ``key`` and is removed; 0: it was not */
 static inline int
-h_clear_bit(Holders *h, uint64_t key, int bit)
+h_remove(Holders *h, uint64_t key, uint32_t id)
 {
     uint64_t *slot = h_find(h, key);
-    if (slot == NULL)
-        return 0;
-    uint64_t b = 1ULL << (bit & 63);
-    uint64_t *word = slot + 1 + (bit >> 6);
-    if (!(*word & b))
-        return 0;
-    *word &= ~b;
-    if (h_empty(h, slot))
-        infera_h_delete(h, slot);
-    return 1;
+    return slot != NULL && infera_h_remove_at(h, slot, id);
 }
 
 static inline int
-h_has_bit(const Holders *h, uint64_t key, int bit)
+h_has(const Holders *h, uint64_t key, uint32_t id)
 {
     uint64_t *slot = h_find(h, key);
-    return slot != NULL && (slot[1 + (bit >> 6)] >> (bit & 63)) & 1;
+    return slot != NULL && hs_has(slot[1], id);
+}
+
+static inline uint64_t
+h_bytes(const Holders *h)
+{
+    return h->cap * 16 + h->ext_bytes;
 }
 
 #endif

@@ -23,9 +23,6 @@ view_ensure(GpuView *v, int bit)
         v->targets = t;
         v->ntargets = n;
     }
-    int words = (bit >> 6) + 1;
-    if (words > v->holders.words && infera_h_rebuild(&v->holders, v->holders.cap, words) < 0)
-        return -1;
     return 0;
 }
 
@@ -54,7 +51,7 @@ GpuView_init(GpuView *v, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_TypeError, "GpuView(stored, removed, cleared: types, full_attention_kinds: set)");
         return -1;
     }
-    if (v->holders.slots == NULL && h_alloc(&v->holders, 64, 1) < 0)
+    if (v->holders.slots == NULL && infera_h_alloc(&v->holders, TABLE_MIN_CAP) < 0)
         return -1;
     Py_INCREF(stored);
     Py_XSETREF(v->stored_type, stored);
@@ -73,7 +70,7 @@ GpuView_dealloc(GpuView *v)
     for (Py_ssize_t i = 0; i < v->ntargets; i++)
         map_free(&v->targets[i].emap);
     PyMem_Free(v->targets);
-    PyMem_Free(v->holders.slots);
+    infera_h_free(&v->holders);
     Py_XDECREF(v->stored_type);
     Py_XDECREF(v->removed_type);
     Py_XDECREF(v->cleared_type);
@@ -88,7 +85,7 @@ GpuView_add(GpuView *v, PyObject *arg)
     long b = PyLong_AsLong(arg);
     if (b == -1 && PyErr_Occurred())
         return NULL;
-    if (b < 0 || b > (1 << 20)) {
+    if (b < 0 || b >= HS_MAX_IDS) {
         PyErr_SetString(PyExc_ValueError, "bit out of range");
         return NULL;
     }
@@ -116,48 +113,20 @@ view_drop(GpuView *v, int bit)
     if (t->count && !t->unmapped) {
         /* every viewed hash was added with a map entry: clear through the map */
         for (uint64_t i = 0; i < t->emap.cap && t->count; i++) {
-            if (t->emap.used[i] && h_clear_bit(h, t->emap.vals[i], bit))
+            if (map_used(&t->emap, i) && h_remove(h, t->emap.vals[i], (uint32_t)bit))
                 t->count--;
         }
     }
     if (t->count) {
-        /* misaligned events (or a remapped engine hash) left hashes no map entry names: scan, then
-         * rebuild without the entries left empty */
-        uint64_t stride = H_STRIDE(h), b = 1ULL << (bit & 63);
-        int emptied = 0;
-        for (uint64_t i = 0; i < h->cap; i++) {
-            uint64_t *slot = h->slots + i * stride;
-            if (h_empty(h, slot))
+        /* misaligned events (or a remapped engine hash) left hashes no map entry names: scan. An
+         * entry emptied here is deleted at once; the backward shift only moves entries not yet
+         * seen to the slot at i or later (or ones seen already, which lack the id), so slot i is
+         * read again after a removal (each removal takes an id: the scan ends). */
+        for (uint64_t i = 0; i < h->cap;) {
+            uint64_t *slot = h->slots + 2 * i;
+            if (slot[1] != 0 && infera_h_remove_at(h, slot, (uint32_t)bit))
                 continue;
-            slot[1 + (bit >> 6)] &= ~b;
-            if (h_empty(h, slot))
-                emptied = 1;
-        }
-        if (emptied) {
-            /* an emptied slot reads as free, which would break probe chains: re-insert the rest */
-            Holders old = *h;
-            if (h_alloc(h, old.cap, old.words) == 0) {
-                for (uint64_t i = 0; i < old.cap; i++) {
-                    uint64_t *src = old.slots + i * stride;
-                    if (h_empty(&old, src))
-                        continue;
-                    uint64_t mask = h->cap - 1, j = home_of(src[0], h->shift);
-                    while (!h_empty(h, h->slots + j * stride))
-                        j = (j + 1) & mask;
-                    memcpy(h->slots + j * stride, src, stride * sizeof(uint64_t));
-                    h->n++;
-                }
-                PyMem_Free(old.slots);
-            }
-            else {
-                /* no memory for the copy: recount in place (the chains may break: rebuild later) */
-                *h = old;
-                PyErr_Clear();
-                uint64_t n = 0;
-                for (uint64_t i = 0; i < h->cap; i++)
-                    n += !h_empty(h, h->slots + i * stride);
-                h->n = n;
-            }
+            i++;
         }
     }
     t->count = 0;
@@ -263,7 +232,7 @@ GpuView_holds(GpuView *v, PyObject *args)
         return NULL;
     if (router_key(hobj, &key) < 0)
         Py_RETURN_FALSE;
-    return PyBool_FromLong(h_has_bit(&v->holders, key, bit));
+    return PyBool_FromLong(h_has(&v->holders, key, (uint32_t)bit));
 }
 
 /* emap_get(bit, engine_hash) -> router hash | None */
@@ -283,7 +252,20 @@ GpuView_emap_get(GpuView *v, PyObject *args)
     return PyLong_FromUnsignedLongLong(v->targets[bit].emap.vals[i]);
 }
 
+/* memory_bytes() -> the bytes the view's tables have allocated: the holder table and its sets, the
+ * targets' maps and the targets' array (not the object itself, nor the allocator's rounding) */
+static PyObject *
+GpuView_memory_bytes(GpuView *v, PyObject *unused)
+{
+    uint64_t n = h_bytes(&v->holders) + (uint64_t)v->ntargets * sizeof(Target);
+    for (Py_ssize_t i = 0; i < v->ntargets; i++)
+        n += map_bytes(&v->targets[i].emap);
+    return PyLong_FromUnsignedLongLong(n);
+}
+
 static PyMethodDef GpuView_methods[] = {
+    {"memory_bytes", (PyCFunction)GpuView_memory_bytes, METH_NOARGS,
+     "memory_bytes() -> bytes allocated by the view's tables and holder sets"},
     {"add", (PyCFunction)GpuView_add, METH_O, "add(bit): a new, empty target"},
     {"remove", (PyCFunction)GpuView_remove, METH_O, "remove(bit): drop its view and free the bit"},
     {"drop", (PyCFunction)GpuView_drop, METH_O, "drop(bit): empty the target's view and map"},
@@ -310,7 +292,7 @@ static PySequenceMethods GpuView_as_sequence = {
 PyTypeObject infera_GpuViewType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "infera.kv._native.GpuView",
-    .tp_doc = "The index's GPU view: router hash -> holder bits, per target engine hash -> router hash.",
+    .tp_doc = "The index's GPU view: router hash -> holder set (target bits), per target engine hash -> router hash.",
     .tp_basicsize = sizeof(GpuView),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,

@@ -1,5 +1,6 @@
-/* GpuView, the index's GPU view (infera/kv/index.py): router hash -> holder bits (one bit per
- * target), and per target engine hash -> router hash. Its storage and bookkeeping are in view.c,
+/* GpuView, the index's GPU view (infera/kv/index.py): router hash -> the set of targets holding it
+ * (by bit; u64table.h's Holders: a set costs what its members need), and per target engine hash ->
+ * router hash. memory_bytes() reports what the tables allocated. Its storage and bookkeeping are in view.c,
  * the prefix matches in view_match.c, event application in view_apply.c (decoded events) and
  * view_payload.c (a msgpack batch as it came off the wire). */
 #ifndef INFERA_VIEW_H

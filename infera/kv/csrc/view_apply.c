@@ -88,7 +88,7 @@ apply_removed(GpuView *v, int bit, PyObject *ev, ApplyCounts *c)
         if (!map_pop(&t->emap, key, &h))
             continue;
         c->removed_blocks++;
-        if (h_clear_bit(&v->holders, h, bit))
+        if (h_remove(&v->holders, h, (uint32_t)bit))
             t->count--;
     }
     Py_DECREF(seq);
@@ -221,7 +221,7 @@ apply_stored(GpuView *v, int bit, Py_ssize_t bs, PyObject *ev, PyObject *lower_p
                 return -1;
             }
         }
-        int set = h_set_bit(&v->holders, h, bit);
+        int set = infera_h_add(&v->holders, h, (uint32_t)bit);
         if (set < 0) {
             u32_release(&tk);
             Py_DECREF(eseq);

@@ -20,6 +20,8 @@ infera_GpuView_first_unheld(GpuView *v, PyObject *args)
     Py_ssize_t i = start;
     for (; i < hs.n; i++) {
         uint64_t key;
+        if (hs.u64 != NULL && i + H_AHEAD < hs.n)
+            h_prefetch(&v->holders, hs.u64[i + H_AHEAD]);
         if (hashes_at(&hs, i, &key) < 0 || h_find(&v->holders, key) == NULL)
             break;
     }
@@ -45,17 +47,121 @@ infera_GpuView_match_one(GpuView *v, PyObject *args)
     Py_ssize_t i = 0;
     for (; i < hs.n; i++) {
         uint64_t key;
-        if (hashes_at(&hs, i, &key) < 0 || !h_has_bit(&v->holders, key, (int)b))
+        if (hs.u64 != NULL && i + H_AHEAD < hs.n)
+            h_prefetch(&v->holders, hs.u64[i + H_AHEAD]);
+        if (hashes_at(&hs, i, &key) < 0 || !h_has(&v->holders, key, (uint32_t)b))
             break;
     }
     hashes_release(&hs);
     return PyLong_FromSsize_t(i);
 }
 
+/* The candidates still alive, as a sparse bitmap: the words of the id space that have one, and
+ * their masks (ascending words). ``ub`` is the sorted unique bits, ``depth_u`` their lengths. */
+typedef struct {
+    uint32_t *word;
+    uint64_t *mask;
+    uint32_t n;
+    const uint32_t *ub;
+    uint32_t m;
+    Py_ssize_t *depth_u;
+} Alive;
+
+/* The candidates of word ``w`` in ``dead`` leave at block ``i``. */
+static void
+alive_die(Alive *a, uint32_t w, uint64_t dead, Py_ssize_t i)
+{
+    for (; dead; dead &= dead - 1) {
+        uint32_t bit = w * 64 + (uint32_t)__builtin_ctzll(dead), lo = 0, hi = a->m;
+        while (lo < hi) {
+            uint32_t mid = (lo + hi) / 2;
+            if (a->ub[mid] < bit)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        a->depth_u[lo] = i;
+    }
+}
+
+/* Keep the alive candidates the set ``v`` holds; the others leave at block ``i``. Work: the alive
+ * words, plus the set's ids when it is a list of them (a merge): never the fleet's size. */
+static void
+alive_keep(Alive *a, uint64_t v, Py_ssize_t i)
+{
+    uint32_t kept = 0;
+    if ((v & HS_EXT) && (v & HS_BITMAP)) {
+        const HBits *b = hs_bits(v);
+        for (uint32_t k = 0; k < a->n; k++) {
+            uint32_t w = a->word[k];
+            uint64_t mask = a->mask[k], held = w < b->words ? b->bits[w] & mask : 0;
+            if (held != mask)
+                alive_die(a, w, mask & ~held, i);
+            if (held) {
+                a->word[kept] = w;
+                a->mask[kept++] = held;
+            }
+        }
+        a->n = kept;
+        return;
+    }
+    if (!(v & HS_EXT) && (v & HS_BITMAP)) { /* every id in word 0 */
+        uint64_t set = v & HS_SMALL_MASK;
+        for (uint32_t k = 0; k < a->n; k++) {
+            uint32_t w = a->word[k];
+            uint64_t mask = a->mask[k], held = w == 0 ? mask & set : 0;
+            if (held != mask)
+                alive_die(a, w, mask & ~held, i);
+            if (held) {
+                a->word[kept] = w;
+                a->mask[kept++] = held;
+            }
+        }
+        a->n = kept;
+        return;
+    }
+    uint32_t buf[HS_INLINE];
+    const uint32_t *ids;
+    uint32_t nids;
+    if (v & HS_EXT) {
+        ids = hs_arr(v)->ids;
+        nids = hs_arr(v)->n;
+    }
+    else {
+        nids = hs_list_ids(v, buf);
+        ids = buf;
+    }
+    uint32_t j = 0;
+    for (uint32_t k = 0; k < a->n; k++) {
+        uint32_t w = a->word[k];
+        uint64_t mask = a->mask[k], set = 0;
+        while (j < nids && (ids[j] >> 6) < w)
+            j++;
+        for (; j < nids && (ids[j] >> 6) == w; j++)
+            set |= 1ULL << (ids[j] & 63);
+        uint64_t held = mask & set;
+        if (held != mask)
+            alive_die(a, w, mask & ~held, i);
+        if (held) {
+            a->word[kept] = w;
+            a->mask[kept++] = held;
+        }
+    }
+    a->n = kept;
+}
+
+static int
+cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
 /* match(hashes, bits) -> for each bit (-1: no such target, 0), the length of the longest prefix of
- * hashes in that target's view. One walk for all: the candidates' bits that are still alive are
- * and-ed with each block's holder bits, a candidate's length is fixed when its bit dies, and the
- * walk ends when none is alive. */
+ * hashes in that target's view. One walk for all: the candidates still alive (a sparse bitmap) are
+ * intersected with each block's holders, a candidate's length is fixed when it leaves, and the walk
+ * ends when none is left. A block costs the words of the candidates alive at it, plus its holders
+ * when they are a list; a request, its blocks times that: neither grows with the fleet. */
 PyObject *
 infera_GpuView_match(GpuView *v, PyObject *args)
 {
@@ -72,88 +178,80 @@ infera_GpuView_match(GpuView *v, PyObject *args)
     }
     Py_ssize_t nc = PySequence_Fast_GET_SIZE(bseq), nh = hs.n;
     PyObject **bitems = PySequence_Fast_ITEMS(bseq);
-    int words = v->holders.words;
-    int stack_bits[64];
+    /* per candidate: (bit << 32 | index), sorted; unique bits ub[], their depths, the alive list */
+    uint64_t stack_order[64], stack_mask[64];
+    uint32_t stack_ub[64], stack_word[64], stack_cu[64];
     Py_ssize_t stack_depth[64];
-    uint64_t stack_alive[8];
-    int *bits = nc <= 64 ? stack_bits : PyMem_Malloc((size_t)nc * sizeof(int));
-    Py_ssize_t *depth = nc <= 64 ? stack_depth : PyMem_Malloc((size_t)nc * sizeof(Py_ssize_t));
-    uint64_t *alive = words <= 8 ? stack_alive : PyMem_Calloc((size_t)words, sizeof(uint64_t));
+    int small = nc <= 64;
+    uint64_t *order = small ? stack_order : PyMem_Malloc((size_t)nc * sizeof(uint64_t));
+    uint64_t *amask = small ? stack_mask : PyMem_Malloc((size_t)nc * sizeof(uint64_t));
+    uint32_t *ub = small ? stack_ub : PyMem_Malloc((size_t)nc * sizeof(uint32_t));
+    uint32_t *aword = small ? stack_word : PyMem_Malloc((size_t)nc * sizeof(uint32_t));
+    uint32_t *cu = small ? stack_cu : PyMem_Malloc((size_t)nc * sizeof(uint32_t)); /* candidate -> ub index */
+    Py_ssize_t *depth_u = small ? stack_depth : PyMem_Malloc((size_t)nc * sizeof(Py_ssize_t));
     PyObject *out = NULL;
-    if (bits == NULL || depth == NULL || alive == NULL) {
+    if (order == NULL || amask == NULL || ub == NULL || aword == NULL || cu == NULL || depth_u == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    memset(alive, 0, (size_t)words * sizeof(uint64_t));
-    int any = 0;
+    Py_ssize_t nlive = 0;
     for (Py_ssize_t c = 0; c < nc; c++) {
         long b = PyLong_AsLong(bitems[c]);
         if (b == -1 && PyErr_Occurred())
             goto done;
-        if (b < 0 || b >= v->ntargets || !v->targets[b].live) {
-            bits[c] = -1;
-            depth[c] = 0;
+        cu[c] = UINT32_MAX;
+        if (b < 0 || b >= v->ntargets || !v->targets[b].live)
             continue;
-        }
-        bits[c] = (int)b;
-        depth[c] = nh; /* held all the way, unless its bit dies */
-        alive[b >> 6] |= 1ULL << (b & 63);
-        any = 1;
+        order[nlive++] = ((uint64_t)b << 32) | (uint64_t)c;
     }
-    if (!any || nh == 0) {
-        for (Py_ssize_t c = 0; c < nc; c++)
-            depth[c] = 0;
-    }
-    else if (words == 1) {
-        uint64_t a = alive[0];
-        for (Py_ssize_t i = 0; i < nh; i++) {
-            uint64_t key, held = 0;
-            if (hashes_at(&hs, i, &key) == 0) {
-                uint64_t *slot = h_find(&v->holders, key);
-                if (slot != NULL)
-                    held = slot[1] & a;
-            }
-            if (held != a) {
-                uint64_t dead = a ^ held;
-                for (Py_ssize_t c = 0; c < nc; c++) {
-                    if (bits[c] >= 0 && (dead >> bits[c]) & 1)
-                        depth[c] = i;
-                }
-                a = held;
-                if (!a)
-                    break;
-            }
-        }
+    if (nlive > 64) {
+        qsort(order, (size_t)nlive, sizeof(uint64_t), cmp_u64);
     }
     else {
-        for (Py_ssize_t i = 0; i < nh; i++) {
-            uint64_t key;
-            uint64_t *slot = NULL;
-            if (hashes_at(&hs, i, &key) == 0)
-                slot = h_find(&v->holders, key);
-            int left = 0, changed = 0;
-            for (int w = 0; w < words; w++) {
-                uint64_t held = slot ? slot[1 + w] & alive[w] : 0;
-                if (held != alive[w]) {
-                    uint64_t dead = alive[w] ^ held;
-                    for (Py_ssize_t c = 0; c < nc; c++) {
-                        if (bits[c] >= 0 && (bits[c] >> 6) == w && (dead >> (bits[c] & 63)) & 1)
-                            depth[c] = i;
-                    }
-                    alive[w] = held;
-                    changed = 1;
-                }
-                left |= alive[w] != 0;
-            }
-            if (changed && !left)
-                break;
+        for (Py_ssize_t k = 1; k < nlive; k++) { /* a few candidates: in place */
+            uint64_t x = order[k];
+            Py_ssize_t j = k;
+            for (; j > 0 && order[j - 1] > x; j--)
+                order[j] = order[j - 1];
+            order[j] = x;
         }
+    }
+    uint32_t m = 0;
+    Alive al = {aword, amask, 0, ub, 0, depth_u};
+    for (Py_ssize_t k = 0; k < nlive; k++) {
+        uint32_t bit = (uint32_t)(order[k] >> 32), c = (uint32_t)order[k];
+        if (m == 0 || ub[m - 1] != bit) {
+            ub[m] = bit;
+            depth_u[m] = nh; /* held all the way, unless it leaves */
+            if (al.n == 0 || aword[al.n - 1] != bit >> 6) {
+                aword[al.n] = bit >> 6;
+                amask[al.n++] = 0;
+            }
+            amask[al.n - 1] |= 1ULL << (bit & 63);
+            m++;
+        }
+        cu[c] = m - 1;
+    }
+    al.m = m;
+    for (Py_ssize_t i = 0; i < nh && al.n; i++) {
+        uint64_t key;
+        uint64_t *slot = NULL;
+        if (hs.u64 != NULL && i + H_AHEAD < nh)
+            h_prefetch(&v->holders, hs.u64[i + H_AHEAD]);
+        if (hashes_at(&hs, i, &key) == 0)
+            slot = h_find(&v->holders, key);
+        if (slot == NULL) {
+            for (uint32_t k = 0; k < al.n; k++)
+                alive_die(&al, aword[k], amask[k], i);
+            break;
+        }
+        alive_keep(&al, slot[1], i);
     }
     out = PyList_New(nc);
     if (out == NULL)
         goto done;
     for (Py_ssize_t c = 0; c < nc; c++) {
-        PyObject *d = PyLong_FromSsize_t(depth[c]);
+        PyObject *d = PyLong_FromSsize_t(cu[c] == UINT32_MAX ? 0 : depth_u[cu[c]]);
         if (d == NULL) {
             Py_CLEAR(out);
             goto done;
@@ -161,12 +259,14 @@ infera_GpuView_match(GpuView *v, PyObject *args)
         PyList_SET_ITEM(out, c, d);
     }
 done:
-    if (bits != stack_bits)
-        PyMem_Free(bits);
-    if (depth != stack_depth)
-        PyMem_Free(depth);
-    if (alive != stack_alive)
-        PyMem_Free(alive);
+    if (!small) {
+        PyMem_Free(order);
+        PyMem_Free(amask);
+        PyMem_Free(ub);
+        PyMem_Free(aword);
+        PyMem_Free(cu);
+        PyMem_Free(depth_u);
+    }
     Py_DECREF(bseq);
     hashes_release(&hs);
     return out;

@@ -265,7 +265,7 @@ infera_GpuView_apply_payload(GpuView *v, PyObject *args)
                 if (!map_pop(&t->emap, key, &h))
                     continue;
                 n.removed_blocks++;
-                if (h_clear_bit(&v->holders, h, bit))
+                if (h_remove(&v->holders, h, (uint32_t)bit))
                     t->count--;
             }
             continue;
@@ -336,7 +336,7 @@ infera_GpuView_apply_payload(GpuView *v, PyObject *args)
                     goto done;
                 }
             }
-            int set = h_set_bit(&v->holders, h, bit);
+            int set = infera_h_add(&v->holders, h, (uint32_t)bit);
             if (set < 0) {
                 PyMem_Free(ids);
                 PyMem_Free(scratch.heap);
