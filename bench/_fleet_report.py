@@ -112,7 +112,8 @@ def median_of(rows: Iterable[dict], key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-METRICS = ("entries", "pss_mb", "events_per_core", "lag_p50_ms", "lag_p99_ms", "sent_at_rate", "max_held_rate",
+METRICS = ("entries", "pss_mb", "events_per_core", "lag_p50_ms", "lag_p99_ms", "sent_at_rate", "server_busy_at_rate",
+           "max_held_rate",
            "pick_p50_ms", "pick_p99_ms", "added_p50_ms", "added_p99_ms", "cpu_ms_per_request")
 
 
@@ -155,14 +156,15 @@ def _fmt(v: float | None, spec: str, scale: float = 1.0) -> str:
 
 def table(rows: list[dict], slopes: dict[tuple[float, int], dict]) -> str:
     head = ("sharing", "--workers", "engines", "entries", "PSS MB", "B/entry", "ev/s/core", "lag p50/p99 ms",
-            "sent@rate", "max held", "pick p50/p99 ms", "added p50/p99", "CPU ms/req")
+            "sent@rate", "busy@rate", "max held", "pick p50/p99 ms", "added p50/p99", "CPU ms/req")
     lines = []
     for r in rows:
         s = slopes.get((r["sharing"], r["workers"]), {}).get("bytes_per_entry")
         lines.append((f"{r['sharing']:g}", str(r["workers"]), str(r["engines"]), _fmt(r["entries"], ",.0f"),
                       _fmt(r["pss_mb"], ",.0f"), _fmt(s, ".0f"), _fmt(r["events_per_core"], ",.0f", 1e3) + "k",
                       f"{_fmt(r['lag_p50_ms'], '.0f')} / {_fmt(r['lag_p99_ms'], '.0f')}",
-                      _fmt(r["sent_at_rate"], ",.0f", 1e3) + "k", _fmt(r["max_held_rate"], ",.0f", 1e3) + "k",
+                      _fmt(r["sent_at_rate"], ",.0f", 1e3) + "k", _fmt(r.get("server_busy_at_rate"), ".2f"),
+                      _fmt(r["max_held_rate"], ",.0f", 1e3) + "k",
                       f"{_fmt(r['pick_p50_ms'], '.2f')} / {_fmt(r['pick_p99_ms'], '.2f')}",
                       f"{_fmt(r['added_p50_ms'], '.2f')} / {_fmt(r['added_p99_ms'], '.2f')}",
                       _fmt(r["cpu_ms_per_request"], ".2f")))
