@@ -15,7 +15,9 @@ size 16, the built-in tokenizer) under one lease.
 
 Per fleet size, once every process of the server lists the whole fleet:
 
-* **memory**: the engines send their first period (filling the pools); when every server process
+* **memory**: the engines send their first period (filling the pools, at ``--warm-rate``, 100k
+  block events/s: below what the server applies, so what is read is its index, not the buffers a
+  backlog leaves in its memory -- at 400k/s those tripled it); when every server process
   holds ``engines × pool`` (block, worker) entries, the server's memory is read (PSS, and RSS,
   summed over its processes, ``/proc/<pid>/smaps_rollup``). Bytes per entry: the slope of memory
   over the fleet sizes (least squares; per run, median reported), so what does not grow with the
@@ -101,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pool", type=int, default=2048, help="blocks in each engine's LRU pool")
     p.add_argument("--publishers", type=int, default=4, help="publisher processes")
     p.add_argument("--rate", type=float, default=1_000_000, help="offered block events/s (the lag is reported here)")
-    p.add_argument("--warm-rate", type=float, default=400_000, help="block events/s while the pools fill")
+    p.add_argument("--warm-rate", type=float, default=100_000,
+                   help="block events/s while the pools fill (faster than the server applies them, its backlog's "
+                        "buffers stay in its memory: see bench/README.md)")
     p.add_argument("--window", type=float, default=None, help="seconds per rate window [3; --quick: 1.5]")
     p.add_argument("--picks", type=int, default=None, help="8k-token picks per measurement [200; --quick: 40]")
     p.add_argument("--pin", choices=("auto", "off"), default="auto",
