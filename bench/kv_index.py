@@ -17,6 +17,8 @@
     walk covers all 512), ``cold`` (nobody holds block 0) and ``all-full`` (all 16 hold all 512).
     For comparison, 16 separate per-target walks (``match_one``), and hashing the 8k prompt
     (``block_hashes``, which the goal excludes with tokenization).
+    Also the C view's bytes per (block, target) entry in that index (``GpuView.memory_bytes()``;
+    bench/kv_view_bytes.py measures them at 100-1,000 targets).
 
 Every figure is the MEDIAN over ``--runs`` runs (each run rebuilds the index from scratch).
 
@@ -303,6 +305,9 @@ def main() -> int:
         idx = fresh_index(warm, bs)
         r["index_blocks_before"] = len(idx)
         r["index_view_blocks_before"] = sum(idx.block_count(k) for k in keys)
+        view = getattr(idx, "_view", None)
+        if view is not None and hasattr(view, "memory_bytes"):  # the C view's tables (bench/kv_view_bytes.py)
+            r["view_bytes_per_entry"] = view.memory_bytes() / r["index_view_blocks_before"]
         applied = [0]
 
         def apply_all() -> None:
@@ -386,6 +391,8 @@ def main() -> int:
         ("    index: distinct blocks before → after", f"{med['index_blocks_before']:,.0f} → "
                                                      f"{med['index_blocks_after']:,.0f}",
          f"Σ views {med['index_view_blocks_before']:,.0f}", ""),
+        *([("    view bytes per (block, target) entry", f"{med['view_bytes_per_entry']:.1f} B", "",
+             "issue 30: ≤ 48 B at 1,000 targets")] if "view_bytes_per_entry" in med else []),
         (f"(b) match mixed, p50 / p99 µs", lat("match_mixed"), clat("match_mixed"), f"p99 ≤ {GOAL_MATCH_P99_US:.0f} µs"),
         (f"    match all-full, p50 / p99 µs", lat("match_all_full"), clat("match_all_full"),
          f"p99 ≤ {GOAL_MATCH_P99_US:.0f} µs"),

@@ -57,31 +57,36 @@ infera_GpuView_match_one(GpuView *v, PyObject *args)
 }
 
 /* The candidates still alive, as a sparse bitmap: the words of the id space that have one, and
- * their masks (ascending words). ``ub`` is the sorted unique bits, ``depth_u`` their lengths. */
+ * their masks (ascending words); per word also its candidates at the start (``orig``) and the
+ * position of the first of them in the sorted unique bits (``base``), so a candidate's position is
+ * base + the candidates below it in orig. ``depth_u``: the lengths, by that position. */
 typedef struct {
     uint32_t *word;
     uint64_t *mask;
+    uint64_t *orig;
+    uint32_t *base;
     uint32_t n;
-    const uint32_t *ub;
-    uint32_t m;
     Py_ssize_t *depth_u;
 } Alive;
 
-/* The candidates of word ``w`` in ``dead`` leave at block ``i``. */
+/* The candidates of alive word ``k`` in ``dead`` leave at block ``i``. */
 static void
-alive_die(Alive *a, uint32_t w, uint64_t dead, Py_ssize_t i)
+alive_die(Alive *a, uint32_t k, uint64_t dead, Py_ssize_t i)
 {
     for (; dead; dead &= dead - 1) {
-        uint32_t bit = w * 64 + (uint32_t)__builtin_ctzll(dead), lo = 0, hi = a->m;
-        while (lo < hi) {
-            uint32_t mid = (lo + hi) / 2;
-            if (a->ub[mid] < bit)
-                lo = mid + 1;
-            else
-                hi = mid;
-        }
-        a->depth_u[lo] = i;
+        uint64_t below = (dead & -dead) - 1;
+        a->depth_u[a->base[k] + (uint32_t)__builtin_popcountll(a->orig[k] & below)] = i;
     }
+}
+
+/* Alive word ``k`` kept as the ``kept``-th with ``held``. */
+static inline void
+alive_move(Alive *a, uint32_t k, uint32_t kept, uint64_t held)
+{
+    a->word[kept] = a->word[k];
+    a->mask[kept] = held;
+    a->orig[kept] = a->orig[k];
+    a->base[kept] = a->base[k];
 }
 
 /* Keep the alive candidates the set ``v`` holds; the others leave at block ``i``. Work: the alive
@@ -96,11 +101,9 @@ alive_keep(Alive *a, uint64_t v, Py_ssize_t i)
             uint32_t w = a->word[k];
             uint64_t mask = a->mask[k], held = w < b->words ? b->bits[w] & mask : 0;
             if (held != mask)
-                alive_die(a, w, mask & ~held, i);
-            if (held) {
-                a->word[kept] = w;
-                a->mask[kept++] = held;
-            }
+                alive_die(a, k, mask & ~held, i);
+            if (held)
+                alive_move(a, k, kept++, held);
         }
         a->n = kept;
         return;
@@ -111,11 +114,9 @@ alive_keep(Alive *a, uint64_t v, Py_ssize_t i)
             uint32_t w = a->word[k];
             uint64_t mask = a->mask[k], held = w == 0 ? mask & set : 0;
             if (held != mask)
-                alive_die(a, w, mask & ~held, i);
-            if (held) {
-                a->word[kept] = w;
-                a->mask[kept++] = held;
-            }
+                alive_die(a, k, mask & ~held, i);
+            if (held)
+                alive_move(a, k, kept++, held);
         }
         a->n = kept;
         return;
@@ -141,20 +142,34 @@ alive_keep(Alive *a, uint64_t v, Py_ssize_t i)
             set |= 1ULL << (ids[j] & 63);
         uint64_t held = mask & set;
         if (held != mask)
-            alive_die(a, w, mask & ~held, i);
-        if (held) {
-            a->word[kept] = w;
-            a->mask[kept++] = held;
-        }
+            alive_die(a, k, mask & ~held, i);
+        if (held)
+            alive_move(a, k, kept++, held);
     }
     a->n = kept;
 }
 
-static int
-cmp_u64(const void *a, const void *b)
+/* Sort the n entries (bit << 32 | index) by bit (bits < 2^20: two stable counting passes of 11 and
+ * 9 bits, through tmp), in O(n) for the fleets' candidate lists. */
+static void
+sort_by_bit(uint64_t *v, uint64_t *tmp, Py_ssize_t n)
 {
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return (x > y) - (x < y);
+    static const int shift[2] = {32, 43};
+    uint32_t count[2048];
+    for (int pass = 0; pass < 2; pass++) {
+        uint64_t *src = pass ? tmp : v, *dst = pass ? v : tmp;
+        memset(count, 0, sizeof(count));
+        for (Py_ssize_t k = 0; k < n; k++)
+            count[(src[k] >> shift[pass]) & 2047]++;
+        uint32_t at = 0;
+        for (int d = 0; d < 2048; d++) {
+            uint32_t c = count[d];
+            count[d] = at;
+            at += c;
+        }
+        for (Py_ssize_t k = 0; k < n; k++)
+            dst[count[(src[k] >> shift[pass]) & 2047]++] = src[k];
+    }
 }
 
 /* match(hashes, bits) -> for each bit (-1: no such target, 0), the length of the longest prefix of
@@ -178,19 +193,21 @@ infera_GpuView_match(GpuView *v, PyObject *args)
     }
     Py_ssize_t nc = PySequence_Fast_GET_SIZE(bseq), nh = hs.n;
     PyObject **bitems = PySequence_Fast_ITEMS(bseq);
-    /* per candidate: (bit << 32 | index), sorted; unique bits ub[], their depths, the alive list */
-    uint64_t stack_order[64], stack_mask[64];
-    uint32_t stack_ub[64], stack_word[64], stack_cu[64];
+    /* per candidate: (bit << 32 | index), sorted; per unique bit its depth; the alive words */
+    uint64_t stack_order[64], stack_mask[64], stack_orig[64];
+    uint32_t stack_base[64], stack_word[64], stack_cu[64];
     Py_ssize_t stack_depth[64];
     int small = nc <= 64;
     uint64_t *order = small ? stack_order : PyMem_Malloc((size_t)nc * sizeof(uint64_t));
     uint64_t *amask = small ? stack_mask : PyMem_Malloc((size_t)nc * sizeof(uint64_t));
-    uint32_t *ub = small ? stack_ub : PyMem_Malloc((size_t)nc * sizeof(uint32_t));
+    uint64_t *aorig = small ? stack_orig : PyMem_Malloc((size_t)nc * sizeof(uint64_t));
+    uint32_t *abase = small ? stack_base : PyMem_Malloc((size_t)nc * sizeof(uint32_t));
     uint32_t *aword = small ? stack_word : PyMem_Malloc((size_t)nc * sizeof(uint32_t));
-    uint32_t *cu = small ? stack_cu : PyMem_Malloc((size_t)nc * sizeof(uint32_t)); /* candidate -> ub index */
+    uint32_t *cu = small ? stack_cu : PyMem_Malloc((size_t)nc * sizeof(uint32_t)); /* candidate -> unique bit */
     Py_ssize_t *depth_u = small ? stack_depth : PyMem_Malloc((size_t)nc * sizeof(Py_ssize_t));
     PyObject *out = NULL;
-    if (order == NULL || amask == NULL || ub == NULL || aword == NULL || cu == NULL || depth_u == NULL) {
+    if (order == NULL || amask == NULL || aorig == NULL || abase == NULL || aword == NULL || cu == NULL ||
+        depth_u == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -204,8 +221,20 @@ infera_GpuView_match(GpuView *v, PyObject *args)
             continue;
         order[nlive++] = ((uint64_t)b << 32) | (uint64_t)c;
     }
-    if (nlive > 64) {
-        qsort(order, (size_t)nlive, sizeof(uint64_t), cmp_u64);
+    Py_ssize_t sorted = 1;
+    while (sorted < nlive && order[sorted - 1] < order[sorted])
+        sorted++;
+    if (sorted >= nlive) {
+        /* in order already (a fleet's keys usually are): nothing to do */
+    }
+    else if (nlive > 64) {
+        uint64_t *tmp = PyMem_Malloc((size_t)nlive * sizeof(uint64_t));
+        if (tmp == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        sort_by_bit(order, tmp, nlive);
+        PyMem_Free(tmp);
     }
     else {
         for (Py_ssize_t k = 1; k < nlive; k++) { /* a few candidates: in place */
@@ -216,23 +245,24 @@ infera_GpuView_match(GpuView *v, PyObject *args)
             order[j] = x;
         }
     }
-    uint32_t m = 0;
-    Alive al = {aword, amask, 0, ub, 0, depth_u};
+    uint32_t m = 0, last = UINT32_MAX;
+    Alive al = {aword, amask, aorig, abase, 0, depth_u};
     for (Py_ssize_t k = 0; k < nlive; k++) {
         uint32_t bit = (uint32_t)(order[k] >> 32), c = (uint32_t)order[k];
-        if (m == 0 || ub[m - 1] != bit) {
-            ub[m] = bit;
+        if (bit != last) { /* a new unique bit: the m-th */
+            last = bit;
             depth_u[m] = nh; /* held all the way, unless it leaves */
             if (al.n == 0 || aword[al.n - 1] != bit >> 6) {
                 aword[al.n] = bit >> 6;
-                amask[al.n++] = 0;
+                amask[al.n] = 0;
+                abase[al.n++] = m;
             }
             amask[al.n - 1] |= 1ULL << (bit & 63);
             m++;
         }
         cu[c] = m - 1;
     }
-    al.m = m;
+    memcpy(aorig, amask, (size_t)al.n * sizeof(uint64_t));
     for (Py_ssize_t i = 0; i < nh && al.n; i++) {
         uint64_t key;
         uint64_t *slot = NULL;
@@ -242,7 +272,7 @@ infera_GpuView_match(GpuView *v, PyObject *args)
             slot = h_find(&v->holders, key);
         if (slot == NULL) {
             for (uint32_t k = 0; k < al.n; k++)
-                alive_die(&al, aword[k], amask[k], i);
+                alive_die(&al, k, amask[k], i);
             break;
         }
         alive_keep(&al, slot[1], i);
@@ -262,7 +292,8 @@ done:
     if (!small) {
         PyMem_Free(order);
         PyMem_Free(amask);
-        PyMem_Free(ub);
+        PyMem_Free(aorig);
+        PyMem_Free(abase);
         PyMem_Free(aword);
         PyMem_Free(cu);
         PyMem_Free(depth_u);
