@@ -83,7 +83,8 @@ test: setup setup-vllm setup-sglang
 # skipped optional build cannot pass.
 ASAN_DIR := build/asan
 ASAN_TESTS := tests/unit/test_native_guard.py tests/unit/test_native.py tests/unit/test_pick_native.py \
-	tests/unit/test_zmtp.py $(wildcard tests/unit/test_fuzz_*.py)
+	tests/unit/test_zmtp.py tests/unit/test_native_compact.py tests/unit/test_kv_index.py \
+	$(wildcard tests/unit/test_fuzz_*.py)
 SAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g
 SAN_RUN := LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" PYTHONMALLOC=malloc \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 INFERA_NATIVE_REQUIRED=1
