@@ -39,7 +39,7 @@ import nats.js.errors
 
 from infera.discovery.record import WorkerRecord
 from infera.transport.backoff import retry_delay
-from infera.transport.kv_events_nats import (HDR_EPOCH, HDR_RESET, HDR_SEQ, STREAM, SUBJECT_PREFIX, ensure_stream,
+from infera.transport.kv_events_nats import (HDR_EPOCH, HDR_RESET, MARKER_RELAY_START, HDR_SEQ, STREAM, SUBJECT_PREFIX, ensure_stream,
                                              kv_event_subject)
 from infera.transport.kv_events_zmq import NO_SEQ, ZmqKvEventSubscriber, endpoint_for_rank
 from infera.transport.nats_conn import NatsConnection, subject_token
@@ -130,7 +130,7 @@ class KvEventNatsRelay:
         self.nats.on_disconnect(self._on_disconnect)
         self.nats.on_reconnect(self._on_reconnect)
         for r in self.ranks.values():
-            self._enqueue_marker(r, "relay-start")  # a new engine: whatever came before is void
+            self._enqueue_marker(r, MARKER_RELAY_START)  # a new engine: whatever came before is void
         self._task = asyncio.ensure_future(self._publisher())
         for r in self.ranks.values():
             self.zmq.add(r.key, r.endpoint, r.replay_endpoint)
