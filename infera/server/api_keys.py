@@ -45,6 +45,7 @@ import yaml
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from infera.api.errors import ApiError
+from infera.runtime import cancel_and_wait
 from infera.server.tenant_limits import TenantLimit
 
 log = logging.getLogger(__name__)
@@ -206,12 +207,7 @@ class ApiKeys:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(task)
 
     def authenticate(self, headers: Mapping[str, str]) -> ApiKey:
         key = presented_key(headers)

@@ -46,6 +46,7 @@ import msgspec
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from infera.api.errors import ApiError
+from infera.runtime import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -326,12 +327,7 @@ class TenantLimiter:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(task)
         if self.channel is not None and self._subject is not None:
             await self.channel.publish_side(self._subject, _encode(LimitsMsg(VERSION, self.replica_id, bye=True)))
 

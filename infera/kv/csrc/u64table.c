@@ -306,14 +306,7 @@ hs_add(Holders *h, uint64_t *slot, uint32_t id)
         return 1;
     }
     HArr *a = hs_arr(v);
-    uint32_t lo = 0, hi = a->n;
-    while (lo < hi) {
-        uint32_t mid = (lo + hi) / 2;
-        if (a->ids[mid] < id)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
+    uint32_t lo = harr_lower_bound(a, id);
     if (lo < a->n && a->ids[lo] == id)
         return 0;
     uint32_t max_id = a->ids[a->n - 1] > id ? a->ids[a->n - 1] : id;
@@ -449,14 +442,7 @@ infera_h_remove_at(Holders *h, uint64_t *slot, uint32_t id)
         return 1;
     }
     HArr *a = hs_arr(v);
-    uint32_t lo = 0, hi = a->n;
-    while (lo < hi) {
-        uint32_t mid = (lo + hi) / 2;
-        if (a->ids[mid] < id)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
+    uint32_t lo = harr_lower_bound(a, id);
     if (lo == a->n || a->ids[lo] != id)
         return 0;
     memmove(a->ids + lo, a->ids + lo + 1, (size_t)(a->n - lo - 1) * 4);

@@ -202,8 +202,9 @@ hs_list_ids(uint64_t v, uint32_t *out)
     return n;
 }
 
-static inline int
-harr_has(const HArr *a, uint32_t id)
+/* The position of ``id`` in the sorted array, or where it would go (the first id >= it). */
+static inline uint32_t
+harr_lower_bound(const HArr *a, uint32_t id)
 {
     uint32_t lo = 0, hi = a->n;
     while (lo < hi) {
@@ -213,6 +214,13 @@ harr_has(const HArr *a, uint32_t id)
         else
             hi = mid;
     }
+    return lo;
+}
+
+static inline int
+harr_has(const HArr *a, uint32_t id)
+{
+    uint32_t lo = harr_lower_bound(a, id);
     return lo < a->n && a->ids[lo] == id;
 }
 
