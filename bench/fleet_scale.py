@@ -38,8 +38,8 @@ Per fleet size, once every process of the server lists the whole fleet:
   latency includes the JSON of 8k ids, hashing 512 blocks, the match over every engine and the
   proxying.)
 
-    python bench/fleet_scale.py                         # 100, 300, 1000 engines; --workers 1 and 2; 3 runs
-    python bench/fleet_scale.py --quick                 # ~1-2 min smoke: 20, 60 engines, 1 run
+    python bench/fleet_scale.py                         # 100, 300, 1000 engines; --workers 1 and 2; 3 runs (~25 min)
+    python bench/fleet_scale.py --quick                 # ~1-3 min smoke: 20, 60 engines, 1 run
     python bench/fleet_scale.py --engines 1000 --workers 1 --sharing 0
 
 Prints one line per measurement, then the table of medians; writes ``--out`` (JSON). Exit status
