@@ -204,3 +204,18 @@ def test_resolve_args() -> None:
     for bad in (["--sharing", "1.5"], ["--engines", "0"], ["--mode", "grpc"]):
         with pytest.raises(SystemExit):
             fleet_scale.resolve_args(bad)
+
+
+def test_the_policy_pick_histogram_is_read_per_process_for_the_mixed_role() -> None:
+    text = "\n".join([
+        'infera_router_pick_seconds_bucket{le="0.0001",process="0",role="mixed"} 3.0',
+        'infera_router_pick_seconds_bucket{le="+Inf",process="0",role="mixed"} 4.0',
+        'infera_router_pick_seconds_bucket{le="0.0001",process="1",role="mixed"} 1.0',
+        'infera_router_pick_seconds_bucket{le="+Inf",process="1",role="mixed"} 1.0',
+        'infera_router_pick_seconds_bucket{le="+Inf",process="1",role="decode"} 9.0',  # not the mixed pick
+    ])
+    got = rep.parse_kv_metrics(text)
+    assert got["0"].pick_buckets == {0.0001: 3.0, float("inf"): 4.0}
+    assert got["1"].pick_buckets == {0.0001: 1.0, float("inf"): 1.0}
+    cum = rep.bucket_delta({0.0001: 4.0, float("inf"): 5.0}, {0.0001: 1.0, float("inf"): 1.0})
+    assert cum == [(0.0001, 3.0), (float("inf"), 4.0)] and rep.hist_quantile(cum, 0.5) <= 0.0001
