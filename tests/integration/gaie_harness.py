@@ -158,6 +158,11 @@ class EppProcess:
         await self.start()
 
 
+class EnvoyPortTaken(RuntimeError):
+    """Envoy could not bind a port its config names: another process took it between free_port()
+    and Envoy's bind (the ports are picked before the config is rendered). Retried with new ports."""
+
+
 class EnvoyProcess:
     def __init__(self, config_yaml: str, *, admin_port: int | None = None) -> None:
         self.config_yaml = config_yaml
@@ -181,7 +186,10 @@ class EnvoyProcess:
         async def ready() -> bool:
             if proc.returncode is not None:
                 with open(self.log_path, errors="replace") as f:
-                    pytest.fail(f"envoy exited with {proc.returncode}: {f.read()[-3000:]}")
+                    log = f.read()
+                if "Address already in use" in log:
+                    raise EnvoyPortTaken(log[-1000:])
+                pytest.fail(f"envoy exited with {proc.returncode}: {log[-3000:]}")
             try:
                 async with aiohttp.ClientSession() as s:
                     async with s.get(f"http://127.0.0.1:{self.admin_port}/ready",
@@ -266,16 +274,25 @@ async def gaie_stack(etcd, prefix, spawn_worker):
         sims = [await spawn_worker(*args, model=model, lease_ttl=lease_ttl, launcher_args=tuple(launcher_args))
                 for args in per_worker]
         epp = EppProcess(etcd.endpoint, prefix, destination_port=destination_port, secure=secure, extra=epp_args)
-        listen_port, admin_port = free_port(), free_port()
-        config = await envoy_config(listen_port, epp.grpc_port, mode=mode, secure=secure, admin_port=admin_port,
-                                    failure_mode_allow=failure_mode_allow)
-        envoy = EnvoyProcess(config, admin_port=admin_port)
-        stack = GaieStack(envoy, epp, sims, listen_port, model)
-        made.append(stack)
         if sims:
             await wait_registered(etcd.endpoint, prefix, {w.worker_id for w in sims})
-        await epp.start()
-        await envoy.start()
+        for attempt in range(3):  # a port picked free may be taken before Envoy binds it: new ports
+            listen_port, admin_port = free_port(), free_port()
+            config = await envoy_config(listen_port, epp.grpc_port, mode=mode, secure=secure, admin_port=admin_port,
+                                        failure_mode_allow=failure_mode_allow)
+            envoy = EnvoyProcess(config, admin_port=admin_port)
+            stack = GaieStack(envoy, epp, sims, listen_port, model)
+            made.append(stack)
+            if attempt == 0:
+                await epp.start()
+            try:
+                await envoy.start()
+                break
+            except EnvoyPortTaken:
+                made.pop()
+                await envoy.stop()
+                if attempt == 2:
+                    raise
         if wait and sims:
             await stack.wait_routable()
         return stack
