@@ -38,9 +38,9 @@ from infera.discovery.record import WorkerRecord
 from infera.router.breaker import CircuitBreaker
 from infera.router.dispatch import Reply
 from infera.router.engine_hints import EngineHints
+from infera.router.metrics import RouterMetrics
 from infera.router.pd import PdError, PdPair, PdProtocol, resolve_protocol
 from infera.router.policy import Policy, RoutedRequest
-from infera.server.metrics import ServerMetrics
 from infera.router.upstream import (LegFailure, Opened, Relay, is_engine_error, open_upstream, repeated_engine_error,
                                     request_headers, unreachable_mark)
 from infera.transport.request import RequestTransport
@@ -144,7 +144,7 @@ def align_room(room: int, prefill: WorkerRecord, rank: int | None) -> int:
 
 
 class DisaggRouter:
-    def __init__(self, fleet: Fleet, policy: Policy, transport: RequestTransport, metrics: ServerMetrics,
+    def __init__(self, fleet: Fleet, policy: Policy, transport: RequestTransport, metrics: RouterMetrics,
                  protocols: dict[str, PdProtocol], *, max_retries: int = 1,
                  prefill_timeout: float = DEFAULT_PREFILL_TIMEOUT, rng: random.Random | None = None,
                  clock: Callable[[], float] = time.perf_counter, breaker: CircuitBreaker | None = None,

@@ -22,9 +22,9 @@ import msgspec
 
 from infera.router.breaker import CircuitBreaker
 from infera.router.engine_hints import EngineHints
+from infera.router.metrics import RouterMetrics
 from infera.router.migration import MigratingRelay, StreamTracker, request_for_migration
 from infera.router.policy import Policy, RoutedRequest
-from infera.server.metrics import ServerMetrics
 from infera.router.upstream import (LegFailure, Opened, Relay, is_engine_error, open_upstream, repeated_engine_error,
                                     request_headers, unreachable_mark)
 from infera.transport.request import RequestTransport
@@ -62,7 +62,7 @@ class Reply:
 class MixedRouter:
     """Routes to mixed (non-disaggregated) workers of the requested model."""
 
-    def __init__(self, fleet: Fleet, policy: Policy, transport: RequestTransport, metrics: ServerMetrics,
+    def __init__(self, fleet: Fleet, policy: Policy, transport: RequestTransport, metrics: RouterMetrics,
                  *, max_retries: int = 1, direct: bool = False, clock: Callable[[], float] = time.perf_counter,
                  usage_observer: UsageObserver | None = None, breaker: CircuitBreaker | None = None,
                  migration_limit: int = 0, engine_hints: EngineHints | None = None) -> None:

@@ -18,7 +18,7 @@ import msgspec
 
 from infera.api.errors import ApiError, error_bytes, sse_error_event
 from infera.discovery.record import WorkerRecord
-from infera.server.metrics import ServerMetrics
+from infera.router.metrics import RouterMetrics
 from infera.transport.http import ReplyTooLarge, UpstreamError
 from infera.transport.request import RequestTransport, UpstreamReply
 
@@ -236,7 +236,7 @@ class Relay:
 
     __slots__ = ("_opened", "_worker", "_metrics", "_done", "_on_tail", "_gen", "_finished")
 
-    def __init__(self, opened: Opened, worker: WorkerRecord, metrics: ServerMetrics, done: Callable[[], None],
+    def __init__(self, opened: Opened, worker: WorkerRecord, metrics: RouterMetrics, done: Callable[[], None],
                  on_tail: Callable[[bytes], None] | None = None) -> None:
         assert opened.resp is not None
         self._opened, self._worker, self._metrics, self._done, self._on_tail = opened, worker, metrics, done, on_tail

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from infera.discovery.fleet import Fleet
 from infera.discovery.record import WorkerRecord
 from infera.router.breaker import STATE_CODES, CircuitBreaker
+from infera.router.metrics import RouterMetrics
 
 # The policy's pick alone (no tokenizing or hashing: those run before it), sub-millisecond.
 PICK_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3)
@@ -84,7 +85,9 @@ class Gauge:
         self.value -= 1
 
 
-class ServerMetrics:
+class ServerMetrics(RouterMetrics):
+    """The router's metrics (``RouterMetrics``) and the server's own, exported to Prometheus."""
+
     def __init__(self, fleet: Fleet, breaker: CircuitBreaker | None = None) -> None:
         self._fleet = fleet
         self._breaker = breaker
