@@ -2,7 +2,7 @@
 
 Every replica reads every engine's KV events, so all agree on what is cached. Each one alone
 knows its requests in flight and the requests it just served whose KV events have not arrived yet
-(:class:`infera.router.kv_aware.ReplicaShare`). :class:`ReplicaSync` carries those between
+(:class:`infera.kv.replica_share.ReplicaShare`). :class:`ReplicaSync` carries those between
 replicas; it holds the whole protocol, and a transport subclass only moves bytes on subjects, one
 file each (``--replica-sync``):
 
@@ -50,8 +50,8 @@ from typing import Callable, Sequence
 
 import msgspec
 
+from infera.kv.replica_share import PEER_TIMEOUT_S, SYNC_BLOCKS_PER_REQUEST, ReplicaShare
 from infera.runtime import cancel_and_wait
-from infera.router.kv_aware import PEER_TIMEOUT_S, SYNC_BLOCKS_PER_REQUEST, ReplicaShare
 from infera.transport.backoff import retry_delay
 from infera.transport.nats_conn import subject_token, token_to_worker_id
 

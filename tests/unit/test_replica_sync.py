@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-import infera.router.kv_aware as kv_aware
+import infera.kv.replica_share as kv_aware  # (the replica sync's caps live there)
 from infera.kv.hashing import block_hashes
 from infera.kv.prompt import PromptTokenizer
 from infera.router.kv_aware import LANDED_TTL_S, PEER_TIMEOUT_S, SYNC_BLOCKS_PER_REQUEST, KvAwarePolicy
