@@ -58,7 +58,7 @@ if REPO not in sys.path:
 
 from infera.discovery.embedded_etcd import EmbeddedEtcd  # noqa: E402
 from _main import run_bench  # noqa: E402
-from infera.engine.base.launcher import _set_pdeathsig  # noqa: E402
+from infera.runtime import set_pdeathsig  # noqa: E402
 
 DEFAULT_OUT = os.path.join(BENCH_DIR, "results", "server_workers.json")
 MODEL = "bench-fake"
@@ -124,7 +124,7 @@ class Proc:
         kwargs.setdefault("stdout", log)
         # Own session: a Ctrl-C reaches only us; PDEATHSIG: nothing outlives the benchmark.
         self.proc = await asyncio.create_subprocess_exec(
-            *self.cmd, cwd=REPO, stderr=log, start_new_session=True, preexec_fn=_set_pdeathsig,
+            *self.cmd, cwd=REPO, stderr=log, start_new_session=True, preexec_fn=set_pdeathsig,
             stdin=kwargs.pop("stdin", subprocess.DEVNULL), **kwargs)
         log.close()
 

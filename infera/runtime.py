@@ -1,9 +1,13 @@
-"""Process-level helpers shared by every entry point: the event loop and shutdown signals."""
+"""Process-level helpers shared by every entry point: the event loop, shutdown signals, background
+tasks and the children this process starts."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import signal
+
+_PR_SET_PDEATHSIG = 1
 
 
 def install_event_loop() -> None:
@@ -41,3 +45,13 @@ async def cancel_and_wait(task: "asyncio.Task | None") -> None:
         pass
     except Exception as exc:
         logging.getLogger(__name__).debug("task %s had failed: %r", task.get_name(), exc)
+
+
+def set_pdeathsig() -> None:
+    """Ask Linux to SIGTERM this process when its parent dies. Meant as a child's ``preexec_fn``
+    (it runs between fork and exec), so that nothing outlives the process that started it."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass

@@ -20,8 +20,8 @@ from typing import Sequence
 import aiohttp
 
 from infera.config import add_flag, choice_of, etcd_url, positive_float, positive_int
-from infera.engine.base.launcher import _set_pdeathsig
 from infera.engine.base.kv_events import free_port
+from infera.runtime import set_pdeathsig
 
 log = logging.getLogger("infera.up")
 
@@ -85,7 +85,7 @@ class Fleet:
         # Own session: Ctrl-C reaches only us, and we stop the children in order (workers first).
         if self.etcd_env:
             env = {**(os.environ if env is None else env), **self.etcd_env}
-        return await asyncio.create_subprocess_exec(*cmd, start_new_session=True, preexec_fn=_set_pdeathsig, env=env)
+        return await asyncio.create_subprocess_exec(*cmd, start_new_session=True, preexec_fn=set_pdeathsig, env=env)
 
     async def start(self) -> None:
         if self.etcd_endpoint is None:

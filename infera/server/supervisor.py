@@ -42,7 +42,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Mapping, MutableMapping, Sequence
 
-from infera.engine.base.launcher import _set_pdeathsig
+from infera.runtime import set_pdeathsig
 
 log = logging.getLogger("infera.server.supervisor")
 
@@ -139,7 +139,7 @@ def uses_local_sync(args: argparse.Namespace) -> bool:
 
 
 def _child_preexec(parent: int) -> None:  # in the child, between fork and exec
-    _set_pdeathsig()
+    set_pdeathsig()
     if os.getppid() != parent:  # the supervisor died before the death signal was armed
         os._exit(1)
 

@@ -20,7 +20,7 @@ import socket
 import sys
 import tempfile
 
-from infera.engine.base.launcher import _set_pdeathsig
+from infera.runtime import set_pdeathsig
 
 
 def find_nats_server_binary() -> str:
@@ -71,7 +71,7 @@ class EmbeddedNats:
                 f.write(f"authorization {{ user: {json.dumps(self.user)}, password: {json.dumps(self.password)} }}\n")
         log = open(os.path.join(self.store_dir, "nats.log"), "ab")
         self.proc = await asyncio.create_subprocess_exec(
-            binary, "-c", conf, stdout=log, stderr=log, start_new_session=True, preexec_fn=_set_pdeathsig)
+            binary, "-c", conf, stdout=log, stderr=log, start_new_session=True, preexec_fn=set_pdeathsig)
         log.close()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import logging
 import os
 import signal
@@ -32,12 +31,10 @@ from infera.discovery.record import WorkerRecord
 from infera.engine.base.follower import NodeRankError, is_follower, node_rank
 from infera.engine.base.preflight import PdSetup, pd_preflight
 from infera.engine.base.tokenizer_source import tokenizer_fields
-from infera.runtime import install_event_loop
+from infera.runtime import install_event_loop, set_pdeathsig
 from infera.transport.nats_conn import NatsConnection
 
 log = logging.getLogger("infera.launcher")
-
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -122,14 +119,6 @@ def engine_command(args: argparse.Namespace, default_module: str, engine_argv: S
     return [sys.executable, "-m", default_module, *engine_argv]
 
 
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
-
 WILDCARD_HOSTS = ("", "*", "0.0.0.0", "::", "[::]")
 
 
@@ -165,7 +154,7 @@ class Launcher:
         self.spec = self.adapter.prepare(list(self.engine_argv), self.args)
         env = {**os.environ, **self.spec.env}
         log.info("starting %s engine: %s", self.adapter.engine, " ".join(self.spec.cmd))
-        kwargs = {"preexec_fn": _set_pdeathsig} if sys.platform.startswith("linux") else {}
+        kwargs = {"preexec_fn": set_pdeathsig} if sys.platform.startswith("linux") else {}
         self.proc = await asyncio.create_subprocess_exec(*self.spec.cmd, env=env, start_new_session=True, **kwargs)
 
     @property
