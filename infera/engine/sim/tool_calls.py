@@ -25,8 +25,8 @@ from typing import Any, Awaitable, Callable
 import msgspec
 from aiohttp import web
 
-from infera.engine.sim.server import (ENGINE_KEY, SSE_HEADERS, ApiError, ChatCompletionRequest, _check_sampling,
-                                      _request_id, _resolve_max_tokens, _usage)
+from infera.engine.sim.schemas import (ENGINE_KEY, SSE_HEADERS, ApiError, ChatCompletionRequest, _check_sampling,
+                                       _request_id, _resolve_max_tokens, _usage)
 from infera.kv.tokenizer import ChatTemplateError
 
 _encode = msgspec.json.Encoder().encode
