@@ -1,4 +1,5 @@
-"""The Policy protocol and its registry: pick one worker among candidates for a request."""
+"""The Policy protocol: pick one worker among candidates for a request. The policies implement it
+(one file each); ``policies.py`` holds the registry by name."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -47,16 +48,3 @@ class Policy(Protocol):
 
 PolicyFactory = Callable[..., Policy]
 
-
-def policy_registry() -> dict[str, PolicyFactory]:
-    from infera.router.kv_aware import KvAwarePolicy
-    from infera.router.round_robin import RoundRobinPolicy
-
-    return {"round-robin": RoundRobinPolicy, "kv-aware": KvAwarePolicy}
-
-
-def make_policy(name: str, **kwargs: Any) -> Policy:
-    registry = policy_registry()
-    if name not in registry:
-        raise ValueError(f"unknown router policy {name!r} (choose from {', '.join(sorted(registry))})")
-    return registry[name](**kwargs)

@@ -22,7 +22,8 @@ from infera.router.disagg import DisaggRouter
 from infera.router.dispatch import MixedRouter
 from infera.router.engine_hints import EngineHints
 from infera.router.pd import protocol_registry
-from infera.router.policy import Policy, make_policy
+from infera.router.policies import make_policy
+from infera.router.policy import Policy
 from infera.server.engine_scrape import EngineHitWindow
 from infera.server.kv import KvEventsBridge
 from infera.server.metrics import NatsMetrics, ReplicaSyncMetrics, ServerMetrics, drop_worker_keys

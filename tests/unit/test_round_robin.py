@@ -1,7 +1,8 @@
 from collections import Counter
 
 from infera.discovery.record import WorkerRecord
-from infera.router.policy import RoutedRequest, make_policy
+from infera.router.policies import make_policy
+from infera.router.policy import RoutedRequest
 
 
 def _workers(*ids):
