@@ -186,7 +186,7 @@ async def _api_key_middleware(request: web.Request,
     permit = None
     try:
         if key.limit and limiter is not None and resource.canonical != "/v1/models":
-            permit = request[PERMIT_KEY] = limiter.admit(key.tenant, key.limit)  # 429 here
+            permit = request[PERMIT_KEY] = await limiter.admit(key.tenant, key.limit)  # 429 here
         response = await handler(request)
     except ApiError as exc:
         keys.count(key.tenant, exc.status)
