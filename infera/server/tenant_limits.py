@@ -296,8 +296,7 @@ class TenantLimiter:
     async def admit(self, tenant: str, limit: TenantLimit) -> Permit:
         own = self._state(tenant)
         self._check(tenant, own, limit)
-        if limit.requests_per_minute is not None:
-            await self._take_request(tenant, own, limit.requests_per_minute)
+        if limit.requests_per_minute is not None and await self._take_request(tenant, own, limit.requests_per_minute):
             try:
                 self._check(tenant, own, limit)  # the wait may have changed the others
             except ApiError:
@@ -331,9 +330,11 @@ class TenantLimiter:
                 raise self._refuse(tenant, "tokens", f"{tpm} tokens per minute", retry,
                                    self._headers("tokens", tpm, 0, retry))
 
-    async def _take_request(self, tenant: str, own: _Own, rpm: int) -> None:
-        """One request out of an acknowledged grant: made here, and waited for when needed."""
+    async def _take_request(self, tenant: str, own: _Own, rpm: int) -> bool:
+        """One request out of an acknowledged grant: made here, and waited for when needed.
+        True when it waited (the others' usage may have moved meanwhile)."""
         deadline = self.clock() + self.peer_timeout_s + 2 * self.sync_s
+        waited = False
         own.waiting += 1
         try:
             while True:
@@ -343,7 +344,7 @@ class TenantLimiter:
                     own.granted -= 1
                     if own.pending == 0 and own.granted * 2 < own.last_grant:
                         self._grant(tenant, own, rpm, now)  # renew before it runs out
-                    return
+                    return waited
                 if own.pending == 0 and now < self._warm_at:
                     pass  # just started: wait to hear who else is alive
                 elif own.pending == 0 and not self._grant(tenant, own, rpm, now):
@@ -356,6 +357,7 @@ class TenantLimiter:
                 if left <= 0:
                     raise self._refuse_requests(tenant, rpm, rpm, 1)  # the others did not answer
                 self.grant_waits += 1
+                waited = True
                 if own.changed is None:
                     own.changed = asyncio.Event()
                 own.changed.clear()

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from infera.api.errors import ApiError
-from infera.server.tenant_limits import (LimitsMsg, TenantLimit, TenantLimiter, UsageMeter, _Window, _encode,
+from infera.server.tenant_limits import (LimitsMsg, TenantLimit, TenantLimiter, UsageMeter, _Window, _decode, _encode,
                                          reply_tokens)
 
 
@@ -143,17 +143,12 @@ async def test_a_grant_waits_for_every_live_peer_to_hear_it():
     await asyncio.sleep(0)
     assert not task.done() and a._own["t"].pending == 1  # one waiting: a grant of one, unheard yet
     data = _encode(a.report())
-    assert _decode_msg(data).asks == a._own["t"].pending_seq  # the report asks to be answered
+    assert _decode(data).asks == a._own["t"].pending_seq  # the report asks to be answered
     b.receive(data)
     assert b._peers[a.replica_id].tenants["t"].reserved == 1  # b counts it before a may use it
     a.receive(_encode(b.report()))  # b's acknowledgement
     permit = await asyncio.wait_for(task, 1)
     assert permit.tenant == "t" and a.grant_waits == 1
-
-
-def _decode_msg(data: bytes) -> LimitsMsg:
-    import msgspec
-    return msgspec.msgpack.decode(data, type=LimitsMsg)
 
 
 async def test_replicas_share_the_limit_and_overshoot_at_most_r_minus_1():
