@@ -52,18 +52,31 @@ def pytest_runtest_makereport(item, call):
 # a port a test hands to a server can never be one a launcher just chose for its engine and is
 # about to bind (CI once lost a 1P1D test to exactly that: "Address already in use").
 _TEST_PORTS = (2000, 10000)
+# Its own generator, seeded from the OS: the module-level one is reseeded by tools (Hypothesis
+# fixes it per example), and two draws from a reseeded generator can be the same port. Ports
+# handed out recently are not handed out again, so two workers a test starts back to back
+# cannot both be given a port the first has not bound yet (CI lost a dashboard test to exactly
+# that: two sim engines told to bind 2406). Recent, not all: the run would use up the range.
+_port_rng = random.SystemRandom()
+_ports_given: dict[int, None] = {}
+_PORTS_REMEMBERED = 2048
 
 
 def free_port() -> int:
     """A free port below the ephemeral range (engines bind theirs seconds later; an outgoing
     connection must not take it meanwhile) and below the launchers' own range."""
     for _ in range(512):
-        port = random.randint(*_TEST_PORTS)
+        port = _port_rng.randint(*_TEST_PORTS)
+        if port in _ports_given:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+        _ports_given[port] = None
+        if len(_ports_given) > _PORTS_REMEMBERED:
+            del _ports_given[next(iter(_ports_given))]
         return port
     return free_port_block(1, "127.0.0.1")
 

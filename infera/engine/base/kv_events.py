@@ -57,6 +57,11 @@ def _bindable(port: int, host: str) -> bool:
             return False
 
 
+# The OS's generator, not the module-level one: anything in the process may reseed that one
+# (test tools do), and two launchers drawing from a reseeded generator pick the same port.
+_port_rng = random.SystemRandom()
+
+
 def free_port_block(n: int = 1, host: str = "", attempts: int = 256) -> int:
     """First of ``n`` consecutive TCP ports free now, chosen BELOW the kernel's ephemeral range and
     outside Kubernetes' NodePort range: a port handed to an engine is bound seconds later (vLLM
@@ -66,7 +71,7 @@ def free_port_block(n: int = 1, host: str = "", attempts: int = 256) -> int:
     nodeports = _nodeport_range()
     lo, hi = 10000, eph_lo - n
     for _ in range(attempts):
-        base = random.randint(lo, hi) if hi > lo else 0
+        base = _port_rng.randint(lo, hi) if hi > lo else 0
         if base == 0:
             break
         if nodeports and base + n - 1 >= nodeports[0] and base <= nodeports[1]:
