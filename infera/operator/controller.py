@@ -386,7 +386,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     add_flag(p, "--liveness", env="INFERA_OPERATOR_LIVENESS", default=None, metavar="URL", environ=environ,
              help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
     add_flag(p, "--log-level", env="INFERA_LOG_LEVEL", default="info", environ=environ,
-             type=choice_of("debug", "info", "warning", "error"))
+             type=choice_of("debug", "info", "warning", "error"), help="the operator's log level")
     return p
 
 

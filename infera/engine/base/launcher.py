@@ -102,7 +102,8 @@ def build_launcher_parser(adapter: EngineAdapter, prog: str, environ: Mapping[st
     f("--disaggregation-allow-tcp", env="INFERA_DISAGGREGATION_ALLOW_TCP", default=False,
       action=argparse.BooleanOptionalAction,
       help="PD workers: skip the RDMA and routable-host preflight (single-host tests and benchmarks)")
-    f("--log-level", env="INFERA_LOG_LEVEL", default="info", type=choice_of("debug", "info", "warning", "error"))
+    f("--log-level", env="INFERA_LOG_LEVEL", default="info", type=choice_of("debug", "info", "warning", "error"),
+      help="the launcher's log level (the engine keeps its own)")
     adapter.add_flags(p)
     return p
 
