@@ -46,365 +46,45 @@ loaded back is stored on the GPU again (medium ``"GPU"``), its host copy staying
 
 Everything is ``zmq.asyncio``: a PUB send never blocks (it drops at the high-water mark, which a
 subscriber sees as a gap and repairs by replay) and the replay server is a task on the loop.
+
+This module owns the publisher (:class:`KvEventPublisher`: cache hooks, one batch per step, the
+PUB and replay sockets); beside it are the configuration (``kv_events_config.py``), the events and
+their wire encodings (``kv_events_wire.py``) and the engine's hashes (``kv_events_hashes.py``),
+whose names are importable from here too.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import deque
-from dataclasses import dataclass, fields
-from typing import Any, Iterable, Sequence
+from typing import Any
 
-import msgspec
-import xxhash
 import zmq
 import zmq.asyncio
 
-from infera.config import json_config
 from infera.runtime import cancel_and_wait
-from .cache import KVCache, hash_chunk
+from .cache import KVCache
+# The parts' names stay importable from here, where the engine, the stand-ins, the benches and the
+# tests find them.
+from .kv_events_config import (SGLANG_EVENT_FORMATS, SGLANG_ONLY_FIELDS, KvEventsConfig, binds,
+                               parse_kv_events_config)
+from .kv_events_hashes import EngineHashes, engine_root_hash
+from .kv_events_wire import (FORMATS, HOST_MEDIUM, MEDIUM, VLLM_GROUP_IDX, VLLM_SPEC_KIND, AtomAllBlocksCleared,
+                             AtomBlockRemoved, AtomBlockStored, ClearedEvent, EventBatch, RemovedEvent,
+                             SglangAllBlocksCleared, SglangBlockRemoved, SglangBlockStored, SimEvent, StoredEvent,
+                             VllmAllBlocksCleared, VllmBlockRemoved, VllmBlockStored, encode_batch)
+
+__all__ = ["END_SEQ", "FORMATS", "HOST_MEDIUM", "MEDIUM", "SGLANG_EVENT_FORMATS", "SGLANG_ONLY_FIELDS",
+           "VLLM_GROUP_IDX", "VLLM_SPEC_KIND", "AtomAllBlocksCleared", "AtomBlockRemoved", "AtomBlockStored",
+           "ClearedEvent", "EngineHashes", "EventBatch", "KvEventPublisher", "KvEventsConfig", "RemovedEvent",
+           "SglangAllBlocksCleared", "SglangBlockRemoved", "SglangBlockStored", "SimEvent", "StoredEvent",
+           "VllmAllBlocksCleared", "VllmBlockRemoved", "VllmBlockStored", "binds", "encode_batch",
+           "engine_root_hash", "parse_kv_events_config"]
 
 log = logging.getLogger("infera.engine.sim.kv_events")
 
-FORMATS = ("vllm", "sglang", "atom")
-MEDIUM = "GPU"
-# The medium each engine names its host-memory tier by (see the module docstring).
-HOST_MEDIUM = {"vllm": "CPU", "sglang": "CPU_PINNED", "atom": "CPU"}
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _U64 = (1 << 64) - 1
-
-
-# ================================================================================ config
-
-
-# SGLang 0.5.23's KVEventsConfig adds these two to vLLM's fields (and has no enable_kv_cache_events).
-SGLANG_ONLY_FIELDS = frozenset({"bind", "format"})
-SGLANG_EVENT_FORMATS = ("default", "dynamo")
-
-
-@dataclass(frozen=True)
-class KvEventsConfig:
-    """vLLM 0.32's ``KVEventsConfig``; SGLang 0.5.23's has the same fields minus
-    ``enable_kv_cache_events``, plus ``bind`` (true/false forces bind/connect, null infers it from
-    the endpoint) and ``format`` ("dynamo" namespaces hashes by LoRA/salt, which the simulator
-    never has, so both formats are the same bytes here)."""
-
-    enable_kv_cache_events: bool = False
-    publisher: str = "null"
-    endpoint: str = "tcp://*:5557"
-    replay_endpoint: str | None = None
-    buffer_steps: int = 10000
-    hwm: int = 100000
-    max_queue_size: int = 100000
-    topic: str = ""
-    bind: bool | None = None
-    format: str = "default"
-
-    @property
-    def enabled(self) -> bool:
-        return self.enable_kv_cache_events and self.publisher == "zmq"
-
-    @classmethod
-    def from_dict(cls, obj: dict[str, Any], *, sglang: bool = False) -> "KvEventsConfig":
-        """Validate a parsed JSON config. vLLM: events need ``enable_kv_cache_events`` and the
-        publisher defaults to "zmq" when enabled. SGLang: a "zmq" publisher alone enables them."""
-        if not isinstance(obj, dict):
-            raise ValueError("must be a JSON object")
-        known = {f.name for f in fields(cls)} - (set() if sglang else SGLANG_ONLY_FIELDS)
-        unknown = sorted(set(obj) - known)
-        if unknown:
-            raise ValueError(f"unknown field(s): {', '.join(unknown)}")
-        kw = dict(obj)
-        if sglang:
-            kw.pop("enable_kv_cache_events", None)
-            kw["enable_kv_cache_events"] = (kw.get("publisher") or "null") == "zmq"
-        elif kw.get("publisher") is None:
-            kw["publisher"] = "zmq" if kw.get("enable_kv_cache_events") else "null"
-        cfg = cls(**kw)
-        if not isinstance(cfg.enable_kv_cache_events, bool):
-            raise ValueError("enable_kv_cache_events must be a boolean")
-        if cfg.publisher not in ("null", "zmq"):
-            raise ValueError(f"publisher must be 'zmq' or 'null', got {cfg.publisher!r}")
-        if not isinstance(cfg.endpoint, str) or not cfg.endpoint:
-            raise ValueError("endpoint must be a non-empty string")
-        if cfg.replay_endpoint is not None and not isinstance(cfg.replay_endpoint, str):
-            raise ValueError("replay_endpoint must be a string or null")
-        for name in ("buffer_steps", "hwm", "max_queue_size"):
-            v = getattr(cfg, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1")
-        if not isinstance(cfg.topic, str):
-            raise ValueError("topic must be a string")
-        if cfg.bind is not None and not isinstance(cfg.bind, bool):
-            raise ValueError("bind must be a boolean or null")
-        if cfg.format not in SGLANG_EVENT_FORMATS:
-            raise ValueError(f"format must be one of {', '.join(SGLANG_EVENT_FORMATS)}, got {cfg.format!r}")
-        return cfg
-
-
-# argparse ``type`` for the sim's ``--kv-events-config`` (vLLM schema).
-parse_kv_events_config = json_config(KvEventsConfig.from_dict)
-
-
-def binds(endpoint: str, fmt: str = "vllm", bind: bool | None = None) -> bool:
-    """The engine's rule for the PUB socket: wildcard, IPv6-any, ipc:// and inproc:// endpoints are
-    bound, others connected; SGLang 0.5.23 also binds ``0.0.0.0`` and lets ``bind`` decide
-    outright. ``tcp://*:0;<ip>:<port>`` (libzmq's source;address form) passes the rule and binds
-    ``<ip>:<port>`` only: the launchers inject that to keep events off other interfaces."""
-    if fmt == "atom":
-        return True  # ATOM's ZmqEventPublisher always binds
-    if fmt == "sglang":
-        if bind is not None:
-            return bind
-        if "0.0.0.0" in endpoint:
-            return True
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-
-
-# ================================================================================ wire structs
-
-
-class VllmBlockStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
-    # vLLM 0.32 BlockStored: lora_id, medium and lora_name have no default (always written); the
-    # rest is what it writes for a full-attention model's only KV-cache group.
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str
-    lora_name: str | None
-    extra_keys: list[None]
-    group_idx: int
-    kv_cache_spec_kind: str
-
-
-class VllmBlockRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str
-    group_idx: int
-
-
-class VllmAllBlocksCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared"):
-    pass
-
-
-class SglangBlockStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
-    # SGLang 0.5.23 BlockStored (omit_defaults): lora_id has no default (written as None); medium
-    # is set; cache_salt, session_id and lora_name are None for plain requests, so omitted.
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str
-
-
-class SglangBlockRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str
-
-
-class SglangAllBlocksCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared"):
-    pass
-
-
-class AtomBlockStored(msgspec.Struct, array_like=True, tag="BlockStored"):
-    # ATOM v0.1.5 BlockStored: array_like, so its defaulted fields are written too
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = MEDIUM
-    lora_name: str | None = None
-    extra_keys: list | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class AtomBlockRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None = MEDIUM
-    group_idx: int | None = None
-
-
-class AtomAllBlocksCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
-    medium: str | None = None  # None: every medium
-
-
-class EventBatch(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int  # SGLang calls it attn_dp_rank; the same third slot
-
-
-VLLM_GROUP_IDX = 0
-VLLM_SPEC_KIND = "full_attention"
-_encode = msgspec.msgpack.Encoder().encode
-
-
-def _signed64(h: int) -> int:
-    """SGLang publishes block hashes as signed 64-bit integers."""
-    return h - (1 << 64) if h >= (1 << 63) else h
-
-
-def _vllm_events(events: Iterable["SimEvent"]) -> list[Any]:
-    out: list[Any] = []
-    for ev in events:
-        if isinstance(ev, StoredEvent):
-            out.append(VllmBlockStored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, None,
-                                       ev.medium, None, [None] * len(ev.block_hashes), VLLM_GROUP_IDX, VLLM_SPEC_KIND))
-        elif isinstance(ev, RemovedEvent):
-            out.append(VllmBlockRemoved(ev.block_hashes, ev.medium, VLLM_GROUP_IDX))
-        elif isinstance(ev, ClearedEvent):
-            out.append(VllmAllBlocksCleared())
-        else:
-            raise TypeError(f"not a KV event: {ev!r}")
-    return out
-
-
-def _sglang_events(events: Iterable["SimEvent"]) -> list[Any]:
-    out: list[Any] = []
-    for ev in events:
-        if isinstance(ev, StoredEvent):
-            parent = None if ev.parent_block_hash is None else _signed64(ev.parent_block_hash)
-            out.append(SglangBlockStored([_signed64(h) for h in ev.block_hashes], parent, ev.token_ids,
-                                         ev.block_size, None, ev.medium))
-        elif isinstance(ev, RemovedEvent):
-            out.append(SglangBlockRemoved([_signed64(h) for h in ev.block_hashes], ev.medium))
-        elif isinstance(ev, ClearedEvent):
-            out.append(SglangAllBlocksCleared())
-        else:
-            raise TypeError(f"not a KV event: {ev!r}")
-    return out
-
-
-def _atom_events(events: Iterable["SimEvent"]) -> list[Any]:
-    out: list[Any] = []
-    for ev in events:
-        if isinstance(ev, StoredEvent):
-            out.append(AtomBlockStored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size,
-                                       medium=ev.medium))
-        elif isinstance(ev, RemovedEvent):
-            out.append(AtomBlockRemoved(ev.block_hashes, ev.medium))
-        elif isinstance(ev, ClearedEvent):
-            out.append(AtomAllBlocksCleared())
-        else:
-            raise TypeError(f"not a KV event: {ev!r}")
-    return out
-
-
-_FORMATS = {"vllm": _vllm_events, "sglang": _sglang_events, "atom": _atom_events}
-
-
-@dataclass
-class StoredEvent:
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    last_cache_hash: int = 0  # the cache-side hash of the last block (to coalesce a chain)
-    medium: str = MEDIUM
-
-
-@dataclass
-class RemovedEvent:
-    block_hashes: list[int]
-    medium: str = MEDIUM
-
-
-@dataclass
-class ClearedEvent:
-    pass
-
-
-SimEvent = StoredEvent | RemovedEvent | ClearedEvent
-
-
-def encode_batch(events: Iterable[SimEvent], fmt: str = "vllm", *, ts: float | None = None,
-                 dp_rank: int = 0) -> bytes:
-    """msgpack ``[ts, [events], dp_rank]`` with vLLM 0.32 / SGLang 0.5.23 events (tagged maps) or
-    ATOM v0.1.5 ones (tagged arrays)."""
-    try:
-        to_wire = _FORMATS[fmt]
-    except KeyError:
-        raise ValueError(f"unknown KV-event format {fmt!r} (choose from {', '.join(FORMATS)})") from None
-    return _encode(EventBatch(time.time() if ts is None else ts, to_wire(events), dp_rank))
-
-
-# ================================================================================ engine hashes
-
-
-def engine_root_hash(seed: int) -> int:
-    """The simulated engine's parent of the first block (vLLM's ``NONE_HASH`` analogue)."""
-    return xxhash.xxh3_64_intdigest(f"sim-{seed}".encode())
-
-
-class EngineHashes:
-    """Maps the cache's block hashes (router hash space) to the engine's announced hashes.
-
-    ``engine(block) = hash_chunk(engine(parent), tokens)`` with ``engine_root_hash(seed)`` as the
-    parent of the first block: the same chain, re-rooted. Entries live while the block is cached.
-    """
-
-    def __init__(self, seed: int) -> None:
-        self.root = engine_root_hash(seed)
-        self._map: dict[int, int] = {}
-        self._host: dict[int, int] = {}  # the same, for blocks in the host tier
-
-    def __len__(self) -> int:
-        return len(self._map)
-
-    def get(self, cache_hash: int) -> int | None:
-        return self._map.get(cache_hash)
-
-    def parent(self, cache_parent: int | None) -> int | None:
-        """The engine hash to announce as parent (None for a first block)."""
-        if cache_parent is None:
-            return None
-        h = self._map.get(cache_parent)
-        if h is None:
-            h = self._host.get(cache_parent)
-        if h is None:
-            # The parent's content lives on only in a private (never registered) copy, and its
-            # registered twin was evicted: derive a stable stand-in so the chain stays unique.
-            h = xxhash.xxh3_64_intdigest(self.root.to_bytes(8, "little") + cache_parent.to_bytes(8, "little"))
-        return h
-
-    def stored(self, cache_hashes: Sequence[int], cache_parent: int | None, token_ids: Sequence[int],
-               block_size: int) -> tuple[list[int], int | None]:
-        """Register newly cached blocks; returns (their engine hashes, engine parent)."""
-        eng_parent = self.parent(cache_parent)
-        prev = self.root if eng_parent is None else eng_parent
-        out: list[int] = []
-        for i, ch in enumerate(cache_hashes):
-            prev = hash_chunk(prev, token_ids[i * block_size:(i + 1) * block_size])
-            self._map[ch] = prev
-            out.append(prev)
-        return out, eng_parent
-
-    def removed(self, cache_hash: int) -> int | None:
-        return self._map.pop(cache_hash, None)
-
-    def offloaded(self, cache_hash: int, cache_parent: int | None, token_ids: Sequence[int]) -> tuple[int, int | None]:
-        """A block copied to the host tier: (its engine hash, the same it had on the GPU; its engine
-        parent)."""
-        eng_parent = self.parent(cache_parent)
-        eng = self._map.get(cache_hash)
-        if eng is None:
-            eng = hash_chunk(self.root if eng_parent is None else eng_parent, token_ids)
-        self._host[cache_hash] = eng
-        return eng, eng_parent
-
-    def offload_evicted(self, cache_hash: int) -> int | None:
-        return self._host.pop(cache_hash, None)
-
-    def clear(self) -> None:
-        self._map.clear()
-        self._host.clear()
 
 
 # ================================================================================ publisher
