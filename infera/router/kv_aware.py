@@ -42,221 +42,50 @@ while the fleet hands out the same tuple, and a served request claims as landed 
 target's view does not already hold. The loop over a group's targets runs in C where the accelerator is
 built (``native.score_targets``; no lower tiers, images or debug log), tie-break included: a pick in
 front of 128 engines costs ~10-20 us instead of 40-65.
+
+This module owns the cost model and the pick. Its neighbours own the rest of the policy: preparing a
+request (``kv_prepare``: tokenizing to the horizon; ``kv_hash_cache``: hashing the blocks), the
+per-target tables (``kv_targets``), how picks, starts and finishes change them (``kv_accounting``)
+and what the self-check compares (``kv_self_check``).
 """
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
-import sys
 import time
-from array import array
 from collections import OrderedDict
 from typing import Callable, Protocol, Sequence
 
-import xxhash
-
-from infera.api.cache_hints import LONG, NO_HINTS, NONE, RETENTION_NAMES, CacheHints, parse_cache_hints
+from infera.api.cache_hints import LONG, NO_HINTS, NONE, RETENTION_NAMES, CacheHints
 from infera.discovery.record import WorkerRecord
-from infera.kv.counts import BlockCounter, LandedClaims
-from infera.kv.hashing import ROUTER_SEED, block_hash_array, tokens_le_bytes
 from infera.kv.native import native
-from infera.kv.prompt import ByteLRU, PromptTokenizer
+from infera.kv.prompt import PromptTokenizer
 # (PEER_TIMEOUT_S and SYNC_BLOCKS_PER_REQUEST are re-exported: callers imported them from here)
 from infera.kv.replica_share import PEER_TIMEOUT_S, SYNC_BLOCKS_PER_REQUEST, ReplicaShare  # noqa: F401
+# The policy's other concerns, in their own modules; their names are re-exported here, where callers
+# imported them from.
+from infera.router.kv_accounting import LANDED_CAP, LANDED_TTL_S, RECENT_DECAY, KvAccounting  # noqa: F401
+from infera.router.kv_hash_cache import (  # noqa: F401
+    DEFAULT_HASH_CACHE_BYTES, HASH_CACHE_STEP, HASH_SLICE_BLOCKS, BlockHashCache, hash_stepwise)
+from infera.router.kv_prepare import HASH_AHEAD_TOKENS, MAX_BLOCK_SIZES_AHEAD, Horizon, KvPrepare  # noqa: F401
+from infera.router.kv_self_check import predicted_cached_tokens  # noqa: F401
+from infera.router.kv_targets import _NOTHING_HELD, expand_targets, route_key  # noqa: F401
 from infera.router.policy import RoutedRequest
 from infera.router.ttft_balance import TtftBalance
 
 log = logging.getLogger(__name__)
 _DEBUG = logging.DEBUG
 
-RECENT_DECAY = 0.97
-# The recent charges are kept divided by the decay applied since their last rebase; rebased (and
-# the spent ones dropped) when that decay falls below this (every ~11,000 picks).
-_REBASE_BELOW = 1e-150
-_SPENT = 1e-3  # a recent charge below this is gone
-# A served request's blocks count as cached where it ran until that engine's events catch up with
-# the moment it finished (a batch made later is applied: the view then says what became of them,
-# evictions included), or at most this long (an idle engine sends nothing). Engines publish KV
-# events from a side thread: on a busy 2-core box vLLM's arrived up to 0.5 s after the reply
-# (infera_kv_event_delay_seconds), and the next turn was routed on a view without its previous one.
-LANDED_TTL_S = 2.0
-LANDED_CAP = 1 << 16  # blocks per target: bounded whatever the request rate
 MM_WEIGHT = 48.0
 MM_AFFINITY_CAP = 256
 # A block the target's engine holds on a lower tier (host memory, disk: kvd) costs this fraction of
 # a miss: loading it back is a few % of prefilling it, plus the chance it is gone by then.
 DEFAULT_LOWER_TIER_WEIGHT = 0.25
-# Prompts of at least this many tokens are hashed before the pick, a slice at a time (see
-# prepare()), for at most this many distinct block sizes (a fleet has one or two).
-HASH_AHEAD_TOKENS = 16384
-HASH_SLICE_BLOCKS = 1024  # ~1 ms of hashing
-MAX_BLOCK_SIZES_AHEAD = 4
-
-
-# Hashes of prompt prefixes are cached (see BlockHashCache) at every multiple of this many blocks.
-HASH_CACHE_STEP = 16
-DEFAULT_HASH_CACHE_BYTES = 16 * 1024 * 1024
-
-
-class BlockHashCache:
-    """Chained block hashes of prompt prefixes, so that a prefix many prompts share (a system
-    prompt, an agent's tool list, a conversation's earlier turns) is hashed once per block size,
-    not once per request: a kv_routing.py prompt hashed 137 blocks, 128 of them its group's system
-    prompt (bench/kv_path.py, "hash").
-
-    Keyed by block size + XXH3-128 of the prefix's token bytes, at every ``HASH_CACHE_STEP``
-    blocks: a prompt is digested once, in one pass with a snapshot at each step, its longest cached
-    step is looked up, and only the blocks after it are hashed. Chains are ``array('Q')``: a
-    prompt's chain is its cached prefix copied (a memcpy) plus the new blocks, and the C
-    accelerator's walks over it (the index, the blocks in flight) read it in place, where a list
-    cost a cold int object per block; the entries share one LRU bounded in bytes (``ByteLRU``).
-    ``hits``/``misses`` count prompts; ``blocks_reused``/``blocks_hashed`` count blocks."""
-
-    def __init__(self, max_bytes: int = DEFAULT_HASH_CACHE_BYTES, step: int = HASH_CACHE_STEP) -> None:
-        self.lru = ByteLRU(max_bytes)
-        self.step = step
-        self.hits = self.misses = 0
-        self.blocks_reused = self.blocks_hashed = 0
-
-    def hashes(self, tokens: Sequence[int], block_size: int) -> array:
-        """``block_hash_array(tokens, block_size)``: a new array the caller may extend."""
-        n = len(tokens) // block_size if block_size > 0 else 0
-        step = self.step
-        if n < step or not self.lru.max_bytes:
-            self.blocks_hashed += n
-            return block_hash_array(tokens, block_size)
-        if isinstance(tokens, array) and tokens.itemsize == 4:
-            data = memoryview(tokens).cast("B")[:n * block_size * 4]
-        else:
-            data = memoryview(tokens_le_bytes(tokens[:n * block_size]))
-        stride = step * block_size * 4
-        tag = block_size.to_bytes(4, "little")
-        if native is not None:
-            keys = native.prefix_keys(data, stride, tag)
-        else:
-            digest = xxhash.xxh3_128()
-            keys = []
-            for end in range(stride, len(data) + 1, stride):
-                digest.update(data[end - stride:end])
-                keys.append(tag + digest.digest())
-        get = self.lru.get
-        found = None
-        for i in range(len(keys) - 1, -1, -1):
-            found = get(keys[i])
-            if found is not None:
-                break
-        if found is not None:
-            self.hits += 1
-            out = found[:]
-            self.blocks_reused += len(out)
-            if len(out) < n:
-                start = len(out) * block_size
-                out += block_hash_array(data[start * 4:].cast("I") if isinstance(tokens, array) and tokens.itemsize == 4
-                                        else tokens[start:n * block_size], block_size, out[-1])
-        else:
-            self.misses += 1
-            out = block_hash_array(tokens, block_size)
-        self.blocks_hashed += n - (len(found) if found is not None else 0)
-        # Stored: this prompt's longest step, and on a miss its steps at 1, 2, 4, 8… steps too, so
-        # that a later prompt sharing only a shorter prefix (a system prompt before a document)
-        # finds one (log2 entries, half of them small).
-        have = len(found) if found is not None else 0
-        k = 1
-        while found is None and k < len(keys):
-            self.lru.put(keys[k - 1], out[:k * step])
-            k *= 2
-        if have < len(keys) * step:
-            self.lru.put(keys[-1], out[:len(keys) * step])
-        return out
-
-
-async def hash_stepwise(tokens: Sequence[int], block_size: int) -> array:
-    """``block_hash_array(tokens, block_size)``, yielding to the event loop every
-    ``HASH_SLICE_BLOCKS`` blocks (the chain continues from the last hash of the slice before)."""
-    hashes = array("Q")
-    step = block_size * HASH_SLICE_BLOCKS
-    for start in range(0, len(tokens), step):
-        part = block_hash_array(tokens[start:start + step], block_size, hashes[-1] if hashes else ROUTER_SEED)
-        if not part:
-            break
-        hashes += part
-        await asyncio.sleep(0)
-    return hashes
-
-
-def _NOTHING_HELD(key: str) -> int:
-    return 0
-
-
-def route_key(worker_id: str, dp_rank: int | None) -> str:
-    return worker_id if dp_rank is None else f"{worker_id}#dp{dp_rank}"
-
-
-def expand_targets(worker: WorkerRecord) -> list[tuple[int | None, str]]:
-    """(dp_rank, route_key) per target: a rank-multiplexed worker is one target per rank."""
-    if worker.dp_size and worker.dp_size > 1 and worker.dp_rank is None:
-        return [(r, route_key(worker.worker_id, r)) for r in range(worker.dp_size)]
-    return [(None, worker.worker_id)]
-
 
 _NO_HINTS = CacheHints()
 _NO_BLOCKS: list[int] = []  # (never appended to)
 _NO_LOWER = itertools.repeat(0)  # (zip stops at the targets)
 _NO_HITS = _NO_LOWER
-
-
-class Horizon:
-    """How far a prompt's tokens can matter to its pick, for ``PromptTokenizer.token_ids``.
-
-    Every target's hit is the longest prefix of the prompt's blocks it holds (in its view, or
-    extended by blocks in flight or served there: ``pick``). So once a block is held by no target
-    at all, for every block size in use, no hit can reach past it: the blocks after it cannot
-    change which target wins, only add the same cost to every target. The tokenizer checks after
-    each cached piece and after the first words of each new piece, and stops there: a long new
-    turn, a document no worker has seen, costs a block's worth of tokenizing and hashing.
-
-    ``chains``: per block size, the hashes of the full blocks checked (the pick's, when the ids
-    stop at the last check); ``cut``: (tokens, characters encoded, characters in all), where the
-    tokenizer stopped. The charge, the blocks in flight and the metrics then count the rest of
-    the prompt by an estimate (``more_tokens``)."""
-
-    __slots__ = ("_policy", "_open", "chains", "cut")
-
-    def __init__(self, policy: "KvAwarePolicy", sizes: tuple[int, ...]) -> None:
-        self._policy = policy
-        self._open = set(sizes)  # block sizes whose horizon is not reached yet
-        self.chains: dict[int, list[int]] = {}
-        self.cut: tuple[int, int, int] | None = None
-
-    def needed(self, n_ids: int) -> int:
-        """Tokens after the first ``n_ids`` that complete the next block of every open size."""
-        return max((bs - n_ids % bs for bs in self._open), default=0)
-
-    def reached(self, ids: Sequence[int]) -> bool:
-        held = self._policy._held_anywhere
-        first_unheld = self._policy._first_unheld
-        for bs in tuple(self._open):
-            n = len(ids) // bs
-            chain = self.chains.get(bs)
-            if chain is None:
-                chain = self.chains[bs] = self._policy.hash_cache.hashes(ids, bs)
-                start = 0
-            elif n > len(chain):
-                start = len(chain)
-                chain += block_hash_array(ids[start * bs:n * bs], bs, chain[-1] if chain else ROUTER_SEED)
-            else:
-                continue
-            i = first_unheld(chain, start)  # most blocks are in some view: one dict lookup each
-            while i < len(chain):
-                if not held(chain[i]):
-                    self._open.discard(bs)
-                    break
-                i = first_unheld(chain, i + 1)
-        return not self._open
-
-    def stop(self, tokens: int, chars: int, total_chars: int) -> None:
-        self.cut = (tokens, chars, total_chars)
 
 
 class PrefixIndex(Protocol):
@@ -279,7 +108,10 @@ class ReplicaSyncLink(Protocol):
     def attach(self, share: "ReplicaShare") -> None: ...
 
 
-class KvAwarePolicy:
+class KvAwarePolicy(KvPrepare, KvAccounting):
+    """The cost model and the pick (this module's docstring); preparing a request is
+    :class:`KvPrepare`'s, the per-target tables and their accounting :class:`KvAccounting`'s."""
+
     name = "kv-aware"
 
     def __init__(self, index: PrefixIndex, prompts: PromptTokenizer, *, overlap_weight: float = 1.0,
@@ -323,113 +155,15 @@ class KvAwarePolicy:
         restarts = getattr(observer, "on_engine_restart", None)
         if restarts is not None:
             restarts.append(self.engine_restarted)
-        # route key → block hash → requests in flight, this replica's and (with a sync) the others'
-        self.active: dict[str, BlockCounter] = {}
-        # route key → blocks in flight there beyond their prompts' horizons (estimated, not hashed)
-        self.unhashed: dict[str, int] = {}
-        # route key → requests in flight there (this replica's and the others'), weighed in the load
-        # by what one costs a new request's TTFT, in missed blocks (see ttft_balance; None: learned)
-        self.inflight: dict[str, int] = {}
+        self._init_target_state()  # the per-target tables (kv_targets)
         self.balance = TtftBalance(inflight_weight)
-        # route key → the recent picks' charges there, decaying by RECENT_DECAY per pick; stored
-        # divided by ``_decay`` (RECENT_DECAY^picks since the last rebase), so that decaying every
-        # target's is one multiplication per pick, not a walk over the fleet (``recent_charge``).
-        self.recent: dict[str, float] = {}
-        self._decay = 1.0
-        self._picks = 0  # decay clock: remaining charge = charge × RECENT_DECAY^(picks since)
-        self.mm_affinity: dict[str, OrderedDict[int, None]] = {}
-        # route key → block hash → (wall time it finished, monotonic expiry), in order of arrival
-        self.landed: dict[str, LandedClaims] = {}
         self._block_sizes: set[int] = set()  # of the targets picked among: hashed ahead for big prompts
         self._layout_of: object = None  # the candidates _layout was made for
         self._layout: tuple[list, int] = ([], 0)
-        self._next_sweep = 0.0  # landed claims of targets no pick looks at are swept from pick()
         self.replicas: ReplicaShare | None = None  # what the other server replicas share
         if replica_sync is not None:
             self.replicas = ReplicaShare(self)
             replica_sync.attach(self.replicas)
-
-    def prepare_cached(self, request: RoutedRequest) -> bool:
-        """``prepare`` done synchronously when the prompt's token ids are cached (a repeated prompt:
-        the common case), so the caller awaits no coroutine for it; False: ``prepare`` must run."""
-        parsed = request.parsed
-        prompts = self._prompts_for(getattr(parsed, "model", None)) if self._prompts_for is not None else self.prompts
-        if type(prompts) is PromptTokenizer:
-            tokens, keyed = prompts.lookup(request.route, parsed)
-        else:
-            lookup = getattr(prompts, "lookup", None)
-            if lookup is None:
-                return False
-            tokens, keyed = lookup(request.route, parsed)
-        st = request.state
-        if tokens is None:
-            st["prompt_keyed"] = (prompts, keyed)  # prepare() tokenizes without keying the prompt again
-            return False
-        st["tokens"] = tokens
-        st["hints"] = parse_cache_hints(parsed)
-        return len(tokens) < HASH_AHEAD_TOKENS or not self._block_sizes  # else prepare() hashes ahead
-
-    async def prepare(self, request: RoutedRequest) -> None:
-        """Tokenize once per request (cached across requests), before any pick: at most the
-        prompt's routing prefix, off the event loop when it is big (``PromptTokenizer``), and
-        only as far as it can matter (``Horizon``)."""
-        st = request.state
-        parsed = request.parsed
-        prompts = self._prompts_for(getattr(parsed, "model", None)) if self._prompts_for is not None else self.prompts
-        handed = st.pop("prompt_keyed", None)
-        keyed = handed[1] if handed is not None and handed[0] is prompts else None
-        if "tokens" in st:  # prepare_cached() found them
-            tokens = st["tokens"]
-        elif prompts is None:  # its tokenizer is loading: routed by load for that moment
-            tokens: Sequence[int] = ()
-        elif self.horizon and self._block_sizes and isinstance(prompts, PromptTokenizer):
-            made: list[Horizon] = []
-            sizes = tuple(self._block_sizes)
-
-            def horizon() -> Horizon:
-                made.append(Horizon(self, sizes))
-                return made[-1]
-
-            tokens = await prompts.token_ids(request.route, parsed, horizon=horizon, keyed=keyed)
-            if made:
-                st["chains"] = made[0].chains  # hashes of a prefix of the ids: the pick goes on from them
-                if made[0].cut is not None:
-                    n, chars, total_chars = made[0].cut
-                    # The prompt goes on: its blocks count as missed and in flight as before, by an
-                    # estimate from the characters not encoded.
-                    st["more_tokens"] = int(n * (total_chars - chars) / chars) if chars else 0
-        elif keyed is not None:
-            tokens = await prompts.token_ids(request.route, parsed, keyed=keyed)
-        elif prompts is self.prompts:
-            tokens = await self._tokenize(request.route, parsed)
-        else:
-            tokens = await prompts.token_ids(request.route, parsed)
-        st["tokens"] = tokens
-        st["hints"] = parse_cache_hints(parsed)
-        if len(tokens) >= HASH_AHEAD_TOKENS and self._block_sizes:
-            # Hashing 100k+ tokens is tens of ms of Python: done here a slice at a time, yielding
-            # to the loop between slices, rather than in one go inside pick().
-            request.state["hashes"] = {bs: await hash_stepwise(tokens, bs) for bs in tuple(self._block_sizes)}
-
-    def _hashes(self, request: RoutedRequest, block_size: int) -> Sequence[int]:
-        st = request.state
-        by_size = st.get("hashes")
-        if by_size is None:
-            by_size = st["hashes"] = {}
-        hashes = by_size.get(block_size)
-        if hashes is None:
-            tokens = st.get("tokens") or ()
-            chain = st["chains"].get(block_size) if "chains" in st else None
-            if chain:  # the Horizon's, of a prefix of these tokens (or a little more: see _cut_ids)
-                n = len(tokens) // block_size
-                hashes = chain[:n] if len(chain) >= n else chain + block_hash_array(
-                    tokens[len(chain) * block_size:n * block_size], block_size, chain[-1])
-            elif len(tokens) >= block_size:
-                hashes = self.hash_cache.hashes(tokens, block_size)
-            else:
-                hashes = []
-            by_size[block_size] = hashes
-        return hashes
 
     def _layout_for(self, candidates: Sequence[WorkerRecord]) -> tuple[list, int]:
         """The candidates' targets grouped by block size (one hash chain and one index walk per
@@ -615,208 +349,3 @@ class KvAwarePolicy:
                       "request_blocks=%d active_blocks=%d targets=[%s]", role, RETENTION_NAMES[(hints or _NO_HINTS).retention],
                       request.request_id, key, hit, total, len(self.active.get(key, ())), " ".join(scored))
         return worker
-
-    def _with_landed(self, key: str, hashes: Sequence[int], hit: int, now: float) -> int:
-        """``hit`` extended by blocks served on ``key`` that its events have not caught up with
-        (each block checked: entries from other replicas arrive a little out of order, so one
-        behind a valid one may already be caught up with)."""
-        landed = self.landed.get(key)
-        if not landed:
-            return hit
-        caught_up = self._events_made_until(key) if self._events_made_until is not None else 0.0
-        return landed.extend(hashes, hit, caught_up, now)
-
-    def recent_charge(self, key: str) -> float:
-        """What is left of the recent picks' charges on ``key``."""
-        return self.recent.get(key, 0.0) * self._decay
-
-    def _add_recent(self, key: str, charge: float) -> None:
-        self.recent[key] = self.recent.get(key, 0.0) + charge / self._decay
-
-    def _rebase(self) -> None:
-        """Fold the decay into the stored charges; the spent ones go (bounded by the fleet)."""
-        decay, recent = self._decay, self.recent
-        for k in list(recent):
-            v = recent[k] * decay
-            if v < _SPENT:
-                del recent[k]
-            else:
-                recent[k] = v
-        self._decay = 1.0
-
-    def _charge(self, key: str, missed: int, total: int) -> float:
-        # Decay per pick (not wall clock): one multiplication whatever the fleet's size.
-        self._picks += 1
-        self._decay *= RECENT_DECAY
-        if self._decay < _REBASE_BELOW:
-            self._rebase()
-        charge = 1.0 if total == 0 else float(missed)
-        if charge:
-            recent = self.recent
-            recent[key] = recent.get(key, 0.0) + charge / self._decay  # (_add_recent, inlined)
-        if self.landed:
-            # A target no pick looks at (it left, or lost every pick) would keep its expired claims
-            # forever: a request still running on a worker that left lands after forget().
-            now = self.clock()
-            if now >= self._next_sweep:
-                self._next_sweep = now + LANDED_TTL_S
-                self.sweep_landed(now)
-        return charge
-
-    def on_started(self, worker: WorkerRecord, request: RoutedRequest) -> None:
-        st = request.state
-        key = st.get("route_key")
-        if key is None:
-            return
-        inflight = self.inflight
-        inflight[key] = inflight.get(key, 0) + 1
-        blocks = st.get("blocks")
-        if blocks:
-            self._count_in(key, blocks)
-            if self.replicas is not None:
-                st["sync_rid"] = self.replicas.started(request.model, key, blocks, st.get("charge", (0.0, 0))[0])
-        extra = st.get("unhashed")
-        if extra:
-            self.unhashed[key] = self.unhashed.get(key, 0) + extra
-
-    def on_first_byte(self, request: RoutedRequest, seconds: float) -> None:
-        """A streamed reply's first byte came ``seconds`` after it was sent: what its pick's missed
-        blocks and the requests ahead of it cost (``TtftBalance``)."""
-        obs = request.state.pop("pick_obs", None)
-        if obs is not None:
-            self.balance.observe(obs[0], obs[1], seconds)
-
-    def on_finished(self, worker: WorkerRecord, request: RoutedRequest) -> None:
-        st = request.state
-        key = st.get("route_key")
-        if key is None:
-            return
-        inflight = self.inflight
-        n = inflight.get(key, 0) - 1
-        if n > 0:
-            inflight[key] = n
-        else:
-            inflight.pop(key, None)
-        charge = st.pop("charge", None)
-        if charge is not None and charge[0]:
-            self._release_charge(key, charge[0], charge[1])
-        blocks = st.get("blocks")
-        finished_at = 0.0
-        if blocks:
-            if st.get("served"):  # the worker answered: it computed the prompt
-                finished_at = self.wall_clock()
-                self._land(key, blocks, finished_at, st.get("view_hit", 0))
-            self._count_out(key, blocks)
-        if self.replicas is not None:
-            rid = st.pop("sync_rid", None)
-            if rid is not None:
-                self.replicas.finished(rid, finished_at)
-        extra = st.pop("unhashed", 0)
-        if extra and key in self.unhashed:
-            left = self.unhashed[key] - extra
-            if left > 0:
-                self.unhashed[key] = left
-            else:
-                del self.unhashed[key]
-
-    def _release_charge(self, key: str, charge: float, at: int) -> None:
-        """A request charged ``charge`` at pick ``at`` finished: what is left of it goes."""
-        stored = self.recent.get(key)
-        if charge and stored is not None:
-            left = stored * self._decay - charge * RECENT_DECAY ** (self._picks - at)
-            if left < _SPENT:
-                del self.recent[key]
-            else:
-                self.recent[key] = left / self._decay
-
-    def _inflight_out(self, key: str) -> None:
-        n = self.inflight.get(key, 0) - 1
-        if n > 0:
-            self.inflight[key] = n
-        else:
-            self.inflight.pop(key, None)
-
-    def _count_in(self, key: str, blocks: Sequence[int]) -> None:
-        if not blocks:
-            return
-        counts = self.active.get(key)
-        if counts is None:
-            counts = self.active[key] = BlockCounter()
-        counts.add(blocks)
-
-    def _count_out(self, key: str, blocks: Sequence[int]) -> None:
-        counts = self.active.get(key)
-        if counts is None or not blocks:
-            return
-        counts.remove(blocks)
-        if not counts:  # bounded by what is in flight, not by every target ever seen
-            del self.active[key]
-
-    def _land(self, key: str, blocks: Sequence[int], finished_at: float, view_hit: int = 0) -> None:
-        """``blocks`` were computed on ``key`` by a request that finished at ``finished_at`` (wall
-        clock, compared with the engine's event timestamps): cached there until the events catch up.
-        The leading blocks its view already holds need no claim (a shared prefix: most of them):
-        the events already said so, and a later eviction event is what happened to them after.
-
-        ``view_hit``: how many leading blocks the view held at the pick; they are not looked up
-        again. The request used them, so they were there; one evicted since is what the events say
-        (a claim would contradict them). This is the walk a request ends with, long after its
-        hashes left the CPU caches: over the whole prompt it cost ~67 us in the server (one cache
-        miss or more per block) for ~3 us in a benchmark loop."""
-        if self._match_one is not None:
-            tail = blocks[view_hit:] if view_hit else blocks
-            held = view_hit + self._match_one(tail, key) if tail else view_hit
-            if held:
-                blocks = blocks[held:]
-                if not blocks:
-                    return
-        landed = self.landed.get(key)
-        if landed is None:
-            landed = self.landed[key] = LandedClaims()
-        landed.land(blocks, finished_at, self.clock() + LANDED_TTL_S, LANDED_CAP)
-
-    def engine_restarted(self, key: str) -> None:
-        """``key``'s engine restarted: the blocks served there that its events had not confirmed
-        yet are not cached there any more (the view itself was dropped by its owner)."""
-        self.landed.pop(key, None)
-
-    def sweep_landed(self, now: float) -> None:
-        """Drop expired landed claims of every target (a target no pick looks at keeps none)."""
-        for key in list(self.landed):
-            landed = self.landed[key]
-            landed.expire(now)
-            if not landed:
-                del self.landed[key]
-
-    def active_blocks(self, key: str) -> int:
-        """Distinct hashed blocks in flight on ``key`` (what replicas share; the pick's load also
-        counts ``unhashed``, the estimated blocks past prompts' horizons)."""
-        return len(self.active.get(key, ()))
-
-    def _held_anywhere(self, block: int) -> bool:
-        """Whether some target holds ``block``: in its view, in flight there, or served there and
-        not yet in its events (a claim past its time counts too: erring long). May run in a
-        tokenizer thread (``Horizon``): the tables are read through snapshots of their values."""
-        if self._first_unheld is not None and self._first_unheld((block,)):  # 1: not unheld at 0
-            return True
-        try:
-            return (any(block in counts for counts in tuple(self.active.values()))
-                    or any(block in claims for claims in tuple(self.landed.values())))
-        except RuntimeError:  # changed under a tokenizer thread's snapshot: err long
-            return True
-
-    def forget(self, worker_id: str) -> None:
-        prefix = worker_id + "#dp"
-        if self.replicas is not None:
-            self.replicas.forget(worker_id)
-        for table in (self.active, self.recent, self.mm_affinity, self.landed, self.unhashed, self.inflight):
-            for k in [k for k in table if k == worker_id or k.startswith(prefix)]:
-                del table[k]
-
-
-def predicted_cached_tokens(hit_blocks: int, block_size: int, prompt_tokens: int) -> int:
-    """What the engine should report as cached: full hit blocks, but never the whole prompt
-    (vLLM always recomputes at least the last prompt token, dropping that block's hit)."""
-    if block_size <= 0 or prompt_tokens <= 0:
-        return 0
-    return min(hit_blocks * block_size, ((prompt_tokens - 1) // block_size) * block_size)
