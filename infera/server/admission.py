@@ -14,6 +14,15 @@ heavy and one light tenant, each gets half of the freed slots while both wait, a
 never waits behind the heavy tenant's backlog. Without API keys every request is one tenant's:
 first come, first served.
 
+**Reserve.** ``--queue-reserve-per-worker`` R keeps R of each worker's slots for tenants holding
+less than their fair share: a model with C slots over its workers and R × workers reserved admits
+anyone while fewer than C − R × workers are in flight, and past that only a tenant that holds fewer
+slots than (C − R × workers) / the tenants in flight or waiting there. A tenant that overloads the
+model on its own therefore never fills the reserve, and a light tenant's request finds a slot at once
+instead of waiting for one to free (a work-conserving queue makes it wait up to a whole request's
+service time: bench/fairness.py). The price: R × workers slots stay idle while one tenant alone
+saturates the model (and always without API keys, where every request is one tenant's).
+
 **Bounds.** At most ``--queue-max-waiting`` requests wait per model (more: 503 with Retry-After);
 none waits longer than ``--queue-timeout`` (then 429 with Retry-After); a client that leaves while
 waiting leaves the queue. Nothing is dropped silently.
@@ -58,9 +67,12 @@ class _Class:
                 self.served[w.tenant] = max(self.served.get(w.tenant, 0), floor)
         q.append(w)
 
-    def pop(self) -> _Waiter | None:
+    def pop(self, eligible: Callable[[str], bool] | None = None) -> _Waiter | None:
+        """The next request to admit (of a tenant ``eligible`` allows, when given), or None."""
         best: tuple[int, float, str] | None = None
         for tenant, q in self.queues.items():
+            if eligible is not None and not eligible(tenant):
+                continue
             key = (self.served.get(tenant, 0), q[0].since, tenant)
             if best is None or key < best:
                 best = key
@@ -87,32 +99,71 @@ class _Class:
 class Ticket:
     """An admitted request's slot: ``leave()`` once when its reply has ended (or broke)."""
 
-    __slots__ = ("_queue", "model", "_left")
+    __slots__ = ("_queue", "model", "tenant", "_left")
 
-    def __init__(self, queue: "AdmissionQueue", model: str) -> None:
-        self._queue, self.model, self._left = queue, model, False
+    def __init__(self, queue: "AdmissionQueue", model: str, tenant: str) -> None:
+        self._queue, self.model, self.tenant, self._left = queue, model, tenant, False
 
     def leave(self) -> None:
         if not self._left:
             self._left = True
-            self._queue._leave(self.model)
+            self._queue._leave(self.model, self.tenant)
 
 
 class _Model:
-    __slots__ = ("inflight", "classes", "waiting")
+    __slots__ = ("inflight", "classes", "waiting", "held")
 
     def __init__(self) -> None:
         self.inflight = 0
         self.classes: dict[int, _Class] = {}
         self.waiting = 0
+        self.held: dict[str, int] = {}  # tenant -> its requests in flight (tenants with none absent)
+
+    def take(self, tenant: str) -> None:
+        self.inflight += 1
+        self.held[tenant] = self.held.get(tenant, 0) + 1
+
+    def give_back(self, tenant: str) -> None:
+        self.inflight = max(0, self.inflight - 1)
+        n = self.held.get(tenant, 0) - 1
+        if n > 0:
+            self.held[tenant] = n
+        else:
+            self.held.pop(tenant, None)
+
+    def active_tenants(self, also: str | None = None) -> set[str]:
+        """Tenants in flight or waiting (and ``also``)."""
+        active = set(self.held)
+        for cls in self.classes.values():
+            active.update(cls.queues)
+        if also is not None:
+            active.add(also)
+        return active
+
+
+def reserved_slots(capacity: int, reserved_share: float) -> int:
+    """Of ``capacity`` slots, those kept for tenants under their fair share (``capacity`` ×
+    ``reserved_share``, which is R / --max-inflight-per-worker: R × workers exactly)."""
+    return int(capacity * reserved_share + 1e-9) if reserved_share > 0 else 0
+
+
+def may_take_reserved(held: int, capacity: int, reserved: int, active_tenants: int) -> bool:
+    """Whether a tenant holding ``held`` slots may take a reserved one: only below its fair share of
+    the unreserved slots among the ``active_tenants`` (itself included). Alone, it never may."""
+    return held * active_tenants < capacity - reserved
 
 
 class AdmissionQueue:
     """``await enter(model, tenant, priority)`` → ``Ticket`` (at once while the model has room)."""
 
     def __init__(self, capacity: Callable[[str], int], *, timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
-                 max_waiting: int = DEFAULT_MAX_WAITING, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_waiting: int = DEFAULT_MAX_WAITING, reserved_share: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not 0.0 <= reserved_share < 1.0:
+            raise ValueError("--queue-reserve-per-worker must be below --max-inflight-per-worker (some slots "
+                             "must be open to every tenant)")
         self.capacity, self.timeout_s, self.max_waiting, self.clock = capacity, timeout_s, max_waiting, clock
+        self.reserved_share = reserved_share
         self._models: dict[str, _Model] = {}
         self.admitted = 0
         self.queued = 0
@@ -131,12 +182,13 @@ class AdmissionQueue:
         m = self._model(model)
         self._admit_waiting(model, m)
         capacity = self.capacity(model)
-        # No worker serves it (yet): nothing to wait for here; the router answers at once.
-        if capacity <= 0 or (not m.waiting and m.inflight < capacity):
-            m.inflight += 1
+        # No worker serves it (yet): nothing to wait for here; the router answers at once. Otherwise,
+        # whoever still waits now cannot take a free slot, so one this tenant may take is its own.
+        if capacity <= 0 or self._admissible(m, tenant, capacity, new=True):
+            m.take(tenant)
             self.admitted += 1
             self._observe_wait(0.0)
-            return Ticket(self, model)
+            return Ticket(self, model, tenant)
         if m.waiting >= self.max_waiting:
             self.rejected[model] = self.rejected.get(model, 0) + 1
             raise ApiError(503, f"model {model!r} is at capacity and {m.waiting} requests already wait for it; "
@@ -152,11 +204,12 @@ class AdmissionQueue:
             await asyncio.wait_for(asyncio.shield(w.future), self.timeout_s)
         except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
             if w.future.done() and not w.future.cancelled():  # admitted as the wait ended: give it back
-                self._leave(model)
+                self._leave(model, tenant)
             else:
                 w.future.cancel()
                 cls.remove(w)
                 m.waiting -= 1
+                self._admit_waiting(model, m)  # one tenant fewer waiting: the others' fair shares grow
             if isinstance(exc, asyncio.CancelledError):
                 raise
             self.timeouts[model] = self.timeouts.get(model, 0) + 1
@@ -164,7 +217,7 @@ class AdmissionQueue:
                            "wait (--queue-timeout); retry later", "queue_timeout",
                            headers={"Retry-After": str(max(1, round(self.timeout_s / 4)))}) from None
         self._observe_wait(self.clock() - w.since)
-        return Ticket(self, model)
+        return Ticket(self, model, tenant)
 
     def _observe_wait(self, seconds: float) -> None:
         i = 0
@@ -173,20 +226,38 @@ class AdmissionQueue:
         self.wait_counts[i] += 1
         self.wait_total += seconds
 
-    def _leave(self, model: str) -> None:
+    def _leave(self, model: str, tenant: str) -> None:
         m = self._model(model)
-        m.inflight = max(0, m.inflight - 1)
+        m.give_back(tenant)
         self._admit_waiting(model, m)
 
+    def _admissible(self, m: _Model, tenant: str, capacity: int, new: bool = False) -> bool:
+        """Whether a request of ``tenant`` may take a slot now (``new``: one not counted as waiting)."""
+        if m.inflight >= capacity:
+            return False
+        reserved = reserved_slots(capacity, self.reserved_share)
+        if m.inflight < capacity - reserved:
+            return True
+        active = m.active_tenants(tenant if new else None)
+        return may_take_reserved(m.held.get(tenant, 0), capacity, reserved, len(active))
+
     def _admit_waiting(self, model: str, m: _Model) -> None:
-        """Hand freed slots to waiting requests: the highest class first, fair among its tenants."""
+        """Hand freed slots to waiting requests: the highest class first, fair among its tenants;
+        reserved slots only to tenants under their fair share."""
         if not m.waiting:
             return
         capacity = self.capacity(model)
         while m.waiting and m.inflight < capacity:
+            reserved = reserved_slots(capacity, self.reserved_share)
+            eligible = None
+            if m.inflight >= capacity - reserved:
+                active = len(m.active_tenants())
+
+                def eligible(t: str) -> bool:
+                    return may_take_reserved(m.held.get(t, 0), capacity, reserved, active)
             w = None
             for priority in sorted(m.classes, reverse=True):
-                w = m.classes[priority].pop()
+                w = m.classes[priority].pop(eligible)
                 if w is not None:
                     break
             if w is None:
@@ -194,7 +265,7 @@ class AdmissionQueue:
             m.waiting -= 1
             if w.future.done():  # gave up already
                 continue
-            m.inflight += 1
+            m.take(w.tenant)
             self.admitted += 1
             w.future.set_result(None)
 

@@ -208,6 +208,12 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
       help="seconds a request may wait for a free slot (--max-inflight-per-worker); then 429 with Retry-After")
     f("--queue-max-waiting", env="INFERA_QUEUE_MAX_WAITING", default=1024, type=positive_int,
       help="requests that may wait per model (--max-inflight-per-worker); past it 503 with Retry-After")
+    f("--queue-reserve-per-worker", env="INFERA_QUEUE_RESERVE_PER_WORKER", default=0, type=non_negative_int,
+      help="of each worker's --max-inflight-per-worker slots, keep this many for tenants holding less than their "
+           "fair share, so a light tenant's request finds a slot at once while a heavy one overloads the model "
+           "(it would otherwise wait for a slot to free). They stay idle while one tenant alone fills the rest, "
+           "and always without --api-keys-file (every request is one tenant's). Must be below "
+           "--max-inflight-per-worker (0: off, every slot open to all)")
     f("--otlp-traces-endpoint", env="INFERA_OTLP_TRACES_ENDPOINT", default=None,
       help="export a span per request over OTLP to this collector (e.g. http://otel-collector:4317; the protocol "
            "is OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, grpc by default as in vLLM) and send each engine the span's "

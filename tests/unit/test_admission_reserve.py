@@ -1,0 +1,135 @@
+"""The fair queue's reserve (--queue-reserve-per-worker, infera/server/admission.py): slots kept for
+tenants under their fair share, so a light tenant's request is admitted at once while a heavy tenant
+overloads the model, and a tenant alone never fills them."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from infera.api.errors import ApiError
+from infera.server.admission import AdmissionQueue, may_take_reserved, reserved_slots
+
+
+@pytest.mark.parametrize("capacity, share, expected", [
+    (8, 0.0, 0),
+    (8, 0.25, 2),        # 2 of 8 per worker, one worker
+    (24, 2 / 8, 6),      # three workers: 2 each, whatever the float error of 2/8 * 24
+    (30, 1 / 3, 10),     # 1 of 3 per worker, ten workers: 30 * (1/3) is 9.999... in floats
+    (3, 0.5, 1),
+    (0, 0.5, 0),         # no worker
+])
+def test_reserved_slots(capacity, share, expected):
+    assert reserved_slots(capacity, share) == expected
+
+
+@pytest.mark.parametrize("held, capacity, reserved, active, expected", [
+    (0, 8, 2, 1, True),    # a tenant with nothing in flight, alone: its share is all 6 open slots
+    (6, 8, 2, 1, False),   # alone at the open slots' end: the reserve is not its to fill
+    (5, 8, 2, 1, True),    # (only asked once the open slots are full: a lone tenant then holds 6)
+    (0, 8, 2, 2, True),    # the light tenant next to a heavy one
+    (2, 8, 2, 2, True),    # 2 < 6 / 2
+    (3, 8, 2, 2, False),   # at its share (3 of 6)
+    (6, 8, 2, 2, False),   # the heavy one
+    (1, 12, 3, 4, True),   # 1 < 9 / 4
+    (2, 12, 3, 4, True),   # 2 < 2.25
+    (3, 12, 3, 4, False),
+])
+def test_may_take_reserved(held, capacity, reserved, active, expected):
+    assert may_take_reserved(held, capacity, reserved, active) is expected
+
+
+def test_a_reserve_of_every_slot_is_refused():
+    with pytest.raises(ValueError, match="--queue-reserve-per-worker"):
+        AdmissionQueue(lambda model: 4, reserved_share=1.0)
+
+
+async def settle():
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def reserve_queue(capacity: int = 4, reserved: int = 1) -> AdmissionQueue:
+    return AdmissionQueue(lambda model: capacity if model == "m" else 0, reserved_share=reserved / capacity)
+
+
+async def test_a_tenant_alone_leaves_the_reserve_free_and_a_light_one_takes_it_at_once():
+    q = reserve_queue(4, 1)
+    heavy = [await q.enter("m", "heavy") for _ in range(3)]
+    waiting = asyncio.ensure_future(q.enter("m", "heavy"))
+    await settle()
+    assert not waiting.done() and q.snapshot()["m"] == {"inflight": 3, "waiting": 1, "capacity": 4}
+    light = await asyncio.wait_for(q.enter("m", "light"), 1)  # the reserved slot, ahead of the heavy backlog
+    assert q.snapshot()["m"] == {"inflight": 4, "waiting": 1, "capacity": 4}
+    light.leave()
+    await settle()
+    assert not waiting.done()  # the slot goes back to the reserve, not to the heavy tenant's backlog
+    heavy[0].leave()
+    ticket = await asyncio.wait_for(waiting, 1)  # an open slot freed: the heavy tenant gets it
+    for t in (ticket, *heavy[1:]):
+        t.leave()
+    assert q.snapshot()["m"]["inflight"] == 0
+
+
+async def test_a_light_tenant_over_its_share_waits_like_anyone():
+    q = reserve_queue(4, 2)  # 2 open slots, 2 reserved
+    heavy = await q.enter("m", "heavy")
+    heavy2 = await q.enter("m", "heavy")
+    light = await q.enter("m", "light")  # 0 < 2 / 2
+    late = asyncio.ensure_future(q.enter("m", "light"))  # holds 1 = its share of the 2 open slots
+    await settle()
+    assert not late.done() and q.snapshot()["m"]["inflight"] == 3
+    light.leave()
+    second = await asyncio.wait_for(late, 1)  # under its share again: the reserve takes it
+    for t in (heavy, heavy2, second):
+        t.leave()
+    assert q.snapshot()["m"]["inflight"] == 0
+
+
+async def test_a_freed_reserved_slot_goes_to_a_waiting_tenant_under_its_share_not_to_the_oldest():
+    q = reserve_queue(3, 1)
+    heavy = [await q.enter("m", "heavy") for _ in range(2)]
+    a = await q.enter("m", "a")  # the reserve: 0 < 2 / 2
+    heavy_waits = asyncio.ensure_future(q.enter("m", "heavy"))
+    await settle()
+    b_waits = asyncio.ensure_future(q.enter("m", "b"))  # full: it waits, behind the heavy request
+    await settle()
+    assert q.snapshot()["m"] == {"inflight": 3, "waiting": 2, "capacity": 3}
+    a.leave()  # the reserved slot frees: heavy (2 held) is over its share of 2 / 3 tenants, b (0) is not
+    b = await asyncio.wait_for(b_waits, 1)
+    assert not heavy_waits.done()
+    heavy[0].leave()  # 2 in flight = the open slots: heavy, holding its share of them (1 of 2), still waits
+    await settle()
+    assert not heavy_waits.done()
+    b.leave()
+    last = await asyncio.wait_for(heavy_waits, 1)
+    for t in (heavy[1], last):
+        t.leave()
+    assert q.snapshot()["m"] == {"inflight": 0, "waiting": 0, "capacity": 3}
+
+
+async def test_a_lone_tenant_at_its_share_times_out_rather_than_fill_the_reserve():
+    q = AdmissionQueue(lambda model: 4, reserved_share=0.5, timeout_s=0.05)  # 2 open, 2 reserved
+    light = await q.enter("m", "light")
+    light2 = await q.enter("m", "light")  # the open slots; light holds 2 = its share alone
+    with pytest.raises(ApiError) as late:
+        await q.enter("m", "light")  # alone at its share: the reserve is not its, it times out
+    assert late.value.status == 429 and "Retry-After" in late.value.headers
+    heavy = await q.enter("m", "heavy")  # 0 < 2 / 2: the reserve
+    for t in (light, light2, heavy):
+        t.leave()
+    assert q.snapshot()["m"] == {"inflight": 0, "waiting": 0, "capacity": 4}
+
+
+@pytest.mark.parametrize("reserved", [0, 1])
+async def test_without_a_reserve_or_with_one_tenant_nothing_waits_below_the_open_slots(reserved):
+    q = reserve_queue(4, reserved)
+    tickets = [await asyncio.wait_for(q.enter("m", ""), 1) for _ in range(4 - reserved)]
+    blocked = asyncio.ensure_future(q.enter("m", ""))
+    await settle()
+    assert not blocked.done()
+    tickets[0].leave()
+    tickets[0] = await asyncio.wait_for(blocked, 1)
+    for t in tickets:
+        t.leave()
+    assert q.snapshot()["m"]["inflight"] == 0
