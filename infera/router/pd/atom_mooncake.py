@@ -16,6 +16,7 @@ prefill rank's handshake port. Chat takes the same legs: ATOM v0.1.5's ``/v1/cha
 prefill's handoff at the top level (``serving_chat.py`` ``build_chat_response``; the last stream
 chunk when streamed), like a completion's.
 """
+
 from __future__ import annotations
 
 import copy
@@ -23,8 +24,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from infera.discovery.record import WorkerRecord
-from infera.router.pd.base import (OPENAI_ROUTES, PdError, PdPair, Topology, as_port, is_int, misconfigured,
-                                   params, prefill_single_token, reply_kv_transfer_params, require_route)
+from infera.router.pd.base import (
+    OPENAI_ROUTES,
+    PdError,
+    PdPair,
+    Topology,
+    as_port,
+    is_int,
+    misconfigured,
+    params,
+    prefill_single_token,
+    reply_kv_transfer_params,
+    require_route,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +50,7 @@ class AtomWorkerParams:
     dp_size: int
 
     @classmethod
-    def of(cls, protocol: str, worker: WorkerRecord) -> "AtomWorkerParams":
+    def of(cls, protocol: str, worker: WorkerRecord) -> AtomWorkerParams:
         raw = params(worker)
         host = raw.get("host")
         if not isinstance(host, str) or not host:
@@ -80,14 +92,16 @@ class AtomMooncakeProtocol:
         }
         return out
 
-    def decode_body(self, body: dict[str, Any], pair: PdPair,
-                    prefill_reply: dict[str, Any] | None) -> dict[str, Any]:
+    def decode_body(self, body: dict[str, Any], pair: PdPair, prefill_reply: dict[str, Any] | None) -> dict[str, Any]:
         prefill = AtomWorkerParams.of(self.name, pair.prefill)
         AtomWorkerParams.of(self.name, pair.decode)  # a decode record that cannot drive ATOM is refused here too
         handoff = reply_kv_transfer_params(self.name, prefill_reply)
         if handoff.get("transfer_id") is None:
-            raise PdError(502, f"PD protocol {self.name}: the prefill reply's kv_transfer_params carry no "
-                          "transfer_id", "handoff_missing")
+            raise PdError(
+                502,
+                f"PD protocol {self.name}: the prefill reply's kv_transfer_params carry no transfer_id",
+                "handoff_missing",
+            )
         handoff["remote_dp_size"] = prefill.dp_size
         handoff["remote_tp_size"] = prefill.tp_size
         if handoff.get("tp_size") is None:  # read before remote_tp_size: the prefill's, never the decode's

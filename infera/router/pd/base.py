@@ -11,12 +11,13 @@ Topologies:
 * ``serial``: the prefill leg runs first (one token, not streamed); its JSON reply carries the
   handoff (``kv_transfer_params``) that ``decode_body`` puts into the decode leg.
 """
+
 from __future__ import annotations
 
 import copy
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeGuard
 
 from infera.discovery.record import WorkerRecord
 
@@ -67,14 +68,14 @@ class PdProtocol(Protocol):
         """The prefill leg's JSON body. ``body`` is the client's (parsed); never mutate it."""
         ...
 
-    def decode_body(self, body: dict[str, Any], pair: PdPair,
-                    prefill_reply: dict[str, Any] | None) -> dict[str, Any]:
+    def decode_body(self, body: dict[str, Any], pair: PdPair, prefill_reply: dict[str, Any] | None) -> dict[str, Any]:
         """The decode leg's JSON body. Serial protocols get the prefill leg's parsed JSON reply and
         raise ``PdError(502, …, "handoff_missing")`` when it carries no usable handoff."""
         ...
 
 
 # -- helpers shared by the protocols ------------------------------------------------------------
+
 
 def prefill_single_token(body: dict[str, Any]) -> dict[str, Any]:
     """The prefill leg computes the prompt and one token, unstreamed: ``max_tokens=1``,
@@ -118,16 +119,18 @@ OPENAI_ROUTES = (CHAT_ROUTE, COMPLETIONS_ROUTE)
 def require_route(protocol: str, route: str, allowed: tuple[str, ...] = OPENAI_ROUTES) -> None:
     """``PdError(400, "unsupported_route")`` unless ``route`` is one this protocol serves."""
     if route not in allowed:
-        raise PdError(400, f"PD protocol {protocol} serves only {', '.join(allowed)}, not {route}",
-                      "unsupported_route")
+        raise PdError(400, f"PD protocol {protocol} serves only {', '.join(allowed)}, not {route}", "unsupported_route")
 
 
 def misconfigured(protocol: str, worker: WorkerRecord, problem: str) -> PdError:
     """A worker record that cannot drive this protocol: the operator's fault, not the client's.
     The worker and what is wrong (its id, hosts, ports) go to the log; the client is told no address."""
     log.error("PD protocol %s: %s worker %s %s", protocol, worker.disagg_mode, worker.worker_id, problem)
-    return PdError(500, f"PD protocol {protocol}: a {worker.disagg_mode} worker's record cannot drive it (see the "
-                   "server log)", "pd_misconfigured")
+    return PdError(
+        500,
+        f"PD protocol {protocol}: a {worker.disagg_mode} worker's record cannot drive it (see the server log)",
+        "pd_misconfigured",
+    )
 
 
 def as_port(value: Any) -> int | None:
@@ -141,7 +144,7 @@ def as_port(value: Any) -> int | None:
     return None
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: Any) -> TypeGuard[int]:
     """A JSON integer (``bool`` is an ``int`` subclass in Python, not in JSON)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -150,8 +153,9 @@ def reply_kv_transfer_params(protocol: str, prefill_reply: dict[str, Any] | None
     """A copy of the prefill reply's top-level ``kv_transfer_params``, or 502 ``handoff_missing``."""
     handoff = prefill_reply.get("kv_transfer_params") if isinstance(prefill_reply, dict) else None
     if not isinstance(handoff, dict):
-        raise PdError(502, f"PD protocol {protocol}: the prefill reply carries no kv_transfer_params object",
-                      "handoff_missing")
+        raise PdError(
+            502, f"PD protocol {protocol}: the prefill reply carries no kv_transfer_params object", "handoff_missing"
+        )
     return copy.deepcopy(handoff)
 
 

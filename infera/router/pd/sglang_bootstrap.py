@@ -5,13 +5,14 @@ same body annotated with that server's address and the room id. With a DP prefil
 prefill rank from ``room % dp_size`` (the router aligns the room) and the decode engine is told the
 rank outright through ``disagg_prefill_dp_rank``.
 """
+
 from __future__ import annotations
 
 import copy
 import ipaddress
 from typing import Any
 
-from infera.router.pd.base import ProtocolDefaults, PdPair, Topology, as_port, misconfigured, params
+from infera.router.pd.base import PdPair, ProtocolDefaults, Topology, as_port, misconfigured, params
 
 
 def parse_bootstrap_addr(addr: Any) -> tuple[str, int] | None:
@@ -47,8 +48,9 @@ class SglangBootstrapProtocol(ProtocolDefaults):
         addr = params(pair.prefill).get("bootstrap_addr")
         parsed = parse_bootstrap_addr(addr)
         if parsed is None:
-            raise misconfigured(self.name, pair.prefill,
-                                f"advertises bootstrap_addr {addr!r}; expected \"host:port\" or \"[v6]:port\"")
+            raise misconfigured(
+                self.name, pair.prefill, f'advertises bootstrap_addr {addr!r}; expected "host:port" or "[v6]:port"'
+            )
         out = copy.deepcopy(body)
         out["bootstrap_host"], out["bootstrap_port"] = parsed
         out["bootstrap_room"] = pair.room
@@ -57,8 +59,7 @@ class SglangBootstrapProtocol(ProtocolDefaults):
     def prefill_body(self, body: dict[str, Any], pair: PdPair) -> dict[str, Any]:
         return self._annotated(body, pair)
 
-    def decode_body(self, body: dict[str, Any], pair: PdPair,
-                    prefill_reply: dict[str, Any] | None) -> dict[str, Any]:
+    def decode_body(self, body: dict[str, Any], pair: PdPair, prefill_reply: dict[str, Any] | None) -> dict[str, Any]:
         out = self._annotated(body, pair)
         if pair.prefill_rank is not None:
             out["disagg_prefill_dp_rank"] = pair.prefill_rank

@@ -4,17 +4,25 @@ The prefill engine computes the prompt and first token and holds the KV under ``
 decode engine fetches it through the prefill engine's bootstrap server and generates the rest, so
 its token limits are one lower.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 from infera.discovery.record import WorkerRecord
-from infera.router.pd.base import (ProtocolDefaults, PdPair, Topology, decode_remaining, misconfigured, params,
-                                   prefill_single_token)
+from infera.router.pd.base import (
+    PdPair,
+    ProtocolDefaults,
+    Topology,
+    decode_remaining,
+    misconfigured,
+    params,
+    prefill_single_token,
+)
 
 
 def transfer_id(room: int) -> str:
-    return "xfer-%032x" % room
+    return f"xfer-{room:032x}"
 
 
 class VllmMooncakeProtocol(ProtocolDefaults):
@@ -30,8 +38,7 @@ class VllmMooncakeProtocol(ProtocolDefaults):
         }
         return out
 
-    def decode_body(self, body: dict[str, Any], pair: PdPair,
-                    prefill_reply: dict[str, Any] | None) -> dict[str, Any]:
+    def decode_body(self, body: dict[str, Any], pair: PdPair, prefill_reply: dict[str, Any] | None) -> dict[str, Any]:
         prefill_params = params(pair.prefill)
         engine_id = prefill_params.get("engine_id")
         bootstrap_addr = prefill_params.get("bootstrap_addr")

@@ -5,12 +5,13 @@ engine, blocks and side channel, which the decode leg passes back verbatim. The 
 computes every output token itself, so its body keeps the client's limits (checked against real
 vLLM on CPU: decode output equals the prefill engine's own).
 """
+
 from __future__ import annotations
 
 import copy
 from typing import Any
 
-from infera.router.pd.base import (ProtocolDefaults, PdPair, Topology, prefill_single_token, reply_kv_transfer_params)
+from infera.router.pd.base import PdPair, ProtocolDefaults, Topology, prefill_single_token, reply_kv_transfer_params
 
 
 class VllmNixlProtocol(ProtocolDefaults):
@@ -31,8 +32,7 @@ class VllmNixlProtocol(ProtocolDefaults):
         }
         return out
 
-    def decode_body(self, body: dict[str, Any], pair: PdPair,
-                    prefill_reply: dict[str, Any] | None) -> dict[str, Any]:
+    def decode_body(self, body: dict[str, Any], pair: PdPair, prefill_reply: dict[str, Any] | None) -> dict[str, Any]:
         handoff = reply_kv_transfer_params(self.name, prefill_reply)
         out = copy.deepcopy(body)
         out["kv_transfer_params"] = handoff
