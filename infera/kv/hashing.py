@@ -4,6 +4,13 @@
 ``ROUTER_SEED`` (0) as the parent of the first block. Only full blocks are hashed; a trailing
 partial block is dropped. Engine-reported token ids are re-hashed with the same chain, so the
 router never depends on an engine's own hash function or seed.
+
+A request with a ``cache_salt`` (vLLM's per-request cache isolation: the salt is one of the first
+block's extra keys, so every block of the prompt hashes apart from the same tokens unsalted or
+under another salt) is chained from ``salt_root(salt)`` instead of ``ROUTER_SEED``: the same
+separation in the router's space, at no cost per block. An engine's ``BlockStored`` names the salt
+among the first block's ``extra_keys`` (``event_salt``), so the index re-hashes it from the same
+root.
 """
 from __future__ import annotations
 
@@ -19,6 +26,44 @@ from infera.kv.native import native
 ROUTER_SEED = 0
 _xxh3 = xxhash.xxh3_64_intdigest
 _U64 = (1 << 64) - 1
+
+
+# Domain tag of a salted root: no salt's root can equal an unsalted chain's seed or hash by design
+# (a 64-bit collision aside), and it is not the XXH3 of a bare token run.
+_SALT_TAG = b"infera-cache-salt\x00"
+
+
+def salt_root(salt: str | None) -> int:
+    """The parent of a prompt's first block in the router's chain: ``ROUTER_SEED`` without a salt
+    (None or "": vLLM ignores an empty salt), else XXH3-64 of a tag and the salt's UTF-8 (never
+    ``ROUTER_SEED`` itself)."""
+    if not salt:
+        return ROUTER_SEED
+    root = _xxh3(_SALT_TAG + salt.encode("utf-8", "surrogatepass"))
+    return root if root != ROUTER_SEED else 1
+
+
+def event_salt(extra_keys: Sequence | None, lora_name: str | None = None) -> str | None:
+    """The ``cache_salt`` a vLLM ``BlockStored`` names for its first block, or None.
+
+    vLLM (0.32, ``to_event_extra_keys``) publishes one entry per block, each None or a tuple, in
+    order: the LoRA name (when the request has one), ``(mm_identifier, offset)`` pairs, the salt,
+    prompt-embeds digests (bytes). The salt is on the prompt's first block only, so only the first
+    entry is read: its last string that is not the event's own ``lora_name`` is the salt."""
+    if not extra_keys:
+        return None
+    first = extra_keys[0]
+    if not isinstance(first, (list, tuple)):
+        return None
+    lora_seen = lora_name is None
+    salt = None
+    for item in first:
+        if isinstance(item, str):
+            if not lora_seen and item == lora_name:
+                lora_seen = True  # (the LoRA name comes first; a salt equal to it still counts after)
+                continue
+            salt = item
+    return salt or None
 
 
 def tokens_le_bytes(tokens: Sequence[int]) -> bytes:

@@ -9,6 +9,9 @@ The file is YAML (JSON is valid YAML), usually a Kubernetes Secret mounted as a 
         requests_per_minute: 600           # each limit optional; absent = unlimited
         tokens_per_minute: 200000
         max_concurrent: 32
+        priority: 0                        # higher is served first (the fair queue)
+        cache_isolation: false             # true: a cache_salt of its own (below)
+    cache_salt_secret: <random string>     # optional, 16+ characters: see cache isolation below
 
 A client sends its key as ``Authorization: Bearer <key>`` (the OpenAI SDKs) or ``x-api-key: <key>``
 (the Anthropic SDK). No key or an unknown one is a 401; a model the key does not allow is a 403;
@@ -26,20 +29,32 @@ force and says why in the log and in ``infera_api_keys_reload_failures_total``.
 
 Limits (``requests_per_minute``, ``tokens_per_minute``, ``max_concurrent``) are per tenant, shared by
 its keys and by every replica (infera/server/tenant_limits.py). ``priority`` orders the fair queue
-(infera/server/admission.py, with ``--max-inflight-per-worker``). Cache isolation is not enforced by
-this version: an entry that sets it is refused, naming the field, so that nothing is silently
-ignored.
+(infera/server/admission.py, with ``--max-inflight-per-worker``).
+
+``cache_isolation: true`` (per tenant: every key of the tenant states the same) gives the tenant's
+requests a ``cache_salt`` the engine folds into its prefix-cache hashes (vLLM), so no other tenant
+can hit its cached prefixes, or time them. The salt is ``base64url(HMAC-SHA256(tenant key, client
+salt))``: the *tenant key* is ``HMAC-SHA256(cache_salt_secret, tenant)`` when the file has the
+optional top-level ``cache_salt_secret`` (16+ characters), else the sha256 of the tenant's own key
+digests, which only the servers hold. Either way every replica reading the same file derives the
+same salt, and no client can guess another tenant's (a non-isolated tenant may send any
+``cache_salt`` of its own: it would need the salt itself). Without the secret a tenant's salt
+changes when its keys do (its cached prefixes are then cold once); set the secret to keep salts
+across key rotations. A ``cache_salt`` the client sent is folded in, not dropped: the tenant stays
+apart from the others, and may still partition its own cache (per end user, say), which an override
+would silently undo and a 400 would forbid.
 """
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import hmac
 import logging
 import os
 import re
-from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
+from typing import Callable, Iterable, Iterator, Mapping
 
 import yaml
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -55,8 +70,11 @@ DEFAULT_POLL_S = 2.0
 _TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _SHA256_HEX = re.compile(r"[0-9a-fA-F]{64}")
 LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent")
-KEY_FIELDS = ("sha256", "tenant", "models", "priority", *LIMIT_FIELDS)
-NOT_ENFORCED_FIELDS = ("cache_isolation",)
+KEY_FIELDS = ("sha256", "tenant", "models", "priority", "cache_isolation", *LIMIT_FIELDS)
+NOT_ENFORCED_FIELDS: tuple[str, ...] = ()  # fields parsed but not acted on: none left
+TOP_FIELDS = ("keys", "cache_salt_secret")
+MIN_SALT_SECRET_CHARS = 16
+_SALT_DOMAIN = b"infera-cache-salt\x00"
 ALL_MODELS = "*"
 OTHER_TENANT = "other"  # the label of requests without a known tenant in per-tenant series
 _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="infera"'}
@@ -73,9 +91,22 @@ class ApiKey:
     models: frozenset[str] | None  # None: every model
     limit: TenantLimit = TenantLimit()  # the tenant's (shared by all its keys and every replica)
     priority: int = 0  # its class in the fair queue (--max-inflight-per-worker): higher is served first
+    salt_key: bytes | None = None  # cache_isolation: the tenant's salt key (see the module doc); None: off
 
     def allows(self, model: str | None) -> bool:
         return self.models is None or (model is not None and model in self.models)
+
+    @property
+    def cache_isolation(self) -> bool:
+        return self.salt_key is not None
+
+    def cache_salt(self, client_salt: str | None = None) -> str | None:
+        """The ``cache_salt`` this tenant's request goes to the engine with (None: not isolated):
+        43 base64url characters, within vLLM's rules for a salt (at most 128, no '/', '@', '\\')."""
+        if self.salt_key is None:
+            return None
+        mac = hmac.new(self.salt_key, (client_salt or "").encode("utf-8", "surrogatepass"), hashlib.sha256)
+        return base64.urlsafe_b64encode(mac.digest()).rstrip(b"=").decode("ascii")
 
 
 def key_digest(key: str) -> bytes:
@@ -90,18 +121,25 @@ def parse_keys(text: str) -> dict[bytes, ApiKey]:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise ApiKeysError(f"not valid YAML{where}") from None
-    if not isinstance(doc, dict) or set(doc) != {"keys"} or not isinstance(doc["keys"], list):
-        raise ApiKeysError("expected a mapping with exactly one field, 'keys': a list of entries")
+    if (not isinstance(doc, dict) or "keys" not in doc or not set(doc) <= set(TOP_FIELDS)
+            or not isinstance(doc["keys"], list)):
+        raise ApiKeysError("expected a mapping with exactly one field, 'keys': a list of entries (and optionally "
+                           "'cache_salt_secret')")
+    secret = doc.get("cache_salt_secret")
+    if secret is not None and (not isinstance(secret, str) or len(secret) < MIN_SALT_SECRET_CHARS):
+        raise ApiKeysError(f"cache_salt_secret: expected a string of at least {MIN_SALT_SECRET_CHARS} characters "
+                           "(random, the same for every replica)")
     keys: dict[bytes, ApiKey] = {}
     limits: dict[str, tuple[TenantLimit, int]] = {}  # tenant → its limits, and the entry that set them
+    isolated: dict[str, tuple[bool, int]] = {}  # tenant → its cache_isolation, and the entry that set it
     for i, entry in enumerate(doc["keys"]):
         where = f"keys[{i}]"
         if not isinstance(entry, dict):
             raise ApiKeysError(f"{where}: expected a mapping")
         for field in entry:
             if field in NOT_ENFORCED_FIELDS:
-                raise ApiKeysError(f"{where}.{field}: cache isolation is not enforced by this version; remove the "
-                                   "field rather than rely on it")
+                raise ApiKeysError(f"{where}.{field}: not enforced by this version; remove the field rather than "
+                                   "rely on it")
             if field not in KEY_FIELDS:
                 raise ApiKeysError(f"{where}: unknown field {str(field)[:64]!r} (fields: {', '.join(KEY_FIELDS)})")
         sha = entry.get("sha256")
@@ -125,11 +163,36 @@ def parse_keys(text: str) -> dict[bytes, ApiKey]:
         if limits.setdefault(tenant, (limit, i))[0] != limit:
             raise ApiKeysError(f"{where}: tenant {tenant!r} has other limits in keys[{limits[tenant][1]}]; limits are "
                                "per tenant, so every key of a tenant must state the same ones")
+        isolation = entry.get("cache_isolation", False)
+        if not isinstance(isolation, bool):
+            raise ApiKeysError(f"{where}.cache_isolation: expected true or false")
+        if isolated.setdefault(tenant, (isolation, i))[0] != isolation:
+            raise ApiKeysError(f"{where}: tenant {tenant!r} sets another cache_isolation in keys[{isolated[tenant][1]}];"
+                               " the cache is isolated per tenant, so every key of a tenant must state the same")
         digest = bytes.fromhex(sha)
         if digest in keys:
             raise ApiKeysError(f"{where}.sha256: the same key is listed twice")
         keys[digest] = ApiKey(tenant, digest, None if ALL_MODELS in models else frozenset(models), limit, priority)
+    salt_keys = _salt_keys(keys.values(), secret, {t for t, (on, _) in isolated.items() if on})
+    if salt_keys:
+        keys = {d: replace(k, salt_key=salt_keys.get(k.tenant)) for d, k in keys.items()}
     return keys
+
+
+def _salt_keys(entries: Iterable[ApiKey], secret: str | None, tenants: set[str]) -> dict[str, bytes]:
+    """Each isolated tenant's salt key: HMAC(secret, tenant), or without a secret the sha256 of the
+    tenant's key digests (sorted): secret from every client but the tenant's own keys' holders."""
+    if not tenants:
+        return {}
+    if secret is not None:
+        base = secret.encode("utf-8", "surrogatepass")
+        return {t: hmac.new(base, _SALT_DOMAIN + t.encode(), hashlib.sha256).digest() for t in tenants}
+    digests: dict[str, list[bytes]] = {}
+    for k in entries:
+        if k.tenant in tenants:
+            digests.setdefault(k.tenant, []).append(k.digest)
+    return {t: hashlib.sha256(_SALT_DOMAIN + t.encode() + b"\x00" + b"".join(sorted(ds))).digest()
+            for t, ds in digests.items()}
 
 
 def presented_key(headers: Mapping[str, str]) -> str | None:

@@ -81,7 +81,10 @@ def test_json_is_valid_yaml():
      "keys[1]: tenant 't' has other limits in keys[0]"),
     (f"keys: [{{sha256: {sha('k')}, tenant: t, priority: high}}]", "keys[0].priority: expected a whole number"),
     (f"keys: [{{sha256: {sha('k')}, tenant: t, priority: 5000}}]", "keys[0].priority: expected a whole number"),
-    (f"keys: [{{sha256: {sha('k')}, tenant: t, cache_isolation: true}}]", "keys[0].cache_isolation"),
+    (f"keys: [{{sha256: {sha('k')}, tenant: t, cache_isolation: 'yes'}}]", "keys[0].cache_isolation: expected"),
+    (f"keys: [{{sha256: {sha('a')}, tenant: t, cache_isolation: true}}, {{sha256: {sha('b')}, tenant: t}}]",
+     "keys[1]: tenant 't' sets another cache_isolation in keys[0]"),
+    (f"keys: [{{sha256: {sha('k')}, tenant: t}}]\ncache_salt_secret: short", "cache_salt_secret: expected"),
 ])
 def test_every_mistake_is_named_by_entry_and_field(text, says):
     with pytest.raises(ApiKeysError) as err:
