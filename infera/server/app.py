@@ -1,115 +1,43 @@
 """The server's aiohttp application: endpoints wired to the router, fleet and metrics.
 
-No routing logic lives here: handlers parse, call ``router.dispatch`` and write the reply.
+No routing logic lives here: handlers parse, call ``router.dispatch`` and write the reply. This
+module holds the middlewares (errors, admin token, API keys, the fair queue's slot), the OpenAI
+routes, the observer and admin endpoints and ``build_app``; what handlers share is in
+``app_state.py``, Anthropic's Messages API in ``app_anthropic.py``, a tenant's cache salt in
+``request_salt.py`` (their names are importable from here as before).
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
-import itertools
 import logging
-import os
-import re
 import time
-from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 
-import msgspec
 from aiohttp import web
 
 from infera.api import anthropic as _anthropic
 from infera.api.errors import ApiError, error_bytes
 from infera.api.requests import parse_request
-from infera.discovery.fleet import Fleet
 from infera.discovery.record import record_to_dict
-from infera.kv.prompt import DEFAULT_PREFIX_CHARS
-from infera.router.auto import AutoRouter
 from infera.router.policy import RoutedRequest
-from infera.server.tenant_limits import UsageMeter, reply_tokens
-from infera.server.tracing import RequestSpan, client_trace_headers
-from infera.server.metrics import ServerMetrics
-from infera.server import profiling as _profiling
 from infera.server import dashboard as _dashboard
 from infera.server import kv_tiers as _kv_tiers
+from infera.server import profiling as _profiling
 from infera.server import scaling as _scaling
+# (re-exported: what handlers share, and the Anthropic handlers, lived here before the split)
+from infera.server.app_anthropic import (ANTHROPIC_PREFIX, _anthropic_count_tokens, _anthropic_error,  # noqa: F401
+                                         _anthropic_messages)
+from infera.server.app_state import (API_KEY_KEY, DIRECT_PREFILL_HEADER, DIRECT_WORKER_HEADER,  # noqa: F401
+                                     FLEET_VIEW_KEY, PERMIT_KEY, REQUEST_ID_HEADER, REQUEST_ID_KEY, STATE_KEY,
+                                     TICKET_KEY, USAGE_TOKENS_KEY, RequestIds, ServerState, _admit,
+                                     _authorize_model, _check_client_request_id, _error_response, _json,
+                                     _request_id, _trace)
 from infera.server.fleet_view import FleetView, RecentWorkerStats
+from infera.server.request_salt import CACHE_SALT_STATE, salt_request
+from infera.server.tenant_limits import UsageMeter, reply_tokens
 
 log = logging.getLogger(__name__)
-
-REQUEST_ID_HEADER = "X-Infera-Request-Id"
-DIRECT_WORKER_HEADER = "x-worker-instance-id"
-DIRECT_PREFILL_HEADER = "x-prefill-instance-id"
-_json = msgspec.json.Encoder()
-REQUEST_ID_KEY = web.RequestKey("request_id", str) if hasattr(web, "RequestKey") else "request_id"
-
-
-@dataclass
-class ServerState:
-    fleet: Fleet
-    router: AutoRouter
-    metrics: ServerMetrics
-    max_request_bytes: int
-    request_ids: "RequestIds" = field(default_factory=lambda: RequestIds())
-    kv: Any = None  # KvEventsBridge under the kv-aware policy
-    nats: Any = None  # NatsConnection on the NATS plane
-    tokenizers: Any = None  # RouterTokenizers under the kv-aware policy
-    admin_token: str | None = None  # --admin-token: /v1/admin/* needs it as a Bearer token; None: they are off
-    allow_client_kv_transfer_params: bool = False  # --allow-client-kv-transfer-params
-    process: dict | None = None  # a --workers N child: which one answers /health (index, count, pid, restarts)
-    metrics_gather: Any = None  # a --workers N child: ProcessMetrics, /metrics of every process
-    enable_profiling: bool = False  # --enable-profiling: POST /v1/admin/profile/{start,stop}
-    kvd_socket_path: str | None = None  # --kvd-socket-path: POST /v1/cache/prewarm, kvd stats in /v1/kv-stats
-    metrics_token: str | None = None  # --metrics-token: opens /metrics, /v1/workers, detailed /health (scrapers)
-    dashboard_session_s: float = _dashboard.DEFAULT_SESSION_S  # --dashboard-session-s: the cookie's server-side life
-    scaler: Any = None  # --enable-scaling-api: a DeploymentScaler for GET/POST /v1/admin/scale; None: off (404)
-    api_keys: Any = None  # --api-keys-file: ApiKeys (infera/server/api_keys.py); None: the API is open
-    tracer: Any = None  # --otlp-traces-endpoint: RequestTracer (infera/server/tracing.py); None: off
-    limiter: Any = None  # --api-keys-file limits: TenantLimiter (infera/server/tenant_limits.py)
-    admission: Any = None  # --max-inflight-per-worker: AdmissionQueue (infera/server/admission.py); None: off
-
-
-STATE_KEY = web.AppKey("state", ServerState)
-
-
-class RequestIds:
-    """32-hex request ids: a random per-process prefix + a counter.
-
-    Unique across replicas and restarts without paying for uuid4 (os.urandom) per request.
-    """
-
-    def __init__(self) -> None:
-        self._prefix = os.urandom(8).hex()
-        self._counter = itertools.count(1)
-
-    def next(self) -> str:
-        return f"{self._prefix}{next(self._counter):016x}"
-
-
-# A client's request id reaches our logs, our reply headers and every engine (X-Request-Id): only
-# a plain token is taken. Anything else is a 400 rather than silently replaced, so a client that
-# correlates by its own id learns why it was not used.
-_CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-
-
-def _request_id(request: web.Request) -> str:
-    """The client's X-Infera-Request-Id when well-formed, else a fresh one (never raises: error
-    replies carry it too, and a malformed one would not even encode as a header)."""
-    raw = request.headers.get(REQUEST_ID_HEADER)
-    if raw and _CLIENT_REQUEST_ID.fullmatch(raw):
-        return raw
-    return request.app[STATE_KEY].request_ids.next()
-
-
-def _check_client_request_id(request: web.Request) -> None:
-    raw = request.headers.get(REQUEST_ID_HEADER)
-    if raw and not _CLIENT_REQUEST_ID.fullmatch(raw):
-        raise ApiError(400, f"{REQUEST_ID_HEADER} must be 1 to 128 characters from A-Z a-z 0-9 . _ : - "
-                       "(or absent: the server then assigns one)", "invalid_request_id")
-
-
-def _error_response(exc: ApiError, request_id: str) -> web.Response:
-    headers = {REQUEST_ID_HEADER: request_id, **exc.headers}
-    return web.Response(status=exc.status, body=exc.body(), content_type="application/json", headers=headers)
 
 
 @web.middleware
@@ -131,9 +59,6 @@ async def _errors_middleware(request: web.Request, handler: Callable[[web.Reques
     if request.path.startswith(ANTHROPIC_PREFIX):  # refused before its handler (size, bytes in flight): its shape
         return _anthropic_error(error.status, error.message, request_id, error.headers)
     return _error_response(error, request_id)
-
-
-ANTHROPIC_PREFIX = "/v1/messages"
 
 
 ADMIN_PREFIX = "/v1/admin"
@@ -164,10 +89,6 @@ async def _admin_auth_middleware(request: web.Request,
 # The routes an --api-keys-file key opens (the rest have their own tokens, or are open: /health).
 API_KEY_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", _anthropic.MESSAGES_ROUTE,
                             _anthropic.COUNT_TOKENS_ROUTE})
-API_KEY_KEY = web.RequestKey("api_key", object) if hasattr(web, "RequestKey") else "api_key"
-# Set by a handler when its tenant's tokens/min limit needs the reply's tokens (a TenantLimiter's Permit)
-USAGE_TOKENS_KEY = web.RequestKey("usage_tokens", object) if hasattr(web, "RequestKey") else "usage_tokens"
-PERMIT_KEY = web.RequestKey("permit", object) if hasattr(web, "RequestKey") else "permit"
 
 
 @web.middleware
@@ -201,9 +122,6 @@ async def _api_key_middleware(request: web.Request,
     return response
 
 
-TICKET_KEY = web.RequestKey("ticket", object) if hasattr(web, "RequestKey") else "ticket"
-
-
 @web.middleware
 async def _admission_middleware(request: web.Request,
                                 handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
@@ -215,35 +133,6 @@ async def _admission_middleware(request: web.Request,
         ticket = request.get(TICKET_KEY)
         if ticket is not None:
             ticket.leave()
-
-
-async def _admit(request: web.Request, model: str) -> None:
-    """With ``--max-inflight-per-worker``: wait for a slot of ``model`` (fair among tenants,
-    higher priority first; 429 after ``--queue-timeout``, 503 when too many wait)."""
-    queue = request.app[STATE_KEY].admission
-    if queue is None or request.headers.get(DIRECT_WORKER_HEADER):  # a gateway's pick is not queued
-        return
-    key = request.get(API_KEY_KEY)
-    tenant, priority = (key.tenant, key.priority) if key is not None else ("", 0)
-    request[TICKET_KEY] = await queue.enter(model, tenant, priority)
-
-
-def _authorize_model(request: web.Request, model: str | None) -> None:
-    keys = request.app[STATE_KEY].api_keys
-    if keys is not None:
-        keys.authorize(request[API_KEY_KEY], model)
-
-
-def _trace(state: ServerState, request: web.Request, route: str, model: str | None,
-           request_id: str) -> tuple[RequestSpan | None, tuple[tuple[str, str], ...]]:
-    """The request's span (tracing on) and the trace headers every engine leg gets: the span's
-    context, or (tracing off) the client's own ``traceparent`` unchanged."""
-    if state.tracer is None:
-        return None, client_trace_headers(request.headers)
-    key = request.get(API_KEY_KEY)
-    span = state.tracer.start(route, request.headers, model=model, request_id=request_id,
-                              tenant=key.tenant if key is not None else None)
-    return span, span.headers
 
 
 def _make_inference_handler(route: str):
@@ -261,9 +150,12 @@ def _make_inference_handler(route: str):
         await _admit(request, parsed.model)
         stream = bool(parsed.stream)
         span, trace_headers = _trace(state, request, route, parsed.model, request_id)
+        body, salt = salt_request(body, request.get(API_KEY_KEY))  # an isolated tenant's own cache_salt
         routed = RoutedRequest(route=route, body=body, parsed=parsed, model=parsed.model, stream=stream,
                                request_id=request_id, direct_worker=request.headers.get(DIRECT_WORKER_HEADER),
                                direct_prefill=request.headers.get(DIRECT_PREFILL_HEADER), trace_headers=trace_headers)
+        if salt is not None:  # the kv-aware policy hashes the prompt from the same salted root
+            routed.state[CACHE_SALT_STATE] = salt
         metrics = state.metrics
         try:
             reply = await state.router.dispatch(routed)
@@ -415,171 +307,8 @@ async def _cache_view(request: web.Request) -> web.Response:
     return web.Response(body=_json.encode(view), content_type="application/json")
 
 
-# -- Anthropic Messages API (POST /v1/messages, /v1/messages/count_tokens) --------------------------------
-# Translation lives in infera.api.anthropic; these handlers feed the translated body to the same
-# router.dispatch as /v1/chat/completions and write the answer back in Anthropic's shapes.
-def _anthropic_error(status: int, message: str, request_id: str, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(status=status, body=_anthropic.anthropic_error_body(status, message),
-                        content_type="application/json", headers={REQUEST_ID_HEADER: request_id, **(headers or {})})
-
-
-async def _anthropic_body(request: web.Request, state: ServerState) -> bytes:
-    version = request.headers.get("anthropic-version")
-    if version is not None and version != _anthropic.ANTHROPIC_VERSION:
-        log.debug("anthropic-version %r (served as %s)", version, _anthropic.ANTHROPIC_VERSION)
-    _check_client_request_id(request)
-    if request.content_length is not None and request.content_length > state.max_request_bytes:
-        raise web.HTTPRequestEntityTooLarge(max_size=state.max_request_bytes, actual_size=request.content_length)
-    return await request.read()
-
-
-async def _anthropic_messages(request: web.Request) -> web.StreamResponse:
-    state: ServerState = request.app[STATE_KEY]
-    route = _anthropic.MESSAGES_ROUTE
-    started = time.perf_counter()
-    request_id = _request_id(request)
-    request[REQUEST_ID_KEY] = request_id
-    metrics = state.metrics
-    span: RequestSpan | None = None
-    routed: RoutedRequest | None = None
-    try:
-        translated = _anthropic.translate_request(await _anthropic_body(request, state))
-        _authorize_model(request, translated.model)
-        await _admit(request, translated.model)
-        body = _json.encode(translated.body)
-        parsed = parse_request(_anthropic.CHAT_ROUTE, body,
-                               allow_kv_transfer_params=state.allow_client_kv_transfer_params)
-        span, trace_headers = _trace(state, request, route, translated.model, request_id)
-        routed = RoutedRequest(route=_anthropic.CHAT_ROUTE, body=body, parsed=parsed, model=translated.model,
-                               stream=translated.stream, request_id=request_id,
-                               direct_worker=request.headers.get(DIRECT_WORKER_HEADER),
-                               direct_prefill=request.headers.get(DIRECT_PREFILL_HEADER), trace_headers=trace_headers)
-        reply = await state.router.dispatch(routed)
-    except ApiError as exc:
-        metrics.count_request(route, exc.status, "none")
-        if span is not None:
-            span.finish(exc.status, routed.state if routed is not None else None,
-                        error=exc.message if exc.status >= 500 else None)
-        return _anthropic_error(exc.status, exc.message, request_id, exc.headers)
-    except web.HTTPRequestEntityTooLarge:
-        metrics.count_request(route, 413, "none")
-        return _anthropic_error(413, f"request body larger than the {state.max_request_bytes}-byte limit", request_id)
-    except asyncio.CancelledError:
-        metrics.count_disconnect(route)
-        if span is not None:
-            span.finish(None, routed.state if routed is not None else None, error="the client disconnected")
-        raise
-    msg_id = _anthropic.message_id(request_id)
-    headers = {REQUEST_ID_HEADER: request_id}
-    if reply.stream is None:
-        metrics.count_request(route, reply.status, reply.worker_id)
-        metrics.observe_e2e(route, False, time.perf_counter() - started)
-        if span is not None:
-            span.finish(reply.status, routed.state, worker_id=reply.worker_id)
-        if PERMIT_KEY in request:
-            request[USAGE_TOKENS_KEY] = reply_tokens(reply.body)
-        if reply.status >= 400:  # the engine refused it: its message, in Anthropic's shape
-            return _anthropic_error(reply.status, _anthropic.error_message_of(reply.body, reply.status), request_id)
-        try:
-            answer = msgspec.json.decode(reply.body or b"")
-        except (msgspec.DecodeError, RecursionError):  # RecursionError: msgspec's, for JSON nested too deep
-            log.warning("request %s: worker %s returned a body that is not JSON", request_id, reply.worker_id)
-            return _anthropic_error(502, "the worker returned a body that is not JSON", request_id)
-        message = _anthropic.translate_response(answer if isinstance(answer, dict) else {}, translated, msg_id)
-        return web.Response(body=_json.encode(message), content_type="application/json", headers=headers)
-    metrics.observe_ttft(route, (reply.first_byte_at or time.perf_counter()) - started)
-    request.app[FLEET_VIEW_KEY].recent.observe_ttft(reply.worker_id,  # per worker, for /v1/fleet
-                                                    (reply.first_byte_at or time.perf_counter()) - started)
-    headers["Content-Type"] = "text/event-stream"
-    headers["Cache-Control"] = "no-cache"
-    resp = web.StreamResponse(status=200, headers=headers)
-    chunks = reply.stream
-    events = _anthropic.StreamTranslator(translated.model, msg_id, translated.stop_sequences)
-    broken: str | None = None
-    meter = UsageMeter() if PERMIT_KEY in request else None
-    try:
-        await resp.prepare(request)
-        async for chunk in chunks:  # read to the end even after [DONE]: the relay's usage tail feeds kv-aware
-            if meter is not None:
-                meter.feed(chunk)
-            out = events.feed(chunk)
-            if out:
-                await resp.write(out)
-        out = events.finish()
-        if out:
-            await resp.write(out)
-        await resp.write_eof()
-    except (ConnectionResetError, asyncio.CancelledError):
-        metrics.count_disconnect(route)
-        broken = "the client disconnected"
-        raise
-    finally:
-        await chunks.aclose()  # releases upstream on any exit, even before the first chunk
-        metrics.count_request(route, 200, reply.worker_id)
-        metrics.observe_e2e(route, True, time.perf_counter() - started)
-        if span is not None:
-            span.finish(200, routed.state, worker_id=reply.worker_id, error=broken)
-        if meter is not None:
-            request[USAGE_TOKENS_KEY] = meter.tokens()
-    return resp
-
-
-_COUNT_INLINE_CHARS = 4096  # count_tokens: smaller prompts are counted on the loop (a thread hop costs more)
-_COUNT_BODY_FACTOR = 8  # count_tokens: bodies over this many times --router-prefix-chars are not read
-
-
-async def _anthropic_count_tokens(request: web.Request) -> web.Response:
-    """``{"input_tokens": N}`` with the model's tokenizer, where the router keeps one (kv-aware)."""
-    state: ServerState = request.app[STATE_KEY]
-    request_id = _request_id(request)
-    request[REQUEST_ID_KEY] = request_id
-    try:
-        # A body this much over the cap holds more than it in its messages whatever its escapes (at most 6
-        # bytes a character): refused before it is read and decoded, which alone held the loop ~0.1 s a 30 MB.
-        cap = (getattr(state.tokenizers, "_prompt_kwargs", {}).get("prefix_chars") or DEFAULT_PREFIX_CHARS)
-        if request.content_length is not None and request.content_length > _COUNT_BODY_FACTOR * cap:
-            raise ApiError(413, f"count_tokens counts prompts of up to {cap} characters (--router-prefix-chars); "
-                           f"this body is over {_COUNT_BODY_FACTOR}x that", "prompt_too_large")
-        translated = _anthropic.translate_request(await _anthropic_body(request, state), count_only=True)
-        _authorize_model(request, translated.model)
-        if not state.fleet.knows_model(translated.model):
-            raise ApiError(404, f"The model `{translated.model}` does not exist. Available: "
-                           f"{', '.join(state.fleet.models())}", "model_not_found")
-        if state.tokenizers is None:
-            raise ApiError(501, "count_tokens needs the router's tokenizer, which this server keeps only under "
-                           "--router-policy kv-aware", "count_tokens_unavailable")
-        status = state.tokenizers.model_status(translated.model)
-        if status["status"] == "degraded":  # the router's tokenizer may not be the engine's: no guess
-            raise ApiError(501, f"count_tokens is unavailable for model {translated.model!r}: its router tokenizer "
-                           f"is degraded ({'; '.join(status.get('reasons', []))})", "count_tokens_unavailable")
-        prompts = state.tokenizers.prompts_for(translated.model)
-        if prompts is None:
-            raise ApiError(503, f"the tokenizer of model {translated.model!r} is still loading; retry shortly",
-                           "tokenizer_loading", headers={"Retry-After": "1"})
-        # The cap and the threads of routing (infera/kv/prompt.py): a prompt past --router-prefix-chars is
-        # not tokenized whole here either (a 413: an estimate is no answer to "does it fit"; no served
-        # context holds 512 KiB of text), and anything past a few KB goes to the tokenizer threads.
-        size = len(_json.encode(translated.body["messages"])) + (len(_json.encode(translated.tools))
-                                                                 if translated.tools else 0)
-        if size > prompts.prefix_chars:
-            raise ApiError(413, f"count_tokens counts prompts of up to {prompts.prefix_chars} characters (as JSON; "
-                           "--router-prefix-chars); this one is longer", "prompt_too_large")
-        if size > _COUNT_INLINE_CHARS:
-            count = await asyncio.get_running_loop().run_in_executor(
-                prompts._pool(), _anthropic.count_prompt_tokens, prompts.tokenizer, translated)
-        else:
-            count = _anthropic.count_prompt_tokens(prompts.tokenizer, translated)
-    except ApiError as exc:
-        return _anthropic_error(exc.status, exc.message, request_id, exc.headers)
-    except web.HTTPRequestEntityTooLarge:
-        return _anthropic_error(413, f"request body larger than the {state.max_request_bytes}-byte limit", request_id)
-    return web.Response(body=_json.encode({"input_tokens": count}), content_type="application/json",
-                        headers={REQUEST_ID_HEADER: request_id})
-
-
 # -- fleet view and dashboard: GET /v1/fleet, GET|POST /dashboard ------------------------------------
 # Open without --admin-token; with one, a Bearer header or the dashboard cookie (infera/server/dashboard.py).
-FLEET_VIEW_KEY = web.AppKey("fleet_view", FleetView)
 DASHBOARD_PAGE_KEY = web.AppKey("dashboard_page", bytes)
 
 

@@ -1,0 +1,195 @@
+"""Anthropic's Messages API on the server: ``POST /v1/messages`` and ``/v1/messages/count_tokens``.
+
+Translation lives in ``infera.api.anthropic``; these handlers feed the translated body to the same
+``router.dispatch`` as ``/v1/chat/completions`` (with the same key, queue, trace and cache-salt
+steps) and write the answer back in Anthropic's shapes, errors included."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import msgspec
+from aiohttp import web
+
+from infera.api import anthropic as _anthropic
+from infera.api.errors import ApiError
+from infera.api.requests import parse_request
+from infera.kv.prompt import DEFAULT_PREFIX_CHARS
+from infera.router.policy import RoutedRequest
+from infera.server.app_state import (API_KEY_KEY, DIRECT_PREFILL_HEADER, DIRECT_WORKER_HEADER, FLEET_VIEW_KEY,
+                                     PERMIT_KEY, REQUEST_ID_HEADER, REQUEST_ID_KEY, STATE_KEY, USAGE_TOKENS_KEY,
+                                     ServerState, _admit, _authorize_model, _check_client_request_id, _json,
+                                     _request_id, _trace)
+from infera.server.request_salt import CACHE_SALT_STATE, salt_translated
+from infera.server.tenant_limits import UsageMeter, reply_tokens
+from infera.server.tracing import RequestSpan
+
+log = logging.getLogger(__name__)
+
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+# -- Anthropic Messages API (POST /v1/messages, /v1/messages/count_tokens) --------------------------------
+# Translation lives in infera.api.anthropic; these handlers feed the translated body to the same
+# router.dispatch as /v1/chat/completions and write the answer back in Anthropic's shapes.
+def _anthropic_error(status: int, message: str, request_id: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=_anthropic.anthropic_error_body(status, message),
+                        content_type="application/json", headers={REQUEST_ID_HEADER: request_id, **(headers or {})})
+
+
+async def _anthropic_body(request: web.Request, state: ServerState) -> bytes:
+    version = request.headers.get("anthropic-version")
+    if version is not None and version != _anthropic.ANTHROPIC_VERSION:
+        log.debug("anthropic-version %r (served as %s)", version, _anthropic.ANTHROPIC_VERSION)
+    _check_client_request_id(request)
+    if request.content_length is not None and request.content_length > state.max_request_bytes:
+        raise web.HTTPRequestEntityTooLarge(max_size=state.max_request_bytes, actual_size=request.content_length)
+    return await request.read()
+
+
+async def _anthropic_messages(request: web.Request) -> web.StreamResponse:
+    state: ServerState = request.app[STATE_KEY]
+    route = _anthropic.MESSAGES_ROUTE
+    started = time.perf_counter()
+    request_id = _request_id(request)
+    request[REQUEST_ID_KEY] = request_id
+    metrics = state.metrics
+    span: RequestSpan | None = None
+    routed: RoutedRequest | None = None
+    try:
+        translated = _anthropic.translate_request(await _anthropic_body(request, state))
+        _authorize_model(request, translated.model)
+        await _admit(request, translated.model)
+        salt = salt_translated(translated.body, request.get(API_KEY_KEY))  # an isolated tenant's cache_salt
+        body = _json.encode(translated.body)
+        parsed = parse_request(_anthropic.CHAT_ROUTE, body,
+                               allow_kv_transfer_params=state.allow_client_kv_transfer_params)
+        span, trace_headers = _trace(state, request, route, translated.model, request_id)
+        routed = RoutedRequest(route=_anthropic.CHAT_ROUTE, body=body, parsed=parsed, model=translated.model,
+                               stream=translated.stream, request_id=request_id,
+                               direct_worker=request.headers.get(DIRECT_WORKER_HEADER),
+                               direct_prefill=request.headers.get(DIRECT_PREFILL_HEADER), trace_headers=trace_headers)
+        if salt is not None:
+            routed.state[CACHE_SALT_STATE] = salt
+        reply = await state.router.dispatch(routed)
+    except ApiError as exc:
+        metrics.count_request(route, exc.status, "none")
+        if span is not None:
+            span.finish(exc.status, routed.state if routed is not None else None,
+                        error=exc.message if exc.status >= 500 else None)
+        return _anthropic_error(exc.status, exc.message, request_id, exc.headers)
+    except web.HTTPRequestEntityTooLarge:
+        metrics.count_request(route, 413, "none")
+        return _anthropic_error(413, f"request body larger than the {state.max_request_bytes}-byte limit", request_id)
+    except asyncio.CancelledError:
+        metrics.count_disconnect(route)
+        if span is not None:
+            span.finish(None, routed.state if routed is not None else None, error="the client disconnected")
+        raise
+    msg_id = _anthropic.message_id(request_id)
+    headers = {REQUEST_ID_HEADER: request_id}
+    if reply.stream is None:
+        metrics.count_request(route, reply.status, reply.worker_id)
+        metrics.observe_e2e(route, False, time.perf_counter() - started)
+        if span is not None:
+            span.finish(reply.status, routed.state, worker_id=reply.worker_id)
+        if PERMIT_KEY in request:
+            request[USAGE_TOKENS_KEY] = reply_tokens(reply.body)
+        if reply.status >= 400:  # the engine refused it: its message, in Anthropic's shape
+            return _anthropic_error(reply.status, _anthropic.error_message_of(reply.body, reply.status), request_id)
+        try:
+            answer = msgspec.json.decode(reply.body or b"")
+        except (msgspec.DecodeError, RecursionError):  # RecursionError: msgspec's, for JSON nested too deep
+            log.warning("request %s: worker %s returned a body that is not JSON", request_id, reply.worker_id)
+            return _anthropic_error(502, "the worker returned a body that is not JSON", request_id)
+        message = _anthropic.translate_response(answer if isinstance(answer, dict) else {}, translated, msg_id)
+        return web.Response(body=_json.encode(message), content_type="application/json", headers=headers)
+    metrics.observe_ttft(route, (reply.first_byte_at or time.perf_counter()) - started)
+    request.app[FLEET_VIEW_KEY].recent.observe_ttft(reply.worker_id,  # per worker, for /v1/fleet
+                                                    (reply.first_byte_at or time.perf_counter()) - started)
+    headers["Content-Type"] = "text/event-stream"
+    headers["Cache-Control"] = "no-cache"
+    resp = web.StreamResponse(status=200, headers=headers)
+    chunks = reply.stream
+    events = _anthropic.StreamTranslator(translated.model, msg_id, translated.stop_sequences)
+    broken: str | None = None
+    meter = UsageMeter() if PERMIT_KEY in request else None
+    try:
+        await resp.prepare(request)
+        async for chunk in chunks:  # read to the end even after [DONE]: the relay's usage tail feeds kv-aware
+            if meter is not None:
+                meter.feed(chunk)
+            out = events.feed(chunk)
+            if out:
+                await resp.write(out)
+        out = events.finish()
+        if out:
+            await resp.write(out)
+        await resp.write_eof()
+    except (ConnectionResetError, asyncio.CancelledError):
+        metrics.count_disconnect(route)
+        broken = "the client disconnected"
+        raise
+    finally:
+        await chunks.aclose()  # releases upstream on any exit, even before the first chunk
+        metrics.count_request(route, 200, reply.worker_id)
+        metrics.observe_e2e(route, True, time.perf_counter() - started)
+        if span is not None:
+            span.finish(200, routed.state, worker_id=reply.worker_id, error=broken)
+        if meter is not None:
+            request[USAGE_TOKENS_KEY] = meter.tokens()
+    return resp
+
+
+_COUNT_INLINE_CHARS = 4096  # count_tokens: smaller prompts are counted on the loop (a thread hop costs more)
+_COUNT_BODY_FACTOR = 8  # count_tokens: bodies over this many times --router-prefix-chars are not read
+
+
+async def _anthropic_count_tokens(request: web.Request) -> web.Response:
+    """``{"input_tokens": N}`` with the model's tokenizer, where the router keeps one (kv-aware)."""
+    state: ServerState = request.app[STATE_KEY]
+    request_id = _request_id(request)
+    request[REQUEST_ID_KEY] = request_id
+    try:
+        # A body this much over the cap holds more than it in its messages whatever its escapes (at most 6
+        # bytes a character): refused before it is read and decoded, which alone held the loop ~0.1 s a 30 MB.
+        cap = (getattr(state.tokenizers, "_prompt_kwargs", {}).get("prefix_chars") or DEFAULT_PREFIX_CHARS)
+        if request.content_length is not None and request.content_length > _COUNT_BODY_FACTOR * cap:
+            raise ApiError(413, f"count_tokens counts prompts of up to {cap} characters (--router-prefix-chars); "
+                           f"this body is over {_COUNT_BODY_FACTOR}x that", "prompt_too_large")
+        translated = _anthropic.translate_request(await _anthropic_body(request, state), count_only=True)
+        _authorize_model(request, translated.model)
+        if not state.fleet.knows_model(translated.model):
+            raise ApiError(404, f"The model `{translated.model}` does not exist. Available: "
+                           f"{', '.join(state.fleet.models())}", "model_not_found")
+        if state.tokenizers is None:
+            raise ApiError(501, "count_tokens needs the router's tokenizer, which this server keeps only under "
+                           "--router-policy kv-aware", "count_tokens_unavailable")
+        status = state.tokenizers.model_status(translated.model)
+        if status["status"] == "degraded":  # the router's tokenizer may not be the engine's: no guess
+            raise ApiError(501, f"count_tokens is unavailable for model {translated.model!r}: its router tokenizer "
+                           f"is degraded ({'; '.join(status.get('reasons', []))})", "count_tokens_unavailable")
+        prompts = state.tokenizers.prompts_for(translated.model)
+        if prompts is None:
+            raise ApiError(503, f"the tokenizer of model {translated.model!r} is still loading; retry shortly",
+                           "tokenizer_loading", headers={"Retry-After": "1"})
+        # The cap and the threads of routing (infera/kv/prompt.py): a prompt past --router-prefix-chars is
+        # not tokenized whole here either (a 413: an estimate is no answer to "does it fit"; no served
+        # context holds 512 KiB of text), and anything past a few KB goes to the tokenizer threads.
+        size = len(_json.encode(translated.body["messages"])) + (len(_json.encode(translated.tools))
+                                                                 if translated.tools else 0)
+        if size > prompts.prefix_chars:
+            raise ApiError(413, f"count_tokens counts prompts of up to {prompts.prefix_chars} characters (as JSON; "
+                           "--router-prefix-chars); this one is longer", "prompt_too_large")
+        if size > _COUNT_INLINE_CHARS:
+            count = await asyncio.get_running_loop().run_in_executor(
+                prompts._pool(), _anthropic.count_prompt_tokens, prompts.tokenizer, translated)
+        else:
+            count = _anthropic.count_prompt_tokens(prompts.tokenizer, translated)
+    except ApiError as exc:
+        return _anthropic_error(exc.status, exc.message, request_id, exc.headers)
+    except web.HTTPRequestEntityTooLarge:
+        return _anthropic_error(413, f"request body larger than the {state.max_request_bytes}-byte limit", request_id)
+    return web.Response(body=_json.encode({"input_tokens": count}), content_type="application/json",
+                        headers={REQUEST_ID_HEADER: request_id})
