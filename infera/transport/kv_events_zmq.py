@@ -52,28 +52,34 @@ Replay protocol (vLLM): the DEALER sends ``[b"", start_seq (8-byte BE)]`` and re
 ``[b"", (topic,) seq, payload]`` per buffered batch with seq >= start_seq, then an end marker whose
 seq is -1 (8-byte signed BE). Only the last two frames are read, so replies with or without the
 topic frame both work.
+
+This module owns the subscriber's lifecycle, its sockets and its live path (the connection's reads,
+the per-key task, recovery from a failed reader); its neighbours own the callbacks every subscriber
+shares (``kv_event_callbacks``), the per-key state (``kv_events_zmq_state``) and the replay side
+(``kv_events_zmq_replay``).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from dataclasses import dataclass, field
 from time import monotonic as _monotonic
-from typing import Callable
 
-import xxhash
 import zmq
 import zmq.asyncio
 
 from infera.transport.backoff import retry_delay
+# The subscriber's other concerns, in their own modules; their names are re-exported here, where
+# callers imported them from.
+from infera.transport.kv_event_callbacks import (  # noqa: F401
+    NO_SEQ, RESET_GAP, RESET_HISTORY, RESET_REASONS, RESET_RECONNECT, RESET_RESTART, KvCallbacks, OnBatch,
+    OnCaughtUp, OnReset)
+from infera.transport.kv_events_zmq_replay import _END_SEQ, ZmqReplay  # noqa: F401
+from infera.transport.kv_events_zmq_state import _digest, _KeyState  # noqa: F401
 from infera.transport.zmtp import ZmtpSubscription
 
 log = logging.getLogger("infera.transport.kv_events_zmq")
 
 DEFAULT_TOPIC = "kv-events"
-NO_SEQ = -1
-_END_SEQ = -1
 # Idle replay probes: soon after subscribing (the ZMQ slow-joiner window), then every few seconds
 # of silence.
 _FIRST_PROBE_S = 0.5  # (also the interval of the warm-up's retries)
@@ -87,15 +93,6 @@ _STOP_WAIT_S = 5.0  # how long stop() waits for closing readers and connections
 _RECOVER_MIN_S = 0.1
 _RECOVER_MAX_S = 30.0
 _RECOVER_RESET_S = 60.0
-OnBatch = Callable[[str, int, bytes], None]
-OnReset = Callable[[str], None]
-OnCaughtUp = Callable[[str], None]
-# Why a view was reset (bounded: these are metric label values).
-RESET_RESTART = "restart"
-RESET_GAP = "gap"
-RESET_HISTORY = "history"
-RESET_RECONNECT = "reconnect"
-RESET_REASONS = (RESET_RESTART, RESET_GAP, RESET_HISTORY, RESET_RECONNECT)
 
 
 def endpoint_for_rank(endpoint: str, rank: int | None) -> str:
@@ -106,104 +103,7 @@ def endpoint_for_rank(endpoint: str, rank: int | None) -> str:
     return f"{host}:{int(port) + rank}"
 
 
-def _digest(payload: bytes) -> int:
-    return xxhash.xxh3_64_intdigest(payload)
-
-
-@dataclass(eq=False)
-class _KeyState:
-    key: str
-    endpoint: str
-    replay_endpoint: str | None
-    conn: ZmtpSubscription | None = None  # the SUB connection (ZMTP on the loop)
-    task: asyncio.Task | None = None
-    # Live batches are delivered from the connection's reads (``_on_frames``); the task does what
-    # must wait (first contact, gap repair, idle probes), the connection paused meanwhile.
-    live: bool = False  # the reads may deliver (first contact done, no slow path running)
-    slow: list[bytes] | None = None  # a message the reads left to the task
-    pending: list[list[bytes]] = field(default_factory=list)  # read while not live, for the task
-    wake: asyncio.Event | None = None
-    last_seq: int | None = None  # last seq delivered (None: nothing since the last reset)
-    last_payload: bytes = b""  # the payload delivered as last_seq (a gap's replay checks it against its own)
-    # seq -> payload digest of batches delivered by replay and not yet seen live: a live copy of
-    # one of them is a duplicate; anything else at seq <= last_seq means the engine restarted.
-    replayed: dict[int, int] = field(default_factory=dict)
-    replayed_max: int = -1
-    batches: int = 0
-    gaps: int = 0
-    replays: int = 0
-    replay_failures: int = 0
-    probe_recoveries: int = 0  # batches found by an idle probe that the live stream had dropped
-    resets: int = 0
-    reset_reasons: dict[str, int] = field(default_factory=dict)
-    reset_reason: str | None = None  # the last one's
-    restarts: int = 0
-    reconnect_checks: int = 0  # probes asked because the SUB reconnected
-    recheck: bool = False  # reconnected: probe the replay socket before delivering anything more
-    replay_answers: int = 0  # replays that returned batches: an empty one then means "nothing that old"
-    replay_answered: bool = False  # a replay was answered (its end marker came), batches or not
-    warmup_failures: int = 0  # replays that failed before caught_up
-    caught_up: bool = False  # the first-contact replay of the engine's history is done
-    replaying: bool = False  # batches now delivered come from the replay socket (old ones)
-    duplicates: int = 0
-    callback_errors: int = 0
-    last_batch_at: float | None = None
-    failures: int = 0  # reader failures in a row (backoff), 0: healthy
-    failed_at: float = 0.0  # monotonic time of the last one
-    batches_at_failure: int = 0  # batches delivered when it happened: none since, no view to reset
-    recovering: bool = False  # failed, and no reader has reached its steady state since
-
-    def forget_replayed(self) -> None:
-        self.replayed.clear()
-        self.replayed_max = -1
-
-
-class KvCallbacks:
-    """The callbacks every KV-event subscriber (ZMQ, NATS) drives, with the same bookkeeping on its
-    per-key state (``key``, ``batches``, ``last_batch_at``, ``resets``, ``reset_reasons``,
-    ``reset_reason``, ``callback_errors``): a callback's exception is logged and counted, never
-    kills a reader."""
-
-    on_batch: OnBatch
-    on_reset: OnReset
-    on_caught_up: OnCaughtUp | None = None
-    _keys: dict
-
-    def reset_reason(self, key: str) -> str | None:
-        """Why ``key``'s view was last reset (``RESET_REASONS``); None if it never was."""
-        st = self._keys.get(key)
-        return st.reset_reason if st is not None else None
-
-    def _emit(self, st, seq: int, payload: bytes) -> None:
-        st.batches += 1
-        st.last_batch_at = time.monotonic()
-        try:
-            self.on_batch(st.key, seq, payload)
-        except Exception:
-            st.callback_errors += 1
-            log.exception("KV events %s: on_batch failed for seq %d", st.key, seq)
-
-    def _reset(self, st, reason: str) -> None:
-        st.resets += 1
-        st.reset_reason = reason
-        st.reset_reasons[reason] = st.reset_reasons.get(reason, 0) + 1
-        try:
-            self.on_reset(st.key)
-        except Exception:
-            st.callback_errors += 1
-            log.exception("KV events %s: on_reset failed", st.key)
-
-    def _notify_caught_up(self, st) -> None:
-        if self.on_caught_up is None:
-            return
-        try:
-            self.on_caught_up(st.key)
-        except Exception:
-            st.callback_errors += 1
-            log.exception("KV events %s: on_caught_up failed", st.key)
-
-
-class ZmqKvEventSubscriber(KvCallbacks):
+class ZmqKvEventSubscriber(ZmqReplay, KvCallbacks):
     """Subscribe to many engines' KV events; see the module docstring for the guarantees."""
 
     def __init__(self, on_batch: OnBatch, on_reset: OnReset, *, context: zmq.asyncio.Context | None = None,
@@ -531,143 +431,6 @@ class ZmqKvEventSubscriber(KvCallbacks):
         self._deliver(st, seq, payload)
         if st.replayed and seq >= st.replayed_max:
             st.forget_replayed()  # live has overtaken everything replay delivered
-
-    async def _probe(self, st: _KeyState) -> None:
-        """Ask the replay socket for anything newer than what was delivered (cheap when idle), from
-        one batch early: the engine's batch ``last_seq`` must be ours, or the engine restarted."""
-        last = st.last_seq
-        batches = await self._fetch(st, 0 if last is None else last, counted=False)
-        if batches is None:
-            return  # no answer: the next live batch or probe tells
-        if last is not None and st.last_seq == last:
-            anchor = next((p for s, p in batches if s == last), None)
-            ended = st.replay_answers > 0 and not any(s >= last for s, _ in batches)
-            if (anchor is not None and anchor != st.last_payload) or ended:
-                # Our last batch is not the engine's, or the engine has not published that many: a
-                # new engine (its buffer would still hold ``last`` otherwise, or newer ones). An
-                # empty answer counts only from a replay socket that has answered with batches
-                # before (one that buffers nothing would look restarted at every probe).
-                await self._restarted(st, "the engine's replay %s" % (
-                    "differs at batch %d" % last if anchor is not None else "ends before batch %d" % last))
-                return
-        start = 0 if last is None else last + 1
-        before = st.batches
-        self._apply_replay(st, batches, start, None)
-        if st.batches != before:
-            st.probe_recoveries += 1
-
-    async def _restarted(self, st: _KeyState, why: str) -> None:
-        """The engine behind ``st`` restarted: reset, then its history from seq 0."""
-        st.restarts += 1
-        log.info("KV events %s: %s (engine restart): resetting", st.key, why)
-        st.last_seq = None
-        st.forget_replayed()
-        self._reset(st, RESET_RESTART)
-        await self._catch_up(st, 0, None)
-
-    async def _catch_up(self, st: _KeyState, start: int, upto: int | None) -> None:
-        """Deliver the missing batches ``start .. upto-1`` by replay (``upto`` None: every buffered
-        one, the proactive first-contact replay); ``on_reset`` when they cannot all be had."""
-        batches = await self._fetch(st, start) if st.replay_endpoint else None
-        if batches is None:
-            if upto is not None:
-                self._reset(st, RESET_HISTORY)  # (nothing delivered since the last reset, if any)
-            return
-        self._apply_replay(st, batches, start, upto)
-
-    async def _repair_gap(self, st: _KeyState, upto: int) -> None:
-        """Fill ``last_seq+1 .. upto-1``. The replay starts one batch early, at ``last_seq``: if the
-        engine's batch there is not the one we delivered, the engine restarted and has simply
-        published more batches than before -- reset and start over from its seq 0."""
-        assert st.last_seq is not None
-        last = st.last_seq
-        batches = await self._fetch(st, last) if st.replay_endpoint else None
-        if batches is None:
-            self._reset(st, RESET_GAP)
-            return
-        anchor = next((p for s, p in batches if s == last), None)
-        if anchor is not None and anchor != st.last_payload:
-            st.restarts += 1
-            log.info("KV events %s: the replayed batch %d differs from the one delivered (engine restart?): "
-                     "resetting", st.key, last)
-            st.last_seq = None
-            st.forget_replayed()
-            self._reset(st, RESET_RESTART)
-            await self._catch_up(st, 0, upto)  # the new engine's batches from its seq 0
-            return
-        self._apply_replay(st, batches, last + 1, upto)
-
-    def _apply_replay(self, st: _KeyState, batches: list[tuple[int, bytes]], start: int, upto: int | None) -> None:
-        """Deliver replayed ``batches`` from ``start`` up to (excluding) ``upto``; ``on_reset`` first
-        when they do not reach back to ``start`` or do not reach ``upto - 1``."""
-        usable: list[tuple[int, bytes]] = []
-        for seq, payload in sorted(batches, key=lambda b: b[0]):
-            if seq < start or (upto is not None and seq >= upto) or (usable and seq == usable[-1][0]):
-                continue
-            usable.append((seq, payload))
-        # what is missing lies before anything delivered (first contact, or after a restart's reset):
-        # older history; else batches lost mid-stream
-        missing = RESET_GAP if st.last_seq is not None else RESET_HISTORY
-        if upto is not None and (not usable or usable[-1][0] != upto - 1):
-            self._reset(st, missing)  # a hole right before the live batch: nothing here can be chained to it
-            return
-        if not usable:
-            return  # first contact with an engine that has published nothing yet
-        run = 0  # start of the last contiguous run: only that one connects to what comes next
-        for i in range(1, len(usable)):
-            if usable[i][0] != usable[i - 1][0] + 1:
-                run = i
-        if run > 0 or usable[0][0] != start:
-            self._reset(st, missing)  # older batches fell out of the engine's replay buffer
-        st.replaying = True
-        try:
-            for seq, payload in usable[run:]:
-                self._deliver(st, seq, payload)
-                st.replayed[seq] = _digest(payload)
-        finally:
-            st.replaying = False
-        st.replayed_max = max(st.replayed_max, usable[-1][0])
-
-    async def _fetch(self, st: _KeyState, start: int, counted: bool = True) -> list[tuple[int, bytes]] | None:
-        """Every buffered batch with seq >= start from the replay socket; None on failure."""
-        assert self._ctx is not None and st.replay_endpoint
-        if st.conn is None:  # closed: nothing to fetch for
-            return None
-        if counted:
-            st.replays += 1
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        out: list[tuple[int, bytes]] = []
-        try:
-            dealer.connect(st.replay_endpoint)
-            await asyncio.wait_for(dealer.send_multipart([b"", start.to_bytes(8, "big")]), self.replay_timeout)
-            while True:
-                # The timeout is on silence, not the whole transfer: a big buffer may take a while.
-                frames = await asyncio.wait_for(dealer.recv_multipart(), self.replay_timeout)
-                if len(frames) < 2 or len(frames[-2]) != 8:
-                    log.warning("KV events %s: malformed replay reply (%d frames)", st.key, len(frames))
-                    continue
-                seq = int.from_bytes(frames[-2], "big", signed=True)
-                if seq == _END_SEQ:
-                    st.replay_answered = True
-                    if out:
-                        st.replay_answers += 1
-                    log.debug("KV events %s: replayed %d batch(es) from %d", st.key, len(out), start)
-                    return out
-                out.append((seq, frames[-1]))
-        except asyncio.TimeoutError:
-            st.replay_failures += 1
-            st.warmup_failures += not st.caught_up
-            log.warning("KV events %s: replay from %d via %s timed out after %.1fs", st.key, start,
-                        st.replay_endpoint, self.replay_timeout)
-            return None
-        except zmq.ZMQError as exc:
-            st.replay_failures += 1
-            st.warmup_failures += not st.caught_up
-            log.warning("KV events %s: replay from %d via %s failed: %s", st.key, start, st.replay_endpoint, exc)
-            return None
-        finally:
-            dealer.close(linger=0)
 
     # ------------------------------------------------------------------ callbacks
 

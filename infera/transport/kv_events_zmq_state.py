@@ -1,0 +1,66 @@
+"""The ZMQ KV-event subscriber's state per subscribed key (:class:`_KeyState`): its connection and
+reader task, the live/slow-path handoff between the connection's reads and the task, the sequence
+delivered last (and its payload, to recognise a restarted engine), the digests of replayed batches
+not yet seen live (to tell a duplicate from a restart), the warm-up and failure/backoff state, and
+the counters ``ZmqKvEventSubscriber.stats`` reports. Part of :mod:`infera.transport.kv_events_zmq`.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import xxhash
+
+from infera.transport.zmtp import ZmtpSubscription
+
+
+def _digest(payload: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+@dataclass(eq=False)
+class _KeyState:
+    key: str
+    endpoint: str
+    replay_endpoint: str | None
+    conn: ZmtpSubscription | None = None  # the SUB connection (ZMTP on the loop)
+    task: asyncio.Task | None = None
+    # Live batches are delivered from the connection's reads (``_on_frames``); the task does what
+    # must wait (first contact, gap repair, idle probes), the connection paused meanwhile.
+    live: bool = False  # the reads may deliver (first contact done, no slow path running)
+    slow: list[bytes] | None = None  # a message the reads left to the task
+    pending: list[list[bytes]] = field(default_factory=list)  # read while not live, for the task
+    wake: asyncio.Event | None = None
+    last_seq: int | None = None  # last seq delivered (None: nothing since the last reset)
+    last_payload: bytes = b""  # the payload delivered as last_seq (a gap's replay checks it against its own)
+    # seq -> payload digest of batches delivered by replay and not yet seen live: a live copy of
+    # one of them is a duplicate; anything else at seq <= last_seq means the engine restarted.
+    replayed: dict[int, int] = field(default_factory=dict)
+    replayed_max: int = -1
+    batches: int = 0
+    gaps: int = 0
+    replays: int = 0
+    replay_failures: int = 0
+    probe_recoveries: int = 0  # batches found by an idle probe that the live stream had dropped
+    resets: int = 0
+    reset_reasons: dict[str, int] = field(default_factory=dict)
+    reset_reason: str | None = None  # the last one's
+    restarts: int = 0
+    reconnect_checks: int = 0  # probes asked because the SUB reconnected
+    recheck: bool = False  # reconnected: probe the replay socket before delivering anything more
+    replay_answers: int = 0  # replays that returned batches: an empty one then means "nothing that old"
+    replay_answered: bool = False  # a replay was answered (its end marker came), batches or not
+    warmup_failures: int = 0  # replays that failed before caught_up
+    caught_up: bool = False  # the first-contact replay of the engine's history is done
+    replaying: bool = False  # batches now delivered come from the replay socket (old ones)
+    duplicates: int = 0
+    callback_errors: int = 0
+    last_batch_at: float | None = None
+    failures: int = 0  # reader failures in a row (backoff), 0: healthy
+    failed_at: float = 0.0  # monotonic time of the last one
+    batches_at_failure: int = 0  # batches delivered when it happened: none since, no view to reset
+    recovering: bool = False  # failed, and no reader has reached its steady state since
+
+    def forget_replayed(self) -> None:
+        self.replayed.clear()
+        self.replayed_max = -1
