@@ -11,7 +11,7 @@ Three layers, one module each:
   any trouble) and :class:`EtcdRegistration` (here; worker side: lease + put + keepalive,
   re-asserting a lost lease).
 
-This module owns the registration and keeps every name of the three importable from here.
+This module owns the registration and keeps the public names of the three importable from here.
 
 Gateway facts this relies on (etcd 3.4 / 3.5): keys and values are base64 in every body; int64 ids
 and revisions are JSON strings; a PUT watch event has no ``type`` field; a watch from a compacted
@@ -23,28 +23,22 @@ import asyncio
 import logging
 import math
 
-# The parts' names stay importable from here, where the server, the workers, the benches and the
-# tests find them.
-from infera.discovery.etcd_client import _JSON_HEADERS, _MAX_WATCH_LINE, EtcdAuth, EtcdClient, _client_for
-from infera.discovery.etcd_codec import (_AUTH_MESSAGES, _GRPC_NOT_FOUND, _GRPC_PERMISSION_DENIED,
-                                         _GRPC_UNAUTHENTICATED, _STALE_TOKEN_MESSAGES, ETCD_PASSWORD_ENV,
-                                         EtcdAuthError, EtcdConnectionError, EtcdError, EtcdRequestError,
-                                         EtcdTlsError, LeaseNotFound, WatchBatch, WatchCanceled, WatchCompacted,
-                                         WatchEvent, _as_bytes, _describe, _parse_response, _range_key, b64decode,
-                                         b64encode, normalize_endpoint, parse_keepalive_ttl, parse_range_response,
+# The parts' public names (and the test-used _parse_response) stay importable from here, where the
+# server, the workers, the benches and the tests find them.
+from infera.discovery.etcd_client import EtcdAuth, EtcdClient, _client_for
+from infera.discovery.etcd_codec import (ETCD_PASSWORD_ENV, EtcdAuthError, EtcdConnectionError, EtcdError,
+                                         EtcdRequestError, EtcdTlsError, LeaseNotFound, WatchBatch, WatchCanceled,
+                                         WatchCompacted, WatchEvent, _parse_response, b64decode, b64encode,
+                                         normalize_endpoint, parse_keepalive_ttl, parse_range_response,
                                          parse_watch_line, prefix_end, put_body, range_prefix_body,
                                          watch_create_body)
 from infera.discovery.etcd_discovery import EtcdDiscovery
-from infera.discovery.fleet import Fleet
-from infera.discovery.record import FleetKey, RecordSignatureError, WorkerRecord, decode_record, encode_record
+from infera.discovery.record import FleetKey, WorkerRecord, encode_record
 
 __all__ = ["ETCD_PASSWORD_ENV", "KEEPALIVE_RETRY_S", "EtcdAuth", "EtcdAuthError", "EtcdClient",
            "EtcdConnectionError", "EtcdDiscovery", "EtcdError", "EtcdRegistration", "EtcdRequestError",
-           "EtcdTlsError", "Fleet", "FleetKey", "LeaseNotFound", "RecordSignatureError", "WatchBatch",
-           "WatchCanceled", "WatchCompacted", "WatchEvent", "WorkerRecord", "_AUTH_MESSAGES", "_GRPC_NOT_FOUND",
-           "_GRPC_PERMISSION_DENIED", "_GRPC_UNAUTHENTICATED", "_JSON_HEADERS", "_MAX_WATCH_LINE",
-           "_STALE_TOKEN_MESSAGES", "_as_bytes", "_client_for", "_describe", "_parse_response", "_range_key",
-           "b64decode", "b64encode", "decode_record", "encode_record", "normalize_endpoint", "parse_keepalive_ttl",
+           "EtcdTlsError", "LeaseNotFound", "WatchBatch", "WatchCanceled", "WatchCompacted", "WatchEvent",
+           "_parse_response", "b64decode", "b64encode", "normalize_endpoint", "parse_keepalive_ttl",
            "parse_range_response", "parse_watch_line", "prefix_end", "put_body", "range_prefix_body",
            "watch_create_body"]
 
