@@ -366,7 +366,7 @@ def site_anchors(text: str) -> str:
     from markdown.extensions.toc import slugify
 
     headings = [h for h in re.findall(r"^#{1,6} +(.+?) *$", text, re.M)]
-    plain = {h: re.sub(r"[`*_]", "", h) for h in headings}
+    plain = {h: re.sub(r"[`*]", "", h) for h in headings}
     table = {github_slug(plain[h]): slugify(plain[h], "-") for h in headings}
     return re.sub(r"\]\(#([^)]+)\)", lambda m: f"](#{table.get(m.group(1), m.group(1))})", text)
 

@@ -25,6 +25,13 @@ prefix goes on in the host tier after its GPU hit *loads* those blocks instead o
 they count as cached tokens (as vLLM counts connector-loaded tokens), the scheduler charges a load
 time per block, and they re-enter the GPU as freshly filled blocks (``on_stored``). The host copy
 stays (an inclusive tier), refreshed in its LRU order.
+
+A request's ``cache_salt`` (vLLM's per-request isolation) salts its prompt's chain from the first
+block on: the chain starts from ``salt_root(salt)`` instead of the root (the router's space, as
+``infera.kv.hashing`` folds it), so its blocks never match the same tokens unsalted or under another
+salt. A salted prompt's newly cached first block is announced through ``on_stored_salted`` (and
+``on_offloaded_salted``) with the salt in place of the parent, as vLLM names it among the block's
+extra keys; without those hooks it goes to ``on_stored`` like any first block.
 """
 from __future__ import annotations
 
@@ -32,7 +39,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from infera.kv.hashing import ROUTER_SEED, block_hashes, hash_chunk  # noqa: F401  (re-exported)
+from infera.kv.hashing import ROUTER_SEED, block_hashes, hash_chunk, salt_root  # noqa: F401  (re-exported)
 
 # The cache's own prefix keys are the router's chained block hashes (one implementation); what
 # it announces in KV events is re-rooted by the publisher, so the router still has to re-hash.
@@ -43,6 +50,9 @@ OnRemoved = Callable[[list[int]], None]
 OnCleared = Callable[[], None]
 # A GPU-evicted block copied to the host tier: (its hash, its parent's hash or None, its tokens).
 OnOffloaded = Callable[[int, "int | None", list[int]], None]
+# A salted prompt's first block: (its hash(es), the salt, its tokens) -- stored, or offloaded.
+OnStoredSalted = Callable[[list[int], str, list[int]], None]
+OnOffloadedSalted = Callable[[int, str, list[int]], None]
 
 @dataclass
 class _SeqBlocks:
@@ -55,6 +65,7 @@ class _SeqBlocks:
     num_full_blocks: int = 0
     # Of the hit blocks, those loaded from the host tier (after the GPU hit).
     num_loaded_blocks: int = 0
+    salt: str | None = None  # the request's cache_salt: its first block's parent is salt_root(salt)
 
 
 class KVCache:
@@ -81,6 +92,8 @@ class KVCache:
         self.on_stored = on_stored
         self.on_removed = on_removed
         self.on_cleared = on_cleared
+        self.on_stored_salted: OnStoredSalted | None = None
+        self.on_offloaded_salted: OnOffloadedSalted | None = None
 
         self._ref_counts = [0] * num_blocks
         self._block_hash: list[int | None] = [None] * num_blocks
@@ -101,8 +114,10 @@ class KVCache:
         self.on_offloaded = on_offloaded
         self.on_offload_evicted = on_offload_evicted
         self._host: OrderedDict[int, tuple[int | None, list[int]]] = OrderedDict()
-        # per GPU block, (parent hash, tokens) while it is cached: what goes to the host on eviction
-        self._block_meta: list[tuple[int | None, list[int]] | None] = [None] * num_blocks if host_blocks else []
+        # per GPU block, (parent hash, tokens, salt of a salted first block) while it is cached: what
+        # goes to the host on eviction
+        self._block_meta: list[tuple[int | None, list[int], str | None] | None] = (
+            [None] * num_blocks if host_blocks else [])
         self.host_loaded_tokens = 0  # prompt tokens loaded from the host tier (not computed)
 
     # ----------------------------------------------------------------- queries
@@ -171,32 +186,32 @@ class KVCache:
             blocks.append(block_id)
         return blocks
 
-    def match_prefix(self, tokens: Sequence[int]) -> int:
+    def match_prefix(self, tokens: Sequence[int], salt: str | None = None) -> int:
         """How many leading tokens ``allocate`` would serve from the cache right now. No side effects."""
         limit = self._max_hit_blocks(len(tokens))
         if limit == 0:
             return 0
-        hashes = block_hashes(tokens[: limit * self.block_size], self.block_size)
+        hashes = block_hashes(tokens[: limit * self.block_size], self.block_size, salt_root(salt))
         hit = len(self._matching_blocks(hashes, limit))
         return (hit + self._host_run(hashes, hit, limit)) * self.block_size
 
     # ------------------------------------------------------------- allocation
 
-    def match_full_blocks(self, tokens: Sequence[int]) -> int:
+    def match_full_blocks(self, tokens: Sequence[int], salt: str | None = None) -> int:
         """Leading tokens of ``tokens``' full blocks already cached (no one-token-recompute limit):
         what a KV transfer of those blocks would not need to move. No side effects."""
         num_full = len(tokens) // self.block_size
-        hashes = block_hashes(tokens[: num_full * self.block_size], self.block_size)
+        hashes = block_hashes(tokens[: num_full * self.block_size], self.block_size, salt_root(salt))
         return len(self._matching_blocks(hashes, num_full)) * self.block_size
 
-    def allocate(self, seq_id: object, tokens: Sequence[int]) -> int | None:
+    def allocate(self, seq_id: object, tokens: Sequence[int], salt: str | None = None) -> int | None:
         """Give ``seq_id`` blocks for ``tokens``; return how many tokens were prefix-cache hits.
 
         Returns None (and changes nothing) when there are not enough free blocks.
         Full blocks are registered in the cache immediately, as vLLM does at schedule time.
         """
         tokens = list(tokens)
-        hit_blocks = self._acquire(seq_id, tokens, self._max_hit_blocks(len(tokens)))
+        hit_blocks = self._acquire(seq_id, tokens, self._max_hit_blocks(len(tokens)), salt)
         if hit_blocks is None:
             return None
         cached_tokens = len(hit_blocks) * self.block_size
@@ -206,7 +221,7 @@ class KVCache:
         self.host_loaded_tokens += loaded_tokens
         return cached_tokens + loaded_tokens
 
-    def import_blocks(self, hold_id: object, tokens: Sequence[int]) -> list[int] | None:
+    def import_blocks(self, hold_id: object, tokens: Sequence[int], salt: str | None = None) -> list[int] | None:
         """Hold the full blocks of ``tokens`` under ``hold_id`` as KV that arrived by transfer.
 
         Blocks already cached are reused; the others are filled and registered exactly as if
@@ -216,7 +231,7 @@ class KVCache:
         """
         num_full = len(tokens) // self.block_size
         full = list(tokens[: num_full * self.block_size])
-        hit_blocks = self._acquire(hold_id, full, num_full)
+        hit_blocks = self._acquire(hold_id, full, num_full, salt)
         if hit_blocks is None:
             return None
         return self._seqs[hold_id].block_ids[len(hit_blocks):]
@@ -232,16 +247,19 @@ class KVCache:
             self._ref(block_id)
         self._seqs[hold_id] = _SeqBlocks(block_ids=list(block_ids),
                                          tokens=seq.tokens[: len(block_ids) * self.block_size],
-                                         num_full_blocks=len(block_ids))
+                                         num_full_blocks=len(block_ids), salt=seq.salt)
         return list(block_ids)
 
-    def _acquire(self, owner: object, tokens: list[int], max_hit_blocks: int) -> list[int] | None:
+    def _acquire(self, owner: object, tokens: list[int], max_hit_blocks: int,
+                 salt: str | None = None) -> list[int] | None:
         """Blocks for ``tokens`` under ``owner``, reusing up to ``max_hit_blocks`` cached ones;
         the hit block ids, or None (nothing changed) when there are not enough free blocks."""
         if owner in self._seqs:
             raise ValueError(f"sequence {owner!r} already holds blocks")
         bs = self.block_size
-        hashes = block_hashes(tokens, bs)
+        salt = salt or None  # (an empty salt is no salt, as in vLLM)
+        root = salt_root(salt)
+        hashes = block_hashes(tokens, bs, root)
         hit_blocks = self._matching_blocks(hashes, max_hit_blocks)
         loaded = self._host_run(hashes, len(hit_blocks), max_hit_blocks)
         num_new = self.blocks_needed(len(tokens)) - len(hit_blocks)
@@ -261,14 +279,15 @@ class KVCache:
             self._ref(block_id)
             block_ids.append(block_id)
 
-        seq = _SeqBlocks(block_ids=block_ids, tokens=tokens, num_loaded_blocks=loaded)
+        seq = _SeqBlocks(block_ids=block_ids, tokens=tokens, num_loaded_blocks=loaded, salt=salt)
         self._seqs[owner] = seq
         # Register the newly filled full blocks (hits are already cached).
         for i in range(len(hit_blocks), len(hashes)):
             parent = hashes[i - 1] if i > 0 else None
-            self._register_full_block(block_ids[i], hashes[i], parent, tokens[i * bs : (i + 1) * bs])
+            self._register_full_block(block_ids[i], hashes[i], parent, tokens[i * bs : (i + 1) * bs],
+                                      salt if i == 0 else None)
         seq.num_full_blocks = len(hashes)
-        seq.last_full_hash = hashes[-1] if hashes else ROOT_PARENT_HASH
+        seq.last_full_hash = hashes[-1] if hashes else root
         return hit_blocks
 
     def append_token(self, seq_id: object, token: int) -> bool:
@@ -288,7 +307,7 @@ class KVCache:
             block_tokens = seq.tokens[i * bs :]
             parent = seq.last_full_hash if i > 0 else None
             h = hash_chunk(seq.last_full_hash, block_tokens)
-            self._register_full_block(seq.block_ids[i], h, parent, block_tokens)
+            self._register_full_block(seq.block_ids[i], h, parent, block_tokens, seq.salt if i == 0 else None)
             seq.num_full_blocks = i + 1
             seq.last_full_hash = h
         return True
@@ -349,7 +368,9 @@ class KVCache:
                 self.on_removed([old_hash])
         return block_id
 
-    def _register_full_block(self, block_id: int, block_hash: int, parent_hash: int | None, tokens: list[int]) -> None:
+    def _register_full_block(self, block_id: int, block_hash: int, parent_hash: int | None, tokens: list[int],
+                             salt: str | None = None) -> None:
+        """``salt``: set for a salted prompt's first block (``parent_hash`` is then None)."""
         if block_hash in self._hash_to_block:
             # Same content already cached in another block (e.g. two identical prompts admitted
             # in one step): keep the existing entry; this copy stays private and is never reused.
@@ -357,11 +378,13 @@ class KVCache:
         self._hash_to_block[block_hash] = block_id
         self._block_hash[block_id] = block_hash
         if self.host_blocks:
-            self._block_meta[block_id] = (parent_hash, tokens)
-        if self.on_stored:
+            self._block_meta[block_id] = (parent_hash, tokens, salt)
+        if salt is not None and self.on_stored_salted:
+            self.on_stored_salted([block_hash], salt, list(tokens))
+        elif self.on_stored:
             self.on_stored([block_hash], parent_hash, list(tokens))
 
-    def _offload(self, block_hash: int, parent_hash: int | None, tokens: list[int]) -> None:
+    def _offload(self, block_hash: int, parent_hash: int | None, tokens: list[int], salt: str | None = None) -> None:
         """Copy an evicted GPU block to the host tier (LRU-bounded)."""
         host = self._host
         if block_hash in host:
@@ -372,5 +395,7 @@ class KVCache:
             if self.on_offload_evicted:
                 self.on_offload_evicted([old])
         host[block_hash] = (parent_hash, tokens)
-        if self.on_offloaded:
+        if salt is not None and self.on_offloaded_salted:
+            self.on_offloaded_salted(block_hash, salt, tokens)
+        elif self.on_offloaded:
             self.on_offloaded(block_hash, parent_hash, tokens)

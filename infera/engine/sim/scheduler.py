@@ -218,6 +218,8 @@ class Sequence:
     kv_hold: "Callable[[Sequence], None] | None" = field(default=None, repr=False)
     # PD decode: KV a transfer brought for this prompt, released once admission has referenced it.
     kv_import: ImportedKv | None = None
+    # The request's cache_salt (vLLM's): its blocks are cached apart (infera/engine/sim/cache.py).
+    cache_salt: str | None = None
     _events: asyncio.Queue = field(default_factory=asyncio.Queue, repr=False)
 
     @property
@@ -319,7 +321,7 @@ class Scheduler:
 
     def submit(self, prompt_token_ids: SequenceT[int], max_tokens: int, *, ignore_eos: bool = False,
                request_id: str = "", kv_hold: "Callable[[Sequence], None] | None" = None,
-               kv_import: ImportedKv | None = None) -> Sequence:
+               kv_import: ImportedKv | None = None, cache_salt: str | None = None) -> Sequence:
         """Queue a request. Raises ValueError if it could never fit in the KV cache (the caller
         still owns ``kv_import`` then)."""
         if max_tokens < 1:
@@ -340,6 +342,7 @@ class Scheduler:
             context=Context(self.seed, prompt, self._vocab_set),
             kv_hold=kv_hold,
             kv_import=kv_import,
+            cache_salt=cache_salt or None,
         )
         self._waiting.append(seq)
         self._wakeup.set()
@@ -406,10 +409,10 @@ class Scheduler:
         while self._waiting and len(self._running) < self.max_num_seqs:
             seq = self._waiting[0]
             tokens = seq.all_token_ids()  # includes tokens generated before a preemption
-            uncached = len(tokens) - self.cache.match_prefix(tokens)
+            uncached = len(tokens) - self.cache.match_prefix(tokens, seq.cache_salt)
             if prefill and prefill_tokens + uncached > self.max_num_batched_tokens:
                 break
-            cached = self.cache.allocate(seq.seq_id, tokens)
+            cached = self.cache.allocate(seq.seq_id, tokens, seq.cache_salt)
             if cached is None:
                 break  # FIFO: don't let later requests jump a head that doesn't fit
             self._waiting.popleft()

@@ -66,6 +66,16 @@ class _SamplingRequest(msgspec.Struct, kw_only=True):
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
     disagg_prefill_dp_rank: int | None = None
+    # vLLM's per-request prefix-cache isolation: folded into the first block's hash (cache.py).
+    cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        salt = self.cache_salt
+        # vLLM 0.32's validate_cache_salt, message for message
+        if salt is not None and (not salt or len(salt) > 128 or any(c in "@/\\\0" for c in salt)):
+            raise ValueError("Parameter 'cache_salt' must be at most 128 characters and "
+                             "must not contain '@', '/', '\\\\', or NUL." if salt else
+                             "Parameter 'cache_salt' must be a non-empty string if provided.")
 
 
 class ChatCompletionRequest(_SamplingRequest, kw_only=True):
