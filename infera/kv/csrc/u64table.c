@@ -83,10 +83,16 @@ int
 infera_h_alloc(Holders *h, uint64_t cap)
 {
     h->slots = PyMem_Calloc(cap * 2, sizeof(uint64_t));
-    if (h->slots == NULL) {
+    h->age = PyMem_Calloc(cap, 1);
+    if (h->slots == NULL || h->age == NULL) {
+        PyMem_Free(h->slots);
+        PyMem_Free(h->age);
+        h->slots = NULL;
+        h->age = NULL;
         PyErr_NoMemory();
         return -1;
     }
+    h->clamp_at = 0;
     h->cap = cap;
     h->n = 0;
     return 0;
@@ -113,6 +119,7 @@ infera_h_free(Holders *h)
     for (uint64_t i = 0; i < h->cap; i++)
         hs_free(h, h->slots[2 * i + 1]);
     PyMem_Free(h->slots);
+    PyMem_Free(h->age);
     memset(h, 0, sizeof(*h));
 }
 
@@ -135,9 +142,11 @@ h_rebuild(Holders *h, uint64_t cap)
             j = next_slot(j, h->cap);
         h->slots[2 * j] = src[0];
         h->slots[2 * j + 1] = src[1];
+        h->age[j] = old.age[i];
         h->n++;
     }
     PyMem_Free(old.slots);
+    PyMem_Free(old.age);
     return 0;
 }
 
@@ -155,6 +164,7 @@ h_delete(Holders *h, uint64_t *slot)
         if (!stays_put(i, j, home_of(sj[0], h->cap))) {
             h->slots[2 * i] = sj[0];
             h->slots[2 * i + 1] = sj[1];
+            h->age[i] = h->age[j];
             i = j;
         }
     }
@@ -359,10 +369,13 @@ infera_h_add(Holders *h, uint64_t key, uint32_t id)
             slot[0] = key;
             slot[1] = id < HS_SMALL ? hs_small(&id, 1) : hs_list(&id, 1);
             h->n++;
+            h_touch(h, slot);
             return 1;
         }
-        if (slot[0] == key)
+        if (slot[0] == key) {
+            h_touch(h, slot);
             return hs_add(h, slot, id);
+        }
         i = next_slot(i, h->cap);
     }
 }
@@ -460,4 +473,52 @@ infera_h_remove_at(Holders *h, uint64_t *slot, uint32_t id)
         }
     }
     return 1;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Holders: eviction and ages (a view bounded in bytes)                                         */
+
+void
+infera_h_evict_at(Holders *h, uint64_t *slot, void (*each)(void *, uint32_t), void *ctx)
+{
+    uint64_t v = slot[1];
+    if (!(v & HS_EXT)) {
+        uint32_t ids[HS_SMALL + 1];
+        uint32_t n = hs_inline_ids(v, ids);
+        for (uint32_t k = 0; k < n; k++)
+            each(ctx, ids[k]);
+    }
+    else if (v & HS_BITMAP) {
+        HBits *b = hs_bits(v);
+        for (uint32_t k = 0; k < b->words; k++) {
+            for (uint64_t x = b->bits[k]; x; x &= x - 1)
+                each(ctx, k * 64 + (uint32_t)__builtin_ctzll(x));
+        }
+    }
+    else {
+        HArr *a = hs_arr(v);
+        for (uint32_t k = 0; k < a->n; k++)
+            each(ctx, a->ids[k]);
+    }
+    hs_free(h, v);
+    h_delete(h, slot);
+}
+
+void
+infera_h_tick(Holders *h)
+{
+    uint64_t every = h->n / 64 < 64 ? 64 : h->n / 64;
+    if (!h->aging || h->touches < every)
+        return;
+    h->epoch++;
+    h->touches = 0;
+    /* clamp a 1/64th of the slots: no age byte is ever more than 255 epochs old */
+    uint64_t end = h->clamp_at + h->cap / 64 + 1;
+    if (end > h->cap)
+        end = h->cap;
+    for (uint64_t i = h->clamp_at; i < end; i++) {
+        if (h->slots[2 * i + 1] != 0 && (uint8_t)(h->epoch - h->age[i]) > HS_AGE_OLD)
+            h->age[i] = (uint8_t)(h->epoch - HS_AGE_OLD);
+    }
+    h->clamp_at = end >= h->cap ? 0 : end;
 }

@@ -150,11 +150,23 @@ typedef struct {
     uint64_t bits[];
 } HBits;
 
+/* Ages, for a view bounded in bytes (GpuView.set_bound; ``aging`` set): a byte per slot, the epoch
+ * of the key's last store or match. The epoch advances (infera_h_tick, once per batch or match) after
+ * max(64, n / 64) touches, so the content churns over ~64 epochs; each advance also clamps the ages
+ * of a 1/64th of the slots to at most HS_AGE_OLD epochs back (the whole table every 64 advances), so
+ * a byte never wraps and "older than HS_AGE_OLD" is one bucket, as in the Python twin. */
+#define HS_AGE_OLD 96
+
 typedef struct {
     uint64_t *slots; /* cap * 2 words: key, holder set */
     uint64_t cap;    /* >= TABLE_MIN_CAP once allocated */
     uint64_t n;
     uint64_t ext_bytes; /* bytes of the external sets */
+    uint8_t *age;       /* cap bytes: the epoch of each slot's key's last touch (aging only) */
+    uint64_t touches;   /* since the epoch last advanced */
+    uint64_t clamp_at;  /* the next slot the clamp visits */
+    uint8_t epoch;
+    uint8_t aging;      /* 1: stores and matches stamp ages (a byte bound is set) */
 } Holders;
 
 static inline HArr *
@@ -270,6 +282,24 @@ h_prefetch(const Holders *h, uint64_t key)
         __builtin_prefetch(h->slots + 2 * home_of(key, h->cap));
 }
 
+/* A store or match of the key in ``slot``: its age is the current epoch. */
+static inline void
+h_touch(Holders *h, const uint64_t *slot)
+{
+    if (h->aging) {
+        h->age[(uint64_t)(slot - h->slots) >> 1] = h->epoch;
+        h->touches++;
+    }
+}
+
+/* The key's age in epochs, HS_AGE_OLD at most (the eviction's buckets). */
+static inline uint32_t
+h_age_of(const Holders *h, uint64_t i)
+{
+    uint32_t d = (uint8_t)(h->epoch - h->age[i]);
+    return d > HS_AGE_OLD ? HS_AGE_OLD : d;
+}
+
 /* How many blocks ahead a walk prefetches. */
 #define H_AHEAD 8
 
@@ -280,6 +310,10 @@ INFERA_INTERNAL int infera_h_add(Holders *h, uint64_t key, uint32_t id);
 /* Remove ``id`` from the set in ``slot``: 1 if it was there (the entry goes with its last id, and
  * the slot may then hold another key), 0 if not. */
 INFERA_INTERNAL int infera_h_remove_at(Holders *h, uint64_t *slot, uint32_t id);
+/* Evict the key in ``slot`` with its whole set: ``each(ctx, id)`` for every id first. */
+INFERA_INTERNAL void infera_h_evict_at(Holders *h, uint64_t *slot, void (*each)(void *, uint32_t), void *ctx);
+/* Once per batch or match of a bounded view: advance the epoch after enough touches (see Holders). */
+INFERA_INTERNAL void infera_h_tick(Holders *h);
 
 /* 1: ``id`` was in the set of ``key`` and is removed; 0: it was not */
 static inline int
@@ -299,7 +333,7 @@ h_has(const Holders *h, uint64_t key, uint32_t id)
 static inline uint64_t
 h_bytes(const Holders *h)
 {
-    return h->cap * 16 + h->ext_bytes;
+    return h->cap * 17 + h->ext_bytes; /* the slots and their age bytes */
 }
 
 #endif

@@ -110,6 +110,7 @@ view_drop(GpuView *v, int bit)
 {
     Target *t = &v->targets[bit];
     Holders *h = &v->holders;
+    v->members -= t->count;
     if (t->count && !t->unmapped) {
         /* every viewed hash was added with a map entry: clear through the map */
         for (uint64_t i = 0; i < t->emap.cap && t->count; i++) {
@@ -204,7 +205,7 @@ GpuView_mapped(GpuView *v, PyObject *arg)
 }
 
 /* counters(bit) -> (stored_events, stored_blocks, removed_events, removed_blocks, dropped_events,
- * skipped_events, misaligned_events) since the target was added */
+ * skipped_events, misaligned_events, evicted_entries) since the target was added */
 static PyObject *
 GpuView_counters(GpuView *v, PyObject *arg)
 {
@@ -212,7 +213,7 @@ GpuView_counters(GpuView *v, PyObject *arg)
     if (infera_view_parse_bit(v, arg, &bit) < 0)
         return NULL;
     Py_ssize_t *c = v->targets[bit].counters;
-    return Py_BuildValue("(nnnnnnn)", c[0], c[1], c[2], c[3], c[4], c[5], c[6]);
+    return Py_BuildValue("(nnnnnnnn)", c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]);
 }
 
 static Py_ssize_t
@@ -263,7 +264,151 @@ GpuView_memory_bytes(GpuView *v, PyObject *unused)
     return PyLong_FromUnsignedLongLong(n);
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* The byte bound: past it the coldest blocks go                                               */
+
+typedef struct {
+    GpuView *v;
+    uint64_t entries;
+} EvictCtx;
+
+static void
+evict_member(void *ctx, uint32_t id)
+{
+    EvictCtx *e = ctx;
+    GpuView *v = e->v;
+    if ((Py_ssize_t)id < v->ntargets) {
+        Target *t = &v->targets[id];
+        t->count--;
+        t->counters[C_EVICTED]++;
+    }
+    v->members--;
+    e->entries++;
+}
+
+/* A target whose map names many router hashes its view no longer holds (evicted blocks): those
+ * entries go, in one pass, once they are a fifth of the map (amortised over the evictions that left
+ * them). Only the parents of later stores lose them: such a store is dropped, as for any unknown
+ * parent (the block was cold). */
+static void
+view_sweep_map(GpuView *v, int bit)
+{
+    Target *t = &v->targets[bit];
+    Map64 *m = &t->emap;
+    if (m->n <= (uint64_t)t->count + (uint64_t)t->count / 4 + 64)
+        return;
+    for (uint64_t i = 0; i < m->cap;) {
+        /* a deletion shifts a later entry into slot i (or one seen already, kept): read i again */
+        if (map_used(m, i) && !h_has(&v->holders, m->vals[i], (uint32_t)bit)) {
+            infera_map_delete_at(m, i);
+            continue;
+        }
+        i++;
+    }
+}
+
+/* Evict whole age buckets, oldest first, until the model's bytes are at most 95% of the bound (so a
+ * round frees a twentieth at least, and its two passes over the table are amortised over as many
+ * evictions). Ages are buckets of epochs (u64table.h), the same buckets as the Python twin's, and a
+ * bucket goes whole: the twin evicts exactly the same blocks. */
+void
+infera_view_trim(GpuView *v)
+{
+    Bound *b = &v->bound;
+    uint64_t held = view_bound_bytes(v);
+    if (b->max_bytes == 0 || held <= b->max_bytes)
+        return;
+    uint64_t goal = b->max_bytes - b->max_bytes / 20;
+    uint64_t need = held - goal;
+    Holders *h = &v->holders;
+    uint64_t bytes[HS_AGE_OLD + 1];
+    memset(bytes, 0, sizeof(bytes));
+    for (uint64_t i = 0; i < h->cap; i++) {
+        uint64_t set = h->slots[2 * i + 1];
+        if (set == 0)
+            continue;
+        uint64_t m = hs_count(set);
+        bytes[h_age_of(h, i)] += b->block + b->holder * (m - 1) + b->entry * m;
+    }
+    uint32_t oldest_kept = 0; /* evict every age > oldest_kept... */
+    uint64_t freed = 0;
+    int all = 1;
+    for (int d = HS_AGE_OLD; d >= 0; d--) {
+        freed += bytes[d];
+        if (freed >= need) {
+            oldest_kept = (uint32_t)d; /* ...and this bucket too */
+            all = 0;
+            break;
+        }
+    }
+    EvictCtx ctx = {v, 0};
+    uint64_t blocks = 0;
+    for (uint64_t i = 0; i < h->cap;) {
+        uint64_t *slot = h->slots + 2 * i;
+        if (slot[1] != 0 && (all || h_age_of(h, i) >= oldest_kept)) {
+            infera_h_evict_at(h, slot, evict_member, &ctx); /* a later key may shift into i: read it again */
+            blocks++;
+            continue;
+        }
+        i++;
+    }
+    b->evicted_entries += ctx.entries;
+    b->evicted_blocks += blocks;
+    b->rounds++;
+    for (Py_ssize_t t = 0; t < v->ntargets; t++) {
+        if (v->targets[t].live)
+            view_sweep_map(v, (int)t);
+    }
+}
+
+/* set_bound(max_bytes, block, holder, entry): the bound and the model's costs (0: unbounded) */
+static PyObject *
+GpuView_set_bound(GpuView *v, PyObject *args)
+{
+    unsigned long long max_bytes, block, holder, entry;
+    if (!PyArg_ParseTuple(args, "KKKK:set_bound", &max_bytes, &block, &holder, &entry))
+        return NULL;
+    v->bound.max_bytes = max_bytes;
+    v->bound.block = block;
+    v->bound.holder = holder;
+    v->bound.entry = entry;
+    v->holders.aging = max_bytes != 0;
+    infera_view_trim(v);
+    Py_RETURN_NONE;
+}
+
+/* bound() -> (bytes held by the model, max_bytes, evicted entries, evicted blocks, eviction rounds) */
+static PyObject *
+GpuView_bound(GpuView *v, PyObject *unused)
+{
+    return Py_BuildValue("(KKKKK)", (unsigned long long)view_bound_bytes(v), (unsigned long long)v->bound.max_bytes,
+                         (unsigned long long)v->bound.evicted_entries, (unsigned long long)v->bound.evicted_blocks,
+                         (unsigned long long)v->bound.rounds);
+}
+
+/* tick(): once per batch applied through apply() (apply_payload and the matches tick themselves) */
+static PyObject *
+GpuView_tick(GpuView *v, PyObject *unused)
+{
+    infera_h_tick(&v->holders);
+    Py_RETURN_NONE;
+}
+
+/* trim(): after a batch applied through apply(), evict past the bound (apply_payload trims itself) */
+static PyObject *
+GpuView_trim(GpuView *v, PyObject *unused)
+{
+    infera_view_trim(v);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef GpuView_methods[] = {
+    {"set_bound", (PyCFunction)GpuView_set_bound, METH_VARARGS,
+     "set_bound(max_bytes, block, holder, entry): the byte bound and its model's costs (0: unbounded)"},
+    {"bound", (PyCFunction)GpuView_bound, METH_NOARGS,
+     "bound() -> (bytes held, max_bytes, evicted entries, evicted blocks, eviction rounds)"},
+    {"tick", (PyCFunction)GpuView_tick, METH_NOARGS, "tick(): a batch starts (ages advance)"},
+    {"trim", (PyCFunction)GpuView_trim, METH_NOARGS, "trim(): evict the coldest blocks past the bound"},
     {"memory_bytes", (PyCFunction)GpuView_memory_bytes, METH_NOARGS,
      "memory_bytes() -> bytes allocated by the view's tables and holder sets"},
     {"add", (PyCFunction)GpuView_add, METH_O, "add(bit): a new, empty target"},

@@ -20,7 +20,7 @@ typedef struct {
 
 /* The event counters a target's applies accumulate (TargetStats' fields of the same names). */
 enum { C_STORED_EVENTS, C_STORED_BLOCKS, C_REMOVED_EVENTS, C_REMOVED_BLOCKS, C_DROPPED, C_SKIPPED, C_MISALIGNED,
-       N_COUNTERS };
+       C_EVICTED, N_COUNTERS };
 
 typedef struct {
     Map64 emap;         /* engine hash (folded to u64) -> router hash */
@@ -30,11 +30,22 @@ typedef struct {
     Py_ssize_t counters[N_COUNTERS];
 } Target;
 
+/* The byte bound (GpuView.set_bound; infera/kv/bound.py has the model and its costs): bytes held =
+ * block * blocks + holder * (members - blocks) + entry * members, where members are the (block,
+ * target) entries; past max_bytes the coldest blocks go (view.c). */
+typedef struct {
+    uint64_t max_bytes; /* 0: unbounded */
+    uint64_t block, holder, entry;
+    uint64_t evicted_entries, evicted_blocks, rounds;
+} Bound;
+
 typedef struct {
     PyObject_HEAD
     Holders holders;
     Target *targets; /* by bit */
     Py_ssize_t ntargets;
+    Py_ssize_t members; /* the targets' counts, summed: (block, target) entries */
+    Bound bound;
     PyObject *stored_type, *removed_type, *cleared_type, *full_kinds;
 } GpuView;
 
@@ -50,6 +61,18 @@ INFERA_INTERNAL int infera_engine_key(PyObject *obj, uint64_t *out); /* view_app
 INFERA_INTERNAL int infera_view_parse_bit(GpuView *v, PyObject *obj, int *bit); /* view.c */
 /* A call's counts added to the target's counters. */
 INFERA_INTERNAL void infera_view_add_counts(Target *t, const ApplyCounts *c); /* view_apply.c */
+
+/* The bytes the view holds by the bound's model (0 costs: 0). */
+static inline uint64_t
+view_bound_bytes(const GpuView *v)
+{
+    uint64_t blocks = v->holders.n, members = (uint64_t)v->members;
+    uint64_t extra = members > blocks ? members - blocks : 0;
+    return v->bound.block * blocks + v->bound.holder * extra + v->bound.entry * members;
+}
+
+/* Past the bound (if set): evict the coldest blocks (view.c). */
+INFERA_INTERNAL void infera_view_trim(GpuView *v);
 
 /* GpuView's methods defined outside view.c (its method table is there). */
 INFERA_INTERNAL PyObject *infera_GpuView_first_unheld(GpuView *v, PyObject *args); /* view_match.c */

@@ -269,6 +269,7 @@ infera_GpuView_apply(GpuView *v, PyObject *args)
     scratch.heap = NULL;
     scratch.heap_len = 0;
     Py_ssize_t i = start < 0 ? 0 : start;
+    Py_ssize_t count0 = v->targets[bit].count; /* the view's members change by this target's count */
     for (; i < n; i++) {
         PyObject *ev = items[i];
         PyTypeObject *tp = Py_TYPE(ev);
@@ -295,9 +296,11 @@ infera_GpuView_apply(GpuView *v, PyObject *args)
     PyMem_Free(scratch.heap);
     Py_DECREF(seq);
     infera_view_add_counts(&v->targets[bit], &c);
+    v->members += v->targets[bit].count - count0;
     return Py_BuildValue("(nnn)", i, c.stored_blocks + c.removed_blocks, c.other_block_size);
 fail:
     infera_view_add_counts(&v->targets[bit], &c); /* what was applied before the error counts */
+    v->members += v->targets[bit].count - count0;
     PyMem_Free(scratch.heap);
     Py_DECREF(seq);
     return NULL;

@@ -44,13 +44,15 @@ infera_GpuView_match_one(GpuView *v, PyObject *args)
     Hashes hs;
     if (infera_hashes_get(hashes, &hs) < 0)
         return NULL;
+    infera_h_tick(&v->holders);
     Py_ssize_t i = 0;
     for (; i < hs.n; i++) {
-        uint64_t key;
+        uint64_t key, *slot;
         if (hs.u64 != NULL && i + H_AHEAD < hs.n)
             h_prefetch(&v->holders, hs.u64[i + H_AHEAD]);
-        if (hashes_at(&hs, i, &key) < 0 || !h_has(&v->holders, key, (uint32_t)b))
+        if (hashes_at(&hs, i, &key) < 0 || (slot = h_find(&v->holders, key)) == NULL || !hs_has(slot[1], (uint32_t)b))
             break;
+        h_touch(&v->holders, slot); /* a hit: the block is warm */
     }
     hashes_release(&hs);
     return PyLong_FromSsize_t(i);
@@ -263,6 +265,8 @@ infera_GpuView_match(GpuView *v, PyObject *args)
         cu[c] = m - 1;
     }
     memcpy(aorig, amask, (size_t)al.n * sizeof(uint64_t));
+    if (al.n && nh)
+        infera_h_tick(&v->holders); /* (as the twin: a match with a candidate and a block) */
     for (Py_ssize_t i = 0; i < nh && al.n; i++) {
         uint64_t key;
         uint64_t *slot = NULL;
@@ -275,6 +279,7 @@ infera_GpuView_match(GpuView *v, PyObject *args)
                 alive_die(&al, k, amask[k], i);
             break;
         }
+        h_touch(&v->holders, slot); /* walked to: warm (the twin's match touches the same blocks) */
         alive_keep(&al, slot[1], i);
     }
     out = PyList_New(nc);

@@ -201,6 +201,8 @@ infera_GpuView_apply_payload(GpuView *v, PyObject *args)
     PyObject *result = NULL;
     RawEvent stack_events[16];
     RawEvent *events = stack_events;
+    int applying = 0;
+    Py_ssize_t count0 = 0;
     if (infera_view_parse_bit(v, bobj, &bit) < 0)
         goto done;
     if (bs <= 0) {
@@ -245,7 +247,10 @@ infera_GpuView_apply_payload(GpuView *v, PyObject *args)
         goto done;
     }
 
-    /* second pass: apply, as apply_removed / apply_stored do */
+    /* second pass: apply, as apply_removed / apply_stored do (a batch: the ages may advance first) */
+    infera_h_tick(&v->holders);
+    applying = 1;
+    count0 = v->targets[bit].count;
     ApplyCounts n;
     memset(&n, 0, sizeof(n));
     Scratch scratch;
@@ -348,8 +353,13 @@ infera_GpuView_apply_payload(GpuView *v, PyObject *args)
     PyMem_Free(ids);
     PyMem_Free(scratch.heap);
     infera_view_add_counts(&v->targets[bit], &n);
+    v->members += v->targets[bit].count - count0;
+    applying = 0;
+    infera_view_trim(v);
     result = Py_BuildValue("(ndn)", n.stored_blocks + n.removed_blocks, ts, n.other_block_size);
 done:
+    if (applying) /* failed mid-way: what was applied counts */
+        v->members += v->targets[bit].count - count0;
     if (result == Py_None)
         Py_INCREF(result);
     if (events != stack_events)
