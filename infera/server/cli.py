@@ -9,6 +9,7 @@ from typing import Mapping, Sequence
 from infera.config import (add_flag, add_plane_flags, choice_of, non_negative_float, non_negative_int, port_number,
                            positive_float, positive_int)
 from infera.discovery import discovery_options
+from infera.kv.bound import default_max_bytes, parse_size
 from infera.kv.prompt import DEFAULT_CACHE_BYTES, DEFAULT_PREFIX_CHARS
 from infera.router.kv_aware import DEFAULT_LOWER_TIER_WEIGHT
 from infera.server.limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEPALIVE_TIMEOUT,
@@ -124,6 +125,10 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     f("--router-tokenizer-cache-bytes", env="INFERA_ROUTER_TOKENIZER_CACHE_BYTES", default=DEFAULT_CACHE_BYTES,
       type=non_negative_int, help="kv-aware: memory budget of the router's token-id caches (repeated prompts and "
                                   "chat segments), in bytes (0: no cache)")
+    f("--kv-index-max-bytes", env="INFERA_KV_INDEX_MAX_BYTES", default=default_max_bytes(), type=parse_size,
+      help="kv-aware: memory bound of the router's KV index (every worker's cached blocks), in bytes or with a "
+           "binary unit (512Mi, 4G); past it the coldest blocks (longest since stored or matched) are evicted "
+           "(0: unbounded; default: 1/8 of this host's memory, /proc/meminfo MemTotal read at start)")
     # 16, not upstream's 1.0: with in-flight blocks as the load term, a weight of 1 lets one or two
     # running requests outweigh a whole cached prefix, so conversations scatter and caches hold
     # duplicates (bench/kv_routing.py: hit rate 64.8 % at 1, 77.8 % at 16 uniform; 74.9 → 86.2 %
