@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 import msgspec
 
 from infera.api.errors import ApiError
 from infera.discovery.record import WorkerRecord
+from infera.router.metrics import RouterMetrics
 from infera.router.upstream import LegFailure, Opened, Relay, StreamTail, midstream_error_event
 from infera.transport.http import UpstreamError
 
@@ -335,7 +336,7 @@ class MigratingRelay(Relay):
     __slots__ = ("_tracker", "_reopen", "_limit", "_tried")
 
     def __init__(self, opened: Opened, worker: WorkerRecord, tracker: StreamTracker, reopen: Reopen,
-                 metrics: Any, done: Callable[[], None], on_tail: Callable[[bytes], None] | None, limit: int) -> None:
+                 metrics: RouterMetrics, done: Callable[[], None], on_tail: Callable[[bytes], None] | None, limit: int) -> None:
         self._tracker, self._reopen, self._limit = tracker, reopen, limit
         self._tried = {worker.worker_id}
         super().__init__(opened, worker, metrics, done, on_tail)
