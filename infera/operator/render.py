@@ -112,7 +112,7 @@ def _sort_key(obj: dict[str, Any]) -> tuple[int, str]:
     return KIND_ORDER.index(obj["kind"]), obj["metadata"]["name"]
 
 
-def render_deployment(dep: Deployment, namespace: str, options: RenderOptions = RenderOptions()) -> list[dict[str, Any]]:
+def render_deployment(dep: Deployment, namespace: str, options: RenderOptions = RenderOptions()) -> list[dict[str, Any]]:  # noqa: B008 (frozen)
     """The objects of an already-parsed spec (the operator parses once, then renders)."""
     ctx = _Ctx(dep, namespace, options)
     objects = _rbac(ctx) + [_dashboard(ctx)]
@@ -136,7 +136,7 @@ def resolve_namespace(cr_namespace: str | None, options: RenderOptions) -> str:
     return cr_namespace or options.namespace or "default"
 
 
-def render(cr: dict[str, Any], options: RenderOptions = RenderOptions()) -> list[dict[str, Any]]:
+def render(cr: dict[str, Any], options: RenderOptions = RenderOptions()) -> list[dict[str, Any]]:  # noqa: B008 (a frozen dataclass)
     """Every object the ``InferaDeployment`` ``cr`` (a dict) owns; :class:`SpecError` on a bad spec."""
     dep = parse_deployment(cr)
     return render_deployment(dep, resolve_namespace(dep.namespace, options), options)
