@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-import infera.kv.replica_share as kv_aware  # (the replica sync's caps live there)
+import infera.kv.replica_share as replica_share  # (the replica sync's caps live there)
 from infera.kv.hashing import block_hashes
 from infera.kv.prompt import PromptTokenizer
 from infera.router.kv_aware import LANDED_TTL_S, PEER_TIMEOUT_S, SYNC_BLOCKS_PER_REQUEST, KvAwarePolicy
@@ -347,7 +347,7 @@ def test_models_travel_on_subjects_of_their_own(fleet):
 # -- bounds -------------------------------------------------------------------------------------
 
 def test_outbox_overflow_drops_the_oldest_and_the_full_state_follows(fleet, monkeypatch):
-    monkeypatch.setattr(kv_aware, "SYNC_OUTBOX_CAP", 4)
+    monkeypatch.setattr(replica_share, "SYNC_OUTBOX_CAP", 4)
     make, _, _, _ = fleet
     ra, rb = make("A"), make("B")
     reqs = [ra.start([A_], list(range(1000 * i, 1000 * i + 32))) for i in range(1, 4)]
@@ -367,7 +367,7 @@ def test_outbox_overflow_drops_the_oldest_and_the_full_state_follows(fleet, monk
     ("SYNC_LIVE_CAP", 3, 5, 3),
 ])
 def test_remote_tables_are_bounded(fleet, monkeypatch, cap_name, cap, n_requests, kept):
-    monkeypatch.setattr(kv_aware, cap_name, cap)
+    monkeypatch.setattr(replica_share, cap_name, cap)
     make, _, _, _ = fleet
     ra, rb = make("A"), make("B")
     for i in range(n_requests):
@@ -402,7 +402,7 @@ def test_messages_stay_under_the_size_cap(fleet):
 
 
 def test_peers_are_bounded(fleet, monkeypatch):
-    monkeypatch.setattr(kv_aware, "PEERS_CAP", 2)
+    monkeypatch.setattr(replica_share, "PEERS_CAP", 2)
     make, _, _, _ = fleet
     replicas = [make(n) for n in "ABCD"]
     for r in replicas[1:]:
