@@ -252,3 +252,27 @@ def test_sim_checks_cache_salt_as_vllm_does(salt, ok):
     else:
         with pytest.raises(msgspec.ValidationError, match="Parameter 'cache_salt' must"):
             msgspec.json.decode(body, type=SimChatRequest)
+
+
+def test_sim_publishes_the_salt_as_vllm_does_and_the_chain_rehashes_from_it():
+    from infera.engine.sim.kv_events import KvEventPublisher, KvEventsConfig
+
+    cache = KVCache(4, 64)
+    pub = KvEventPublisher(KvEventsConfig(enable_kv_cache_events=True, publisher="zmq"), block_size=4)
+    pub.attach(cache)
+    tokens = list(range(200, 213))
+    cache.allocate("plain", tokens)
+    cache.allocate("t1", tokens, "s1")
+    seq = pub.flush()
+    payload = dict(pub.buffered())[seq]
+    events = msgspec.msgpack.decode(payload)[1]
+    assert [ev["extra_keys"] for ev in events] == [[None, None, None], [["s1"], None, None]]
+    engine_hashes = []
+    for ev in events:
+        assert ev["parent_block_hash"] is None
+        salt = event_salt(ev["extra_keys"], ev["lora_name"])
+        # the index's re-hash from the salt the event names is the cache's own chain (the router's space)
+        assert block_hashes(ev["token_ids"], 4, salt_root(salt)) == block_hashes(tokens[:12], 4, salt_root(salt))
+        assert all(cache.is_cached(h) for h in block_hashes(ev["token_ids"], 4, salt_root(salt)))
+        engine_hashes += ev["block_hashes"]
+    assert len(set(engine_hashes)) == 6  # the engine's own hashes keep them apart too

@@ -58,6 +58,9 @@ class SimEngine:
         # KV events, one batch per scheduler step: "type"-tagged maps as vLLM 0.32 and SGLang 0.5.22+
         # send them ("vllm", "sglang"), or ATOM v0.1.5's tagged arrays ("atom").
         self.kv_events: KvEventPublisher | None = None
+        # A request's cache_salt salts its prefix cache as vLLM does; the SGLang and ATOM stand-ins
+        # ignore it, as engines without the salt (the router routes such tenants cache-blind there).
+        self.salts_cache = kv_events_format == "vllm"
         kv_cfg = getattr(args, "kv_events_config", None)
         if kv_cfg is not None and kv_cfg.enabled:
             self.kv_events = KvEventPublisher(kv_cfg, block_size=args.block_size, seed=args.seed,

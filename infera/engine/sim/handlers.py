@@ -154,7 +154,8 @@ async def _generate(request: web.Request, engine: SimEngine, req: _SamplingReque
             max_tokens = plan.max_tokens
     try:
         seq = engine.scheduler.submit(prompt_ids, max_tokens, ignore_eos=bool(req.ignore_eos), request_id=request_id,
-                                      kv_hold=plan.kv_hold, kv_import=plan.kv_import)
+                                      kv_hold=plan.kv_hold, kv_import=plan.kv_import,
+                                      cache_salt=req.cache_salt if engine.salts_cache else None)
     except ValueError as e:
         if engine.disagg is not None:
             engine.disagg.discard(plan)

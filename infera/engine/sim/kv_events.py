@@ -12,7 +12,8 @@ scheduler step that produced any, publishes them as ONE batch on a ZMQ PUB socke
 
   - vLLM 0.32 (``vllm/distributed/kv_events.py``): ``{"type": "BlockStored", "block_hashes": [...],
     "parent_block_hash": int|None, "token_ids": [...], "block_size": N, "lora_id": None,
-    "medium": "GPU", "lora_name": None, "extra_keys": [None per block], "group_idx": 0,
+    "medium": "GPU", "lora_name": None, "extra_keys": [None per block; a request's ``cache_salt`` as
+    ``[salt]`` on its first block], "group_idx": 0,
     "kv_cache_spec_kind": "full_attention"}``, ``{"type": "BlockRemoved", "block_hashes": [...],
     "medium": "GPU", "group_idx": 0}``, ``{"type": "AllBlocksCleared"}``;
   - SGLang 0.5.23 (``sglang/srt/disaggregation/kv_events.py``): ``{"type": "BlockStored",
@@ -130,6 +131,8 @@ class KvEventPublisher:
         cache.on_cleared = self.on_cleared
         cache.on_offloaded = self.on_offloaded
         cache.on_offload_evicted = self.on_offload_evicted
+        cache.on_stored_salted = self.on_stored_salted
+        cache.on_offloaded_salted = self.on_offloaded_salted
         if scheduler is not None:
             step = scheduler._complete_step
 
@@ -154,6 +157,16 @@ class KvEventPublisher:
             last.last_cache_hash = block_hashes[-1]
             return
         self._pending.append(StoredEvent(eng, eng_parent, list(token_ids), self.block_size, block_hashes[-1]))
+
+    def on_stored_salted(self, block_hashes: list[int], salt: str, token_ids: list[int]) -> None:
+        """A salted prompt's first block: an event of its own, naming the salt (vLLM's extra keys)."""
+        eng, _ = self.hashes.stored(block_hashes, None, token_ids, self.block_size, salt)
+        self._pending.append(StoredEvent(eng, None, list(token_ids), self.block_size, block_hashes[-1], salt=salt))
+
+    def on_offloaded_salted(self, block_hash: int, salt: str, token_ids: list[int]) -> None:
+        eng, _ = self.hashes.offloaded(block_hash, None, token_ids, salt)
+        self._pending.append(StoredEvent([eng], None, list(token_ids), self.block_size, block_hash,
+                                         self.host_medium, salt=salt))
 
     def on_removed(self, block_hashes: list[int]) -> None:
         for ch in block_hashes:  # one event per evicted block, like vLLM

@@ -18,6 +18,12 @@ def engine_root_hash(seed: int) -> int:
     return xxhash.xxh3_64_intdigest(f"sim-{seed}".encode())
 
 
+def salted_root_hash(root: int, salt: str) -> int:
+    """The parent of a salted prompt's first block in the engine's chain (vLLM folds the salt into
+    that block's hash; the router re-hashes from the salt the event names, never from this)."""
+    return xxhash.xxh3_64_intdigest(root.to_bytes(8, "little") + b"salt\x00" + salt.encode("utf-8", "surrogatepass"))
+
+
 class EngineHashes:
     """Maps the cache's block hashes (router hash space) to the engine's announced hashes.
 
@@ -50,10 +56,11 @@ class EngineHashes:
         return h
 
     def stored(self, cache_hashes: Sequence[int], cache_parent: int | None, token_ids: Sequence[int],
-               block_size: int) -> tuple[list[int], int | None]:
-        """Register newly cached blocks; returns (their engine hashes, engine parent)."""
+               block_size: int, salt: str | None = None) -> tuple[list[int], int | None]:
+        """Register newly cached blocks; returns (their engine hashes, engine parent). ``salt``: the
+        first block of a salted prompt (``cache_parent`` None)."""
         eng_parent = self.parent(cache_parent)
-        prev = self.root if eng_parent is None else eng_parent
+        prev = self._root(salt) if eng_parent is None else eng_parent
         out: list[int] = []
         for i, ch in enumerate(cache_hashes):
             prev = hash_chunk(prev, token_ids[i * block_size:(i + 1) * block_size])
@@ -64,13 +71,17 @@ class EngineHashes:
     def removed(self, cache_hash: int) -> int | None:
         return self._map.pop(cache_hash, None)
 
-    def offloaded(self, cache_hash: int, cache_parent: int | None, token_ids: Sequence[int]) -> tuple[int, int | None]:
+    def _root(self, salt: str | None) -> int:
+        return self.root if not salt else salted_root_hash(self.root, salt)
+
+    def offloaded(self, cache_hash: int, cache_parent: int | None, token_ids: Sequence[int],
+                  salt: str | None = None) -> tuple[int, int | None]:
         """A block copied to the host tier: (its engine hash, the same it had on the GPU; its engine
         parent)."""
         eng_parent = self.parent(cache_parent)
         eng = self._map.get(cache_hash)
         if eng is None:
-            eng = hash_chunk(self.root if eng_parent is None else eng_parent, token_ids)
+            eng = hash_chunk(self._root(salt) if eng_parent is None else eng_parent, token_ids)
         self._host[cache_hash] = eng
         return eng, eng_parent
 

@@ -28,7 +28,7 @@ class VllmBlockStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
     lora_id: int | None
     medium: str
     lora_name: str | None
-    extra_keys: list[None]
+    extra_keys: list[list[str] | None]  # per block; a salted prompt's first block: [cache_salt]
     group_idx: int
     kv_cache_spec_kind: str
 
@@ -108,8 +108,11 @@ def _vllm_events(events: Iterable["SimEvent"]) -> list[Any]:
     out: list[Any] = []
     for ev in events:
         if isinstance(ev, StoredEvent):
+            extra: list[list[str] | None] = [None] * len(ev.block_hashes)
+            if ev.salt is not None and extra:
+                extra[0] = [ev.salt]  # vLLM's to_event_extra_keys: the bare salt, on the first block only
             out.append(VllmBlockStored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, None,
-                                       ev.medium, None, [None] * len(ev.block_hashes), VLLM_GROUP_IDX, VLLM_SPEC_KIND))
+                                       ev.medium, None, extra, VLLM_GROUP_IDX, VLLM_SPEC_KIND))
         elif isinstance(ev, RemovedEvent):
             out.append(VllmBlockRemoved(ev.block_hashes, ev.medium, VLLM_GROUP_IDX))
         elif isinstance(ev, ClearedEvent):
@@ -161,6 +164,7 @@ class StoredEvent:
     block_size: int
     last_cache_hash: int = 0  # the cache-side hash of the last block (to coalesce a chain)
     medium: str = MEDIUM
+    salt: str | None = None  # the cache_salt of a salted prompt's first block (the first of block_hashes)
 
 
 @dataclass

@@ -205,15 +205,15 @@ class Disaggregation:
             raise RuntimeError("the disaggregation is not started")
         return self._session
 
-    async def _import(self, token_ids: list[int], origin: str) -> ImportedKv:
+    async def _import(self, token_ids: list[int], origin: str, salt: str | None = None) -> ImportedKv:
         """Move the blocks of ``token_ids`` this cache lacks (taking the transfer time) and hold
-        them for the request; ValueError when the cache has no room for them."""
+        them for the request (under its ``cache_salt``); ValueError when the cache has no room."""
         num_full_tokens = len(token_ids) // self.cache.block_size * self.cache.block_size
-        num_moved = num_full_tokens - self.cache.match_full_blocks(token_ids)
+        num_moved = num_full_tokens - self.cache.match_full_blocks(token_ids, salt)
         await asyncio.sleep(self.link.transfer_seconds(num_moved))
         self._import_ids += 1
         hold_id = ("kv-import", self._import_ids)
-        block_ids = self.cache.import_blocks(hold_id, token_ids)
+        block_ids = self.cache.import_blocks(hold_id, token_ids, salt)
         if block_ids is None:
             raise ValueError(f"no free KV blocks for the {num_full_tokens} tokens from {origin}")
         self.num_transfers += 1

@@ -48,7 +48,7 @@ class NixlDisaggregation(Disaggregation):
         if not isinstance(params, dict):
             return plan
         if params.get("do_remote_prefill") and self.config.is_consumer:
-            plan.kv_import = await self._pull(params, prompt_ids, request_id)
+            plan.kv_import = await self._pull(params, prompt_ids, request_id, getattr(fields, "cache_salt", None))
         elif params.get("do_remote_decode") and self.config.is_producer and not fields.stream:
             # Streaming replies never carry kv_transfer_params, so no decode could ask for a hold.
             key = f"{request_id}-{uuid.uuid4().hex[:8]}"
@@ -88,7 +88,8 @@ class NixlDisaggregation(Disaggregation):
         return web.Response(body=_json_encode(_held_kv_body(held, self.cache.block_size)),
                             content_type="application/json")
 
-    async def _pull(self, params: dict[str, Any], prompt_ids: list[int], request_id: str) -> ImportedKv | None:
+    async def _pull(self, params: dict[str, Any], prompt_ids: list[int], request_id: str,
+                    salt: str | None = None) -> ImportedKv | None:
         host, port, remote_id = params.get("remote_host"), params.get("remote_port"), params.get("remote_request_id")
         self.num_transferring += 1
         try:
@@ -104,7 +105,7 @@ class NixlDisaggregation(Disaggregation):
             token_ids = msgspec.json.decode(payload, type=_HeldKvReply).token_ids
             if token_ids != prompt_ids[: len(token_ids)]:
                 log.warning("%s: KV pulled from %s is for another prompt (a router bug?)", request_id, url)
-            return await self._import(token_ids, url)
+            return await self._import(token_ids, url, salt)  # vLLM's decode hashes them under the salt
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, msgspec.DecodeError) as exc:
             self.num_failed_transfers += 1
             reason = str(exc) or type(exc).__name__

@@ -94,7 +94,8 @@ async def _answer(request: web.Request, req: _ToolRequest, function: dict[str, A
                         else (req.max_tokens, "max_tokens"))
     max_tokens = _resolve_max_tokens(engine, len(prompt_ids), requested, param)
     request_id = f"chatcmpl-{_request_id(request)}"
-    seq = engine.scheduler.submit(prompt_ids, max_tokens, ignore_eos=bool(req.ignore_eos), request_id=request_id)
+    seq = engine.scheduler.submit(prompt_ids, max_tokens, ignore_eos=bool(req.ignore_eos), request_id=request_id,
+                                  cache_salt=req.cache_salt if engine.salts_cache else None)
     call_id = "chatcmpl-tool-" + os.urandom(16).hex()
     name = function.get("name") or ""
     head, tail, takes_text = argument_frame(function.get("parameters"))
