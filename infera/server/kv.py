@@ -36,24 +36,31 @@ it may be missing some.
   (AllBlocksCleared), the engine restarts, or a resubscription replays from the engine's seq 0.
 * Staleness: ``infera_kv_view_staleness_seconds``, the age of the last applied batch (or of the
   subscription, before any), computed at scrape time from one stored timestamp.
+* Bounded by bytes: the index evicts its coldest blocks past ``--kv-index-max-bytes``; the
+  self-check does not count the under-predictions that can cause as drift (``kv_selfcheck``), and
+  the metrics show the bytes held and the entries evicted (``kv_metrics``).
+
+Split by concern: this file (subscriptions and events), ``kv_state`` (per-target state and the
+self-check's constants), ``kv_selfcheck`` and ``kv_metrics`` (the bridge's mixins); the names other
+modules import from here (``KvEventsBridge``, ``DIVERGENCE_WINDOW``, ...) still are.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections import deque
 from time import thread_time
-from typing import Any, Callable, Iterator
-
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from typing import Any, Callable
 
 from infera.discovery.fleet import Fleet
 from infera.discovery.record import WorkerRecord
 from infera.kv.events import Cleared, KvEventDecodeError, decoder_for
 from infera.kv.index import KvIndex, lower_tier
-from infera.router.kv_aware import expand_targets, predicted_cached_tokens
-from infera.router.policy import RoutedRequest
+from infera.router.kv_aware import expand_targets
+from infera.server.kv_metrics import KvViewMetrics
+from infera.server.kv_selfcheck import SelfCheck
+from infera.server.kv_state import (BLOCK_BUCKETS, DELAY_SMOOTHING, DIVERGENCE_WINDOW, ERROR_BUCKETS,  # noqa: F401
+                                    SILENT_AFTER_S, _kv_identity, _TargetState)
 from infera.server.metrics import Histogram
 from infera.transport.kv_events_nats import NatsKvEventSubscriber, kv_event_subject
 from infera.transport.kv_events_zmq import RESET_RESTART, ZmqKvEventSubscriber, endpoint_for_rank
@@ -61,78 +68,14 @@ from infera.transport.nats_conn import NatsConnection
 
 log = logging.getLogger(__name__)
 
-BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
-ERROR_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
-assert BLOCK_BUCKETS[0] == ERROR_BUCKETS[0] == 0  # a 0 is counted in slot 0 directly on the hot path
-DELAY_SMOOTHING = 0.2  # weight of the newest batch in the cache view's delay_ms
-# A worker that got requests whose blocks it must have stored, yet sent no event batch for
-# this long, is "silent".
-SILENT_AFTER_S = 10.0
-# Predictions have diverged when most of the last DIVERGENCE_WINDOW informative replies (the engine
-# reported, or the router predicted, a cached block) were off by more than one block. A mismatched
-# tokenizer, chat template, block size or hash seed gets nearly every such reply wrong; races
-# (an eviction or a prefill still running between the pick and the engine's schedule) get a few.
-DIVERGENCE_WINDOW = 20
-
 
 _endpoint_for_rank = endpoint_for_rank  # engines publish rank r on port + r
 
 
-def _kv_identity(record: WorkerRecord) -> tuple:
-    """What names one engine instance's event stream: a re-registration that changes it is a new
-    engine (launchers bind fresh event ports per start), whose cache starts empty."""
-    return (record.engine, record.kv_block_size, record.kv_events_endpoint, record.kv_events_replay_endpoint,
-            record.kv_event_transport)
+class KvEventsBridge(SelfCheck, KvViewMetrics):
+    """Fleet -> KV-event subscriptions -> the index, with warm-up, restarts and degraded views;
+    the self-check (:class:`SelfCheck`) and the metrics (:class:`KvViewMetrics`) are its mixins."""
 
-
-class _TargetState:
-    __slots__ = ("worker_id", "engine", "batches", "events", "decode_errors", "last_batch_at", "last_seq",
-                 "unconfirmed_since", "silent", "errors", "abs_error_sum", "observations", "exact", "verdicts",
-                 "wrong", "over", "under", "delays", "delay_ewma", "cpu_s", "prompt_tokens", "predicted_tokens",
-                 "reported_prompt_tokens", "reported_cached_tokens", "added_at", "fresh", "degraded", "restarts")
-
-    def __init__(self, worker_id: str, engine: str, added_at: float) -> None:
-        self.worker_id = worker_id
-        self.engine = engine
-        self.added_at = added_at  # (monotonic) the staleness of a view no batch has reached yet
-        # No batch applied since the view was (re)built: the first one says whether it starts at
-        # the engine's seq 0 (whole) or later (blocks stored before it are unknown: degraded).
-        self.fresh = True
-        self.degraded: str | None = None  # why the view may lack blocks (a reset reason), None: whole
-        self.restarts = 0  # engine restarts found (re-registration or stream)
-        self.batches = 0
-        self.events = 0
-        self.cpu_s = 0.0  # this thread's CPU in decoding and applying this target's batches
-        self.decode_errors = 0
-        self.last_batch_at: float | None = None
-        self.last_seq: int | None = None
-        self.unconfirmed_since: float | None = None  # first routed miss not yet followed by a batch
-        self.silent = False
-        self.errors: deque[int] = deque()  # recent |predicted − reported| in blocks
-        self.abs_error_sum = 0
-        self.observations = 0
-        self.exact = 0
-        # Replies off by more than one block, by direction: "over" (predicted hits the engine no
-        # longer had: a stale view, or an eviction between pick and schedule) and "under" (it had
-        # more: a prefill finishing meanwhile, or events that have not arrived).
-        self.over = 0
-        self.under = 0
-        # Engine batch timestamp → applied here (wall clocks: same host, or NTP between hosts).
-        # Events that lag a reply leave the next turn routed on a view without that reply's blocks.
-        self.delays = Histogram()  # the server's latency buckets, 1 ms to 300 s
-        self.delay_ewma: float | None = None
-        self.verdicts: deque[bool] = deque()  # recent informative replies: off by more than one block?
-        self.wrong = 0
-        # Hit-rate counters (tokens), over every completed 200 reply routed here, with or without usage:
-        # the router's prompt tokens and its predicted cached share; and, of the replies whose usage
-        # carried ``cached_tokens``, the same prompt tokens and the engine's reported cached tokens.
-        self.prompt_tokens = 0
-        self.predicted_tokens = 0
-        self.reported_prompt_tokens = 0
-        self.reported_cached_tokens = 0
-
-
-class KvEventsBridge:
     def __init__(self, fleet: Fleet, index: KvIndex, *, subscriber: ZmqKvEventSubscriber | None = None,
                  nats: NatsConnection | None = None, nats_subscriber: NatsKvEventSubscriber | None = None,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time) -> None:
@@ -408,234 +351,3 @@ class KvEventsBridge:
             log.debug("KV view of %s degraded (%s)", key, reason)
         state.degraded = reason
 
-    # -- picks and the self-check ---------------------------------------------------------------------
-    def record_pick(self, role: str, key: str, hit_blocks: int, request_blocks: int) -> None:
-        picked = (role, key)
-        picks = self.picks
-        picks[picked] = picks.get(picked, 0) + 1
-        h = self.pick_hits.get(role)
-        if h is None:
-            h = self.pick_hits[role] = Histogram(BLOCK_BUCKETS)
-            self.pick_blocks[role] = Histogram(BLOCK_BUCKETS)
-        if request_blocks:
-            h.observe(hit_blocks)
-            self.pick_blocks[role].observe(request_blocks)
-            if request_blocks > hit_blocks:
-                state = self.targets.get(key)
-                if state is not None and state.unconfirmed_since is None:
-                    state.unconfirmed_since = self.clock()  # it must store new blocks: expect events
-        else:  # (a prompt under one block: both are 0, the first bucket)
-            h.counts[0] += 1
-            self.pick_blocks[role].counts[0] += 1
-
-    def observe_usage(self, worker: WorkerRecord, request: RoutedRequest, cached_tokens: int | None) -> None:
-        """A completed 200 reply (``cached_tokens`` None: it carried no usage, e.g. a stream without
-        ``stream_options.include_usage``, which is what the SDKs send by default)."""
-        st = request.state
-        key = st.get("route_key")
-        state = self.targets.get(key) if key else None
-        if state is None:
-            return
-        # The whole prompt: past the tokenization horizon its length is estimated (kv_aware.prepare).
-        tokens = st.get("tokens")
-        prompt_tokens = (len(tokens) if tokens else 0) + st.get("more_tokens", 0)
-        hit = st.get("predicted_hit_blocks", 0)
-        if hit:
-            block_size = st.get("block_size") or 0
-            predicted = predicted_cached_tokens(hit, block_size, prompt_tokens)
-        else:
-            predicted = 0
-        # Counted for every reply, usage or not: engine_scrape.py compares these with the engine's
-        # own prefix-cache counters, which see every request too.
-        state.prompt_tokens += prompt_tokens
-        state.predicted_tokens += predicted
-        if cached_tokens is None:
-            return
-        state.reported_prompt_tokens += prompt_tokens
-        state.reported_cached_tokens += cached_tokens
-        if cached_tokens != predicted and st.get("kv_load_only"):
-            # Picked by load while a view warmed up: the view was not asked, so it is not blamed
-            # (a cold reply, nothing cached either way, counts as any other).
-            return
-        state.observations += 1
-        errors = state.errors
-        if cached_tokens == predicted:  # (the common case: none of the work below)
-            self.prediction_error.counts[0] += 1  # (its first bound is 0)
-            state.exact += 1
-            errors.append(0)
-            if len(errors) > DIVERGENCE_WINDOW:
-                state.abs_error_sum -= errors.popleft()
-            if not predicted:
-                return  # nothing cached either way: says nothing about the hash spaces agreeing
-            blocks_off = 0
-        else:
-            if not hit:
-                block_size = st.get("block_size") or 0
-            error = abs(cached_tokens - predicted)
-            self.prediction_error.observe(error)
-            blocks_off = error // block_size if block_size else 0
-            if blocks_off > 1:
-                if predicted > cached_tokens:
-                    state.over += 1
-                else:
-                    state.under += 1
-            errors.append(blocks_off)
-            state.abs_error_sum += blocks_off
-            if len(errors) > DIVERGENCE_WINDOW:
-                state.abs_error_sum -= errors.popleft()
-        wrong = blocks_off > 1
-        state.verdicts.append(wrong)
-        state.wrong += wrong
-        if len(state.verdicts) > DIVERGENCE_WINDOW:
-            state.wrong -= state.verdicts.popleft()
-        if len(state.verdicts) == DIVERGENCE_WINDOW and 2 * state.wrong > DIVERGENCE_WINDOW:
-            self._warn_once(key, "diverged", "router predictions for %s disagree with the engine's reported cached "
-                            "tokens (%d of the last %d replies with cached blocks were off by more than one "
-                            "block): check that the router tokenizer (--router-tokenizer-path) and chat template "
-                            "match the engine's, and that the registered block size is the engine's", key,
-                            state.wrong, DIVERGENCE_WINDOW)
-
-    async def _watch_silence(self) -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            for key in [k for k in self.warming if self.stats(k).get("caught_up")]:
-                self._on_caught_up(key)  # (a subscriber that does not call back)
-            now = self.clock()
-            for key, state in self.targets.items():
-                if state.unconfirmed_since is not None and now - state.unconfirmed_since > SILENT_AFTER_S:
-                    if not state.silent:
-                        state.silent = True
-                        self._warn_once(key, "silent", "no KV events from %s for %.0fs although it was sent "
-                                        "requests that store new blocks: its cache view is going stale", key,
-                                        now - state.unconfirmed_since)
-
-    def _warn_once(self, key: str, what: str, msg: str, *args: Any) -> None:
-        if (key, what) not in self._warned:
-            self._warned.add((key, what))
-            log.warning(msg, *args)
-
-    # -- visibility ------------------------------------------------------------------------------------
-    def cache_view(self, worker_id: str, dp_rank: int | None) -> dict | None:
-        key = worker_id if dp_rank is None else f"{worker_id}#dp{dp_rank}"
-        state = self.targets.get(key)
-        if state is None:
-            return None
-        sub = self.stats(key)
-        now = self.clock()
-        since = state.last_batch_at if state.last_batch_at is not None else state.added_at
-        return {"worker_id": worker_id, "dp_rank": dp_rank, "route_key": key, "engine": state.engine,
-                "block_count": self.index.block_count(key), "last_event_seq": state.last_seq,
-                "lag_s": None if state.last_batch_at is None else round(now - state.last_batch_at, 3),
-                "delay_ms": None if state.delay_ewma is None else round(state.delay_ewma * 1000, 1),
-                "batches": state.batches, "block_events": state.events, "decode_errors": state.decode_errors,
-                "gaps": sub.get("gaps", 0), "replays": sub.get("replays", 0), "resets": sub.get("resets", 0),
-                "events_silent": state.silent, "caught_up": key not in self.warming,
-                "degraded": state.degraded is not None, "degraded_reason": state.degraded,
-                "staleness_s": round(now - since, 3), "engine_restarts": state.restarts,
-                "transport": self.transport(key),
-                "prediction": {"observations": state.observations, "exact": state.exact,
-                               "over": state.over, "under": state.under,
-                               "mean_error_blocks": (state.abs_error_sum / len(state.errors)) if state.errors else None}}
-
-    def collect(self) -> Iterator[Metric]:
-        # Names and labels follow the reference (AMD Infera) where it has the series: worker_id
-        # carries the route key (``<worker_id>#dp<rank>`` for a rank of a DP-attention worker).
-        fam = CounterMetricFamily("infera_router_picks", "KV-aware picks", labels=["role", "worker_id"])
-        for (role, key), n in sorted(self.picks.items()):
-            fam.add_metric([role, key], n)
-        yield fam
-        for name, table, doc in (("infera_router_pick_cache_hits", self.pick_hits, "Predicted cached blocks per pick"),
-                                 ("infera_router_pick_request_blocks", self.pick_blocks, "Full blocks per request")):
-            hist = HistogramMetricFamily(name, doc, labels=["role"])
-            for role, h in sorted(table.items()):
-                hist.add_metric([role], h.cumulative(), h.total)
-            yield hist
-        hist = HistogramMetricFamily("infera_kv_prediction_error_tokens", "|engine-reported − router-predicted| "
-                                     "cached prompt tokens per reply")
-        hist.add_metric([], self.prediction_error.cumulative(), self.prediction_error.total)
-        yield hist
-        label = ["worker_id"]
-        batches = CounterMetricFamily("infera_kv_event_batches", "KV-event batches applied", labels=label)
-        events = CounterMetricFamily("infera_kv_block_events", "Block events applied", labels=label)
-        gaps = CounterMetricFamily("infera_kv_event_gaps", "Sequence gaps (replayed or reset)", labels=label)
-        resets = CounterMetricFamily("infera_kv_view_resets", "Cache views reset after lost continuity", labels=label)
-        silent = GaugeMetricFamily("infera_kv_events_silent", "1 when a worker's KV events fell silent", labels=label)
-        blocks = GaugeMetricFamily("infera_policy_cache_view_size", "Blocks in the router's view of a worker's cache",
-                                   labels=label)
-        delay = HistogramMetricFamily("infera_kv_event_delay_seconds", "Engine batch timestamp to applied here",
-                                      labels=label)
-        cpu = CounterMetricFamily("infera_kv_event_cpu_seconds", "Router CPU spent decoding and applying a "
-                                  "worker's KV-event batches (the socket read excluded)", labels=label)
-        off = CounterMetricFamily("infera_kv_predictions_off", "Replies whose cached tokens the router predicted "
-                                  "wrong by more than one block: over (predicted more) or under (fewer)",
-                                  labels=["worker_id", "direction"])
-        prompt = CounterMetricFamily("infera_kv_prompt_tokens", "Prompt tokens (router's tokenizer) of the completed "
-                                     "replies routed to a worker, with or without usage", labels=label)
-        predicted = CounterMetricFamily("infera_kv_predicted_cached_tokens", "Of those, the tokens the router "
-                                        "predicted cached when it picked the worker", labels=label)
-        reported_prompt = CounterMetricFamily("infera_kv_reported_prompt_tokens", "Prompt tokens (router's "
-                                              "tokenizer) of the replies whose usage reported cached tokens",
-                                              labels=label)
-        reported = CounterMetricFamily("infera_kv_reported_cached_tokens", "Cached prompt tokens the engine "
-                                       "reported in those replies' usage", labels=label)
-        caught_up = GaugeMetricFamily("infera_kv_view_caught_up", "1 once a worker's view has caught up with its "
-                                      "engine's history (replay or JetStream); 0 while warming up, when the "
-                                      "kv-aware policy routes its picks by load", labels=label)
-        degraded = GaugeMetricFamily("infera_kv_view_degraded", "1 while a worker's view may lack blocks its engine "
-                                     "holds (events lost beyond replay, or history older than the replay "
-                                     "buffer): it under-predicts until the engine clears its cache or restarts",
-                                     labels=label)
-        staleness = GaugeMetricFamily("infera_kv_view_staleness_seconds", "Seconds since a worker's view last "
-                                      "applied an event batch (or since it was subscribed, before any)",
-                                      labels=label)
-        restarts = CounterMetricFamily("infera_kv_engine_restarts", "Engine restarts found (a new KV-event "
-                                       "stream registered, or the stream started over): the view was dropped",
-                                       labels=label)
-        now = self.clock()
-        warming = self.warming
-        active = GaugeMetricFamily("infera_policy_active_blocks", "Distinct prompt blocks of the requests in flight "
-                                   "on a worker (the kv-aware policy's load term)", labels=label)
-        active_blocks = self.active_blocks
-        for key, state in sorted(self.targets.items()):
-            sub = self.stats(key)
-            batches.add_metric([key], state.batches)
-            events.add_metric([key], state.events)
-            cpu.add_metric([key], state.cpu_s)
-            gaps.add_metric([key], sub.get("gaps", 0))
-            resets.add_metric([key], sub.get("resets", 0))
-            silent.add_metric([key], 1 if state.silent else 0)
-            caught_up.add_metric([key], 0 if key in warming else 1)
-            degraded.add_metric([key], 0 if state.degraded is None else 1)
-            since = state.last_batch_at if state.last_batch_at is not None else state.added_at
-            staleness.add_metric([key], max(0.0, now - since))
-            restarts.add_metric([key], state.restarts)
-            blocks.add_metric([key], self.index.block_count(key))
-            delay.add_metric([key], state.delays.cumulative(), state.delays.total)
-            off.add_metric([key, "over"], state.over)
-            off.add_metric([key, "under"], state.under)
-            prompt.add_metric([key], state.prompt_tokens)
-            predicted.add_metric([key], state.predicted_tokens)
-            reported_prompt.add_metric([key], state.reported_prompt_tokens)
-            reported.add_metric([key], state.reported_cached_tokens)
-            if active_blocks is not None:
-                active.add_metric([key], active_blocks(key))
-        yield from (batches, events, cpu, gaps, resets, silent, blocks, delay, off, prompt, predicted,
-                    reported_prompt, reported, caught_up, degraded, staleness, restarts)
-        if active_blocks is not None:
-            yield active
-        if self.balance is not None:
-            weight = GaugeMetricFamily("infera_policy_inflight_weight", "What one request in flight on a worker "
-                                       "weighs in the kv-aware load, in missed blocks (learned unless fixed)")
-            weight.add_metric([], self.balance.ratio)
-            yield weight
-
-    def hit_totals(self, worker_id: str) -> tuple[int, int]:
-        """(predicted cached tokens, prompt tokens) so far over ``worker_id``'s route keys (every
-        DP rank): what engine_scrape.py compares with the engine's own prefix-cache counters."""
-        predicted = prompt = 0
-        for key in self._worker_keys.get(worker_id, ()):
-            state = self.targets.get(key)
-            if state is not None:
-                predicted += state.predicted_tokens
-                prompt += state.prompt_tokens
-        return predicted, prompt
