@@ -352,3 +352,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
     if args.breaker_max_cooldown_s < args.breaker_cooldown_s:
         parser.error(f"--breaker-max-cooldown-s ({args.breaker_max_cooldown_s:g}) must be >= --breaker-cooldown-s "
                      f"({args.breaker_cooldown_s:g})")
+    if args.queue_reserve_per_worker and args.queue_reserve_per_worker >= max(args.max_inflight_per_worker, 1):
+        parser.error(f"--queue-reserve-per-worker ({args.queue_reserve_per_worker}) must be below "
+                     f"--max-inflight-per-worker ({args.max_inflight_per_worker}): some slots must be open to "
+                     "every tenant, and the reserve needs the per-worker bound")

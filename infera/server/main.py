@@ -74,7 +74,8 @@ class InferaServer:
             def capacity(model: str) -> int:  # the workers that hold a request for its whole life
                 return per_worker * (len(fleet.active(model, "mixed")) + len(fleet.active(model, "decode")))
 
-            self.admission = AdmissionQueue(capacity, timeout_s=args.queue_timeout, max_waiting=args.queue_max_waiting)
+            self.admission = AdmissionQueue(capacity, timeout_s=args.queue_timeout, max_waiting=args.queue_max_waiting,
+                                            reserved_share=args.queue_reserve_per_worker / per_worker)
             self.metrics.registry.register(AdmissionMetrics(self.admission))
             fleet.subscribe(lambda worker_id, record: self.admission.refresh())  # a joined worker frees slots
         self.tracer: RequestTracer | None = None  # --otlp-traces-endpoint (infera/server/tracing.py)

@@ -90,7 +90,7 @@ class RoutingStack:
                 self.replica_sync = LocalReplicaSync(process.runtime_dir, process.index, process.count,
                                                      replica_id=replica_id)
         if args.router_policy == "kv-aware":
-            index = KvIndex()
+            index = KvIndex(max_bytes=args.kv_index_max_bytes)
             self.kv = KvEventsBridge(self.fleet, index, nats=self.nats if args.kv_event_transport == "nats" else None)
             self.metrics.registry.register(self.kv)
             # The tokenizer per model: --router-tokenizer-path, else the one the model's workers name.
