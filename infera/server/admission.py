@@ -17,9 +17,9 @@ first come, first served.
 **Reserve.** ``--queue-reserve-per-worker`` R keeps R of each worker's slots for tenants holding
 less than their fair share: a model with C slots over its workers and R × workers reserved admits
 anyone while fewer than C − R × workers are in flight, and past that only a tenant that holds fewer
-slots than (C − R × workers) / the tenants in flight or waiting there. A tenant that overloads the
-model on its own therefore never fills the reserve, and a light tenant's request finds a slot at once
-instead of waiting for one to free (a work-conserving queue makes it wait up to a whole request's
+than its fair share, C / the tenants in flight or waiting there, while another tenant is active. A
+tenant that overloads the model on its own therefore never fills the reserve, and a light tenant's
+request finds a slot at once instead of waiting for one to free (a work-conserving queue makes it wait up to a whole request's
 service time: bench/fairness.py). The price: R × workers slots stay idle while one tenant alone
 saturates the model (and always without API keys, where every request is one tenant's).
 
@@ -147,10 +147,10 @@ def reserved_slots(capacity: int, reserved_share: float) -> int:
     return int(capacity * reserved_share + 1e-9) if reserved_share > 0 else 0
 
 
-def may_take_reserved(held: int, capacity: int, reserved: int, active_tenants: int) -> bool:
-    """Whether a tenant holding ``held`` slots may take a reserved one: only below its fair share of
-    the unreserved slots among the ``active_tenants`` (itself included). Alone, it never may."""
-    return held * active_tenants < capacity - reserved
+def may_take_reserved(held: int, capacity: int, active_tenants: int) -> bool:
+    """Whether a tenant holding ``held`` of the model's ``capacity`` slots may take a reserved one:
+    only below its fair share (capacity / the ``active_tenants``, itself included), and never alone."""
+    return active_tenants >= 2 and held * active_tenants < capacity
 
 
 class AdmissionQueue:
@@ -239,7 +239,7 @@ class AdmissionQueue:
         if m.inflight < capacity - reserved:
             return True
         active = m.active_tenants(tenant if new else None)
-        return may_take_reserved(m.held.get(tenant, 0), capacity, reserved, len(active))
+        return may_take_reserved(m.held.get(tenant, 0), capacity, len(active))
 
     def _admit_waiting(self, model: str, m: _Model) -> None:
         """Hand freed slots to waiting requests: the highest class first, fair among its tenants;
@@ -254,7 +254,7 @@ class AdmissionQueue:
                 active = len(m.active_tenants())
 
                 def eligible(t: str) -> bool:
-                    return may_take_reserved(m.held.get(t, 0), capacity, reserved, active)
+                    return may_take_reserved(m.held.get(t, 0), capacity, active)
             w = None
             for priority in sorted(m.classes, reverse=True):
                 w = m.classes[priority].pop(eligible)

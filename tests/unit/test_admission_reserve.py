@@ -23,20 +23,19 @@ def test_reserved_slots(capacity, share, expected):
     assert reserved_slots(capacity, share) == expected
 
 
-@pytest.mark.parametrize("held, capacity, reserved, active, expected", [
-    (0, 8, 2, 1, True),    # a tenant with nothing in flight, alone: its share is all 6 open slots
-    (6, 8, 2, 1, False),   # alone at the open slots' end: the reserve is not its to fill
-    (5, 8, 2, 1, True),    # (only asked once the open slots are full: a lone tenant then holds 6)
-    (0, 8, 2, 2, True),    # the light tenant next to a heavy one
-    (2, 8, 2, 2, True),    # 2 < 6 / 2
-    (3, 8, 2, 2, False),   # at its share (3 of 6)
-    (6, 8, 2, 2, False),   # the heavy one
-    (1, 12, 3, 4, True),   # 1 < 9 / 4
-    (2, 12, 3, 4, True),   # 2 < 2.25
-    (3, 12, 3, 4, False),
+@pytest.mark.parametrize("held, capacity, active, expected", [
+    (0, 8, 1, False),   # alone: the reserve is kept for tenants that come, whatever it holds
+    (7, 8, 1, False),
+    (0, 8, 2, True),    # the light tenant next to a heavy one
+    (3, 8, 2, True),    # 3 < 8 / 2
+    (4, 8, 2, False),   # at its share
+    (6, 8, 2, False),   # the heavy one
+    (2, 12, 4, True),   # 2 < 12 / 4
+    (3, 12, 4, False),
+    (0, 1, 2, True),    # one slot, two tenants: the one holding none is under its half
 ])
-def test_may_take_reserved(held, capacity, reserved, active, expected):
-    assert may_take_reserved(held, capacity, reserved, active) is expected
+def test_may_take_reserved(held, capacity, active, expected):
+    assert may_take_reserved(held, capacity, active) is expected
 
 
 def test_a_reserve_of_every_slot_is_refused():
@@ -73,15 +72,14 @@ async def test_a_tenant_alone_leaves_the_reserve_free_and_a_light_one_takes_it_a
 
 async def test_a_light_tenant_over_its_share_waits_like_anyone():
     q = reserve_queue(4, 2)  # 2 open slots, 2 reserved
-    heavy = await q.enter("m", "heavy")
-    heavy2 = await q.enter("m", "heavy")
-    light = await q.enter("m", "light")  # 0 < 2 / 2
-    late = asyncio.ensure_future(q.enter("m", "light"))  # holds 1 = its share of the 2 open slots
+    heavy = [await q.enter("m", "heavy") for _ in range(2)]
+    light = [await q.enter("m", "light") for _ in range(2)]  # 0 and 1 < its share, 4 / 2
+    late = asyncio.ensure_future(q.enter("m", "light"))  # holds 2 = its share: it waits
     await settle()
-    assert not late.done() and q.snapshot()["m"]["inflight"] == 3
-    light.leave()
-    second = await asyncio.wait_for(late, 1)  # under its share again: the reserve takes it
-    for t in (heavy, heavy2, second):
+    assert not late.done() and q.snapshot()["m"] == {"inflight": 4, "waiting": 1, "capacity": 4}
+    light[0].leave()
+    light[0] = await asyncio.wait_for(late, 1)  # under its share again: the reserve takes it
+    for t in (*heavy, *light):
         t.leave()
     assert q.snapshot()["m"]["inflight"] == 0
 
@@ -95,15 +93,13 @@ async def test_a_freed_reserved_slot_goes_to_a_waiting_tenant_under_its_share_no
     b_waits = asyncio.ensure_future(q.enter("m", "b"))  # full: it waits, behind the heavy request
     await settle()
     assert q.snapshot()["m"] == {"inflight": 3, "waiting": 2, "capacity": 3}
-    a.leave()  # the reserved slot frees: heavy (2 held) is over its share of 2 / 3 tenants, b (0) is not
+    a.leave()  # the reserved slot frees: heavy (2 held) is over its share (3 / 2 tenants), b (0) is not
     b = await asyncio.wait_for(b_waits, 1)
-    assert not heavy_waits.done()
-    heavy[0].leave()  # 2 in flight = the open slots: heavy, holding its share of them (1 of 2), still waits
     await settle()
     assert not heavy_waits.done()
-    b.leave()
+    heavy[0].leave()  # 2 in flight = the open slots, but heavy holds 1 < 3 / 2 now: the reserve is its
     last = await asyncio.wait_for(heavy_waits, 1)
-    for t in (heavy[1], last):
+    for t in (b, heavy[1], last):
         t.leave()
     assert q.snapshot()["m"] == {"inflight": 0, "waiting": 0, "capacity": 3}
 
