@@ -250,7 +250,8 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
            "get/patch inferadeployments; off: 404")
     f("--k8s-pod-name", env="POD_NAME", default=None,
       help="this server's own Pod (set POD_NAME from the Downward API): --enable-scaling-api reads its labels")
-    f("--log-level", env="INFERA_LOG_LEVEL", default="info", type=choice_of("debug", "info", "warning", "error"))
+    f("--log-level", env="INFERA_LOG_LEVEL", default="info", type=choice_of("debug", "info", "warning", "error"),
+      help="the server's log level (the GAIE picker shares this flag)")
     f("--access-log", env="INFERA_ACCESS_LOG", default=False, action="store_true",
       help="log every request (off by default: it costs on the hot path)")
     # -- lower KV tiers: tier-aware kv-aware routing, prewarm and kv-stats (infera/server/kv_tiers.py) --

@@ -51,12 +51,14 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infera.engine.sim.atom_standin", allow_abbrev=False,
                                 description="Stand-in for atom.entrypoints.openai_server over the simulated engine.")
     p.add_argument("--model", required=True, help="model name, or a directory with tokenizer.json")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--server-port", type=int, default=8000)
-    p.add_argument("-tp", "--tensor-parallel-size", dest="tp", type=positive_int, default=1)
-    p.add_argument("--block-size", type=positive_int, default=16)
-    p.add_argument("--kv-transfer-config", type=json_object, default=None)
+    p.add_argument("--served-model-name", default=None, help="name the API accepts and reports (default: --model)")
+    p.add_argument("--host", default="0.0.0.0", help="bind address (ATOM's --host)")
+    p.add_argument("--server-port", type=int, default=8000, help="HTTP port (ATOM's --server-port)")
+    p.add_argument("-tp", "--tensor-parallel-size", dest="tp", type=positive_int, default=1,
+                   help="ATOM's tensor parallelism: recorded in the PD parameters; no effect on the sim")
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    p.add_argument("--kv-transfer-config", type=json_object, default=None,
+                   help="ATOM's KV-transfer config (JSON): its kv_role makes the stand-in a PD prefill or decode")
     p.add_argument("--port", type=int, default=None, help="ATOM's internal torch MASTER_PORT (unused here)")
     add_sim_knobs(p)
     return p

@@ -84,7 +84,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="model name, or a directory with tokenizer.json [+ tokenizer_config.json]")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="names the API accepts; the first is reported (default: --model)")
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default="0.0.0.0", help="bind address")
     p.add_argument("--port", type=_int_in(0, 65535), default=8000, help="0 picks a free port")
     p.add_argument("--block-size", type=_int_in(1), default=16, help="tokens per KV block")
     p.add_argument("--num-gpu-blocks", type=_int_in(1), default=4096, help="KV blocks in the cache")

@@ -55,14 +55,18 @@ def build_arg_parser() -> argparse.ArgumentParser:
                                 description="Stand-in for sglang.launch_server over the simulated engine.")
     p.add_argument("--model-path", "--model", dest="model_path", required=True,
                    help="model name, or a directory with tokenizer.json")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--page-size", type=positive_int, default=1)
-    p.add_argument("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size", type=positive_int, default=1)
-    p.add_argument("--dp-size", "--data-parallel-size", "--dp", dest="dp_size", type=positive_int, default=1)
-    p.add_argument("--enable-dp-attention", action="store_true")
-    p.add_argument("--disaggregation-mode", choices=SGLANG_DISAGGREGATION_MODES, default="null")
+    p.add_argument("--served-model-name", default=None, help="name the API accepts and reports (default: --model-path)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address")
+    p.add_argument("--port", type=int, default=30000, help="HTTP port")
+    p.add_argument("--page-size", type=positive_int, default=1, help="tokens per KV page (the sim's block size)")
+    p.add_argument("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size", type=positive_int, default=1,
+                   help="tensor parallelism: accepted as SGLang takes it; the sim has no devices to split over")
+    p.add_argument("--dp-size", "--data-parallel-size", "--dp", dest="dp_size", type=positive_int, default=1,
+                   help="data-parallel ranks: accepted as SGLang takes it; the stand-in serves one rank")
+    p.add_argument("--enable-dp-attention", action="store_true",
+                   help="DP attention: accepted as SGLang takes it; the stand-in serves one rank")
+    p.add_argument("--disaggregation-mode", choices=SGLANG_DISAGGREGATION_MODES, default="null",
+                   help="PD role: null (mixed), prefill or decode")
     p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998, help="0 picks a free port")
     p.add_argument("--disaggregation-transfer-backend", choices=SGLANG_TRANSFER_BACKENDS, default="mooncake",
                    help="accepted for fidelity; the simulated transfer ignores it")
@@ -74,21 +78,27 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="seconds a prefill holds a room's KV for its decode (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT)")
     p.add_argument("--kv-transfer-timeout", type=positive_float, default=SGLANG_KV_TRANSFER_TIMEOUT_S,
                    help="seconds a decode waits for its room's KV (SGLANG_DISAGGREGATION_WAITING_TIMEOUT)")
-    p.add_argument("--enable-metrics", action="store_true")
-    p.add_argument("--kv-events-config", type=json_object, default=None)
-    p.add_argument("--mem-fraction-static", type=float, default=None)
-    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--enable-metrics", action="store_true", help="serve /metrics under SGLang's names")
+    p.add_argument("--kv-events-config", type=json_object, default=None,
+                   help="SGLang's KV-events config (JSON): publisher, endpoint, topic")
+    p.add_argument("--mem-fraction-static", type=float, default=None,
+                   help="accepted as SGLang takes it (the launcher may pass it); the sim's pool is fixed")
+    p.add_argument("--trust-remote-code", action="store_true", help="accepted as SGLang takes it; no code is loaded")
     # Flags the launcher adds or passes through (SGLang's own; the stand-in has one node, one cache
     # format and a radix cache on decode workers either way).
-    p.add_argument("--disaggregation-decode-enable-radix-cache", action="store_true")
-    p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--node-rank", type=int, default=0)
-    p.add_argument("--nnodes", type=positive_int, default=1)
+    p.add_argument("--disaggregation-decode-enable-radix-cache", action="store_true",
+                   help="accepted as SGLang takes it; the stand-in's decode workers always keep a prefix cache")
+    p.add_argument("--kv-cache-dtype", default="auto", help="accepted as SGLang takes it; the sim has one cache format")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this node's rank in a multinode engine: accepted; the stand-in is one node")
+    p.add_argument("--nnodes", type=positive_int, default=1,
+                   help="nodes of a multinode engine: accepted; the stand-in is one node")
     # HiCache as SGLang 0.5.23 defines it (srt/arg_groups/fields/memory.py; --infera-kvd-socket adds
     # these): accepted and validated; the stand-in's simulated cache has no storage tier behind it.
     p.add_argument("--enable-hierarchical-cache", "--enable-hicache", dest="enable_hierarchical_cache",
-                   action="store_true")
+                   action="store_true", help="HiCache: accepted and validated; no storage tier behind the sim")
     p.add_argument("--hicache-storage-backend", default=None,
+                   help="HiCache storage backend: accepted and validated, not used",
                    choices=["file", "sim", "mooncake", "npu_memcache", "hf3fs", "nixl", "aibrix", "dynamic", "eic",
                             "simm", "mori", "shm", "tensorcast", "seaweedfs"])
     p.add_argument("--hicache-storage-backend-extra-config", type=str, default=None,
