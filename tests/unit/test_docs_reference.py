@@ -25,22 +25,6 @@ def _load_reference():
 
 ref = _load_reference()
 
-# Flags whose help text was asked for in files other helpers held (issue 34; /tmp/s39-requests/docs.md).
-# A ratchet: the list may only shrink (test_awaiting_help_only_lists_flags_still_without_help).
-AWAITING_HELP = {
-    ("python -m infera.server", "--log-level"),
-    ("python -m infera.gaie", "--log-level"),  # the server's parser, extended (cli.py)
-    ("python -m infera.engine.sim.server", "--host"),
-    *(("python -m infera.engine.sim.atom_standin", f) for f in (
-        "--served-model-name", "--host", "--server-port", "-tp", "--block-size", "--kv-transfer-config")),
-    *(("python -m infera.engine.sim.sglang_standin", f) for f in (
-        "--served-model-name", "--host", "--port", "--page-size", "--tp-size", "--dp-size", "--enable-dp-attention",
-        "--disaggregation-mode", "--enable-metrics", "--kv-events-config", "--mem-fraction-static",
-        "--trust-remote-code", "--disaggregation-decode-enable-radix-cache", "--kv-cache-dtype", "--node-rank",
-        "--nnodes", "--enable-hierarchical-cache", "--hicache-storage-backend")),
-}
-
-
 @pytest.fixture(scope="module")
 def entries():
     return ref.entry_points()
@@ -118,13 +102,8 @@ def test_a_module_without_main_is_refused(tmp_path, monkeypatch):
 # -- flags -------------------------------------------------------------------------------------------
 
 def test_every_flag_has_a_description(parsers):
-    missing = _undocumented_flags(parsers) - AWAITING_HELP
+    missing = _undocumented_flags(parsers)
     assert not missing, f"flags without help text (add help=...): {sorted(missing)}"
-
-
-def test_awaiting_help_only_lists_flags_still_without_help(parsers):
-    fixed = AWAITING_HELP - _undocumented_flags(parsers)
-    assert not fixed, f"these have help now: remove them from AWAITING_HELP: {sorted(fixed)}"
 
 
 def _parser(*specs):
