@@ -41,8 +41,7 @@ class NativeKvIndex(PyKvIndex):
             raise RuntimeError("NativeKvIndex needs the C accelerator (infera.kv.native says why it is missing)")
         super().__init__(max_bytes)
         self._view = native.GpuView(Stored, Removed, Cleared, FULL_ATTENTION_KINDS)
-        if max_bytes:
-            self._view.set_bound(max_bytes, BLOCK_BYTES, HOLDER_BYTES, ENTRY_BYTES)
+        self._view.set_bound(max_bytes, BLOCK_BYTES, HOLDER_BYTES, ENTRY_BYTES)  # (0: counts, never evicts)
         self._generation = 0  # targets added or removed: the bits of a list of keys may differ
         self._bits_memo: tuple[list[str], int, list[int]] | None = None
 
