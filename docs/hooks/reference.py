@@ -105,7 +105,17 @@ def entry_points(root: Path = REPO) -> list[EntryPoint]:
         fn = getattr(importlib.import_module(mod), func)
         resolved = f"{fn.__module__}:{fn.__qualname__}"
         by_target.setdefault(resolved, EntryPoint(None, resolved)).scripts.append(script)
-    return sorted(by_target.values(), key=lambda e: e.title)
+    return sorted(by_target.values(), key=_reading_order)
+
+
+# The commands a reader looks for first; the rest (the sim's internals, statctl) follow by name.
+READING_ORDER = ("infera.server", "infera.up", "infera.engine.vllm", "infera.engine.sglang", "infera.engine.atom",
+                 "infera.engine.sim", "infera.kvd", "infera.gaie", "infera.operator", "infera.preflight")
+
+
+def _reading_order(entry: EntryPoint) -> tuple[int, str]:
+    module = entry.module or ""
+    return (READING_ORDER.index(module) if module in READING_ORDER else len(READING_ORDER), entry.title)
 
 
 # -- parsers -----------------------------------------------------------------------------------------
