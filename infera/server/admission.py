@@ -274,6 +274,20 @@ class AdmissionQueue:
         for model, m in list(self._models.items()):
             self._admit_waiting(model, m)
 
+    def view(self, model: str) -> dict | None:
+        """The dashboard's line for ``model`` (``/v1/fleet``): None when no request came for it."""
+        m = self._models.get(model)
+        if m is None:
+            return None
+        now = self.clock()
+        oldest = min((q[0].since for cls in m.classes.values() for q in cls.queues.values()), default=None)
+        capacity = self.capacity(model)
+        return {"waiting": m.waiting, "in_flight": m.inflight, "capacity": capacity,
+                "reserved": reserved_slots(capacity, self.reserved_share),
+                "tenants_waiting": len({t for cls in m.classes.values() for t in cls.queues}),
+                "oldest_wait_s": None if oldest is None else round(now - oldest, 3),
+                "timeouts_total": self.timeouts.get(model, 0), "rejected_total": self.rejected.get(model, 0)}
+
     def snapshot(self) -> dict[str, dict[str, int]]:
         return {model: {"inflight": m.inflight, "waiting": m.waiting, "capacity": self.capacity(model)}
                 for model, m in self._models.items()}

@@ -133,7 +133,7 @@ class FleetView:
     def __init__(self, fleet: Fleet, metrics: Any, recent: RecentWorkerStats, *,
                  breaker: CircuitBreaker | None = None, kv: Any = None, tokenizers: Any = None,
                  process: dict | None = None, policy: str | None = None, window_s: float = WINDOW_S,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time, admission: Any = None) -> None:
         self.fleet = fleet
         self.metrics = metrics  # infera.server.metrics.ServerMetrics
         self.recent = recent
@@ -146,6 +146,7 @@ class FleetView:
         self.clock = recent.clock  # one clock for the rings and the windows
         self.wall_clock = wall_clock
         self.started_at = self.clock()
+        self.admission = admission  # --max-inflight-per-worker: AdmissionQueue (infera/server/admission.py)
 
     # -- pieces ------------------------------------------------------------------------------------
     def _request_totals(self) -> tuple[dict[str, float], dict[str, float]]:
@@ -327,7 +328,9 @@ class FleetView:
                            "pd_pairs": pairs, "unpaired_prefill": lone,
                            "requests_per_s": round(sum(w["requests_per_s"] or 0 for r in ("mixed", "decode")
                                                        for w in roles[r]), 3),
-                           "in_flight": sum(w["in_flight"] for r in ROLES for w in roles[r])})
+                           "in_flight": sum(w["in_flight"] for r in ROLES for w in roles[r]),
+                           # the fair queue's line (None: no queue, or no request for it yet)
+                           "queue": self.admission.view(name) if self.admission is not None else None})
         requests_total = sum(totals.values())
         rejected_rate = rates[_SERVER_KEY]
         counters = self.metrics
