@@ -21,14 +21,16 @@ The circuit breaker filters the prefill and the decode pool each on its own, and
 against its own worker: a failed prefill (5xx, transport error, timeout, unusable handoff) never
 counts against the decode it was paired with, nor the reverse.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable, Sequence
 from time import perf_counter
-from typing import Callable, Sequence
+from typing import Any
 
 import msgspec
 
@@ -36,13 +38,21 @@ from infera.api.errors import ApiError
 from infera.discovery.fleet import Fleet
 from infera.discovery.record import WorkerRecord
 from infera.router.breaker import CircuitBreaker
-from infera.router.dispatch import Reply
+from infera.router.dispatch import Reply, RequestAccount, count_hints
 from infera.router.engine_hints import EngineHints
 from infera.router.metrics import RouterMetrics
 from infera.router.pd import PdError, PdPair, PdProtocol, resolve_protocol
 from infera.router.policy import Policy, RoutedRequest
-from infera.router.upstream import (LegFailure, Opened, Relay, is_engine_error, open_upstream, repeated_engine_error,
-                                    request_headers, unreachable_mark)
+from infera.router.upstream import (
+    LegFailure,
+    Opened,
+    Relay,
+    is_engine_error,
+    open_upstream,
+    repeated_engine_error,
+    request_headers,
+    unreachable_mark,
+)
 from infera.transport.request import RequestTransport
 
 log = logging.getLogger(__name__)
@@ -56,10 +66,17 @@ class _Leg:
     """One leg's worker, its own policy state, and its accounting (released exactly once), and its
     breaker verdict (given exactly once: the first one stands)."""
 
-    __slots__ = ("role", "worker", "req", "hold_engine_error", "_router", "_done", "_scored")
+    __slots__ = ("_done", "_router", "_scored", "hold_engine_error", "req", "role", "worker")
 
-    def __init__(self, router: "DisaggRouter", role: str, worker: WorkerRecord, req: RoutedRequest, *,
-                 hold_engine_error: bool = False) -> None:
+    def __init__(
+        self,
+        router: DisaggRouter,
+        role: str,
+        worker: WorkerRecord,
+        req: RoutedRequest,
+        *,
+        hold_engine_error: bool = False,
+    ) -> None:
         self.role, self.worker, self.req, self._router = role, worker, req, router
         # an engine's 5xx is scored neutral here: the dispatch loop decides once another worker of
         # the role has had the request (see MixedRouter.dispatch)
@@ -104,7 +121,7 @@ class _Leg:
 class PickedPair:
     """A pair picked but not sent (``DisaggRouter.pick``): each leg charged, released once."""
 
-    __slots__ = ("prefill", "decode")
+    __slots__ = ("decode", "prefill")
 
     def __init__(self, prefill: _Leg, decode: _Leg) -> None:
         self.prefill, self.decode = prefill, decode
@@ -124,10 +141,42 @@ class PickedPair:
             leg.release()
 
 
+# A leg's failure reason (``LegFailure.reason``) → its kind in ``infera_pd_bootstrap_failures_total``
+# (``<role>_<kind>``); any other reason is the protocol's, from a prefill reply without a usable handoff.
+_LEG_FAILURE_KINDS = {
+    "unreachable": "unreachable",
+    "empty_stream": "unreachable",
+    "timeout": "timeout",
+    "admission": "busy",
+    "body_too_large": "too_large",
+    "upstream_reply_too_large": "too_large",
+}
+
+
+def bootstrap_failure_reason(exc: LegFailure) -> str:
+    """``infera_pd_bootstrap_failures_total``'s reason for a leg that failed before the first byte:
+    ``prefill_timeout``, ``<role>_4xx``/``_5xx`` (the engine's answer), ``<role>_unreachable``,
+    ``_timeout``, ``_busy``, ``_too_large``, or ``handoff_extract_failed``."""
+    if exc.reason == "prefill_timeout":
+        return exc.reason
+    if exc.reason.startswith("http_"):
+        return f"{exc.role}_{'4xx' if exc.status < 500 else '5xx'}"
+    kind = _LEG_FAILURE_KINDS.get(exc.reason)
+    return f"{exc.role}_{kind}" if kind is not None else "handoff_extract_failed"
+
+
 def _leg_request(req: RoutedRequest) -> RoutedRequest:
     """A per-leg copy: tokenization is shared, pick state (route key, rank, charges) is not."""
-    return RoutedRequest(route=req.route, body=req.body, parsed=req.parsed, model=req.model, stream=req.stream,
-                         request_id=req.request_id, state=dict(req.state), trace_headers=req.trace_headers)
+    return RoutedRequest(
+        route=req.route,
+        body=req.body,
+        parsed=req.parsed,
+        model=req.model,
+        stream=req.stream,
+        request_id=req.request_id,
+        state=dict(req.state),
+        trace_headers=req.trace_headers,
+    )
 
 
 def pd_kind(worker: WorkerRecord) -> tuple[str, str]:
@@ -144,11 +193,21 @@ def align_room(room: int, prefill: WorkerRecord, rank: int | None) -> int:
 
 
 class DisaggRouter:
-    def __init__(self, fleet: Fleet, policy: Policy, transport: RequestTransport, metrics: RouterMetrics,
-                 protocols: dict[str, PdProtocol], *, max_retries: int = 1,
-                 prefill_timeout: float = DEFAULT_PREFILL_TIMEOUT, rng: random.Random | None = None,
-                 clock: Callable[[], float] = time.perf_counter, breaker: CircuitBreaker | None = None,
-                 engine_hints: EngineHints | None = None) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        policy: Policy,
+        transport: RequestTransport,
+        metrics: RouterMetrics,
+        protocols: dict[str, PdProtocol],
+        *,
+        max_retries: int = 1,
+        prefill_timeout: float = DEFAULT_PREFILL_TIMEOUT,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        breaker: CircuitBreaker | None = None,
+        engine_hints: EngineHints | None = None,
+    ) -> None:
         self.fleet = fleet
         self.policy = policy
         self._prepare = getattr(policy, "prepare", None)
@@ -162,17 +221,31 @@ class DisaggRouter:
         self._clock = clock
         # Shared with the mixed router; each pool is filtered on its own, each leg scored on its own.
         self.breaker = breaker or CircuitBreaker(failure_threshold=0)
-        self._background: set[asyncio.Task] = set()  # prefill legs still finishing after a commit
+        self._background: set[asyncio.Task[bytes]] = set()  # prefill legs still finishing after a commit
         # The cache retention each leg's engine is told, merged into the leg's body (PD params kept).
         self.engine_hints = engine_hints or EngineHints()
 
     # -- entry points ----------------------------------------------------------------------------
     async def dispatch(self, req: RoutedRequest) -> Reply:
+        account = RequestAccount(self.metrics, "disagg", req)
+        try:
+            reply = await self._dispatch(req)
+        except BaseException as exc:
+            account.failed(exc)
+            raise
+        return account.replied(reply)
+
+    async def _dispatch(self, req: RoutedRequest) -> Reply:
         prefills = self.fleet.active(req.model, "prefill")
         decodes = self.fleet.active(req.model, "decode")
         if not prefills or not decodes:  # the fleet changed since the topology check
-            raise ApiError(503, f"no active {'prefill' if not prefills else 'decode'} worker for model "
-                           f"{req.model!r}; retry shortly", "no_active_worker", headers={"Retry-After": "1"})
+            self.metrics.count_pd_bootstrap_failure("no_pd_workers")
+            raise ApiError(
+                503,
+                f"no active {'prefill' if not prefills else 'decode'} worker for model {req.model!r}; retry shortly",
+                "no_active_worker",
+                headers={"Retry-After": "1"},
+            )
         if self._prepare is not None and (self._prepare_cached is None or not self._prepare_cached(req)):
             await self._prepare(req)
         body = self._parse(req)
@@ -191,6 +264,7 @@ class DisaggRouter:
             try:
                 reply = await self._attempt(req, body, prefill, p_req, decode, d_req, hold_engine_error=True)
             except LegFailure as exc:
+                self.metrics.count_pd_bootstrap_failure(bootstrap_failure_reason(exc))
                 if not exc.retryable:
                     return Reply(exc.status, exc.content_type, exc.worker_id, body=exc.body)
                 if is_engine_error(exc):
@@ -199,8 +273,14 @@ class DisaggRouter:
                     suspects[exc.role] = exc.worker_id
                 failure = exc
                 failed.add(exc.worker_id)
-                log.warning("request %s: PD %s leg on %s failed: %s (attempt %d)", req.request_id, exc.role,
-                            exc.worker_id, exc.detail, attempt + 1)
+                log.warning(
+                    "request %s: PD %s leg on %s failed: %s (attempt %d)",
+                    req.request_id,
+                    exc.role,
+                    exc.worker_id,
+                    exc.detail,
+                    attempt + 1,
+                )
                 self.metrics.count_retry(req.route, f"{exc.role}_{exc.reason}")
             else:
                 for suspect in suspects.values():  # another worker of its role served it
@@ -209,44 +289,70 @@ class DisaggRouter:
         for suspect in suspects.values():  # no other engine's answer to weigh it against
             self.breaker.record_failure(suspect)
         if failure is None:
-            raise ApiError(503, f"no untried prefill/decode pair left for model {req.model!r}", "no_active_worker",
-                           headers={"Retry-After": "1"})
-        raise ApiError(failure.status, f"{failure.role} leg: {failure.message}", failure.reason,
-                       headers=failure.headers)
+            raise ApiError(
+                503,
+                f"no untried prefill/decode pair left for model {req.model!r}",
+                "no_active_worker",
+                headers={"Retry-After": "1"},
+            )
+        raise ApiError(
+            failure.status, f"{failure.role} leg: {failure.message}", failure.reason, headers=failure.headers
+        )
 
-    def choose_pair(self, req: RoutedRequest, p_pool: Sequence[WorkerRecord], d_pool: Sequence[WorkerRecord],
-                    decodes: Sequence[WorkerRecord]) -> tuple[WorkerRecord, RoutedRequest, WorkerRecord, RoutedRequest]:
+    def choose_pair(
+        self,
+        req: RoutedRequest,
+        p_pool: Sequence[WorkerRecord],
+        d_pool: Sequence[WorkerRecord],
+        decodes: Sequence[WorkerRecord],
+    ) -> tuple[WorkerRecord, RoutedRequest, WorkerRecord, RoutedRequest]:
         """The policy's pair among the pools (non-empty): (prefill, its leg request, decode, its leg
         request). ``decodes``: every active decode worker (named in the error when none matches)."""
         p_req, d_req = _leg_request(req), _leg_request(req)
         started = perf_counter()
         prefill = self.policy.pick(self.breaker.filter(p_pool), p_req, "prefill")
         self.metrics.observe_pick("prefill", perf_counter() - started)
+        count_hints(self.metrics, p_req)
         # A pair never mixes engines or connectors: the decode comes from the prefill's kind.
         kind = pd_kind(prefill)
         d_pool = [w for w in d_pool if pd_kind(w) == kind]
         if not d_pool:
-            log.error("request %s: no decode worker for model %r speaks %r on %s like prefill worker %r "
-                      "(decode workers: %s)", req.request_id, req.model, kind[1], kind[0], prefill.worker_id,
-                      ", ".join(f"{w.worker_id}={pd_kind(w)[1]}" for w in decodes))
-            raise ApiError(500, f"no decode worker for model {req.model!r} speaks {kind[1]!r} on {kind[0]} like "
-                           "the prefill worker picked (see the server log)", "pd_protocol_mismatch")
+            log.error(
+                "request %s: no decode worker for model %r speaks %r on %s like prefill worker %r (decode workers: %s)",
+                req.request_id,
+                req.model,
+                kind[1],
+                kind[0],
+                prefill.worker_id,
+                ", ".join(f"{w.worker_id}={pd_kind(w)[1]}" for w in decodes),
+            )
+            raise ApiError(
+                500,
+                f"no decode worker for model {req.model!r} speaks {kind[1]!r} on {kind[0]} like "
+                "the prefill worker picked (see the server log)",
+                "pd_protocol_mismatch",
+            )
         # Filtered after the kind match, so an open decode is avoided only while a healthy one of
         # the same kind exists (and all of that kind are tried rather than none).
         started = perf_counter()
         decode = self.policy.pick(self.breaker.filter(d_pool), d_req, "decode")
         self.metrics.observe_pick("decode", perf_counter() - started)
+        count_hints(self.metrics, d_req)
         return prefill, p_req, decode, d_req
 
-    async def pick(self, req: RoutedRequest, exclude: frozenset[str] = frozenset()) -> "PickedPair":
+    async def pick(self, req: RoutedRequest, exclude: frozenset[str] = frozenset()) -> PickedPair:
         """Pick only (a gateway sends the request to the decode's sidecar, which runs the pair):
         the pair ``dispatch`` would try first, both legs charged as ``dispatch`` charges them."""
         prefills = [w for w in self.fleet.active(req.model, "prefill") if w.worker_id not in exclude]
         decodes = self.fleet.active(req.model, "decode")
         d_pool = [w for w in decodes if w.worker_id not in exclude]
         if not prefills or not d_pool:
-            raise ApiError(503, f"no active {'prefill' if not prefills else 'decode'} worker for model "
-                           f"{req.model!r}; retry shortly", "no_active_worker", headers={"Retry-After": "1"})
+            raise ApiError(
+                503,
+                f"no active {'prefill' if not prefills else 'decode'} worker for model {req.model!r}; retry shortly",
+                "no_active_worker",
+                headers={"Retry-After": "1"},
+            )
         if self._prepare is not None and (self._prepare_cached is None or not self._prepare_cached(req)):
             await self._prepare(req)
         prefill, p_req, decode, d_req = self.choose_pair(req, prefills, d_pool, decodes)
@@ -255,14 +361,25 @@ class DisaggRouter:
     async def dispatch_pair(self, req: RoutedRequest, prefill: WorkerRecord, decode: WorkerRecord) -> Reply:
         """Direct mode (``x-prefill-instance-id`` + ``x-worker-instance-id``): exactly this pair, one
         attempt, no policy pick."""
+        account = RequestAccount(self.metrics, "direct", req)
+        try:
+            reply = await self._dispatch_pair(req, prefill, decode)
+        except BaseException as exc:
+            account.failed(exc)
+            raise
+        return account.replied(reply)
+
+    async def _dispatch_pair(self, req: RoutedRequest, prefill: WorkerRecord, decode: WorkerRecord) -> Reply:
         body = self._parse(req)
         try:
             return await self._attempt(req, body, prefill, _leg_request(req), decode, _leg_request(req))
         except LegFailure as exc:
+            self.metrics.count_pd_bootstrap_failure(bootstrap_failure_reason(exc))
             if not exc.retryable:
                 return Reply(exc.status, exc.content_type, exc.worker_id, body=exc.body)
-            raise ApiError(exc.status, f"{exc.role} leg: {exc.message}", exc.reason,
-                           headers=unreachable_mark(exc)) from None
+            raise ApiError(
+                exc.status, f"{exc.role} leg: {exc.message}", exc.reason, headers=unreachable_mark(exc)
+            ) from None
 
     async def close(self) -> None:
         """Server stop: cancel prefill legs still draining in the background."""
@@ -274,7 +391,7 @@ class DisaggRouter:
 
     # -- helpers ---------------------------------------------------------------------------------
     @staticmethod
-    def _parse(req: RoutedRequest) -> dict:
+    def _parse(req: RoutedRequest) -> dict[str, Any]:
         try:
             body = _decode_json(req.body)
         except msgspec.DecodeError as exc:  # parse_request accepted it, so this is not expected
@@ -283,17 +400,32 @@ class DisaggRouter:
             raise ApiError(400, "request body must be a JSON object", "invalid_request")
         return body
 
-    async def _open(self, leg: _Leg, route: str, body: dict, request_id: str, stream: bool, *,
-                    reply_proves_worker: bool = True) -> Opened:
+    async def _open(
+        self,
+        leg: _Leg,
+        route: str,
+        body: dict[str, Any],
+        request_id: str,
+        stream: bool,
+        *,
+        reply_proves_worker: bool = True,
+    ) -> Opened:
         """One leg up to its first byte; a 4xx is the client's: a non-retryable ``LegFailure``.
 
         ``reply_proves_worker`` False: a 2xx is not yet a success for the breaker (a serial
         prefill's reply must still carry a usable handoff); the caller scores it."""
         body = self.engine_hints.apply_dict(body, leg.worker, leg.req)
+        started = perf_counter()
         try:
-            opened = await open_upstream(self.transport, leg.worker, route, _encode_json(body),
-                                         request_headers(request_id, leg.rank, leg.req.trace_headers), stream,
-                                         leg.role)
+            opened = await open_upstream(
+                self.transport,
+                leg.worker,
+                route,
+                _encode_json(body),
+                request_headers(request_id, leg.rank, leg.req.trace_headers),
+                stream,
+                leg.role,
+            )
         except LegFailure as exc:  # 5xx or transport error before the first byte (or a full NATS backlog)
             if exc.blames_worker and not (leg.hold_engine_error and is_engine_error(exc)):
                 leg.score_failure()
@@ -302,32 +434,57 @@ class DisaggRouter:
             raise
         if opened.status >= 400:
             leg.score_neutral()
-            raise LegFailure(leg.worker.worker_id, opened.status, f"worker returned {opened.status}",
-                             f"http_{opened.status}", opened.body, role=leg.role, content_type=opened.content_type,
-                             retryable=False)
+            raise LegFailure(
+                leg.worker.worker_id,
+                opened.status,
+                f"worker returned {opened.status}",
+                f"http_{opened.status}",
+                opened.body,
+                role=leg.role,
+                content_type=opened.content_type,
+                retryable=False,
+            )
         if reply_proves_worker:
             leg.score_success()
+        if opened.resp is None:  # answered in full (a stream's legs are timed by the request)
+            self.metrics.observe_pd_dispatch(leg.role, leg.worker.worker_id, perf_counter() - started)
         return opened
 
     # -- one attempt -----------------------------------------------------------------------------
-    async def _attempt(self, req: RoutedRequest, body: dict, prefill: WorkerRecord, p_req: RoutedRequest,
-                       decode: WorkerRecord, d_req: RoutedRequest, *, hold_engine_error: bool = False) -> Reply:
+    async def _attempt(
+        self,
+        req: RoutedRequest,
+        body: dict[str, Any],
+        prefill: WorkerRecord,
+        p_req: RoutedRequest,
+        decode: WorkerRecord,
+        d_req: RoutedRequest,
+        *,
+        hold_engine_error: bool = False,
+    ) -> Reply:
         try:
             protocol = resolve_protocol(prefill, decode, self.protocols)
             protocol.check_route(req.route)
         except PdError as exc:
+            self.metrics.count_pd_bootstrap_failure("protocol_unresolved")
             raise ApiError(exc.status, exc.message, exc.code) from None
         req.state["prefill_worker"] = prefill.worker_id  # the request's trace span reports the pair
         p_leg = _Leg(self, "prefill", prefill, p_req, hold_engine_error=hold_engine_error)
         d_leg = _Leg(self, "decode", decode, d_req, hold_engine_error=hold_engine_error)
         committed = False
         try:
-            pair = PdPair(prefill, decode, align_room(self._rng.getrandbits(63), prefill, p_leg.rank),
-                          prefill_rank=p_leg.rank, decode_rank=d_leg.rank)
+            pair = PdPair(
+                prefill,
+                decode,
+                align_room(self._rng.getrandbits(63), prefill, p_leg.rank),
+                prefill_rank=p_leg.rank,
+                decode_rank=d_leg.rank,
+            )
             try:
                 request_id = protocol.leg_request_id(pair) or req.request_id
                 p_body = protocol.prefill_body(body, pair)
             except PdError as exc:
+                self.metrics.count_pd_bootstrap_failure("protocol_annotate_failed")
                 raise ApiError(exc.status, exc.message, exc.code) from None
             if protocol.topology == "serial":
                 reply = await self._serial(req, body, protocol, pair, p_leg, d_leg, p_body, request_id)
@@ -344,23 +501,28 @@ class DisaggRouter:
                 p_leg.score_neutral()
                 d_leg.score_neutral()
 
-    async def _run_prefill(self, leg: _Leg, route: str, body: dict, request_id: str, *,
-                           handoff_checked_later: bool = False) -> bytes:
+    async def _run_prefill(
+        self, leg: _Leg, route: str, body: dict[str, Any], request_id: str, *, handoff_checked_later: bool = False
+    ) -> bytes:
         """The prefill leg to completion, bounded by the prefill timeout; its accounting ends here,
         and its breaker verdict too unless ``handoff_checked_later`` (serial: the reply must still
         carry a usable handoff)."""
         try:
-            opened = await asyncio.wait_for(self._open(leg, route, body, request_id, stream=False,
-                                                       reply_proves_worker=not handoff_checked_later),
-                                            self.prefill_timeout)
+            opened = await asyncio.wait_for(
+                self._open(leg, route, body, request_id, stream=False, reply_proves_worker=not handoff_checked_later),
+                self.prefill_timeout,
+            )
             return opened.body or b""
         except asyncio.TimeoutError:
             leg.score_failure()
-            raise LegFailure(leg.worker.worker_id, 504,
-                             f"the prefill did not finish within {self.prefill_timeout:g}s",
-                             "prefill_timeout", role="prefill",
-                             detail=f"prefill on {leg.worker.worker_id} did not finish within {self.prefill_timeout:g}s"
-                             ) from None
+            raise LegFailure(
+                leg.worker.worker_id,
+                504,
+                f"the prefill did not finish within {self.prefill_timeout:g}s",
+                "prefill_timeout",
+                role="prefill",
+                detail=f"prefill on {leg.worker.worker_id} did not finish within {self.prefill_timeout:g}s",
+            ) from None
         except BaseException:
             # Cancelled: the decode failed first, the decode stream ended, or the client left.
             leg.score_neutral()
@@ -368,7 +530,7 @@ class DisaggRouter:
         finally:
             leg.release()
 
-    def _reply(self, leg: _Leg, opened: Opened, prefill_task: asyncio.Task | None) -> Reply:
+    def _reply(self, leg: _Leg, opened: Opened, prefill_task: asyncio.Task[bytes] | None) -> Reply:
         if opened.resp is None:
             leg.release()
             return Reply(200, opened.content_type, leg.worker.worker_id, body=opened.body)
@@ -379,11 +541,25 @@ class DisaggRouter:
                 # The client is gone or the decode ended first: the prefill has nothing left to feed.
                 prefill_task.cancel()
 
-        return Reply(200, opened.content_type, leg.worker.worker_id,
-                     stream=Relay(opened, leg.worker, self.metrics, done), first_byte_at=self._clock())
+        return Reply(
+            200,
+            opened.content_type,
+            leg.worker.worker_id,
+            stream=Relay(opened, leg.worker, self.metrics, done),
+            first_byte_at=self._clock(),
+        )
 
-    async def _serial(self, req: RoutedRequest, body: dict, protocol: PdProtocol, pair: PdPair, p_leg: _Leg,
-                      d_leg: _Leg, p_body: dict, request_id: str) -> Reply:
+    async def _serial(
+        self,
+        req: RoutedRequest,
+        body: dict[str, Any],
+        protocol: PdProtocol,
+        pair: PdPair,
+        p_leg: _Leg,
+        d_leg: _Leg,
+        p_body: dict[str, Any],
+        request_id: str,
+    ) -> Reply:
         data = await self._run_prefill(p_leg, req.route, p_body, request_id, handoff_checked_later=True)
         try:
             reply = _decode_json(data)
@@ -391,13 +567,19 @@ class DisaggRouter:
                 raise ValueError("not a JSON object")
         except (msgspec.DecodeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
             p_leg.score_failure()
-            raise LegFailure(p_leg.worker.worker_id, 502, "the prefill reply is not a JSON object",
-                             "bad_prefill_reply", role="prefill",
-                             detail=f"prefill reply from {p_leg.worker.worker_id} is not a JSON object: {exc}") from None
+            raise LegFailure(
+                p_leg.worker.worker_id,
+                502,
+                "the prefill reply is not a JSON object",
+                "bad_prefill_reply",
+                role="prefill",
+                detail=f"prefill reply from {p_leg.worker.worker_id} is not a JSON object: {exc}",
+            ) from None
         try:
             d_body = protocol.decode_body(body, pair, reply)
         except PdError as exc:
             if exc.status < 500:
+                self.metrics.count_pd_bootstrap_failure("protocol_annotate_failed")
                 raise ApiError(exc.status, exc.message, exc.code) from None  # scored neutral by _attempt
             p_leg.score_failure()  # a reply without a usable handoff
             raise LegFailure(p_leg.worker.worker_id, exc.status, exc.message, exc.code, role="prefill") from None
@@ -405,11 +587,21 @@ class DisaggRouter:
         opened = await self._open(d_leg, req.route, d_body, request_id, req.stream)
         return self._reply(d_leg, opened, None)
 
-    async def _concurrent(self, req: RoutedRequest, body: dict, protocol: PdProtocol, pair: PdPair, p_leg: _Leg,
-                          d_leg: _Leg, p_body: dict, request_id: str) -> Reply:
+    async def _concurrent(
+        self,
+        req: RoutedRequest,
+        body: dict[str, Any],
+        protocol: PdProtocol,
+        pair: PdPair,
+        p_leg: _Leg,
+        d_leg: _Leg,
+        p_body: dict[str, Any],
+        request_id: str,
+    ) -> Reply:
         try:
             d_body = protocol.decode_body(body, pair, None)
         except PdError as exc:
+            self.metrics.count_pd_bootstrap_failure("protocol_annotate_failed")
             raise ApiError(exc.status, exc.message, exc.code) from None
         prefill_task = asyncio.create_task(self._run_prefill(p_leg, req.route, p_body, request_id))
         decode_task = asyncio.create_task(self._open(d_leg, req.route, d_body, request_id, req.stream))
@@ -432,7 +624,7 @@ class DisaggRouter:
             self._prefill_done(prefill_task)
         return self._reply(d_leg, opened, prefill_task)
 
-    def _prefill_done(self, task: asyncio.Task) -> None:
+    def _prefill_done(self, task: asyncio.Task[bytes]) -> None:
         self._background.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.warning("PD prefill leg failed after the decode leg answered: %s", task.exception())

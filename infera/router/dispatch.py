@@ -6,27 +6,38 @@ attempt's outcome up to the first byte is scored there.
 The router hands the server a ``Reply``: a unary body, or a stream whose first chunk has already
 arrived (that is the commit point: before it we may retry elsewhere, after it never).
 """
+
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
-from time import perf_counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from time import perf_counter
 
+import msgspec
+
+from infera.api.cache_hints import RETENTION_NAMES
 from infera.api.errors import ApiError
 from infera.discovery.fleet import Fleet
 from infera.discovery.record import WorkerRecord
-import msgspec
-
 from infera.router.breaker import CircuitBreaker
 from infera.router.engine_hints import EngineHints
-from infera.router.metrics import RouterMetrics
+from infera.router.metrics import InflightGauge, RouterMetrics
 from infera.router.migration import MigratingRelay, StreamTracker, request_for_migration
 from infera.router.policy import Policy, RoutedRequest
-from infera.router.upstream import (LegFailure, Opened, Relay, is_engine_error, open_upstream, repeated_engine_error,
-                                    request_headers, unreachable_mark)
+from infera.router.upstream import (
+    LegFailure,
+    Opened,
+    Relay,
+    is_engine_error,
+    open_upstream,
+    repeated_engine_error,
+    request_headers,
+    unreachable_mark,
+)
 from infera.transport.request import RequestTransport
 
 log = logging.getLogger(__name__)
@@ -55,17 +66,85 @@ class Reply:
     content_type: str
     worker_id: str
     body: bytes | None = None  # unary reply
-    stream: "Relay | MigratingRelay | None" = None  # a stream (first chunk included); aclose() it when done
+    stream: Relay | MigratingRelay | None = None  # a stream (first chunk included); aclose() it when done
     first_byte_at: float | None = None
+
+
+def outcome_of(status: int) -> str:
+    """A reply's ``outcome`` label: ``ok`` below 400; 429, 502 and 503 as themselves (load shed, a
+    worker unreachable, none available); any other status by its class."""
+    if status < 400:
+        return "ok"
+    if status in (429, 502, 503):
+        return str(status)
+    return "4xx" if status < 500 else "5xx"
+
+
+def count_hints(metrics: RouterMetrics, req: RoutedRequest) -> None:
+    """A pick made with the request's cache hints in hand (a policy that reads them, kv-aware, has
+    parsed them by then): its retention, and whether prompt overlap was ignored (multimodal)."""
+    hints = req.state.get("hints")
+    if hints is not None:
+        metrics.count_cache_control(RETENTION_NAMES[hints.retention])
+        if hints.multimodal:
+            metrics.count_cache_locality_skipped("multimodal")
+
+
+class RequestAccount:
+    """One request through a router: in flight (``infera_request_inflight{router}``) from the
+    dispatch until the reply, or its stream, has ended; then its duration, by outcome. Ends once."""
+
+    __slots__ = ("_gauge", "_metrics", "_req", "_router", "_started")
+
+    def __init__(self, metrics: RouterMetrics, router: str, req: RoutedRequest) -> None:
+        self._metrics, self._router, self._req = metrics, router, req
+        self._started = perf_counter()
+        gauge = metrics.request_inflight_gauge(router)
+        gauge.inc()
+        self._gauge: InflightGauge | None = gauge
+
+    def end(self, outcome: str) -> None:
+        gauge = self._gauge
+        if gauge is not None:
+            self._gauge = None
+            gauge.dec()
+            req = self._req
+            self._metrics.observe_request(self._router, outcome, req.route, req.stream, perf_counter() - self._started)
+
+    def replied(self, reply: Reply) -> Reply:
+        """The dispatch's reply: a unary one ends the request now, a stream when it is closed."""
+        if reply.stream is None:
+            self.end(outcome_of(reply.status))
+        else:
+            reply.stream.on_end(self.end)
+        return reply
+
+    def failed(self, exc: BaseException) -> None:
+        """The dispatch raised: the client's error status, or the client gone."""
+        if isinstance(exc, ApiError):
+            self.end(outcome_of(exc.status))
+        else:
+            self.end("client_gone" if isinstance(exc, asyncio.CancelledError) else "error")
 
 
 class MixedRouter:
     """Routes to mixed (non-disaggregated) workers of the requested model."""
 
-    def __init__(self, fleet: Fleet, policy: Policy, transport: RequestTransport, metrics: RouterMetrics,
-                 *, max_retries: int = 1, direct: bool = False, clock: Callable[[], float] = time.perf_counter,
-                 usage_observer: UsageObserver | None = None, breaker: CircuitBreaker | None = None,
-                 migration_limit: int = 0, engine_hints: EngineHints | None = None) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        policy: Policy,
+        transport: RequestTransport,
+        metrics: RouterMetrics,
+        *,
+        max_retries: int = 1,
+        direct: bool = False,
+        clock: Callable[[], float] = time.perf_counter,
+        usage_observer: UsageObserver | None = None,
+        breaker: CircuitBreaker | None = None,
+        migration_limit: int = 0,
+        engine_hints: EngineHints | None = None,
+    ) -> None:
         self.fleet = fleet
         self.policy = policy
         self._prepare = getattr(policy, "prepare", None)  # async per-request setup (tokenize once)
@@ -90,24 +169,52 @@ class MixedRouter:
         if workers:
             return workers
         if not self.fleet.active():
-            raise ApiError(503, "no active worker in the fleet; retry shortly", "no_active_worker",
-                           headers={"Retry-After": "1"})
+            raise ApiError(
+                503, "no active worker in the fleet; retry shortly", "no_active_worker", headers={"Retry-After": "1"}
+            )
         if not self.fleet.knows_model(model):
-            raise ApiError(404, f"The model `{model}` does not exist. Available: {', '.join(self.fleet.models())}",
-                           "model_not_found", param="model")
-        raise ApiError(503, f"no active mixed worker for model {model!r}; retry shortly", "no_active_worker",
-                       headers={"Retry-After": "1"})
+            raise ApiError(
+                404,
+                f"The model `{model}` does not exist. Available: {', '.join(self.fleet.models())}",
+                "model_not_found",
+                param="model",
+            )
+        raise ApiError(
+            503,
+            f"no active mixed worker for model {model!r}; retry shortly",
+            "no_active_worker",
+            headers={"Retry-After": "1"},
+        )
 
     # -- dispatch ----------------------------------------------------------------------------------
     async def dispatch(self, req: RoutedRequest) -> Reply:
+        account = RequestAccount(
+            self.metrics, "direct" if self.direct and req.direct_worker is not None else "mixed", req
+        )
+        try:
+            reply = await self._dispatch(req)
+        except BaseException as exc:
+            account.failed(exc)
+            raise
+        return account.replied(reply)
+
+    async def _dispatch(self, req: RoutedRequest) -> Reply:
         if self.direct and req.direct_worker is not None:
             worker = self.fleet.get(req.direct_worker)
             if worker is None or not worker.is_active:
-                raise ApiError(503, f"worker {req.direct_worker!r} not found (stale gateway routing?)",
-                               "worker_not_found", headers={"Retry-After": "1"})
+                raise ApiError(
+                    503,
+                    f"worker {req.direct_worker!r} not found (stale gateway routing?)",
+                    "worker_not_found",
+                    headers={"Retry-After": "1"},
+                )
             if worker.model_name != req.model:
-                raise ApiError(400, f"worker {worker.worker_id!r} serves {worker.model_name!r}, not {req.model!r}",
-                               "model_mismatch", param="model")
+                raise ApiError(
+                    400,
+                    f"worker {worker.worker_id!r} serves {worker.model_name!r}, not {req.model!r}",
+                    "model_mismatch",
+                    param="model",
+                )
             try:
                 return await self._attempt(worker, req)
             except LegFailure as exc:
@@ -165,9 +272,21 @@ class MixedRouter:
                 observer(worker, req, reported_cached_tokens(opened.body or b""))
             return Reply(opened.status, opened.content_type, worker.worker_id, body=opened.body)
         on_tail = None if observer is None else (lambda tail: observer(worker, req, reported_cached_tokens(tail)))
+        stream: Relay
         if tracker is not None:
-            stream = MigratingRelay(opened, worker, tracker, lambda t, tried: self._migrate(req, t, tried),
-                                    self.metrics, release, on_tail, self.migration_limit)
+            stream = MigratingRelay(
+                opened,
+                worker,
+                tracker,
+                lambda t, tried: self._migrate(req, t, tried),
+                self.metrics,
+                release,
+                on_tail,
+                self.migration_limit,
+            )
+            # Read to its end, it ended well if the generation did (every break moved on, or only
+            # the [DONE] was lost); otherwise the client got an error event.
+            stream.judge_by(lambda: tracker.done or tracker.finished)
         else:
             stream = Relay(opened, worker, self.metrics, release, on_tail)
         first_byte_at = self._clock()
@@ -190,8 +309,9 @@ class MixedRouter:
         body = req.body if first is original else msgspec.json.encode(first)
         return req.route, body, StreamTracker(req.route, original, strip_ids=strip)
 
-    async def _migrate(self, req: RoutedRequest, tracker: StreamTracker,
-                       tried: set[str]) -> tuple[WorkerRecord, Opened, Callable[[], None]]:
+    async def _migrate(
+        self, req: RoutedRequest, tracker: StreamTracker, tried: set[str]
+    ) -> tuple[WorkerRecord, Opened, Callable[[], None]]:
         """Open the continuation of a broken stream on another mixed worker (never one already
         tried), failing over before its first byte like a new request."""
         failure: LegFailure | None = None
@@ -210,9 +330,13 @@ class MixedRouter:
                 continue
             if opened.resp is None:  # refused (4xx) or unary: no stream to continue with
                 release()
-                failure = LegFailure(worker.worker_id, opened.status, f"the worker answered {opened.status} to the "
-                                     "continuation", "continuation_refused",
-                                     detail=f"worker {worker.worker_id} answered {opened.status} to the continuation")
+                failure = LegFailure(
+                    worker.worker_id,
+                    opened.status,
+                    f"the worker answered {opened.status} to the continuation",
+                    "continuation_refused",
+                    detail=f"worker {worker.worker_id} answered {opened.status} to the continuation",
+                )
                 continue
             return worker, opened, release
         if failure is not None:
@@ -250,23 +374,30 @@ class MixedRouter:
         started = perf_counter()
         worker = self.policy.pick(self.breaker.filter(pool), req)
         self.metrics.observe_pick("mixed", perf_counter() - started)
+        count_hints(self.metrics, req)
         return worker
 
-    async def pick(self, req: RoutedRequest,
-                   exclude: frozenset[str] = frozenset()) -> tuple[WorkerRecord, Callable[[], None]]:
+    async def pick(
+        self, req: RoutedRequest, exclude: frozenset[str] = frozenset()
+    ) -> tuple[WorkerRecord, Callable[[], None]]:
         """Pick only (a gateway sends the request, e.g. the GAIE endpoint picker): the worker
         ``dispatch`` would try first, charged as ``dispatch`` charges it, and its release."""
         candidates = self.candidates(req.model)
         await self.prepare(req)
         pool = [w for w in candidates if w.worker_id not in exclude] if exclude else candidates
         if not pool:
-            raise ApiError(503, f"no untried mixed worker left for model {req.model!r}; retry shortly",
-                           "no_active_worker", headers={"Retry-After": "1"})
+            raise ApiError(
+                503,
+                f"no untried mixed worker left for model {req.model!r}; retry shortly",
+                "no_active_worker",
+                headers={"Retry-After": "1"},
+            )
         worker = self.choose(pool, req)
         return worker, self.charge(worker, req)
 
-    async def _open(self, worker: WorkerRecord, req: RoutedRequest, route: str, body: bytes, *,
-                    hold_engine_error: bool = False) -> tuple[Opened, Callable[[], None]]:
+    async def _open(
+        self, worker: WorkerRecord, req: RoutedRequest, route: str, body: bytes, *, hold_engine_error: bool = False
+    ) -> tuple[Opened, Callable[[], None]]:
         """Send to one worker up to its first byte, with the policy, in-flight and breaker
         accounting; returns the answer and the release to call when done with it.
         ``hold_engine_error``: an engine's 5xx is scored neutral here (the caller scores it)."""

@@ -5,13 +5,16 @@ histogram slot (bisect), and the Prometheus families are built only when /metric
 (prometheus_client's own metric objects take a lock and build label keys on every update — a
 measurable share of the router's CPU under load.)
 """
+
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from bisect import bisect_left
 from collections import OrderedDict
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -27,6 +30,9 @@ from infera.router.metrics import RouterMetrics
 # The policy's pick alone (no tokenizing or hashing: those run before it), sub-millisecond.
 PICK_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# A PD leg answered in full (the reference's 0.01…60).
+PD_LEG_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+DISAGG_MODES = ("mixed", "prefill", "decode")
 
 
 class Histogram:
@@ -58,7 +64,7 @@ def holds_worker(label: str, worker_id: str) -> bool:
     return label == worker_id or (label.startswith(worker_id) and label.startswith("#dp", len(worker_id)))
 
 
-def drop_worker_keys(table: dict, worker_id: str, position: int | None = None) -> int:
+def drop_worker_keys(table: dict[Any, Any], worker_id: str, position: int | None = None) -> int:
     """Delete ``table``'s entries of ``worker_id`` (keys are worker ids or route keys, or tuples
     holding one at ``position``); returns how many went."""
     gone = [k for k in table if holds_worker(k if position is None else k[position], worker_id)]
@@ -92,7 +98,15 @@ class ServerMetrics(RouterMetrics):
         self._fleet = fleet
         self._breaker = breaker
         self.requests: dict[tuple[str, str, str], int] = {}
-        self.e2e: dict[tuple[str, str], Histogram] = {}
+        self.e2e: dict[tuple[str, str], Histogram] = {}  # the HTTP handler's view: (route, stream)
+        # The router's view, (route, stream, router, outcome): labelled as ours was (route, stream) and
+        # as the reference's is (router, outcome), so dashboards built for either work.
+        self.request_seconds: dict[tuple[str, str, str, str], Histogram] = {}
+        self.request_inflight: dict[str, Gauge] = {}  # router → requests in its dispatch
+        self.pd_leg_seconds: dict[tuple[str, str], Histogram] = {}  # (leg, worker)
+        self.pd_bootstrap_failures: dict[str, int] = {}  # reason → PD attempts failed before the first byte
+        self.cache_control_seen: dict[str, int] = {}  # retention → picks with the request's hints
+        self.cache_locality_skipped: dict[str, int] = {}  # reason → picks that ignored prompt overlap
         self.ttft: dict[str, Histogram] = {}
         self.pick: dict[str, Histogram] = {}  # role → the policy's pick time
         self.inflight: dict[str, Gauge] = {}
@@ -120,6 +134,37 @@ class ServerMetrics(RouterMetrics):
         if h is None:
             h = self.e2e[key] = Histogram()
         h.observe(seconds)
+
+    def observe_request(self, router: str, outcome: str, route: str, stream: bool, seconds: float) -> None:
+        key = (route, "true" if stream else "false", router, outcome)
+        h = self.request_seconds.get(key)
+        if h is None:
+            h = self.request_seconds[key] = Histogram()
+        h.observe(seconds)
+
+    def request_inflight_gauge(self, router: str) -> Gauge:
+        g = self.request_inflight.get(router)
+        if g is None:
+            g = self.request_inflight[router] = Gauge()
+        return g
+
+    def observe_pd_dispatch(self, leg: str, worker: str, seconds: float) -> None:
+        if worker in self._departed:
+            return
+        key = (leg, worker)
+        h = self.pd_leg_seconds.get(key)
+        if h is None:
+            h = self.pd_leg_seconds[key] = Histogram(PD_LEG_BUCKETS)
+        h.observe(seconds)
+
+    def count_pd_bootstrap_failure(self, reason: str) -> None:
+        self.pd_bootstrap_failures[reason] = self.pd_bootstrap_failures.get(reason, 0) + 1
+
+    def count_cache_control(self, retention: str) -> None:
+        self.cache_control_seen[retention] = self.cache_control_seen.get(retention, 0) + 1
+
+    def count_cache_locality_skipped(self, reason: str) -> None:
+        self.cache_locality_skipped[reason] = self.cache_locality_skipped.get(reason, 0) + 1
 
     def observe_pick(self, role: str, seconds: float) -> None:
         h = self.pick.get(role)
@@ -179,62 +224,133 @@ class ServerMetrics(RouterMetrics):
         self.inflight.pop(worker_id, None)
         self.midstream_failures.pop(worker_id, None)
         drop_worker_keys(self.requests, worker_id, 2)
+        drop_worker_keys(self.pd_leg_seconds, worker_id, 1)
 
     # -- scrape ------------------------------------------------------------------------------------
     def collect(self) -> Iterator[Metric]:
-        fam = CounterMetricFamily("infera_requests", "Requests by route, status and worker",
-                                  labels=["route", "status", "worker_id"])
+        labels: tuple[str, ...]
+        fam = CounterMetricFamily(
+            "infera_requests", "Requests by route, status and worker", labels=["route", "status", "worker_id"]
+        )
         for labels, n in sorted(self.requests.items()):
             fam.add_metric(list(labels), n)
         yield fam
-        hist = HistogramMetricFamily("infera_request_duration_seconds", "End-to-end request latency",
-                                     labels=["route", "stream"])
+        hist = HistogramMetricFamily(
+            "infera_request_duration_seconds",
+            "Requests from the router's dispatch to the "
+            "end of the reply or its stream, by route, stream, router (mixed, disagg, "
+            "direct) and outcome (ok, 4xx, 5xx, 429, 502, 503, error, client_gone)",
+            labels=["route", "stream", "router", "outcome"],
+        )
+        for labels, h in sorted(self.request_seconds.items()):
+            hist.add_metric(list(labels), h.cumulative(), h.total)
+        yield hist
+        hist = HistogramMetricFamily(
+            "infera_http_request_duration_seconds",
+            "Answered requests from the HTTP handler's start (body read, admission queue) to the reply's last byte",
+            labels=["route", "stream"],
+        )
         for labels, h in sorted(self.e2e.items()):
             hist.add_metric(list(labels), h.cumulative(), h.total)
         yield hist
-        hist = HistogramMetricFamily("infera_time_to_first_token_seconds", "Time to the first streamed byte",
-                                     labels=["route"])
+        g = GaugeMetricFamily(
+            "infera_request_inflight",
+            "Requests in a router's dispatch, reply or stream (per worker: infera_worker_inflight_requests)",
+            labels=["router"],
+        )
+        for router, gauge in sorted(self.request_inflight.items()):
+            g.add_metric([router], gauge.value)
+        yield g
+        hist = HistogramMetricFamily(
+            "infera_pd_dispatch_duration_seconds",
+            "PD legs answered in full (the prefill leg, an unstreamed decode leg), by leg and worker",
+            labels=["leg", "worker_id"],
+        )
+        for labels, h in sorted(self.pd_leg_seconds.items()):
+            hist.add_metric(list(labels), h.cumulative(), h.total)
+        yield hist
+        for name, table, label, doc in (
+            (
+                "infera_pd_bootstrap_failures",
+                self.pd_bootstrap_failures,
+                "reason",
+                "PD attempts that failed before the client's first byte (no_pd_workers, protocol_unresolved, "
+                "protocol_annotate_failed, handoff_extract_failed, prefill_/decode_ 4xx, 5xx, unreachable, timeout)",
+            ),
+            (
+                "infera_cache_control_seen",
+                self.cache_control_seen,
+                "retention",
+                "Policy picks made with the request's cache hints, by retention (none, short, long)",
+            ),
+            (
+                "infera_cache_locality_skipped",
+                self.cache_locality_skipped,
+                "reason",
+                "Policy picks that ignored prompt-cache overlap (multimodal: image affinity decides)",
+            ),
+        ):
+            fam = CounterMetricFamily(name, doc, labels=[label])
+            for value, n in sorted(table.items()):
+                fam.add_metric([value], n)
+            yield fam
+        hist = HistogramMetricFamily(
+            "infera_time_to_first_token_seconds", "Time to the first streamed byte", labels=["route"]
+        )
         for route, h in sorted(self.ttft.items()):
             hist.add_metric([route], h.cumulative(), h.total)
         yield hist
-        hist = HistogramMetricFamily("infera_router_pick_seconds", "The routing policy's pick per request leg "
-                                     "(candidates scored; tokenizing and hashing come before it)", labels=["role"])
+        hist = HistogramMetricFamily(
+            "infera_router_pick_seconds",
+            "The routing policy's pick per request leg (candidates scored; tokenizing and hashing come before it)",
+            labels=["role"],
+        )
         for role, h in sorted(self.pick.items()):
             hist.add_metric([role], h.cumulative(), h.total)
         yield hist
-        g = GaugeMetricFamily("infera_worker_inflight_requests", "Requests in flight per worker",
-                              labels=["worker_id"])
+        g = GaugeMetricFamily("infera_worker_inflight_requests", "Requests in flight per worker", labels=["worker_id"])
         for worker, gauge in sorted(self.inflight.items()):
             g.add_metric([worker], gauge.value)
         yield g
-        fam = CounterMetricFamily("infera_request_retries", "Attempts that failed before the first byte and "
-                                  "were retried elsewhere", labels=["route", "reason"])
+        fam = CounterMetricFamily(
+            "infera_request_retries",
+            "Attempts that failed before the first byte and were retried elsewhere",
+            labels=["route", "reason"],
+        )
         for labels, n in sorted(self.retries.items()):
             fam.add_metric(list(labels), n)
         yield fam
-        fam = CounterMetricFamily("infera_midstream_failures", "Streams that broke after the first byte",
-                                  labels=["worker_id"])
+        fam = CounterMetricFamily(
+            "infera_midstream_failures", "Streams that broke after the first byte", labels=["worker_id"]
+        )
         for worker, n in sorted(self.midstream_failures.items()):
             fam.add_metric([worker], n)
         yield fam
-        fam = CounterMetricFamily("infera_client_disconnects", "Requests abandoned by the client before "
-                                  "completion", labels=["route"])
+        fam = CounterMetricFamily(
+            "infera_client_disconnects", "Requests abandoned by the client before completion", labels=["route"]
+        )
         for route, n in sorted(self.client_disconnects.items()):
             fam.add_metric([route], n)
         yield fam
-        fam = CounterMetricFamily("infera_migrations", "Broken streams moved to another worker (--migration-limit)",
-                                  labels=["reason"])
+        fam = CounterMetricFamily(
+            "infera_migrations", "Broken streams moved to another worker (--migration-limit)", labels=["reason"]
+        )
         for reason, n in sorted(self.migrations.items()):
             fam.add_metric([reason], n)
         yield fam
-        fam = CounterMetricFamily("infera_migrations_failed", "Broken streams that could not move: poisoned "
-                                  "(n>1, tool calls, …), limit, no_candidate, no_first_byte, finished",
-                                  labels=["reason"])
+        fam = CounterMetricFamily(
+            "infera_migrations_failed",
+            "Broken streams that could not move: poisoned "
+            "(n>1, tool calls, …), limit, no_candidate, no_first_byte, finished",
+            labels=["reason"],
+        )
         for reason, n in sorted(self.migrations_failed.items()):
             fam.add_metric([reason], n)
         yield fam
-        hist = HistogramMetricFamily("infera_migration_duration_seconds", "From a stream's break to the first byte "
-                                     "of its continuation on another worker")
+        hist = HistogramMetricFamily(
+            "infera_migration_duration_seconds",
+            "From a stream's break to the first byte of its continuation on another worker",
+        )
         hist.add_metric([], self.migration_seconds.cumulative(), self.migration_seconds.total)
         yield hist
         workers = GaugeMetricFamily("infera_workers", "Workers known to this server", labels=["status", "disagg_mode"])
@@ -244,17 +360,29 @@ class ServerMetrics(RouterMetrics):
         for (status, mode), n in sorted(counts.items()):
             workers.add_metric([status, mode], n)
         yield workers
+        active = GaugeMetricFamily(
+            "infera_active_workers",
+            "Active workers by disagg mode (draining ones too: infera_workers)",
+            labels=["disagg_mode"],
+        )
+        for mode in DISAGG_MODES:
+            active.add_metric([mode], counts.get(("active", mode), 0))
+        yield active
         if self._breaker is not None:
             yield from self._collect_breaker(self._breaker)
 
     def _collect_breaker(self, breaker: CircuitBreaker) -> Iterator[Metric]:
         # Read from the breaker at scrape time, for the workers in the fleet (the breaker forgets
         # departed ones), so routing pays nothing for these series.
-        state = GaugeMetricFamily("infera_router_worker_breaker_state", "Circuit breaker state per worker: 0 closed, "
-                                  "1 half-open (one probe at a time), 2 open (no requests until the cooldown ends)",
-                                  labels=["worker_id"])
-        trips = CounterMetricFamily("infera_router_worker_breaker_trips", "Times the circuit breaker opened for a "
-                                    "worker", labels=["worker_id"])
+        state = GaugeMetricFamily(
+            "infera_router_worker_breaker_state",
+            "Circuit breaker state per worker: 0 closed, "
+            "1 half-open (one probe at a time), 2 open (no requests until the cooldown ends)",
+            labels=["worker_id"],
+        )
+        trips = CounterMetricFamily(
+            "infera_router_worker_breaker_trips", "Times the circuit breaker opened for a worker", labels=["worker_id"]
+        )
         for r in self._fleet.all():
             state.add_metric([r.worker_id], STATE_CODES[breaker.state(r.worker_id)])
             trips.add_metric([r.worker_id], breaker.trips(r.worker_id))
@@ -267,12 +395,16 @@ class ServerMetrics(RouterMetrics):
 
 # Replica sync figures exported as gauges (levels) or counters (totals), by their stats() key.
 _SYNC_GAUGES = {"peers": "Other server replicas heard from", "remote_in_flight": "Their requests in flight"}
-_SYNC_COUNTERS = {"messages_sent": "Messages published", "messages_received": "Messages received",
-                  "bytes_sent": "Bytes published", "deltas_dropped": "Deltas not shared (NATS down or outbox full)",
-                  "gaps": "Sequence gaps in other replicas' messages (full state asked for)",
-                  "remote_started": "Other replicas' requests heard of (started)",
-                  "remote_finished": "Other replicas' requests heard finishing",
-                  "remote_expired": "Other replicas' requests dropped without a finish (heartbeat or timeout)"}
+_SYNC_COUNTERS = {
+    "messages_sent": "Messages published",
+    "messages_received": "Messages received",
+    "bytes_sent": "Bytes published",
+    "deltas_dropped": "Deltas not shared (NATS down or outbox full)",
+    "gaps": "Sequence gaps in other replicas' messages (full state asked for)",
+    "remote_started": "Other replicas' requests heard of (started)",
+    "remote_finished": "Other replicas' requests heard finishing",
+    "remote_expired": "Other replicas' requests dropped without a finish (heartbeat or timeout)",
+}
 
 
 class NatsMetrics:
@@ -285,15 +417,21 @@ class NatsMetrics:
         self.replica_sync = ReplicaSyncMetrics(replica_sync) if replica_sync is not None else None
 
     def collect(self) -> Iterator[Metric]:
-        yield GaugeMetricFamily("infera_nats_connected", "1 while this server is connected to NATS",
-                                value=1 if self.connection.connected else 0)
-        yield CounterMetricFamily("infera_nats_disconnects", "NATS connections lost",
-                                  value=self.connection.disconnects)
+        yield GaugeMetricFamily(
+            "infera_nats_connected",
+            "1 while this server is connected to NATS",
+            value=1 if self.connection.connected else 0,
+        )
+        yield CounterMetricFamily("infera_nats_disconnects", "NATS connections lost", value=self.connection.disconnects)
         if self.requests is not None:
-            yield CounterMetricFamily("infera_nats_requests", "Requests sent to workers over NATS",
-                                      value=self.requests.sent)
-            yield CounterMetricFamily("infera_nats_cancels", "Cancels published for requests left unfinished "
-                                      "(client gone, timeout, failure)", value=self.requests.cancels_sent)
+            yield CounterMetricFamily(
+                "infera_nats_requests", "Requests sent to workers over NATS", value=self.requests.sent
+            )
+            yield CounterMetricFamily(
+                "infera_nats_cancels",
+                "Cancels published for requests left unfinished (client gone, timeout, failure)",
+                value=self.requests.cancels_sent,
+            )
         if self.replica_sync is not None:
             yield from self.replica_sync.collect()
 
@@ -338,7 +476,7 @@ def merge_process_families(parts: Iterable[tuple[str, Iterable[Metric]]]) -> byt
             if out is None:
                 out = merged[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
             out.samples.extend(s._replace(labels={**s.labels, PROCESS_LABEL: process}) for s in fam.samples)
-    return generate_latest(_Families(merged.values()))  # type: ignore[arg-type]
+    return generate_latest(_Families(merged.values()))
 
 
 class ProcessMetrics:
@@ -353,8 +491,16 @@ class ProcessMetrics:
     ``timeout_s``, and skips (and counts, ``infera_server_metrics_siblings_skipped_total``) one
     that does not answer: restarting, stopped, or too busy."""
 
-    def __init__(self, registry: CollectorRegistry, *, index: int, count: int, socket_path: Callable[[int], str],
-                 restarts: int = 0, timeout_s: float = GATHER_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        *,
+        index: int,
+        count: int,
+        socket_path: Callable[[int], str],
+        restarts: int = 0,
+        timeout_s: float = GATHER_TIMEOUT_S,
+    ) -> None:
         self.registry = registry
         self.index = index
         self.count = count
@@ -371,20 +517,16 @@ class ProcessMetrics:
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         path = self.socket_path(self.index)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # left by the process this one replaces
-        except FileNotFoundError:
-            pass
         await web.UnixSite(self._runner, path).start()
 
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(self.socket_path(self.index))
-            except OSError:
-                pass
 
     async def _own(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.registry), content_type="text/plain")
@@ -392,11 +534,15 @@ class ProcessMetrics:
     async def _sibling(self, index: int) -> str | None:
         # A fresh connection each time: a sibling may have been restarted since the last scrape.
         try:
-            async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=self.socket_path(index)),
-                                             timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as session:
-                async with session.get("http://localhost/metrics") as resp:
-                    if resp.status == 200:
-                        return await resp.text()
+            async with (
+                aiohttp.ClientSession(
+                    connector=aiohttp.UnixConnector(path=self.socket_path(index)),
+                    timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                ) as session,
+                session.get("http://localhost/metrics") as resp,
+            ):
+                if resp.status == 200:
+                    return await resp.text()
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
             pass
         return None
@@ -428,10 +574,16 @@ class ProcessMetrics:
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("infera_server_processes", "Processes of this server (--workers)", value=self.count)
-        yield CounterMetricFamily("infera_server_process_restarts", "Times this process's slot was restarted "
-                                  "after its process died", value=self.restarts)
-        fam = CounterMetricFamily("infera_server_metrics_siblings_skipped", "Scrapes of this process that left a "
-                                  "sibling's series out (it did not answer in time)", labels=["sibling"])
+        yield CounterMetricFamily(
+            "infera_server_process_restarts",
+            "Times this process's slot was restarted after its process died",
+            value=self.restarts,
+        )
+        fam = CounterMetricFamily(
+            "infera_server_metrics_siblings_skipped",
+            "Scrapes of this process that left a sibling's series out (it did not answer in time)",
+            labels=["sibling"],
+        )
         for i, n in sorted(self.skipped.items()):
             fam.add_metric([str(i)], n)
         yield fam
