@@ -93,7 +93,7 @@ lint: setup
 # The documentation site (mkdocs.yml, docs/), built with every warning an error.
 DOCS_SITE ?= build/site
 docs: setup
-	$(PY) -m mkdocs build --strict -d $(DOCS_SITE)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d $(DOCS_SITE)
 
 # The whole suite: unit, integration (real etcd + sim workers) and e2e on real vLLM-CPU, with the C
 # accelerator required; then the unit tests and the kv-aware integration tests again on the
