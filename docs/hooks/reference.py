@@ -170,8 +170,21 @@ class Flag:
     required: bool
 
 
+# A help text that says its default is computed where the process runs ("default: 1/8 of this
+# host's memory"): the value this build machine computed would mislead, so the column says so.
+HOST_DEFAULT = re.compile(r"default[^()\[\]]*\bthis (host|machine|process)\b", re.I)
+BINARY_UNITS = ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
+HOST_DEPENDENT = "this host's (see meaning)"
+
+
 def _default_text(action: argparse.Action) -> str:
     d = action.default
+    if action.help and HOST_DEFAULT.search(action.help):
+        return HOST_DEPENDENT
+    if isinstance(d, int) and not isinstance(d, bool) and action.dest.endswith("_bytes") and d >= 1024:
+        for size, unit in BINARY_UNITS:
+            if d % size == 0:
+                return f"{d // size} {unit}"
     if d is None or d is argparse.SUPPRESS or isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
         return ""
     if d is False and action.nargs == 0:
@@ -244,7 +257,8 @@ def cli_markdown(entries: list[EntryPoint] | None = None) -> str:
                 out += ["| flag | env | default | meaning |", "|---|---|---|---|"]
                 for r in rows:
                     names = ", ".join(f"`{n}`" for n in r.names)
-                    default = "required" if r.required else (f"`{_cell(r.default)}`" if r.default else "")
+                    default = ("required" if r.required else r.default if r.default == HOST_DEPENDENT
+                               else f"`{_cell(r.default)}`" if r.default else "")
                     env = ", ".join(f"`{e.strip()}`" for e in r.env.split(",")) if r.env else ""
                     out.append(f"| {names} | {env} | {default} | {_cell(r.help)} |")
                 out.append("")

@@ -125,6 +125,12 @@ def _parser(*specs):
                                                                    False)),
     (("--g",), {"nargs": "+", "default": ["x", "y"], "help": "many"}, (["--g"], "", "x y", "many", False)),
     (("--h2",), {"help": ""}, (["--h2"], "", "", "", False)),
+    (("--cache-bytes",), {"default": 64 << 20, "help": "a budget"}, (["--cache-bytes"], "", "64 MiB", "a budget",
+                                                                      False)),
+    (("--odd-bytes",), {"default": 1000, "help": "odd"}, (["--odd-bytes"], "", "1000", "odd", False)),
+    (("--n",), {"default": 1 << 20, "help": "a count"}, (["--n"], "", "1048576", "a count", False)),
+    (("--max-bytes",), {"default": 3159508992, "help": "a bound (default: 1/8 of this host's memory)"},
+     (["--max-bytes"], "", "this host's (see meaning)", "a bound (default: 1/8 of this host's memory)", False)),
 ])
 def test_flag_rows(names, kwargs, expect):
     [flag] = ref.flags_of(_parser((names, kwargs)))
