@@ -175,6 +175,8 @@ class Flag:
 HOST_DEFAULT = re.compile(r"default[^()\[\]]*\bthis (host|machine|process)\b", re.I)
 BINARY_UNITS = ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
 HOST_DEPENDENT = "this host's (see meaning)"
+CURRENT_PYTHON = "the current Python"
+DESCRIBED_DEFAULTS = (HOST_DEPENDENT, CURRENT_PYTHON)  # words, not values: shown without code marks
 
 
 def _default_text(action: argparse.Action) -> str:
@@ -192,7 +194,7 @@ def _default_text(action: argparse.Action) -> str:
     if d is True and action.nargs == 0:
         return "on"
     if d == sys.executable:
-        return "the current Python"
+        return CURRENT_PYTHON
     if isinstance(d, (list, tuple)):
         return " ".join(map(str, d))
     return str(d)
@@ -257,7 +259,7 @@ def cli_markdown(entries: list[EntryPoint] | None = None) -> str:
                 out += ["| flag | env | default | meaning |", "|---|---|---|---|"]
                 for r in rows:
                     names = ", ".join(f"`{n}`" for n in r.names)
-                    default = ("required" if r.required else r.default if r.default == HOST_DEPENDENT
+                    default = ("required" if r.required else r.default if r.default in DESCRIBED_DEFAULTS
                                else f"`{_cell(r.default)}`" if r.default else "")
                     env = ", ".join(f"`{e.strip()}`" for e in r.env.split(",")) if r.env else ""
                     out.append(f"| {names} | {env} | {default} | {_cell(r.help)} |")
