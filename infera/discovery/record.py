@@ -49,6 +49,14 @@ class WorkerRecord(msgspec.Struct, kw_only=True, omit_defaults=False):
     # The kvd socket (path on the worker's host) its engine's KV connector saves to and loads from:
     # the router then tells that engine each request's retention (router/engine_hints.py).
     kvd_socket: Optional[str] = None
+    # What the worker serves besides the model's text generation, as its launcher read it from the
+    # engine's flags and /v1/models: pooling tasks ("embed", "classify", "score", ...; a pooling
+    # worker lists no "generate"), so the router sends an endpoint only to workers that serve it.
+    # Empty in records from older launchers: a generative worker.
+    tasks: list[str] = msgspec.field(default_factory=list)
+    # The engine serves Anthropic's Messages API (/v1/messages) itself, so the router passes such
+    # requests through instead of translating them. False in records from older launchers.
+    anthropic_messages: bool = False
     schema: int = SCHEMA_VERSION
 
     @property
