@@ -214,3 +214,18 @@ def test_github_anchors_become_site_anchors(heading, github):
 def test_copied_pages_exist():
     for source in ref.COPIED_PAGES.values():
         assert source.is_file()
+
+
+# -- the README ---------------------------------------------------------------------------------------
+
+def test_the_readme_is_a_front_page():
+    """At most 150 lines, the two commands CI runs, and links that resolve (the pages it points at
+    live in docs/, whose own links mkdocs build --strict checks)."""
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 150
+    assert re.search(r"^make run +# ", text, re.M) and re.search(r"^make test +# ", text, re.M)
+    targets = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
+    assert "docs/index.md" in targets and "docs/reference/cli.md" not in targets  # generated: not in the repo
+    for target in targets:
+        if "://" not in target:
+            assert (REPO / target).exists(), f"README links {target}, which does not exist"
