@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.test_pd_router import chat, pd, post  # noqa: F401  (pd: the fixture)
+from tests.integration.test_pd_router import chat, pd  # noqa: F401  (pd: the fixture)
 
 pytestmark = pytest.mark.integration
 
@@ -28,6 +28,11 @@ async def scrape(session: aiohttp.ClientSession, base: str, name: str) -> dict[f
         for s in fam.samples
         if s.name == name
     }
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, Any]:
+    async with session.post(url, json=body) as r:
+        return r.status, await r.json()
 
 
 def key(**labels: str) -> frozenset[tuple[str, str]]:

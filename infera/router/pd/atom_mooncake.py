@@ -55,15 +55,24 @@ class AtomWorkerParams:
         host = raw.get("host")
         if not isinstance(host, str) or not host:
             raise misconfigured(protocol, worker, f"advertises host {host!r}")
-        ports = {key: as_port(raw.get(key)) for key in ("http_port", "handshake_port")}
-        sizes = {key: raw.get(key) for key in ("tp_size", "dp_size")}
-        for key, port in ports.items():
+        checked: dict[str, int] = {}
+        for key in ("http_port", "handshake_port"):
+            port = as_port(raw.get(key))
             if port is None:
                 raise misconfigured(protocol, worker, f"advertises {key} {raw.get(key)!r}; expected a port")
-        for key, size in sizes.items():
+            checked[key] = port
+        for key in ("tp_size", "dp_size"):
+            size = raw.get(key)
             if not is_int(size) or size < 1:
                 raise misconfigured(protocol, worker, f"advertises {key} {size!r}; expected an integer ≥ 1")
-        return cls(host=host, **ports, **sizes)
+            checked[key] = size
+        return cls(
+            host=host,
+            http_port=checked["http_port"],
+            handshake_port=checked["handshake_port"],
+            tp_size=checked["tp_size"],
+            dp_size=checked["dp_size"],
+        )
 
 
 class AtomMooncakeProtocol:
