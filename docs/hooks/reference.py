@@ -242,7 +242,9 @@ def cli_markdown(entries: list[EntryPoint] | None = None) -> str:
            "(`docs/hooks/reference.py`); `tests/unit/test_docs_reference.py` fails on a flag without a "
            "description. Every flag follows *flag > env > default*: the env column names the variable "
            "that replaces the default. Defaults are those of a process started outside a Pod (inside one, "
-           "the plane flags default to Kubernetes + NATS, see [Planes](../concepts.md#planes)).", ""]
+           "the plane flags default to Kubernetes + NATS, see [Planes](../concepts.md#planes)). A worker's "
+           "launcher passes every flag it does not know to its engine verbatim: the simulator's own are under "
+           "`python -m infera.engine.sim.server`, the real engines' in their own documentation.", ""]
     for entry in entries:
         out.append(f"## `{entry.title}`")
         out.append("")
