@@ -82,6 +82,7 @@ LINT_STRICT := \
 	infera/server/metrics.py \
 	$(wildcard infera/router/pd/*.py) \
 	tests/integration/test_reference_metrics.py \
+	tests/unit/test_lint_config.py \
 	tests/unit/test_reference_metrics.py
 lint: setup
 	$(PY) -m ruff check .
