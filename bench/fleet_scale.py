@@ -42,6 +42,11 @@ Per fleet size, once every process of the server lists the whole fleet:
     python bench/fleet_scale.py                         # 100, 300, 1000 engines; --workers 1 and 2; 3 runs (~25 min)
     python bench/fleet_scale.py --quick                 # ~1-3 min smoke: 20, 60 engines, 1 run
     python bench/fleet_scale.py --engines 1000 --workers 1 --sharing 0
+    python bench/fleet_scale.py --soak-seconds 600 --kv-index-max-bytes 64Mi --engines 300 --workers 1 --sharing 0
+
+**soak** (``--soak-seconds S``, ``bench/_fleet_soak.py``): instead of the measurements above, one
+fleet runs S seconds at ``--soak-rate`` with the server's KV index at ``--kv-index-max-bytes``, and
+the server's RSS growth after ``--soak-warmup`` is reported (goal < 5 %; exit status 1 above it).
 
 Prints one line per measurement, then the table of medians; writes ``--out`` (JSON). Exit status
 0 when every goal holds (≤ 48 B per entry at the largest fleet; --workers 2 memory and event CPU
@@ -80,8 +85,12 @@ from _fleet_workload import VOCAB, Catalog, Source  # noqa: E402
 from _main import run_bench  # noqa: E402
 from server_workers import Proc, free_port, pin  # noqa: E402
 from _fleet_procs import PREFIX, Publishers, Relays, Server, memory  # noqa: E402
+from _fleet_soak import soak, soak_table  # noqa: E402
+from infera.kv.bound import parse_size  # noqa: E402
 
 DEFAULT_OUT = os.path.join(BENCH_DIR, "results", "fleet_scale.json")
+DEFAULT_SOAK_OUT = os.path.join(BENCH_DIR, "results", "fleet_scale_soak.json")
+SOAK_GOAL_PCT = 5.0
 MODEL = "fleet-bench"
 PICK_PREFIX = "/infera/bench-fleet-scale-pick/"  # the fake worker's own record: not in the fleet
 PROMPT_TOKENS = 8192
@@ -115,7 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--ready-timeout", type=float, default=120.0)
     p.add_argument("--quick", action="store_true", help="small fleets and counts: a smoke run")
-    p.add_argument("--out", default=DEFAULT_OUT, help="JSON results file")
+    p.add_argument("--out", default=None, help=f"JSON results file [{DEFAULT_OUT}; soak: {DEFAULT_SOAK_OUT}]")
+    p.add_argument("--soak-seconds", type=float, default=0.0,
+                   help="soak: run this long at the index's byte bound and report the server's RSS growth (0: off)")
+    p.add_argument("--kv-index-max-bytes", type=parse_size, default=None,
+                   help="soak: the server's --kv-index-max-bytes (512Mi, 4G; default: the server's own)")
+    p.add_argument("--soak-rate", type=float, default=100_000, help="soak: offered block events/s")
+    p.add_argument("--soak-sample", type=float, default=10.0, help="soak: seconds between memory samples")
+    p.add_argument("--soak-warmup", type=float, default=None,
+                   help="soak: seconds before the growth baseline [a third of --soak-seconds]")
     return p
 
 
@@ -132,6 +149,9 @@ def resolve_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit("--engines, --runs, --publishers and --workers must be >= 1")
     if any(not 0.0 <= s <= 1.0 for s in args.sharing):
         raise SystemExit("--sharing must be within [0, 1]")
+    if args.soak_seconds < 0 or args.soak_sample <= 0 or args.soak_rate <= 0:
+        raise SystemExit("--soak-seconds must be >= 0, --soak-sample and --soak-rate > 0")
+    args.out = args.out or (DEFAULT_SOAK_OUT if args.soak_seconds else DEFAULT_OUT)
     return args
 
 
@@ -361,6 +381,44 @@ async def measure(args: argparse.Namespace, etcd: EmbeddedEtcd, client: EtcdClie
     return r
 
 
+async def soak_fleet(args: argparse.Namespace, etcd: EmbeddedEtcd, client: EtcdClient, pubs: Publishers,
+                     fake_url: str, sharing: float, log_dir: str) -> dict:
+    """The soak (bench/_fleet_soak.py) on the first fleet size and --workers, its engines registered."""
+    n, workers = args.engines[0], args.workers[0]
+    engines = list(range(n))
+    await pubs.command("restart", engines)
+    lease = await register(client, records(pubs, engines, fake_url, "zmq"))
+    alive = asyncio.ensure_future(keep_alive(client, lease))
+    try:
+        r = await soak(args, etcd.url, pubs, engines, workers, log_dir, f"soak-s{sharing:g}-w{workers}-n{n}")
+    finally:
+        alive.cancel()
+        try:
+            await client.revoke(lease)
+        except Exception:  # noqa: BLE001 - the etcd is torn down next anyway
+            pass
+    r["sharing"] = sharing
+    return r
+
+
+def soak_report(args: argparse.Namespace, r: dict, pub_info: dict) -> int:
+    print(f"\nfleet_scale soak: sharing {r['sharing']:g}, pool {args.pool} blocks/engine, {os.cpu_count()} cores")
+    print(soak_table(r))
+    growth = r.get("rss_growth_pct")
+    ok = growth is not None and growth < SOAK_GOAL_PCT
+    print(f"check rss_growth_after_warmup: {'PASS' if ok else 'FAIL'} "
+          f"({'-' if growth is None else f'{growth:+.2f} %'} vs goal < {SOAK_GOAL_PCT:g} %)")
+    out = {"meta": {"python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count(),
+                    "loadavg_1m_at_end": os.getloadavg()[0], "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    "args": vars(args), "publishers": pub_info},
+           "soak": r, "checks": {"rss_growth_after_warmup": {"ok": ok, "value": growth, "goal": SOAK_GOAL_PCT}}}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"JSON: {args.out}")
+    return 0 if ok else 1
+
+
 def line(r: dict) -> str:
     return (f"  sharing {r['sharing']:g} --workers {r['workers']} {r['engines']:>5} engines run {r['run']}: "
             f"{r['entries']:,} entries, PSS {r['pss_mb']:,.0f} MB (filled in {r['fill_s']} s), "
@@ -420,6 +478,9 @@ async def run(args: argparse.Namespace) -> int:
                 pub_info[f"{sharing:g}"] = {"setup_s": round(time.monotonic() - t0, 1), "processes": pubs.info}
                 print(f"sharing {sharing:g}: {max(args.engines)} engines in {pubs.count} publishers, ready in "
                       f"{time.monotonic() - t0:.1f} s (logs: {log_dir})", flush=True)
+                if args.soak_seconds:
+                    soaked = await soak_fleet(args, etcd, client, pubs, fake_url, sharing, log_dir)
+                    return soak_report(args, soaked, pub_info)
                 for run_i in range(args.runs):
                     order = args.workers if run_i % 2 == 0 else args.workers[::-1]  # interleaved: drift hits both
                     for workers in order:
