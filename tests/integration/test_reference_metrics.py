@@ -1,7 +1,8 @@
 """The reference's metric names through a real server (issue 34 item 3): PD and mixed requests against
 loopback fake engines, then /metrics read back. The router's request duration carries both label
 sets, the in-flight gauge returns to zero once replies and streams end, PD legs are timed per worker,
-and PD failures are counted by reason."""
+PD failures are counted by reason, and a kv-aware pick counts the cache hints it saw (a real sim
+engine behind it)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from infera.discovery.record import WorkerRecord
+from infera.engine.sim.server import SimServer, parse_args
 from tests.integration.test_pd_router import chat, pd  # noqa: F401  (pd: the fixture)
 
 pytestmark = pytest.mark.integration
@@ -96,3 +99,25 @@ async def test_pd_failures_are_counted_by_reason(
         key(route=ROUTE, stream="false", router="disagg", outcome=outcome): 1.0
     }
     assert await scrape(s, base, "infera_request_inflight") == {key(router="disagg"): 0.0}
+
+
+async def test_a_sim_worker_behind_kv_aware_routing(fed_server: Any) -> None:
+    srv, base = await fed_server("--router-policy", "kv-aware")
+    args = parse_args(["--model", "m", "--host", "127.0.0.1", "--port", "0", "--speedup", "1000"])
+    async with SimServer(args) as sim, aiohttp.ClientSession() as s:
+        srv.fleet.replace_all([WorkerRecord(worker_id="s0", url=sim.url, model_name="m", engine="vllm")])
+        async with s.post(base + ROUTE, json=chat(stream=True, prompt_cache_retention="24h")) as r:
+            assert r.status == 200
+            assert (await r.read()).endswith(b"data: [DONE]\n\n")
+        assert (await post(s, base + ROUTE, chat()))[0] == 200
+        assert await scrape(s, base, "infera_request_duration_seconds_count") == {
+            key(route=ROUTE, stream="true", router="mixed", outcome="ok"): 1.0,
+            key(route=ROUTE, stream="false", router="mixed", outcome="ok"): 1.0,
+        }
+        assert await scrape(s, base, "infera_request_inflight") == {key(router="mixed"): 0.0}
+        assert await scrape(s, base, "infera_cache_control_seen_total") == {
+            key(retention="long"): 1.0,
+            key(retention="none"): 1.0,
+        }
+        assert await scrape(s, base, "infera_cache_locality_skipped_total") == {}
+        assert (await scrape(s, base, "infera_active_workers"))[key(disagg_mode="mixed")] == 1.0
