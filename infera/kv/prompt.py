@@ -34,6 +34,9 @@ stopping at the first block no worker holds. A new document then costs a block's
 not its length (bench/kv_path.py, "rag"). A chat turn with fewer new characters than
 ``_HORIZON_MIN_CHARS`` is encoded whole: the horizon's checks would cost more than the encoding.
 With the built-in tokenizer, a chat's messages are its pieces (``_message_parts``).
+
+Beside it: the lazy helpers of the piecewise encoding (``prompt_parts.py``) and where a router
+tokenizer comes from (``tokenizer_path.py``), both importable from here too.
 """
 from __future__ import annotations
 
@@ -53,7 +56,9 @@ import msgspec
 import xxhash
 
 from infera.kv.native import native
+from infera.kv.prompt_parts import _ChatParts, _LazyHorizon
 from infera.kv.tokenizer import SimTokenizer, load_tokenizer, normalize_messages, prefix_cut
+from infera.kv.tokenizer_path import resolve_tokenizer_path  # (re-exported: it lived here)
 
 log = logging.getLogger(__name__)
 
@@ -159,25 +164,6 @@ class ByteLRU:
 
     def __len__(self) -> int:
         return len(self._table)
-
-
-def resolve_tokenizer_path(path: str) -> str:
-    """A folder, a ``tokenizer.json`` file (→ its folder), or a hub id (only if the hub is reachable)."""
-    if os.path.isfile(path):
-        return os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-            raise ValueError(f"router tokenizer folder {path!r} has no tokenizer.json")
-        return path
-    try:
-        from huggingface_hub import snapshot_download  # optional: only for hub ids
-    except ImportError:
-        raise ValueError(f"router tokenizer {path!r} is not a local folder or file (and huggingface_hub is "
-                         "not installed to resolve it as a hub id)") from None
-    try:
-        return snapshot_download(path, allow_patterns=["tokenizer*", "chat_template*", "special_tokens_map.json"])
-    except Exception as exc:  # offline, unknown id, …
-        raise ValueError(f"cannot resolve router tokenizer {path!r}: {exc}") from None
 
 
 # Segment-wise encoding is checked against whole-text encoding on the first prompts, then on a
@@ -560,54 +546,6 @@ class PromptTokenizer:
     async def tokens(self, route: str, parsed: Any) -> list[int]:
         """``token_ids`` as a list."""
         return (await self.token_ids(route, parsed)).tolist()
-
-
-class _ChatParts(Sequence[str]):
-    """A plain chat's parts (``chat_part_keys`` keyed them), each rendered when it is read: a
-    part whose ids are cached is never built."""
-
-    __slots__ = ("_messages", "_affixes")
-
-    def __init__(self, messages: Sequence[Any], affixes: tuple[str, str, str, str]) -> None:
-        self._messages = messages
-        self._affixes = affixes
-
-    def __len__(self) -> int:
-        return len(self._messages) + 1
-
-    def __getitem__(self, i: int) -> str:  # type: ignore[override]
-        prefix, sep, suffix, generation = self._affixes
-        if i == len(self._messages):
-            return generation
-        m = self._messages[i]
-        role, content = (m["role"], m.get("content")) if isinstance(m, dict) else (m.role, m.content)
-        return f"{prefix}{role}{sep}{content if content is not None else ''}{suffix}"
-
-
-class _LazyHorizon:
-    """The caller's horizon, made only when a piece is missing (a cached prompt needs none)."""
-
-    __slots__ = ("_make", "_made", "stopped")
-
-    def __init__(self, make: Callable[[], Any]) -> None:
-        self._make = make
-        self._made: Any = None
-        self.stopped = False
-
-    def _get(self) -> Any:
-        if self._made is None:
-            self._made = self._make()
-        return self._made
-
-    def reached(self, ids: array) -> bool:
-        return self._get().reached(ids)
-
-    def needed(self, n_ids: int) -> int:
-        return self._get().needed(n_ids)
-
-    def stop(self, tokens: int, chars: int, total_chars: int) -> None:
-        self.stopped = True
-        self._get().stop(tokens, chars, total_chars)
 
 
 def _cut_ids(ids: array) -> array:
