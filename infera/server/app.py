@@ -18,6 +18,7 @@ from aiohttp import web
 
 from infera.api import anthropic as _anthropic
 from infera.api.errors import ApiError, error_bytes
+from infera.api.pooling import POOLING_ROUTES
 from infera.api.requests import parse_request
 from infera.discovery.record import record_to_dict
 from infera.router.policy import RoutedRequest
@@ -25,6 +26,7 @@ from infera.server import dashboard as _dashboard
 from infera.server import kv_tiers as _kv_tiers
 from infera.server import profiling as _profiling
 from infera.server import scaling as _scaling
+from infera.server.app_pooling import register_pooling_routes
 # (re-exported: what handlers share, and the Anthropic handlers, lived here before the split)
 from infera.server.app_anthropic import (ANTHROPIC_PREFIX, _anthropic_count_tokens, _anthropic_error,  # noqa: F401
                                          _anthropic_messages)
@@ -88,7 +90,7 @@ async def _admin_auth_middleware(request: web.Request,
 
 # The routes an --api-keys-file key opens (the rest have their own tokens, or are open: /health).
 API_KEY_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", _anthropic.MESSAGES_ROUTE,
-                            _anthropic.COUNT_TOKENS_ROUTE})
+                            _anthropic.COUNT_TOKENS_ROUTE, *POOLING_ROUTES})
 
 
 @web.middleware
@@ -414,6 +416,7 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/v1/admin/cache-view/{worker_id}", _cache_view)
     app.router.add_post(_anthropic.MESSAGES_ROUTE, _anthropic_messages)  # Anthropic Messages API
     app.router.add_post(_anthropic.COUNT_TOKENS_ROUTE, _anthropic_count_tokens)
+    register_pooling_routes(app)  # embeddings, rerank, score, classify, tokenize (app_pooling.py)
     app[FLEET_VIEW_KEY] = _fleet_view_for(state)  # fleet view + dashboard (GET /v1/fleet, /dashboard)
     app[DASHBOARD_PAGE_KEY] = _dashboard.load_page()
     app.cleanup_ctx.append(_fleet_sampler)
