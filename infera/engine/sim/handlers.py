@@ -18,7 +18,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from . import tool_calls
+from . import pooling, tool_calls
 from .engine import SimEngine
 from .pd import LegError, LegPlan
 from .scheduler import FINISH_STOP, Sequence
@@ -353,8 +353,10 @@ def build_app(args: argparse.Namespace, engine: SimEngine | None = None) -> web.
     app.router.add_get("/v1/models", _models)
     if engine.metrics_flavor is not None:
         app.router.add_get("/metrics", _metrics)
-    app.router.add_post("/v1/chat/completions", _chat_completions)
-    app.router.add_post("/v1/completions", _completions)
+    if pooling.pooling_task(args) is None:  # a pooling model serves no generation (404, as vLLM)
+        app.router.add_post("/v1/chat/completions", _chat_completions)
+        app.router.add_post("/v1/completions", _completions)
+    pooling.install(app, args)  # --runner pooling's routes, /detokenize, /openapi.json
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
     app.router.add_post("/start_profile", _start_profile)

@@ -43,6 +43,7 @@ from .engine import OFFLOAD_TOKENIZE_BYTES, SimEngine
 from .handlers import SIM_VERSION, build_app
 from .kv_events import parse_kv_events_config
 from .metrics import METRICS_FLAVORS
+from .pooling import add_pooling_flags, pooling_task
 from .pd import (DEFAULT_KV_BYTES_PER_TOKEN, DEFAULT_KV_TRANSFER_BANDWIDTH_GBPS, VLLM_KV_HOLD_TIMEOUT_S,
                  VLLM_KV_TRANSFER_TIMEOUT_S, parse_kv_transfer_config)
 from .schemas import ENGINE_KEY, ApiError
@@ -117,6 +118,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-offload-load-ms-per-block", type=non_negative_float, default=None,
                    help="milliseconds to load one block back from the host tier, divided by --speedup like all "
                         "modelled time (default: 5%% of prefilling a block's tokens)")
+    add_pooling_flags(p)  # vLLM's --runner / --convert: a pooling model (pooling.py)
     return p
 
 
@@ -129,6 +131,10 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
         parser.error(
             f"--max-model-len ({args.max_model_len}) is larger than the maximum number of tokens that "
             f"can be stored in KV cache ({capacity} = --num-gpu-blocks x --block-size)")
+    try:
+        pooling_task(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     return args
 
 
