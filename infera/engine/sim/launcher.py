@@ -21,6 +21,7 @@ from infera.engine.base.kv_events import (add_kv_events_flag, bind_kv_events, ev
 from infera.engine.base.launcher import EngineProcessSpec, default_advertise_host, engine_command
 from infera.engine.base.prom import VLLM_INFLIGHT, info_labels, sum_samples
 from infera.engine.vllm.adapter import disaggregation, parse_kv_transfer_config, with_pinned_engine_id
+from infera.engine.vllm.tasks import probe_tasks
 
 PROG = "infera.engine.sim"
 
@@ -77,6 +78,7 @@ class SimAdapter:
         kv_transfer = parse_kv_transfer_config(flag_value(engine_argv, "--kv-transfer-config"), PROG)
         fields["disagg_mode"], fields["disagg_meta"] = disaggregation(kv_transfer, advertise)
         fields.update(event_fields(self.kv_events, advertise))
+        fields["tasks"] = await probe_tasks(session, base_url, engine_argv)  # --runner pooling's tasks, as vLLM's
         return fields
 
     def inflight(self, metrics_text: str) -> int | None:
