@@ -53,6 +53,7 @@ if REPO not in sys.path:
 from infera.kv.events import EventBatch, Removed, Stored, decoder_for  # noqa: E402
 from infera.kv.hashing import block_hashes  # noqa: E402
 from infera.kv.index import KvIndex  # noqa: E402
+from infera.kv.bound import parse_size  # noqa: E402
 
 GOAL_EVENTS_PER_S = 500_000
 GOAL_MATCH_P99_US = 1000.0
@@ -203,8 +204,8 @@ def build(n_targets: int, total_blocks: int, measured_per_target: int, bs: int, 
     return warm, measured
 
 
-def fresh_index(warm: dict[str, list[EventBatch]], bs: int) -> KvIndex:
-    idx = KvIndex()
+def fresh_index(warm: dict[str, list[EventBatch]], bs: int, max_bytes: int = 0) -> KvIndex:
+    idx = KvIndex(max_bytes=max_bytes)
     for key, batches in warm.items():
         idx.add_target(key, bs)
         for b in batches:
@@ -254,6 +255,9 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=3000, help="match calls per case per run")
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--max-bytes", type=parse_size, default=0,
+                    help="the index's byte bound, as the server's --kv-index-max-bytes (0: unbounded; a bound the "
+                         "index stays under measures the ages' cost, a smaller one eviction's)")
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "results", "kv_index.json"))
     args = ap.parse_args()
     if args.quick:
@@ -302,7 +306,7 @@ def main() -> int:
     for run in range(args.runs):
         r: dict = {"run": run}
         # (a) apply only
-        idx = fresh_index(warm, bs)
+        idx = fresh_index(warm, bs, args.max_bytes)
         r["index_blocks_before"] = len(idx)
         r["index_view_blocks_before"] = sum(idx.block_count(k) for k in keys)
         view = getattr(idx, "_view", None)
@@ -329,7 +333,7 @@ def main() -> int:
         r["decode_block_events_per_cpu_s"] = n_block_events / cpu
         r["decode_mb_per_s"] = payload_bytes / wall / 1e6
         # decode + apply
-        idx = fresh_index(warm, bs)
+        idx = fresh_index(warm, bs, args.max_bytes)
         def decode_apply_all() -> None:
             a = idx.apply
             for key, p in payloads:
@@ -344,7 +348,7 @@ def main() -> int:
             hold_prefix(idx, k, n)
         assert idx.match(ph, cand) == mixed_lengths
         assert idx.match(cold, cand) == [0] * len(cand)
-        full_idx = fresh_index(warm, bs)
+        full_idx = fresh_index(warm, bs, args.max_bytes)
         for k in cand:
             hold_prefix(full_idx, k, nb)
         assert full_idx.match(ph, cand) == [nb] * len(cand)
