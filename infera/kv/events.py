@@ -42,6 +42,8 @@ from typing import Any, Callable, Optional, Union
 
 import msgspec
 
+from infera.kv.hashing import ROUTER_SEED, event_salt, salt_root
+
 __all__ = [
     "BlockHash", "Stored", "Removed", "Cleared", "KvEvent", "EventBatch", "KvEventDecodeError",
     "ENGINES", "decoder_for", "decode_map_form", "decode_array_form", "decode_sglang", "encode_batch",
@@ -57,13 +59,27 @@ class KvEventDecodeError(ValueError):
 # --- public normalized types (also the map-form wire schema: decoded into directly) ------------
 
 class Stored(msgspec.Struct, tag_field="type", tag="BlockStored", omit_defaults=True, gc=False):
-    """Full blocks stored by the engine. ``token_ids`` are all tokens of those blocks, in order."""
+    """Full blocks stored by the engine. ``token_ids`` are all tokens of those blocks, in order.
+    ``extra_keys`` (vLLM, map form): per block, what else its hash folded in; the first block of a
+    request with a ``cache_salt`` names the salt there (``infera.kv.hashing.event_salt``). Decoded
+    only when that first entry is set (else None, with ``lora_name``: nothing else reads them), and
+    never for SGLang or ATOM, whose caches the router treats as unsalted."""
     block_hashes: list[BlockHash]
     parent: Optional[BlockHash] = msgspec.field(name="parent_block_hash")
     token_ids: list[int]
     block_size: int
     spec_kind: Optional[str] = msgspec.field(default=None, name="kv_cache_spec_kind")
     medium: Optional[str] = None  # the tier the blocks entered; None: not said (GPU by convention)
+    extra_keys: Optional[list[Any]] = None
+    lora_name: Optional[str] = None
+
+    def root(self) -> int:
+        """The router-space parent of a first block (``parent`` None): ``ROUTER_SEED``, or the root
+        of the salt its extra keys name (vLLM's cache isolation)."""
+        keys = self.extra_keys
+        if not keys or keys[0] is None:
+            return ROUTER_SEED
+        return salt_root(event_salt(keys, self.lora_name))
 
 
 class Removed(msgspec.Struct, tag_field="type", tag="BlockRemoved", omit_defaults=True, gc=False):
@@ -226,17 +242,34 @@ def _converted(decode: Callable[[bytes], Any], payload: bytes) -> EventBatch:
     return EventBatch(b.ts, [_from_array(e) for e in b.events], b.dp_rank)
 
 
+def _first_keys_only(batch: EventBatch) -> EventBatch:
+    """``extra_keys``/``lora_name`` kept only on a store whose first block has extra keys."""
+    for ev in batch.events:
+        if type(ev) is Stored and (ev.extra_keys is not None or ev.lora_name is not None):
+            keys = ev.extra_keys
+            if not keys or keys[0] is None:
+                ev.extra_keys = ev.lora_name = None
+    return batch
+
+
+def _no_keys(batch: EventBatch) -> EventBatch:
+    for ev in batch.events:
+        if type(ev) is Stored and (ev.extra_keys is not None or ev.lora_name is not None):
+            ev.extra_keys = ev.lora_name = None
+    return batch
+
+
 def decode_map_form(payload: bytes) -> EventBatch:
     """vLLM / simulator payload: map-form events first (array-form and bigram events also accepted)."""
     try:
-        return _map_batch(payload)
+        return _first_keys_only(_map_batch(payload))
     except _DecodeErrors:
         pass
     try:
         return _converted(_array_batch, payload)
     except _DecodeErrors:
         pass
-    return _per_event(payload, (_map_event, _array_event, _map_bigram_event, _bigram_event))
+    return _first_keys_only(_per_event(payload, (_map_event, _array_event, _map_bigram_event, _bigram_event)))
 
 
 def decode_array_form(payload: bytes) -> EventBatch:
@@ -248,7 +281,7 @@ def decode_array_form(payload: bytes) -> EventBatch:
     except _DecodeErrors:
         pass
     try:
-        return _map_batch(payload)
+        return _no_keys(_map_batch(payload))
     except _DecodeErrors:
         pass
     for decode in (_map_bigram_batch, _bigram_batch):
@@ -256,7 +289,7 @@ def decode_array_form(payload: bytes) -> EventBatch:
             return _converted(decode, payload)
         except _DecodeErrors:
             pass
-    return _per_event(payload, (_array_event, _map_event, _map_bigram_event, _bigram_event))
+    return _no_keys(_per_event(payload, (_array_event, _map_event, _map_bigram_event, _bigram_event)))
 
 
 decode_sglang = decode_array_form

@@ -9,8 +9,8 @@ size its engine registered. Storage is laid out for prefix matching in O(prefix 
   ``BlockRemoved`` and the ``parent_block_hash`` of later ``BlockStored`` events can be resolved.
 
 ``BlockStored`` token ids are re-hashed in the router's own space (``infera.kv.hashing``: chained
-XXH3-64, parent of the first block ``ROUTER_SEED``) so routing never depends on an engine's hash
-function or seed. Events are per target; batches for an unknown key are ignored (the worker may
+XXH3-64, parent of the first block ``ROUTER_SEED``, or for a prompt with a ``cache_salt`` the
+salt's root: ``Stored.root``) so routing never depends on an engine's hash function or seed. Events are per target; batches for an unknown key are ignored (the worker may
 have gone while a batch was in flight).
 
 **Storage tiers.** The view is of the engine's *GPU* prefix cache, the tier requests are routed

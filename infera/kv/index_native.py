@@ -21,6 +21,7 @@ import msgspec
 
 from infera.kv.bound import BLOCK_BYTES, ENTRY_BYTES, HOLDER_BYTES, BoundStats
 from infera.kv.events import BlockHash, Cleared, EventBatch, Removed, Stored
+from infera.kv.hashing import ROUTER_SEED
 from infera.kv.index_py import PyKvIndex
 from infera.kv.index_target import FULL_ATTENTION_KINDS, TargetStats, _Target, lower_tier
 from infera.kv.native import native
@@ -28,6 +29,54 @@ from infera.kv.native import native
 __all__ = ["NativeKvIndex"]
 
 log = logging.getLogger("infera.kv.index")  # (one logger for the index, whichever file says it)
+
+# A salted prompt's first block (vLLM's cache_salt, named in its extra keys) chains from the salt's
+# root, not ROUTER_SEED; the C view takes a first block's root as 0. Such an event goes to it with
+# this parent instead, a bytes engine hash no engine sends, which the parent resolver (the view's
+# lower_parent hook: called for a parent it has not mapped) turns into the root it carries.
+_SALT_PARENT = b"\x00infera-salt-root\x00"
+_SALT_PARENT_LEN = len(_SALT_PARENT)
+_EXTRA_KEYS = b"\xaaextra_keys"  # the msgpack key, as vLLM writes it
+
+
+def _salted_first(ev: object) -> bool:
+    return (type(ev) is Stored and ev.parent is None and ev.extra_keys is not None and bool(ev.extra_keys)
+            and ev.extra_keys[0] is not None and lower_tier(ev.medium) is None)
+
+
+def _with_salt_parent(ev: object) -> object:
+    if _salted_first(ev):
+        root = ev.root()
+        if root != ROUTER_SEED:
+            return msgspec.structs.replace(ev, parent=_SALT_PARENT + root.to_bytes(8, "little"))
+    return ev
+
+
+def names_first_block_keys(payload: bytes) -> bool:
+    """Whether a map-form payload may hold a BlockStored whose first block has extra keys (a salt,
+    a LoRA name, images): those are applied through the decoded events, which read them. A scan for
+    the key and the first item of its array; anything unexpected counts as yes."""
+    i = payload.find(_EXTRA_KEYS)
+    n = len(payload)
+    while i >= 0:
+        j = i + len(_EXTRA_KEYS)
+        if j >= n:
+            return True
+        b = payload[j]
+        if b == 0xC0 or b == 0x90:  # nil, or an empty array
+            first = 0xC0
+        elif 0x91 <= b <= 0x9F:
+            first = payload[j + 1] if j + 1 < n else -1
+        elif b == 0xDC:
+            first = payload[j + 3] if j + 3 < n else -1
+        elif b == 0xDD:
+            first = payload[j + 5] if j + 5 < n else -1
+        else:
+            return True
+        if first != 0xC0:
+            return True
+        i = payload.find(_EXTRA_KEYS, j)
+    return False
 
 
 class NativeKvIndex(PyKvIndex):
@@ -106,6 +155,9 @@ class NativeKvIndex(PyKvIndex):
         if t is None:
             return 0
         events = batch.events
+        salted = any(map(_salted_first, events))
+        if salted:
+            events = [_with_salt_parent(ev) for ev in events]
         n = len(events)
         st = t.stats
         view = self._view
@@ -114,7 +166,8 @@ class NativeKvIndex(PyKvIndex):
         applied = 0
         i = 0
         while True:
-            lower_parent = (lambda parent, t=t: self._lower_parent(t, None, parent)) if t.lower else None
+            lower_parent = (self._parent_resolver(t) if salted
+                            else (lambda parent, t=t: self._lower_parent(t, None, parent)) if t.lower else None)
             i, done, other_bs = view_apply(t.bit, t.block_size, events, i, lower_parent)
             applied += done
             if other_bs:
@@ -130,6 +183,14 @@ class NativeKvIndex(PyKvIndex):
         if self._max_bytes:
             view.trim()
         return applied
+
+    def _parent_resolver(self, t: _Target):
+        """The view's resolver of unmapped parents: a salted root (``_SALT_PARENT``), else a lower tier."""
+        def resolve(parent: BlockHash) -> Optional[int]:
+            if type(parent) is bytes and parent.startswith(_SALT_PARENT):
+                return int.from_bytes(parent[_SALT_PARENT_LEN:], "little")
+            return self._lower_parent(t, None, parent) if t.lower else None
+        return resolve
 
     def _warn_block_size(self, t: _Target, other: int) -> None:
         if not t.warned_bs:
@@ -164,6 +225,8 @@ class NativeKvIndex(PyKvIndex):
         if t is None:
             return 0, 0.0
         if t.lower:  # GPU parents may live on a lower tier: resolved in Python (apply)
+            return None
+        if names_first_block_keys(payload):  # a salt, say: apply() reads the decoded events' extra keys
             return None
         r = self._view.apply_payload(t.bit, t.block_size, payload)
         if r is None:

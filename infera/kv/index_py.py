@@ -247,7 +247,7 @@ class PyKvIndex(LowerTiers):
                     continue
                 parent = ev.parent
                 if parent is None:
-                    h = ROUTER_SEED
+                    h = ROUTER_SEED if ev.extra_keys is None else ev.root()  # (a salted prompt's own root)
                 else:
                     h = eget(parent)
                     if h is None and t.lower:

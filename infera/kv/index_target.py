@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import xxhash
 
 from infera.kv.events import BlockHash, Stored
-from infera.kv.hashing import ROUTER_SEED, block_hashes
+from infera.kv.hashing import block_hashes
 
 __all__ = ["FULL_ATTENTION_KINDS", "GPU_MEDIUM", "TargetStats", "LowerTiers", "lower_tier"]
 
@@ -150,7 +150,7 @@ class LowerTiers:
         st.lower_events += 1
         parent = ev.parent
         if parent is None:
-            h = ROUTER_SEED
+            h = ev.root()  # ROUTER_SEED, or a salted prompt's own root
         else:
             # a block offloaded from the GPU usually names a parent that is (still) on the GPU
             h = self._gpu_parent(t, parent)

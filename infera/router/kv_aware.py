@@ -23,6 +23,11 @@ credited with a partial view's hits or blamed for blocks its view has not caught
 ``predicted_hit_blocks`` is 0 (``kv_load_only`` in the request state keeps the reply out of the
 self-check).
 
+A request with a ``cache_salt`` (``cache_salt`` in its state, set by the server: an isolated
+tenant's, or one its client sent) is hashed from the salt's root (``infera.kv.hashing.salt_root``),
+as vLLM salts its blocks, so its hits and the self-check stay exact. Among candidates of an engine
+that does not salt (not in ``SALTING_ENGINES``) it is picked by load alone, ``kv_load_only`` as above.
+
 A rank-multiplexed worker (DP attention) is scored per rank; the chosen rank travels as
 ``X-Data-Parallel-Rank``. The argmin is over (cost, load); remaining ties go to the target whose
 cache holds the fewest blocks, then rotate.
@@ -81,6 +86,11 @@ MM_AFFINITY_CAP = 256
 # A block the target's engine holds on a lower tier (host memory, disk: kvd) costs this fraction of
 # a miss: loading it back is a few % of prefilling it, plus the chance it is gone by then.
 DEFAULT_LOWER_TIER_WEIGHT = 0.25
+# Engines that fold a request's cache_salt into their prefix-cache hashes (vLLM; the simulator as
+# vLLM). A salted request (``cache_salt`` in its state: an isolated tenant's) among candidates of any
+# other engine is routed cache-blind, by load: such an engine shares its cache across tenants, so
+# neither its view nor the salted hashes can say what it will hit.
+SALTING_ENGINES = frozenset({"vllm", "sim"})
 
 _NO_HINTS = CacheHints()
 _NO_BLOCKS: list[int] = []  # (never appended to)
@@ -204,6 +214,8 @@ class KvAwarePolicy(KvPrepare, KvAccounting):
         layout, n_targets = self._layout if candidates is self._layout_of else self._layout_for(candidates)
         warming = self._warming
         load_only = bool(warming) and any(k in warming for _, _, keys in layout for k in keys)
+        if not load_only and "cache_salt" in st:
+            load_only = any(w.engine not in SALTING_ENGINES for _, targets, _ in layout for w, _, _ in targets)
         if load_only:
             st["kv_load_only"] = True
 

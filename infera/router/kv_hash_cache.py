@@ -45,19 +45,20 @@ class BlockHashCache:
         self.hits = self.misses = 0
         self.blocks_reused = self.blocks_hashed = 0
 
-    def hashes(self, tokens: Sequence[int], block_size: int) -> array:
-        """``block_hash_array(tokens, block_size)``: a new array the caller may extend."""
+    def hashes(self, tokens: Sequence[int], block_size: int, root: int = ROUTER_SEED) -> array:
+        """``block_hash_array(tokens, block_size, root)``: a new array the caller may extend.
+        ``root``: a salted prompt's (``infera.kv.hashing.salt_root``), part of the cache's keys."""
         n = len(tokens) // block_size if block_size > 0 else 0
         step = self.step
         if n < step or not self.lru.max_bytes:
             self.blocks_hashed += n
-            return block_hash_array(tokens, block_size)
+            return block_hash_array(tokens, block_size, root)
         if isinstance(tokens, array) and tokens.itemsize == 4:
             data = memoryview(tokens).cast("B")[:n * block_size * 4]
         else:
             data = memoryview(tokens_le_bytes(tokens[:n * block_size]))
         stride = step * block_size * 4
-        tag = block_size.to_bytes(4, "little")
+        tag = block_size.to_bytes(4, "little") + (root.to_bytes(8, "little") if root != ROUTER_SEED else b"")
         if native is not None:
             keys = native.prefix_keys(data, stride, tag)
         else:
@@ -82,7 +83,7 @@ class BlockHashCache:
                                         else tokens[start:n * block_size], block_size, out[-1])
         else:
             self.misses += 1
-            out = block_hash_array(tokens, block_size)
+            out = block_hash_array(tokens, block_size, root)
         self.blocks_hashed += n - (len(found) if found is not None else 0)
         # Stored: this prompt's longest step, and on a miss its steps at 1, 2, 4, 8… steps too, so
         # that a later prompt sharing only a shorter prefix (a system prompt before a document)
@@ -97,13 +98,13 @@ class BlockHashCache:
         return out
 
 
-async def hash_stepwise(tokens: Sequence[int], block_size: int) -> array:
-    """``block_hash_array(tokens, block_size)``, yielding to the event loop every
+async def hash_stepwise(tokens: Sequence[int], block_size: int, root: int = ROUTER_SEED) -> array:
+    """``block_hash_array(tokens, block_size, root)``, yielding to the event loop every
     ``HASH_SLICE_BLOCKS`` blocks (the chain continues from the last hash of the slice before)."""
     hashes = array("Q")
     step = block_size * HASH_SLICE_BLOCKS
     for start in range(0, len(tokens), step):
-        part = block_hash_array(tokens[start:start + step], block_size, hashes[-1] if hashes else ROUTER_SEED)
+        part = block_hash_array(tokens[start:start + step], block_size, hashes[-1] if hashes else root)
         if not part:
             break
         hashes += part

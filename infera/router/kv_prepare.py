@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol, Sequence
 
 from infera.api.cache_hints import parse_cache_hints
-from infera.kv.hashing import ROUTER_SEED, block_hash_array
+from infera.kv.hashing import ROUTER_SEED, block_hash_array, salt_root
 from infera.kv.prompt import PromptTokenizer
 from infera.router.kv_hash_cache import BlockHashCache, hash_stepwise
 from infera.router.policy import RoutedRequest
@@ -47,11 +47,12 @@ class Horizon:
     tokenizer stopped. The charge, the blocks in flight and the metrics then count the rest of
     the prompt by an estimate (``more_tokens``)."""
 
-    __slots__ = ("_policy", "_open", "chains", "cut")
+    __slots__ = ("_policy", "_open", "_root", "chains", "cut")
 
-    def __init__(self, policy: HorizonPolicy, sizes: tuple[int, ...]) -> None:
+    def __init__(self, policy: HorizonPolicy, sizes: tuple[int, ...], root: int = ROUTER_SEED) -> None:
         self._policy = policy
         self._open = set(sizes)  # block sizes whose horizon is not reached yet
+        self._root = root  # the chain's first parent: a salted prompt's salt_root
         self.chains: dict[int, list[int]] = {}
         self.cut: tuple[int, int, int] | None = None
 
@@ -66,11 +67,11 @@ class Horizon:
             n = len(ids) // bs
             chain = self.chains.get(bs)
             if chain is None:
-                chain = self.chains[bs] = self._policy.hash_cache.hashes(ids, bs)
+                chain = self.chains[bs] = self._policy.hash_cache.hashes(ids, bs, self._root)
                 start = 0
             elif n > len(chain):
                 start = len(chain)
-                chain += block_hash_array(ids[start * bs:n * bs], bs, chain[-1] if chain else ROUTER_SEED)
+                chain += block_hash_array(ids[start * bs:n * bs], bs, chain[-1] if chain else self._root)
             else:
                 continue
             i = first_unheld(chain, start)  # most blocks are in some view: one dict lookup each
@@ -135,7 +136,7 @@ class KvPrepare:
             sizes = tuple(self._block_sizes)
 
             def horizon() -> Horizon:
-                made.append(Horizon(self, sizes))
+                made.append(Horizon(self, sizes, salt_root(st.get("cache_salt"))))
                 return made[-1]
 
             tokens = await prompts.token_ids(request.route, parsed, horizon=horizon, keyed=keyed)
@@ -157,7 +158,8 @@ class KvPrepare:
         if len(tokens) >= HASH_AHEAD_TOKENS and self._block_sizes:
             # Hashing 100k+ tokens is tens of ms of Python: done here a slice at a time, yielding
             # to the loop between slices, rather than in one go inside pick().
-            request.state["hashes"] = {bs: await hash_stepwise(tokens, bs) for bs in tuple(self._block_sizes)}
+            root = salt_root(st.get("cache_salt"))  # (the server's: the salt the engine is sent)
+            request.state["hashes"] = {bs: await hash_stepwise(tokens, bs, root) for bs in tuple(self._block_sizes)}
 
     def _hashes(self, request: RoutedRequest, block_size: int) -> Sequence[int]:
         st = request.state
@@ -173,7 +175,7 @@ class KvPrepare:
                 hashes = chain[:n] if len(chain) >= n else chain + block_hash_array(
                     tokens[len(chain) * block_size:n * block_size], block_size, chain[-1])
             elif len(tokens) >= block_size:
-                hashes = self.hash_cache.hashes(tokens, block_size)
+                hashes = self.hash_cache.hashes(tokens, block_size, salt_root(st.get("cache_salt")))
             else:
                 hashes = []
             by_size[block_size] = hashes
