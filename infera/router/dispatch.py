@@ -42,7 +42,10 @@ from infera.transport.request import RequestTransport
 
 log = logging.getLogger(__name__)
 
-_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+# OpenAI's usage.prompt_tokens_details.cached_tokens; Anthropic's usage.cache_read_input_tokens (an
+# engine's own /v1/messages reply, passed through: vLLM writes its cached_tokens there).
+_CACHED_TOKENS = re.compile(rb'"(?:cached_tokens|cache_read_input_tokens)"\s*:\s*(\d+)')
+_CACHED_KEYS = (b'"cached_tokens"', b'"cache_read_input_tokens"')
 
 # (worker, request, engine-reported cached prompt tokens or None) after a 200 reply completes.
 UsageObserver = Callable[[WorkerRecord, RoutedRequest, "int | None"], None]
@@ -51,12 +54,13 @@ UsageObserver = Callable[[WorkerRecord, RoutedRequest, "int | None"], None]
 def reported_cached_tokens(data: bytes) -> int | None:
     """``usage.prompt_tokens_details.cached_tokens`` from a reply body or a stream's tail: the last
     one (usage comes last), found from the end rather than by scanning the whole body."""
-    at = data.rfind(b'"cached_tokens"')
-    while at >= 0:
-        m = _CACHED_TOKENS.match(data, at)
-        if m is not None:
-            return int(m.group(1))
-        at = data.rfind(b'"cached_tokens"', 0, at)  # (e.g. "cached_tokens": null) an earlier one
+    for key in _CACHED_KEYS:  # a reply carries one of the two shapes
+        at = data.rfind(key)
+        while at >= 0:
+            m = _CACHED_TOKENS.match(data, at)
+            if m is not None:
+                return int(m.group(1))
+            at = data.rfind(key, 0, at)  # (e.g. "cached_tokens": null) an earlier one
     return None
 
 
@@ -261,7 +265,10 @@ class MixedRouter:
         except an engine's 5xx with ``hold_engine_error`` (scored neutral: the caller decides)."""
         tracker = None
         route, body = req.route, req.body
-        if self.migration_limit > 0 and req.stream and req.direct_worker is None:
+        own = req.body_for(worker) if req.body_for is not None else None
+        if own is not None:  # the engine's own API: its stream is not the chat stream a tracker follows
+            route, body = own
+        elif self.migration_limit > 0 and req.stream and req.direct_worker is None:
             route, body, tracker = self._tracked(worker, req)
         sent = self._clock()
         opened, release = await self._open(worker, req, route, body, hold_engine_error=hold_engine_error)

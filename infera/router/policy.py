@@ -23,6 +23,10 @@ class RoutedRequest:
     state: dict[str, Any] = field(default_factory=dict)  # per-policy scratch (e.g. block hashes)
     # sent to every engine leg with the request id: the W3C trace context (traceparent, tracestate)
     trace_headers: tuple[tuple[str, str], ...] = ()
+    # A mixed worker's own (route, body) in place of route/body, or None: keep them. Anthropic's
+    # /v1/messages sends an engine that serves it itself the client's body (route/body stay the
+    # chat form: what routing hashes, what PD legs and every other worker get).
+    body_for: Callable[[WorkerRecord], tuple[str, bytes] | None] | None = None
 
 
 class Policy(Protocol):

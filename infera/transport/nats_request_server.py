@@ -23,7 +23,7 @@ from infera.transport.nats_frames import (BUSY, DATA, ERROR, HEAD, HEARTBEAT_S, 
 
 log = logging.getLogger(__name__)
 
-_ALLOWED_PATHS = ("/v1/chat/completions", "/v1/completions")
+_ALLOWED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")  # messages: engines that speak it
 
 
 class _Request:
