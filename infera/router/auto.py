@@ -138,8 +138,13 @@ class AutoRouter:
         if req.direct_worker is None:
             raise ApiError(400, "x-prefill-instance-id needs x-worker-instance-id naming the decode worker",
                            "missing_decode_worker")
-        prefill = self._worker(req.direct_prefill or "", "prefill", "x-prefill-instance-id")
-        decode = self._worker(req.direct_worker, "decode", "x-worker-instance-id")
+        try:
+            prefill = self._worker(req.direct_prefill or "", "prefill", "x-prefill-instance-id")
+            decode = self._worker(req.direct_worker, "decode", "x-worker-instance-id")
+        except ApiError as exc:
+            if exc.status == 503:  # the reference counts a named worker that is gone (stale gateway)
+                self.disagg.metrics.count_pd_bootstrap_failure("direct_worker_missing")
+            raise
         for w in (prefill, decode):
             if w.model_name != req.model:
                 raise ApiError(400, f"worker {w.worker_id!r} serves {w.model_name!r}, not {req.model!r}",

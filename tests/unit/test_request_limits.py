@@ -205,3 +205,26 @@ def test_no_prompt_is_logged_above_debug():
 
 def test_max_depth_default():
     assert MAX_JSON_DEPTH == 64
+
+
+class _CountingDisagg(_Recorder):
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures: list[str] = []
+        self.metrics = self
+
+    def count_pd_bootstrap_failure(self, reason: str) -> None:
+        self.failures.append(reason)
+
+
+@pytest.mark.parametrize("worker, prefill, status, counted", [
+    ("dec", "gone", 503, ["direct_worker_missing"]),  # the named prefill is not in the fleet
+    ("gone", "pre", 503, ["direct_worker_missing"]),  # nor the named decode
+    ("pre", "pre", 400, []),  # present but the wrong role: the client's mistake, not a missing worker
+])
+async def test_direct_pair_counts_a_missing_worker_as_the_reference_does(worker, prefill, status, counted):
+    mixed, disagg = _Recorder(), _CountingDisagg()
+    router = AutoRouter(_fleet(), mixed, disagg, direct=True)  # type: ignore[arg-type]
+    with pytest.raises(ApiError) as info:
+        await router.dispatch(_req(worker, prefill))
+    assert info.value.status == status and disagg.failures == counted and disagg.calls == []
