@@ -36,6 +36,8 @@ class TranslatedRequest:
     stream: bool
     stop_sequences: tuple[str, ...] = ()
     tools: list[dict[str, Any]] = field(default_factory=list)  # the OpenAI tools (count_tokens adds them)
+    # The client's request as decoded: what an engine serving /v1/messages itself is sent (passthrough)
+    source: dict[str, Any] = field(default_factory=dict)
 
 
 def _bad(message: str, param: str | None = None) -> ApiError:
@@ -335,4 +337,4 @@ def translate_request(raw: bytes, *, count_only: bool = False) -> TranslatedRequ
     for key, value in body.items():  # engine extras (extra_body): the client's own choice
         if key not in _TRANSLATED and key not in _NOT_FORWARDED:
             out.setdefault(key, value)
-    return TranslatedRequest(out, model, stream and not count_only, tuple(stops or ()), tools)
+    return TranslatedRequest(out, model, stream and not count_only, tuple(stops or ()), tools, body)

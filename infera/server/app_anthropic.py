@@ -2,32 +2,119 @@
 
 Translation lives in ``infera.api.anthropic``; these handlers feed the translated body to the same
 ``router.dispatch`` as ``/v1/chat/completions`` (with the same key, queue, trace and cache-salt
-steps) and write the answer back in Anthropic's shapes, errors included."""
+steps) and write the answer back in Anthropic's shapes, errors included.
+
+Passthrough: a mixed worker whose engine serves ``/v1/messages`` itself (its record's
+``anthropic_messages``: vLLM 0.32) is sent the client's own request instead, and its reply or SSE
+is relayed unchanged: the engine's own behaviour, one conversion less. The choice is made per
+worker as the dispatch picks it (``RoutedRequest.body_for``): a mixed fleet passes through where it
+can and translates elsewhere, a failover may land on either kind, and the routing itself (kv-aware
+hashing over the rendered chat form, the salt) is the same both ways. PD pairs keep the
+translation: the disaggregated router builds its legs from the chat body. Usage (tenant limits, the
+kv self-check's cached tokens) is read from Anthropic's usage; ``infera_anthropic_messages_total``
+counts requests by mode."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
 
+from typing import Any, Callable, Iterator
+
 import msgspec
 from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from infera.api import anthropic as _anthropic
+from infera.api import anthropic_passthrough as _passthrough
 from infera.api.errors import ApiError
 from infera.api.requests import parse_request
+from infera.discovery.record import WorkerRecord
 from infera.kv.prompt import DEFAULT_PREFIX_CHARS
 from infera.router.policy import RoutedRequest
 from infera.server.app_state import (API_KEY_KEY, DIRECT_PREFILL_HEADER, DIRECT_WORKER_HEADER, FLEET_VIEW_KEY,
                                      PERMIT_KEY, REQUEST_ID_HEADER, REQUEST_ID_KEY, STATE_KEY, USAGE_TOKENS_KEY,
                                      ServerState, _admit, _authorize_model, _check_client_request_id, _json,
                                      _request_id, _trace)
-from infera.server.request_salt import CACHE_SALT_STATE, salt_translated
+from infera.server.request_salt import CACHE_SALT_STATE, SALT_FIELD, salt_translated
 from infera.server.tenant_limits import UsageMeter, reply_tokens
 from infera.server.tracing import RequestSpan
 
 log = logging.getLogger(__name__)
 
 ANTHROPIC_PREFIX = "/v1/messages"
+# RoutedRequest.state key: the worker sent the client's own request (absent: none was)
+PASSTHROUGH_STATE = "anthropic_passthrough"
+MODES = ("passthrough", "translated")
+
+
+class AnthropicModes:
+    """``infera_anthropic_messages_total{mode}``: /v1/messages requests answered by an engine's own
+    Messages API (``passthrough``) or through the chat translation (``translated``). A collector on
+    the server's registry: plain counters on the hot path, families built at scrape time."""
+
+    def __init__(self, registry: Any = None) -> None:
+        self.counts = dict.fromkeys(MODES, 0)
+        if registry is not None:
+            registry.register(self)
+
+    def count(self, mode: str) -> None:
+        self.counts[mode] += 1
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily("infera_anthropic_messages", "Anthropic /v1/messages requests answered, by "
+                                     "mode: passthrough (the engine's own Messages API) or translated (chat)",
+                                     labels=["mode"])
+        for mode, n in self.counts.items():
+            family.add_metric([mode], n)
+        yield family
+
+
+ANTHROPIC_MODES_KEY = web.AppKey("anthropic_modes", AnthropicModes)
+
+
+def install(app: web.Application, registry: Any) -> None:
+    """The Messages API's routes on ``app``, and its counter on ``registry`` (the server's)."""
+    app[ANTHROPIC_MODES_KEY] = AnthropicModes(registry)
+    app.router.add_post(_anthropic.MESSAGES_ROUTE, _anthropic_messages)
+    app.router.add_post(_anthropic.COUNT_TOKENS_ROUTE, _anthropic_count_tokens)
+
+
+def serves_messages(worker: WorkerRecord) -> bool:
+    """Whether ``worker`` is sent the client's own request: its engine serves /v1/messages, and it
+    serves requests whole (a PD leg's body is built from the chat form)."""
+    return worker.anthropic_messages and worker.disagg_mode == "mixed"
+
+
+def passthrough_bodies(translated: _anthropic.TranslatedRequest, salt: str | None,
+                       state: dict[str, Any]) -> Callable[[WorkerRecord], tuple[str, bytes] | None]:
+    """``RoutedRequest.body_for``: for a worker that serves /v1/messages, the route and the client's
+    body (built once, on the first such worker); None for the rest (the translated chat body).
+    Which worker was last sent it is left in ``state`` under ``PASSTHROUGH_STATE``: the reply
+    comes from the last worker tried, so the handler knows which shape it is in."""
+    built: list[bytes] = []
+
+    def body_for(worker: WorkerRecord) -> tuple[str, bytes] | None:
+        if not serves_messages(worker):
+            state.pop(PASSTHROUGH_STATE, None)
+            return None
+        if not built:
+            built.append(_passthrough.passthrough_body(translated.source, salt))
+        state[PASSTHROUGH_STATE] = worker.worker_id
+        return _anthropic.MESSAGES_ROUTE, built[0]
+
+    return body_for
+
+
+def _request_salt(translated: _anthropic.TranslatedRequest, key: Any) -> str | None:
+    """The salt the engine gets either way (the translation forwards a client's ``cache_salt`` as an
+    engine extra, as the passthrough does): an isolated tenant's own, written into the chat body;
+    else a usable one the client sent; None: none. The routing hashes under it."""
+    salt = salt_translated(translated.body, key)
+    if salt is None:
+        given = translated.body.get(SALT_FIELD)
+        salt = given if isinstance(given, str) and given else None
+    return salt
 
 
 # -- Anthropic Messages API (POST /v1/messages, /v1/messages/count_tokens) --------------------------------
@@ -61,7 +148,7 @@ async def _anthropic_messages(request: web.Request) -> web.StreamResponse:
         translated = _anthropic.translate_request(await _anthropic_body(request, state))
         _authorize_model(request, translated.model)
         await _admit(request, translated.model)
-        salt = salt_translated(translated.body, request.get(API_KEY_KEY))  # an isolated tenant's cache_salt
+        salt = _request_salt(translated, request.get(API_KEY_KEY))  # an isolated tenant's cache_salt, or the client's
         body = _json.encode(translated.body)
         parsed = parse_request(_anthropic.CHAT_ROUTE, body,
                                allow_kv_transfer_params=state.allow_client_kv_transfer_params)
@@ -72,6 +159,7 @@ async def _anthropic_messages(request: web.Request) -> web.StreamResponse:
                                direct_prefill=request.headers.get(DIRECT_PREFILL_HEADER), trace_headers=trace_headers)
         if salt is not None:
             routed.state[CACHE_SALT_STATE] = salt
+        routed.body_for = passthrough_bodies(translated, salt, routed.state)
         reply = await state.router.dispatch(routed)
     except ApiError as exc:
         metrics.count_request(route, exc.status, "none")
@@ -89,13 +177,21 @@ async def _anthropic_messages(request: web.Request) -> web.StreamResponse:
         raise
     msg_id = _anthropic.message_id(request_id)
     headers = {REQUEST_ID_HEADER: request_id}
+    passthrough = routed.state.get(PASSTHROUGH_STATE) == reply.worker_id  # the engine answered in Anthropic's shapes
+    modes = request.app.get(ANTHROPIC_MODES_KEY)
+    if modes is not None:
+        modes.count("passthrough" if passthrough else "translated")
     if reply.stream is None:
         metrics.count_request(route, reply.status, reply.worker_id)
         metrics.observe_e2e(route, False, time.perf_counter() - started)
         if span is not None:
             span.finish(reply.status, routed.state, worker_id=reply.worker_id)
         if PERMIT_KEY in request:
-            request[USAGE_TOKENS_KEY] = reply_tokens(reply.body)
+            request[USAGE_TOKENS_KEY] = (_passthrough.usage_tokens(reply.body) if passthrough
+                                         else reply_tokens(reply.body))
+        if passthrough:  # relayed as the engine wrote it; an error in another shape is put in Anthropic's
+            body = (reply.body or b"") if reply.status < 400 else _passthrough.error_reply_body(reply.status, reply.body)
+            return web.Response(status=reply.status, body=body, content_type="application/json", headers=headers)
         if reply.status >= 400:  # the engine refused it: its message, in Anthropic's shape
             return _anthropic_error(reply.status, _anthropic.error_message_of(reply.body, reply.status), request_id)
         try:
@@ -112,18 +208,23 @@ async def _anthropic_messages(request: web.Request) -> web.StreamResponse:
     headers["Cache-Control"] = "no-cache"
     resp = web.StreamResponse(status=200, headers=headers)
     chunks = reply.stream
-    events = _anthropic.StreamTranslator(translated.model, msg_id, translated.stop_sequences)
+    events = None if passthrough else _anthropic.StreamTranslator(translated.model, msg_id, translated.stop_sequences)
     broken: str | None = None
-    meter = UsageMeter() if PERMIT_KEY in request else None
+    meter: UsageMeter | _passthrough.PassthroughMeter | None = None
+    if PERMIT_KEY in request:
+        meter = _passthrough.PassthroughMeter() if passthrough else UsageMeter()
     try:
         await resp.prepare(request)
         async for chunk in chunks:  # read to the end even after [DONE]: the relay's usage tail feeds kv-aware
             if meter is not None:
                 meter.feed(chunk)
+            if events is None:  # the engine's own events, as they come; the router's error frame in Anthropic's shape
+                await resp.write(_passthrough.router_error_event(chunk) or chunk)
+                continue
             out = events.feed(chunk)
             if out:
                 await resp.write(out)
-        out = events.finish()
+        out = events.finish() if events is not None else b""
         if out:
             await resp.write(out)
         await resp.write_eof()
