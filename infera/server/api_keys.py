@@ -54,6 +54,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass, replace
+from dataclasses import field as dataclass_field
 from typing import Callable, Iterable, Iterator, Mapping
 
 import yaml
@@ -91,7 +92,9 @@ class ApiKey:
     models: frozenset[str] | None  # None: every model
     limit: TenantLimit = TenantLimit()  # the tenant's (shared by all its keys and every replica)
     priority: int = 0  # its class in the fair queue (--max-inflight-per-worker): higher is served first
-    salt_key: bytes | None = None  # cache_isolation: the tenant's salt key (see the module doc); None: off
+    # cache_isolation: the tenant's salt key (see the module doc); None: off. Kept out of repr (a
+    # logged key entry must not carry what its tenant's salts are made from).
+    salt_key: bytes | None = dataclass_field(default=None, repr=False)
 
     def allows(self, model: str | None) -> bool:
         return self.models is None or (model is not None and model in self.models)

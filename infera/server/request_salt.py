@@ -16,6 +16,7 @@ gone too: the engine sees one ``cache_salt``, ours).
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -26,6 +27,9 @@ SALT_FIELD = "cache_salt"
 # RoutedRequest.state key: the cache_salt the engine is sent (absent: none)
 CACHE_SALT_STATE = "cache_salt"
 _QUOTED = b'"' + SALT_FIELD.encode() + b'"'
+# A \u escape of an ASCII character: how a key could spell cache_salt without its plain bytes (text
+# escapes, \u00e9 and the like, do not match: a non-ASCII body costs no decode for it)
+_ESCAPED_ASCII = re.compile(rb"\\u00[2-7][0-9A-Fa-f]")
 
 
 class _SaltOnly(msgspec.Struct):
@@ -38,9 +42,10 @@ _encode = msgspec.json.Encoder().encode
 
 
 def _maybe_names_salt(body: bytes) -> bool:
-    """Whether the body may hold a ``cache_salt`` key: its plain bytes, or a ``\\u`` escape (a key
-    spelled with one decodes to the same name in the engine's parser)."""
-    return _QUOTED in body or b"\\u" in body
+    """Whether the body may hold a ``cache_salt`` key: its plain bytes, or an escaped ASCII
+    character (a key spelled with one decodes to the same name in the engine's parser). Two
+    substring scans for most bodies (~10 us for 120 KB); only a body that may name it is decoded."""
+    return _QUOTED in body or (b"\\u00" in body and _ESCAPED_ASCII.search(body) is not None)
 
 
 def _checked(value: Any) -> str | None:

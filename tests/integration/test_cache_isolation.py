@@ -13,12 +13,10 @@ from tests.conftest import wait_for
 from tests.integration.conftest import wait_workers
 from tests.integration.test_kv_routing import ADMIN_TOKEN, cache_view, chat, full_blocks
 
-pytestmark = [
-    pytest.mark.integration,
-    # The router's half (the index reading the salt from events, the kv-aware hashes from the
-    # request's salt) is /tmp/s39-requests/salt.patch until its files' owners apply it.
-    pytest.mark.skipif(not hasattr(Stored, "root"), reason="the router does not fold cache salts yet"),
-]
+pytestmark = pytest.mark.integration
+# The router's half (the index reading the salt from events, the kv-aware hashes from the request's
+# salt) is /tmp/s39-requests/salt.patch until its files' owners apply it.
+needs_router_salts = pytest.mark.skipif(not hasattr(Stored, "root"), reason="the router does not fold cache salts yet")
 
 KEYS = {"key-a": "team-a", "key-b": "team-b", "key-c": "team-c"}
 
@@ -33,6 +31,7 @@ def keys_file(tmp_path) -> str:
     return str(path)
 
 
+@needs_router_salts
 async def test_isolated_tenants_never_hit_each_others_cache_and_predictions_stay_exact(
         make_server, spawn_worker, tmp_path):
     server = await make_server("--admin-token", ADMIN_TOKEN, "--api-keys-file", keys_file(tmp_path))
@@ -75,3 +74,41 @@ async def test_isolated_tenants_never_hit_each_others_cache_and_predictions_stay
 
         view = await cache_view(s, base, wid)
     assert view["prediction"]["observations"] == 6 and view["prediction"]["exact"] == 6  # the self-check agrees
+
+
+async def test_the_engine_gets_each_isolated_tenants_own_salt(make_server, spawn_worker, tmp_path):
+    """What the engine does with the salts the server writes, whatever the router predicts: the same
+    prompt hits only within a tenant (chat and completions), and a client's own cache_salt is folded
+    into its tenant's (a partition of the tenant's cache, not a way into another's)."""
+    server = await make_server("--api-keys-file", keys_file(tmp_path), "--router-policy", "round-robin")
+    worker = await spawn_worker("--num-gpu-blocks", "2048")
+    await wait_workers(server, {worker.worker_id})
+    base = f"http://127.0.0.1:{server.port}"
+    prompt = " ".join(f"word{i}" for i in range(400))
+
+    async def cached(s: aiohttp.ClientSession, key: str, route: str = "chat", **extra) -> int:
+        body = ({"model": "sim-model", "max_tokens": 2, "messages": [{"role": "user", "content": prompt}]}
+                if route == "chat" else {"model": "sim-model", "max_tokens": 2, "prompt": prompt})
+        async with s.post(f"{base}/v1/{'chat/completions' if route == 'chat' else 'completions'}",
+                          json={**body, **extra}, headers={"Authorization": f"Bearer {key}"}) as r:
+            assert r.status == 200, await r.text()
+            return (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    async with aiohttp.ClientSession() as s:
+        for route in ("chat", "completions"):
+            assert await cached(s, "key-a", route) == 0
+            assert await cached(s, "key-a", route) > 0  # its own blocks
+            assert await cached(s, "key-b", route) == 0  # the same prompt, another isolated tenant
+            assert await cached(s, "key-c", route) == 0  # nor an open one's plain prompt
+            assert await cached(s, "key-c", route) > 0
+        # an isolated tenant's client salts: each its own partition of the tenant's cache
+        assert await cached(s, "key-a", cache_salt="user-1") == 0
+        assert await cached(s, "key-a", cache_salt="user-1") > 0
+        assert await cached(s, "key-a", cache_salt="user-2") == 0
+        # an open tenant's salt goes to the engine as sent: guessing an isolated tenant's salt is
+        # the only way in, and the salts are HMACs (unit-tested); the literal client salt of an
+        # isolated tenant is not its salt either
+        assert await cached(s, "key-c", cache_salt="user-1") == 0
+        async with s.post(f"{base}/v1/completions", json={"model": "sim-model", "prompt": "x", "cache_salt": 5},
+                          headers={"Authorization": "Bearer key-a"}) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "cache_salt"
