@@ -302,8 +302,9 @@ def _registry_families(registry: Any) -> list[Family]:
 
 async def _server_families() -> list[Family]:
     """A server built in-process, nothing started, with every part that has series: kv-aware
-    routing, the NATS plane and replica sync, API keys and tenant limits, the fair queue, and one
-    child of a ``--workers 2`` server."""
+    routing, the NATS plane and replica sync, API keys and tenant limits, the fair queue, one
+    child of a ``--workers 2`` server, and its HTTP app."""
+    from infera.server.app import ServerState, build_app
     from infera.server.cli import build_parser
     from infera.server.main import InferaServer
     from infera.server.supervisor import ChildContext
@@ -316,6 +317,10 @@ async def _server_families() -> list[Family]:
             "--request-transport", "nats", "--kv-event-transport", "nats", "--replica-sync", "nats",
             "--api-keys-file", str(keys), "--max-inflight-per-worker", "1"])
         server = InferaServer(args, process=ChildContext(index=0, count=2, runtime_dir=tmp, port=0))
+        # The app registers collectors of its own (e.g. the Anthropic route's): build it, start nothing.
+        build_app(ServerState(server.fleet, server.router, server.metrics, args.max_request_bytes, kv=server.kv,
+                              nats=server.nats, tokenizers=server.tokenizers, api_keys=server.api_keys,
+                              limiter=server.limiter, admission=server.admission))
         return _families(server.metrics.registry.collect())
 
 
