@@ -25,8 +25,10 @@ complete stream), ``refused`` (429/503 with Retry-After) or ``lost`` (anything e
 Reported as medians over ``--runs``: light TTFT p50/p99 (and the p99 of every run's samples pooled),
 its p99 over the unloaded p99, heavy TTFT p50, served req/s; served/refused/lost per tenant summed
 over the runs. Each window also samples the sims' ``/metrics`` every 50 ms for a sim holding more
-than its batch (the router sent it more than ``--per-worker``: it queues in its own FIFO). The report
-ends with what the sims' step model alone adds to a TTFT at a busy engine (``engine_bound``).
+than its batch (the router sent it more than ``--per-worker``: it queues in its own FIFO), and records
+how busy the machine's CPUs and the server process were and how late the load generator's own loop
+woke (its TTFTs are taken there). The report ends with what the sims' step model alone adds to a
+TTFT at a busy engine (``engine_bound``).
 
 Goal (the issue's): with ``queue+reserve`` the light tenant's p99 TTFT is within 1.5× its unloaded
 p99, while ``no-queue`` degrades past it; nothing is lost anywhere.
@@ -61,7 +63,7 @@ sys.path[:0] = [path for path in (REPO, BENCH_DIR) if path not in sys.path]
 
 from infera.discovery.embedded_etcd import EmbeddedEtcd  # noqa: E402
 from infera.engine.sim.scheduler import decode_time_ms, prefill_time_ms  # noqa: E402
-from server_workers import Proc, free_port  # noqa: E402
+from server_workers import Proc, cpu_ns, free_port  # noqa: E402
 
 MODEL = "fairness-bench"
 KEYS = {"heavy": "sk-bench-heavy", "light": "sk-bench-light"}
@@ -276,6 +278,29 @@ class Load:
         return served / (min(time.perf_counter(), stop) - t0)
 
 
+async def loop_lag(stop: asyncio.Event, tick: float = 0.005) -> dict:
+    """Until ``stop``: how late this process's own event loop wakes (p99 and max, ms). The TTFTs are
+    taken here, so a busy load generator (or a busy machine) lengthens them by about this much."""
+    lags: list[float] = []
+    while not stop.is_set():
+        t = time.perf_counter()
+        await asyncio.sleep(tick)
+        lags.append((time.perf_counter() - t - tick) * 1e3)
+    return {"client_loop_lag_p99_ms": round(percentile(lags, 99) or 0.0, 1),
+            "client_loop_lag_max_ms": round(max(lags, default=0.0), 1)}
+
+
+def machine_busy() -> tuple[int, int]:
+    """(busy, total) jiffies of every CPU since boot, from /proc/stat (0, 0 where there is none)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return sum(fields) - idle, sum(fields)
+
+
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -311,13 +336,22 @@ async def one_run(args, rig: Rig, load: Load, session, capacity: float, run_i: i
     async def window(row: str, window_rates: dict[str, float]) -> None:
         stop = asyncio.Event()
         sampler = asyncio.ensure_future(rig.engine_queue(session, stop))
+        lag = asyncio.ensure_future(loop_lag(stop))
+        busy0, total0 = machine_busy()
+        server_ns = cpu_ns([rig.server.pid])
         outcomes, elapsed = await load.open_loop(rig.url, window_rates, args.duration)
+        server_ns = cpu_ns([rig.server.pid]) - server_ns
+        busy1, total1 = machine_busy()
         stop.set()
-        run[row] = c = {**summarize(outcomes, args.warmup, elapsed), **await sampler}
+        run[row] = c = {**summarize(outcomes, args.warmup, elapsed), **await sampler, **await lag,
+                        "machine_busy_share": round((busy1 - busy0) / max(total1 - total0, 1), 2),
+                        "server_cpu_share": round(server_ns / 1e9 / elapsed, 2)}
         print(f"  run {run_i}: {row:<15}light p50/p99 {fmt(c['light']['ttft_p50_ms'])}/"
               f"{fmt(c['light']['ttft_p99_ms'])} ms, heavy p50 {fmt(c['heavy']['ttft_p50_ms'])} ms, lost "
               f"{c['light']['lost'] + c['heavy']['lost']}, {elapsed:.0f} s, a sim past its batch "
-              f"{c['engine_over_batch_share']:.0%} of the time (most held {c['engine_held_max']})", flush=True)
+              f"{c['engine_over_batch_share']:.0%} of the time (most held {c['engine_held_max']}), CPUs "
+              f"{c['machine_busy_share']:.0%} busy (the server {c['server_cpu_share']:.0%} of one), client loop lag p99/max {c['client_loop_lag_p99_ms']}/"
+              f"{c['client_loop_lag_max_ms']} ms", flush=True)
 
     for config in CONFIGS:
         await rig.serve(config, session)
@@ -356,13 +390,15 @@ def median_cells(runs: list[dict]) -> dict:
         cells[row]["light_p99_over_unloaded"] = None if not base or p99 is None else round(p99 / base, 2)
         pooled = [v for r in runs for v in r[row]["light"]["ttft_ms_sorted"]]
         cells[row]["light"]["ttft_p99_pooled_ms"] = percentile(pooled, 99)
-        cells[row]["engine_over_batch_share"] = med((row, "engine_over_batch_share"))
+        for k in ("engine_over_batch_share", "machine_busy_share", "server_cpu_share", "client_loop_lag_p99_ms",
+                  "client_loop_lag_max_ms"):
+            cells[row][k] = med((row, k))
     return cells
 
 
 def render(cells: dict) -> str:
     head = (f"{'':<16}{'light p50':>10}{'light p99':>10}{'pooled':>8}{'p99/unl':>8}{'heavy p50':>10}{'req/s':>7}"
-            f"{'light srv/ref/lost':>20}{'heavy srv/ref/lost':>20}")
+            f"{'light srv/ref/lost':>20}{'heavy srv/ref/lost':>20}{'CPUs':>6}{'server':>7}{'lag p99':>8}")
     lines = [head, "-" * len(head)]
     for row, c in cells.items():
         lt, hv = c["light"], c["heavy"]
@@ -370,7 +406,9 @@ def render(cells: dict) -> str:
                      f"{fmt(lt['ttft_p99_pooled_ms']):>8}{fmt(c['light_p99_over_unloaded'], '.2f'):>8}"
                      f"{fmt(hv['ttft_p50_ms']):>10}{fmt(c['served_rps']):>7}"
                      f"{'%d/%d/%d' % (lt['served'], lt['refused'], lt['lost']):>20}"
-                     f"{'%d/%d/%d' % (hv['served'], hv['refused'], hv['lost']) if hv['sent'] else '-':>20}")
+                     f"{'%d/%d/%d' % (hv['served'], hv['refused'], hv['lost']) if hv['sent'] else '-':>20}"
+                     f"{fmt(c['machine_busy_share'], '.0%'):>6}{fmt(c['server_cpu_share'], '.0%'):>7}"
+                     f"{fmt(c['client_loop_lag_p99_ms']):>8}")
     return "\n".join(lines)
 
 
