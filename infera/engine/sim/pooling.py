@@ -152,7 +152,8 @@ async def _embed_all(request: web.Request, items: list[str | list[int]]) -> tupl
 
 
 def _usage(n: int) -> dict[str, Any]:
-    return {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0, "prompt_tokens_details": None}
+    return {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0, "prompt_tokens_details": None,
+            "completion_tokens_details": None}
 
 
 def _reply(body: dict[str, Any]) -> web.Response:
@@ -175,8 +176,8 @@ async def _embeddings(request: web.Request) -> web.Response:
     if fmt not in ("float", "base64"):
         raise ApiError(400, f"Invalid request: encoding_format {fmt!r} is not supported", param="encoding_format")
     if body.get("dimensions") is not None:
-        raise ApiError(400, "Model does not support matryoshka representation, changing output dimensions "
-                            "will lead to poor results.", param="dimensions")
+        raise ApiError(400, f"Model '{request.app[ENGINE_KEY].model_name}' does not support Matryoshka embeddings; "
+                            f"dimensions must be unset (received dimensions={body['dimensions']}).")
     vectors, n = await _embed_all(request, items)
     engine = request.app[ENGINE_KEY]
 
@@ -226,10 +227,11 @@ async def _rerank(request: web.Request) -> web.Response:
     query = _text_of(body["query"])
     texts = [_text_of(d) for d in documents]
     vectors, n = await _embed_all(request, [query, *texts])
-    results = [{"index": i, "document": {"text": d if isinstance(d, str) else None}, "relevance_score": cosine(vectors[0], v)}
-               for i, (d, v) in enumerate(zip(texts, vectors[1:]))]
-    results.sort(key=lambda r: -r["relevance_score"])
-    return _reply({"id": f"rerank-{uuid.uuid4().hex}", "model": request.app[ENGINE_KEY].model_name,
+    scores = [cosine(vectors[0], v) for v in vectors[1:]]
+    order = sorted(range(len(texts)), key=lambda i: -scores[i])
+    results = [{"index": i, "document": {"text": texts[i] if isinstance(texts[i], str) else None, "multi_modal": None},
+                "relevance_score": scores[i]} for i in order]
+    return _reply({"id": f"score-{uuid.uuid4().hex}", "model": request.app[ENGINE_KEY].model_name,
                    "usage": {"prompt_tokens": n, "total_tokens": n}, "results": results[:top_n] if top_n else results})
 
 
