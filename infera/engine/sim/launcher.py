@@ -21,6 +21,7 @@ from infera.engine.base.kv_events import (add_kv_events_flag, bind_kv_events, ev
 from infera.engine.base.launcher import EngineProcessSpec, default_advertise_host, engine_command
 from infera.engine.base.prom import VLLM_INFLIGHT, info_labels, sum_samples
 from infera.engine.vllm.adapter import disaggregation, parse_kv_transfer_config, with_pinned_engine_id
+from infera.engine.base.anthropic_probe import serves_anthropic_messages
 from infera.engine.vllm.tasks import probe_tasks
 
 PROG = "infera.engine.sim"
@@ -79,6 +80,8 @@ class SimAdapter:
         fields["disagg_mode"], fields["disagg_meta"] = disaggregation(kv_transfer, advertise)
         fields.update(event_fields(self.kv_events, advertise))
         fields["tasks"] = await probe_tasks(session, base_url, engine_argv)  # --runner pooling's tasks, as vLLM's
+        if not fields["tasks"] or "generate" in fields["tasks"]:  # its own /v1/messages: passed through to it
+            fields["anthropic_messages"] = await serves_anthropic_messages(session, base_url, fields["model_name"])
         return fields
 
     def inflight(self, metrics_text: str) -> int | None:

@@ -119,6 +119,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="milliseconds to load one block back from the host tier, divided by --speedup like all "
                         "modelled time (default: 5%% of prefilling a block's tokens)")
     add_pooling_flags(p)  # vLLM's --runner / --convert: a pooling model (pooling.py)
+    p.add_argument("--serve-anthropic", action="store_true",
+                   help="serve Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens) as vLLM 0.32 "
+                        "does, so the router passes such requests through instead of translating them")
     return p
 
 

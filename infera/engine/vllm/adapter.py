@@ -41,6 +41,7 @@ from infera.engine.base.launcher import EngineProcessSpec, default_advertise_hos
 from infera.engine.base.ports import free_port_blocks
 from infera.engine.base.preflight import PdSetup
 from infera.engine.base.rocm_env import apply_rocm_env
+from infera.engine.base.anthropic_probe import serves_anthropic_messages
 from infera.engine.vllm.tasks import probe_tasks
 from infera.engine.base.prom import VLLM_INFLIGHT, info_labels, sum_samples
 from infera.kvd.config import DEFAULT_SOCKET as DEFAULT_KVD_SOCKET, SOCKET_ENV as KVD_SOCKET_ENV
@@ -415,6 +416,8 @@ class VllmAdapter:
         fields["disagg_mode"], fields["disagg_meta"] = disaggregation(cfg, advertise)
         fields.update(event_fields(self.kv_events, advertise))
         fields["tasks"] = await probe_tasks(session, base_url, engine_argv)  # pooling tasks (empty: generative)
+        if not fields["tasks"] or "generate" in fields["tasks"]:  # its own /v1/messages: passed through to it
+            fields["anthropic_messages"] = await serves_anthropic_messages(session, base_url, fields["model_name"])
         if has_kvd_connector(cfg):  # --kvd-socket, or the user's own config naming the connector
             fields["kvd_socket"] = getattr(args, "kvd_socket", None) or os.environ.get(KVD_SOCKET_ENV) or DEFAULT_KVD_SOCKET
         return fields
