@@ -9,7 +9,8 @@ only when a request is admitted, so it is made with the fleet as it is then.
 **Order.** Waiting requests are grouped by priority class (the tenant's ``priority`` in
 ``--api-keys-file``, higher first) and, within a class, by tenant; the next admitted is the oldest
 request of the tenant that has been served least in that class (a tenant that starts waiting is
-credited no less than the least-served tenant waiting, so idleness does not bank credit): with one
+credited no less than the least-served tenant waiting, so idleness does not bank credit; between
+tenants served alike, the one holding fewer slots goes first, so that newcomer is next): with one
 heavy and one light tenant, each gets half of the freed slots while both wait, and a light request
 never waits behind the heavy tenant's backlog. Without API keys every request is one tenant's:
 first come, first served.
@@ -67,18 +68,21 @@ class _Class:
                 self.served[w.tenant] = max(self.served.get(w.tenant, 0), floor)
         q.append(w)
 
-    def pop(self, eligible: Callable[[str], bool] | None = None) -> _Waiter | None:
-        """The next request to admit (of a tenant ``eligible`` allows, when given), or None."""
-        best: tuple[int, float, str] | None = None
+    def pop(self, eligible: Callable[[str], bool] | None = None, held: dict[str, int] | None = None) -> _Waiter | None:
+        """The next request to admit (of a tenant ``eligible`` allows, when given), or None: the
+        least-served tenant's oldest; between tenants served alike, the one holding fewer slots
+        (``held``: a tenant that just started waiting ties with the least served)."""
+        best: tuple[int, int, float, str] | None = None
+        held = held or {}
         for tenant, q in self.queues.items():
             if eligible is not None and not eligible(tenant):
                 continue
-            key = (self.served.get(tenant, 0), q[0].since, tenant)
+            key = (self.served.get(tenant, 0), held.get(tenant, 0), q[0].since, tenant)
             if best is None or key < best:
                 best = key
         if best is None:
             return None
-        tenant = best[2]
+        tenant = best[3]
         q = self.queues[tenant]
         w = q.popleft()
         if not q:
@@ -257,7 +261,7 @@ class AdmissionQueue:
                     return may_take_reserved(m.held.get(t, 0), capacity, active)
             w = None
             for priority in sorted(m.classes, reverse=True):
-                w = m.classes[priority].pop(eligible)
+                w = m.classes[priority].pop(eligible, m.held)
                 if w is not None:
                     break
             if w is None:

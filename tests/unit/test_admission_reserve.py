@@ -129,3 +129,25 @@ async def test_without_a_reserve_or_with_one_tenant_nothing_waits_below_the_open
     for t in tickets:
         t.leave()
     assert q.snapshot()["m"]["inflight"] == 0
+
+
+async def test_between_tenants_served_alike_the_one_holding_fewer_slots_goes_first():
+    q = AdmissionQueue(lambda model: 2)  # no reserve: the work-conserving order alone
+    held = [await q.enter("m", "heavy") for _ in range(2)]
+    order: list[str] = []
+
+    async def request(tenant: str) -> None:
+        ticket = await q.enter("m", tenant)
+        order.append(tenant)
+        ticket.leave()
+
+    tasks = [asyncio.ensure_future(request("heavy")) for _ in range(3)]
+    await settle()
+    tasks.append(asyncio.ensure_future(request("light")))  # joins served like heavy (no banked credit)
+    await settle()
+    held[0].leave()  # heavy, older and served alike, holds a slot still; light holds none
+    await asyncio.wait_for(asyncio.gather(*tasks[3:]), 1)
+    assert order[0] == "light"  # (its slot, given back at once, went on to the heavy backlog)
+    held[1].leave()
+    await asyncio.wait_for(asyncio.gather(*tasks), 1)
+    assert q.snapshot()["m"]["inflight"] == 0
