@@ -11,7 +11,7 @@ vLLM worker serves them, generative or pooling.
 """
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import msgspec
 
@@ -58,6 +58,43 @@ def worker_tasks(record_tasks: Iterable[str]) -> frozenset[str]:
 def serves(record_tasks: Iterable[str], task: str | None) -> bool:
     """Whether a worker with these record tasks serves ``task`` (None: any worker does)."""
     return task is None or task in worker_tasks(record_tasks)
+
+
+class WorkersForTask:
+    """The workers of a fleet tuple (``Fleet.active``: a new tuple whenever the fleet changes) that
+    serve ``task``, kept per model while that tuple is the same object: one filter per fleet change,
+    not per request. Bounded: past ``cap`` models the cache starts over."""
+
+    def __init__(self, task: str | None, cap: int = 1024) -> None:
+        self.task = task
+        self._cap = cap
+        self._cache: dict[str, tuple[Sequence[Any], tuple[Any, ...]]] = {}
+
+    def __call__(self, model: str, workers: Sequence[Any]) -> Sequence[Any]:
+        if self.task is None:
+            return workers
+        cached = self._cache.get(model)
+        if cached is not None and cached[0] is workers:
+            return cached[1]
+        serving = tuple(w for w in workers if serves(w.tasks, self.task))
+        if len(self._cache) >= self._cap:
+            self._cache.clear()
+        self._cache[model] = (workers, serving)
+        return serving
+
+
+def task_unserved(fleet: Any, model: str, task: str | None, active: Sequence[Any]) -> ApiError:
+    """The error for ``model`` whose active workers (``active``, not empty) serve no ``task``: a 503
+    while a draining or unreachable worker of it does (it may come back), else a 400 naming the task
+    and what the model's workers serve. ``fleet``: the ``Fleet`` (its ``all()`` records)."""
+    if any(r.model_name == model and serves(r.tasks, task) for r in fleet.all()):
+        return ApiError(503, f"no active worker of model {model!r} serves {task!r} right now; retry shortly",
+                        "no_active_worker", headers={"Retry-After": "1"})
+    offered = sorted(set().union(*(worker_tasks(w.tasks) for w in active)))
+    hint = ("start a worker of it without --runner pooling" if task == GENERATE else
+            f"start a worker of it with vLLM's --runner pooling --convert {task if task != SCORE else EMBED}")
+    return ApiError(400, f"model {model!r} is served by no worker for the {task!r} task (its workers serve: "
+                    f"{', '.join(offered)}); {hint}, or send another model", "task_not_supported", param="model")
 
 
 def record_tasks(served: Iterable[str]) -> list[str]:

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from infera.api.errors import ApiError
-from infera.api.pooling import serves, worker_tasks
+from infera.api.pooling import WorkersForTask, task_unserved
 from infera.discovery.fleet import Fleet
 from infera.discovery.record import WorkerRecord
 from infera.router.breaker import CircuitBreaker
@@ -22,7 +21,6 @@ from infera.router.metrics import RouterMetrics
 from infera.router.policy import RoutedRequest
 from infera.transport.request import RequestTransport
 
-_RETRY = {"Retry-After": "1"}
 # Models whose filtered candidate tuple is kept (recomputed when the fleet's tuple changes).
 CANDIDATE_CACHE_CAP = 1024
 
@@ -72,35 +70,13 @@ class TaskRouter(MixedRouter):
                  breaker: CircuitBreaker | None = None) -> None:
         super().__init__(fleet, policy, transport, metrics, max_retries=max_retries, direct=direct, breaker=breaker)
         self.task = task
-        self._cache: dict[str, tuple[tuple[WorkerRecord, ...], tuple[WorkerRecord, ...]]] = {}
+        self._serving = WorkersForTask(task, CANDIDATE_CACHE_CAP)
 
     def candidates(self, model: str) -> Sequence[WorkerRecord]:
         workers = self.fleet.active(model, "mixed")
-        if self.task is None:
-            return workers if workers else super().candidates(model)  # super's 503/404 for none
-        cached = self._cache.get(model)
-        if cached is not None and cached[0] is workers:
-            serving = cached[1]
-        else:
-            serving = tuple(w for w in workers if serves(w.tasks, self.task))
-            if len(self._cache) >= CANDIDATE_CACHE_CAP:
-                self._cache.clear()
-            self._cache[model] = (workers, serving)
+        serving = self._serving(model, workers)
         if serving:
             return serving
         if not workers:
-            return super().candidates(model)  # no active worker, unknown model, or none active: its errors
-        raise self.no_worker_for_task(model, workers)
-
-    def no_worker_for_task(self, model: str, active: Sequence[WorkerRecord]) -> ApiError:
-        """No active worker of ``model`` serves the task: a 503 while a draining or unreachable one
-        does (it may come back), else a 400 naming the task and what the model's workers serve."""
-        task = self.task
-        if any(r.model_name == model and serves(r.tasks, task) for r in self.fleet.all()):
-            return ApiError(503, f"no active worker of model {model!r} serves {task!r} right now; retry shortly",
-                            "no_active_worker", headers=_RETRY)
-        offered = sorted(set().union(*(worker_tasks(w.tasks) for w in active)))
-        return ApiError(400, f"model {model!r} is served by no worker for the {task!r} task (its workers serve: "
-                        f"{', '.join(offered)}); start a worker of it with vLLM's --runner pooling "
-                        f"--convert {task if task != 'score' else 'embed'}, or send another model",
-                        "task_not_supported", param="model")
+            return super().candidates(model)  # no active worker, unknown model, none active: its errors
+        raise task_unserved(self.fleet, model, self.task, workers)

@@ -8,8 +8,8 @@ import pytest
 from aiohttp import web
 
 from infera.api.errors import ApiError
-from infera.api.pooling import (ROUTE_TASKS, record_tasks, request_model, serves, tasks_from_flags, tasks_from_paths,
-                                worker_tasks)
+from infera.api.pooling import (ROUTE_TASKS, WorkersForTask, record_tasks, request_model, serves, task_unserved,
+                                tasks_from_flags, tasks_from_paths, worker_tasks)
 from infera.discovery.fleet import Fleet
 from infera.discovery.record import WorkerRecord
 from infera.engine.sim import pooling as sim_pooling
@@ -236,3 +236,23 @@ async def test_probe_tasks(served, argv, expected):
             assert await probe_tasks(session, url, argv) == expected
     finally:
         await runner.cleanup()
+
+
+def test_workers_for_task_filters_once_per_fleet_tuple():
+    embedders = WorkersForTask("embed", cap=2)
+    fleet_tuple = (GEN, EMB1, EMB2)
+    first = embedders("emb", fleet_tuple)
+    assert [w.worker_id for w in first] == ["e1", "e2"]
+    assert embedders("emb", fleet_tuple) is first  # the same tuple: the cached answer
+    assert embedders("emb", (GEN, EMB2)) == (EMB2,)  # a new tuple (the fleet changed): filtered again
+    assert embedders("a", ()) == () and embedders("b", (EMB1,)) == (EMB1,)  # past the cap: starts over, still right
+    assert WorkersForTask(None)("m", fleet_tuple) is fleet_tuple  # no task: every worker
+    assert WorkersForTask("generate")("m", fleet_tuple) == (GEN,)
+
+
+def test_task_unserved_for_generation_names_the_task():
+    fleet = Fleet()
+    fleet.upsert(EMB1)
+    err = task_unserved(fleet, "emb", "generate", (EMB1,))
+    assert (err.status, err.code) == (400, "task_not_supported")
+    assert "'generate'" in err.message and "embed, score" in err.message
