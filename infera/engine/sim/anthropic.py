@@ -9,7 +9,9 @@ engine's own ``/v1/chat/completions`` (over loopback: the same scheduler, cache,
 any chat request), and the answer comes back in Anthropic's shapes with vLLM's marks: the message
 id is the chat completion's (``chatcmpl-…``), ``usage.input_tokens`` excludes the
 ``cache_read_input_tokens`` the engine reports, and errors are ``{"type":"error","error":{"type",
-"message"}}`` with vLLM's error type names (``BadRequestError``, ``NotFoundError``).
+"message"}}`` with vLLM's error type names (``BadRequestError``, ``NotFoundError``). Fields vLLM's
+request model does not define are ignored, as its pydantic model ignores them: an engine extra
+such as ``ignore_eos``, which the chat route takes, does nothing through ``/v1/messages``.
 """
 from __future__ import annotations
 
@@ -33,6 +35,12 @@ _json_encode = msgspec.json.Encoder().encode
 # Sent on to the chat request: the request id (the sim's ids follow it) and the trace context.
 _FORWARDED_HEADERS = ("X-Request-Id", "traceparent", "tracestate", "X-Data-Parallel-Rank")
 _VLLM_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
+# vLLM 0.32's AnthropicMessagesRequest and AnthropicCountTokensRequest fields (vllm/entrypoints/anthropic/protocol.py)
+_COUNT_FIELDS = frozenset({"model", "messages", "output_config", "system", "thinking", "tool_choice", "tools",
+                           "chat_template_kwargs"})
+_MESSAGES_FIELDS = _COUNT_FIELDS | {"max_tokens", "metadata", "stop_sequences", "stream", "temperature", "top_k",
+                                    "top_p", "mm_payload", "return_mm_kwargs", "cache_salt", "watermarking",
+                                    "kv_transfer_params", "ec_transfer_params", "vllm_xargs"}
 
 
 def _error(status: int, message: str, err_type: str | None = None) -> web.Response:
@@ -62,9 +70,23 @@ def _vllm_usage(usage: dict[str, Any]) -> dict[str, int]:
     return out
 
 
+def _vllm_fields(raw: bytes, count_only: bool) -> bytes:
+    """The request as vLLM's pydantic model reads it: fields it does not define are ignored (an
+    engine extra such as ``ignore_eos``, which its chat route would take, does nothing here)."""
+    try:
+        doc = msgspec.json.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        return raw  # the translation answers it with its 400
+    if not isinstance(doc, dict):
+        return raw
+    known = _COUNT_FIELDS if count_only else _MESSAGES_FIELDS
+    return _json_encode({k: v for k, v in doc.items() if k in known})
+
+
 async def _translated(request: web.Request, count_only: bool) -> _anthropic.TranslatedRequest | web.Response:
     try:
-        translated = _anthropic.translate_request(await request.read(), count_only=count_only)
+        translated = _anthropic.translate_request(_vllm_fields(await request.read(), count_only),
+                                                  count_only=count_only)
         request.app[ENGINE_KEY].check_model(translated.model)
     except RouterApiError as exc:
         return _error(exc.status, exc.message)
