@@ -53,11 +53,14 @@ def _error(status: int, message: str, err_type: str | None = None) -> web.Respon
 def _chat_error(status: int, raw: bytes) -> web.Response:
     """The chat path's vLLM-shaped error (``{"error":{message,type}}``) in Anthropic's envelope."""
     try:
-        err = msgspec.json.decode(raw).get("error") or {}
-    except (msgspec.DecodeError, AttributeError):
-        err = {}
-    message = err.get("message") if isinstance(err.get("message"), str) else raw.decode("utf-8", "replace")[:500]
-    return _error(status, message, err.get("type") if isinstance(err.get("type"), str) else None)
+        doc = msgspec.json.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        doc = None
+    err = doc.get("error") if isinstance(doc, dict) else None
+    err = err if isinstance(err, dict) else {}
+    message, err_type = err.get("message"), err.get("type")
+    return _error(status, message if isinstance(message, str) else raw.decode("utf-8", "replace")[:500],
+                  err_type if isinstance(err_type, str) else None)
 
 
 def _vllm_usage(usage: dict[str, Any]) -> dict[str, int]:
