@@ -21,6 +21,7 @@ import msgspec
 
 from infera.api.cache_hints import RETENTION_NAMES
 from infera.api.errors import ApiError
+from infera.api.pooling import GENERATE, WorkersForTask, task_unserved
 from infera.discovery.fleet import Fleet
 from infera.discovery.record import WorkerRecord
 from infera.router.breaker import CircuitBreaker
@@ -166,12 +167,17 @@ class MixedRouter:
         self.migration_limit = migration_limit
         # The cache retention each engine is told (priority, kvd retention): added per worker, in _open.
         self.engine_hints = engine_hints or EngineHints()
+        # A pooling worker (its record's tasks: embed, classify, ...) serves no chat or completions.
+        self._generative = WorkersForTask(GENERATE)
 
     # -- candidate selection ---------------------------------------------------------------------
     def candidates(self, model: str) -> Sequence[WorkerRecord]:
-        workers = self.fleet.active(model, "mixed")
+        active = self.fleet.active(model, "mixed")
+        workers = self._generative(model, active)
         if workers:
             return workers
+        if active:  # only pooling workers serve the model: a 400 naming the task (503 while one may come back)
+            raise task_unserved(self.fleet, model, GENERATE, active)
         if not self.fleet.active():
             raise ApiError(
                 503, "no active worker in the fleet; retry shortly", "no_active_worker", headers={"Retry-After": "1"}
@@ -323,7 +329,8 @@ class MixedRouter:
         tried), failing over before its first byte like a new request."""
         failure: LegFailure | None = None
         for _ in range(1 + self.max_retries):
-            pool = [w for w in self.fleet.active(req.model, "mixed") if w.worker_id not in tried]
+            pool = [w for w in self._generative(req.model, self.fleet.active(req.model, "mixed"))
+                    if w.worker_id not in tried]
             if not pool:
                 break
             worker = self.policy.pick(self.breaker.filter(pool), req)

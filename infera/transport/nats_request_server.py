@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 
+from infera.api.pooling import POOLING_ROUTES
 from infera.transport.http import HttpTransport, UpstreamError, UpstreamResponse, split_http_url
 from infera.transport.nats_conn import NatsConnection, subject_token
 from infera.transport.nats_core import NatsError
@@ -23,7 +24,8 @@ from infera.transport.nats_frames import (BUSY, DATA, ERROR, HEAD, HEARTBEAT_S, 
 
 log = logging.getLogger(__name__)
 
-_ALLOWED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")  # messages: engines that speak it
+# messages: engines that speak it; the pooling and utility routes (embeddings, rerank, score, classify, tokenize)
+_ALLOWED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", *POOLING_ROUTES})
 
 
 class _Request:
