@@ -47,6 +47,11 @@ class _Common(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
     # PD handoff the engine acts on (vLLM's KV connectors pull KV from the host it names): the
     # router writes it; a client's is refused unless the operator allows it (see parse_request).
     kv_transfer_params: Optional[dict[str, Any]] = None
+    # vLLM's per-request prefix-cache isolation, as the client sent it (its key spelled with escapes
+    # or given twice: the value the engine's parser would keep). UNSET: absent, where a null is
+    # present (and would win over a salt written before it). The server writes an isolated
+    # tenant's own and routing hashes with it (infera/server/request_salt.py).
+    cache_salt: Union[Any, msgspec.UnsetType] = msgspec.UNSET
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
