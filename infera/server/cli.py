@@ -204,7 +204,9 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
       help="YAML (or JSON) list of API keys by their sha256, each with a tenant and the models it may use "
            "(README: API keys); the inference API then needs 'Authorization: Bearer <key>' or 'x-api-key: <key>' "
            "(401 without a valid one, 403 for a model the key may not use). Reloaded when the file changes "
-           "(a mounted Kubernetes Secret); off: the API is open")
+           "(a mounted Kubernetes Secret); off: the API is open. An entry's cache_isolation: true gives its tenant "
+           "a cache_salt of its own (docs: multi-tenancy); the optional top-level cache_salt_secret keeps the salts "
+           "equal across replicas and key rotations")
     f("--max-inflight-per-worker", env="INFERA_MAX_INFLIGHT_PER_WORKER", default=0, type=non_negative_int,
       help="fair queueing under overload: a model admits this many requests per worker (mixed and decode) at "
            "once; the rest wait in a bounded queue, served fairly among tenants and by their priority, and are "
