@@ -19,7 +19,8 @@ requests through the ``queue`` server. Then each run has, per configuration (sam
   window ends when every request has an answer (the no-queue engines drain their backlog).
 
 Every request is a streamed completion of ``--prompt-words`` fresh random words (one token each, no
-prefix reuse) and exactly ``--max-tokens`` tokens (ignore_eos). TTFT is the time to the first streamed
+prefix reuse) and ``--max-tokens`` ± ``--output-spread`` tokens (uniform; ignore_eos: replies of one
+length would finish, free their slots and bring in their successors' prefills in lockstep). TTFT is the time to the first streamed
 token, over requests that arrived after the first ``--warmup`` s. Each request is ``served`` (a
 complete stream), ``refused`` (429/503 with Retry-After) or ``lost`` (anything else: must stay 0).
 Reported as medians over ``--runs``: light TTFT p50/p99 (and the p99 of every run's samples pooled),
@@ -63,7 +64,7 @@ sys.path[:0] = [path for path in (REPO, BENCH_DIR) if path not in sys.path]
 
 from infera.discovery.embedded_etcd import EmbeddedEtcd  # noqa: E402
 from infera.engine.sim.scheduler import decode_time_ms, prefill_time_ms  # noqa: E402
-from server_workers import Proc, cpu_ns, free_port  # noqa: E402
+from server_workers import Proc, cpu_ns, descendants, free_port  # noqa: E402
 
 MODEL = "fairness-bench"
 KEYS = {"heavy": "sk-bench-heavy", "light": "sk-bench-light"}
@@ -95,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=float, default=2.0, help="arrivals in the first seconds not in TTFT stats")
     ap.add_argument("--speedup", type=float, default=0.5, help="the sims' --speedup (0.5: steps twice as long)")
     ap.add_argument("--prompt-words", type=int, default=100)
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=32, help="the replies' mean length in tokens")
+    ap.add_argument("--output-spread", type=float, default=0.5,
+                    help="reply lengths uniform in max-tokens × (1 ± this)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=os.path.join(BENCH_DIR, "results", "fairness.json"))
     return ap
@@ -209,7 +212,9 @@ class Load:
 
     def body(self) -> bytes:
         words = " ".join("".join(self.rng.choices(string.ascii_lowercase, k=6)) for _ in range(self.args.prompt_words))
-        return json.dumps({"model": MODEL, "prompt": words, "max_tokens": self.args.max_tokens, "stream": True,
+        spread = round(self.args.max_tokens * self.args.output_spread)
+        max_tokens = max(1, self.args.max_tokens + self.rng.randint(-spread, spread))
+        return json.dumps({"model": MODEL, "prompt": words, "max_tokens": max_tokens, "stream": True,
                            "ignore_eos": True}).encode()
 
     async def one(self, url: str, tenant: str, t0: float) -> Outcome:
@@ -338,9 +343,10 @@ async def one_run(args, rig: Rig, load: Load, session, capacity: float, run_i: i
         sampler = asyncio.ensure_future(rig.engine_queue(session, stop))
         lag = asyncio.ensure_future(loop_lag(stop))
         busy0, total0 = machine_busy()
-        server_ns = cpu_ns([rig.server.pid])
+        server_pids = [rig.server.pid, *descendants(rig.server.pid)]  # --workers 1: a child serves
+        server_ns = cpu_ns(server_pids)
         outcomes, elapsed = await load.open_loop(rig.url, window_rates, args.duration)
-        server_ns = cpu_ns([rig.server.pid]) - server_ns
+        server_ns = cpu_ns(server_pids) - server_ns
         busy1, total1 = machine_busy()
         stop.set()
         run[row] = c = {**summarize(outcomes, args.warmup, elapsed), **await sampler, **await lag,
@@ -414,13 +420,18 @@ def render(cells: dict) -> str:
 
 def engine_bound(args: argparse.Namespace) -> dict:
     """What the sims' step model alone adds to a request's TTFT at a busy engine over an idle one,
-    whatever the router does: it waits for the step in flight (at worst one that prefills a prompt
-    while decoding the batch) and its own prefill step carries the batch's decode. (The random
-    6-letter words are one token each in the built-in tokenizer; KV usage stays near 0 here.)"""
-    prefill = prefill_time_ms(args.prompt_words) / args.speedup
-    decode = decode_time_ms(0.0) / args.speedup
-    return {"prefill_step_ms": round(prefill, 1), "decode_step_ms": round(decode, 1),
-            "busy_extra_max_ms": round(prefill + 2 * decode, 1)}
+    whatever the router does: it waits for the step in flight and its own prefill step carries the
+    batch's decode: ``one_prompt`` when those steps prefill no other prompt, ``full_batch`` when each
+    prefills a whole batch's (``--per-worker``) prompts. (The random 6-letter words are one token each
+    in the built-in tokenizer; KV usage stays near 0 here.)"""
+    s = args.speedup
+    prompt = args.prompt_words
+    idle = prefill_time_ms(prompt) / s
+    decode = decode_time_ms(0.0) / s
+    batch = (prefill_time_ms(prompt * args.per_worker)) / s
+    return {"prefill_step_ms": round(idle, 1), "decode_step_ms": round(decode, 1),
+            "busy_extra_one_prompt_ms": round(idle + 2 * decode, 1),
+            "busy_extra_full_batch_ms": round(2 * (batch + decode) - idle, 1)}
 
 
 def verdict(cells: dict) -> list[str]:
@@ -467,9 +478,10 @@ async def run(args: argparse.Namespace) -> int:
     print(render(cells))
     bound = engine_bound(args)
     print(f"\nthe sims' step model: an idle engine's first token costs a prefill step ({bound['prefill_step_ms']} ms "
-          f"here); at a busy one a request also waits for the step in flight (at worst a prefill + decode step) and "
-          f"its own step carries the batch's decode ({bound['decode_step_ms']} ms): up to "
-          f"+{bound['busy_extra_max_ms']} ms, whatever the router does")
+          f"here); at a busy one a request also waits for the step in flight and its own step carries the batch's "
+          f"decode ({bound['decode_step_ms']} ms): +{bound['busy_extra_one_prompt_ms']} ms at most when those "
+          f"steps prefill no other prompt, +{bound['busy_extra_full_batch_ms']} ms when each prefills a whole "
+          f"batch's, whatever the router does")
     problems = verdict(cells)
     print("\ngoal " + ("holds" if not problems else "FAILS: " + "; ".join(problems)))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
