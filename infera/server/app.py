@@ -28,6 +28,7 @@ from infera.server import profiling as _profiling
 from infera.server import scaling as _scaling
 from infera.server.app_pooling import register_pooling_routes
 # (re-exported: what handlers share, and the Anthropic handlers, lived here before the split)
+from infera.server.app_anthropic import install as _install_anthropic
 from infera.server.app_anthropic import (ANTHROPIC_PREFIX, _anthropic_count_tokens, _anthropic_error,  # noqa: F401
                                          _anthropic_messages)
 from infera.server.app_state import (API_KEY_KEY, DIRECT_PREFILL_HEADER, DIRECT_WORKER_HEADER,  # noqa: F401
@@ -414,8 +415,7 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/v1/admin/cache-view/{worker_id}", _cache_view)
-    app.router.add_post(_anthropic.MESSAGES_ROUTE, _anthropic_messages)  # Anthropic Messages API
-    app.router.add_post(_anthropic.COUNT_TOKENS_ROUTE, _anthropic_count_tokens)
+    _install_anthropic(app, state.metrics.registry)  # Anthropic Messages API (+ its passthrough counter)
     register_pooling_routes(app)  # embeddings, rerank, score, classify, tokenize (app_pooling.py)
     app[FLEET_VIEW_KEY] = _fleet_view_for(state)  # fleet view + dashboard (GET /v1/fleet, /dashboard)
     app[DASHBOARD_PAGE_KEY] = _dashboard.load_page()
