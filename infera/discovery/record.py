@@ -57,6 +57,10 @@ class WorkerRecord(msgspec.Struct, kw_only=True, omit_defaults=False):
     # The engine serves Anthropic's Messages API (/v1/messages) itself, so the router passes such
     # requests through instead of translating them. False in records from older launchers.
     anthropic_messages: bool = False
+    # The LoRA adapters the engine has loaded (static --lora-modules and dynamic loads), by the
+    # name requests use as their model; the launcher keeps it current. Requests for an adapter go
+    # only to workers listing it. Empty in records from older launchers.
+    lora_adapters: list[str] = msgspec.field(default_factory=list)
     schema: int = SCHEMA_VERSION
 
     @property
