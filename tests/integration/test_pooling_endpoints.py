@@ -191,3 +191,24 @@ async def test_api_keys_guard_the_pooling_routes(fed_server, sims, tmp_path):
         status, reply = await post(s, base + "/v1/embeddings", body, {"Authorization": "Bearer sk-a"})
         assert status == 200 and len(reply["data"][0]["embedding"]) > 0
     await wait_for(lambda: served_by(server, "/v1/embeddings") == {"emb": 1}, 5, message="counted")
+
+
+async def test_load_decides_between_a_slow_and_a_fast_embedder(fed_server, sims):
+    """By load, not in turn: under steady concurrency the embedder that answers sooner has fewer in
+    flight, so it is picked more (round-robin would split evenly)."""
+    slow = await sims(*EMBED)
+    slow.args.speedup = 0.1  # its modelled prefill: ~170 ms a request
+    fast = await sims(*EMBED)
+    server, base = await fed_server()
+    server.fleet.upsert(WorkerRecord(worker_id="slow", url=slow.url, model_name=MODEL, tasks=["embed", "score"]))
+    server.fleet.upsert(WorkerRecord(worker_id="fast", url=fast.url, model_name=MODEL, tasks=["embed", "score"]))
+
+    async def client(s: aiohttp.ClientSession, n: int) -> None:
+        for i in range(n):
+            status, body = await post(s, base + "/v1/embeddings", {"model": MODEL, "input": f"load {i}"})
+            assert status == 200, body
+
+    async with aiohttp.ClientSession() as s:
+        await asyncio.gather(*(client(s, 10) for _ in range(3)))
+    counts = served_by(server, "/v1/embeddings")
+    assert sum(counts.values()) == 30 and counts.get("fast", 0) >= 2 * counts.get("slow", 0), counts  # RR: 15 each
