@@ -94,15 +94,27 @@ def test_the_engine_joins_the_routers_trace(vllm_fleet):
         assert engine_span.parent_span_id == router_span.span_id  # the engine got the router's span as parent
 
 
-def test_anthropic_client_messages_through_the_router(vllm_fleet):
-    """The anthropic SDK against real vLLM: /v1/messages translated to chat and back, unary and
-    streamed, usage and stop reasons from the engine. (Tool calls are tested against the sims: a
-    random-weights model answers a named tool_choice with text, real vLLM 0.32 then returns no
-    tool call to translate.)"""
+def anthropic_modes(base: str) -> dict[str, float]:
+    """A server's ``infera_anthropic_messages_total`` by mode."""
+    text = urlopen_text(base + "/metrics")
+    return {mode: sample_sum(text, "infera_anthropic_messages_total", f'mode="{mode}"')
+            for mode in ("passthrough", "translated")}
+
+
+def test_anthropic_client_messages_passed_through_to_vllm(vllm_fleet):
+    """The anthropic SDK against real vLLM, which serves /v1/messages itself: the launchers' probe
+    marks both records, and the router passes the request through (vLLM's own message: its
+    ``chatcmpl-`` id, where the translation writes ``msg_``), unary and streamed, over both planes
+    (round-robin: one request to each worker, HTTP and NATS), with usage and stop reasons from the
+    engine. (Tool calls and the translation are tested against the sims: a random-weights model
+    answers a named tool_choice with text.)"""
+    assert all(r["anthropic_messages"] for r in vllm_fleet.records())
+    before = anthropic_modes(vllm_fleet.base)
     client = anthropic.Anthropic(base_url=vllm_fleet.base, api_key="none", max_retries=0, timeout=120)
     msg = client.messages.create(model="tiny", max_tokens=8, system="You are terse.",
                                  messages=[{"role": "user", "content": "hello there"}],
                                  extra_body={"ignore_eos": True, "temperature": 0})
+    assert msg.id.startswith("chatcmpl-")  # vLLM's message, relayed unchanged
     assert msg.type == "message" and msg.role == "assistant" and msg.stop_reason == "max_tokens"
     assert msg.content[0].type == "text" and msg.content[0].text
     assert msg.usage.output_tokens == 8 and msg.usage.input_tokens > 0
@@ -111,9 +123,12 @@ def test_anthropic_client_messages_through_the_router(vllm_fleet):
                                 extra_body={"ignore_eos": True, "temperature": 0}) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_message()
+    assert final.id.startswith("chatcmpl-")
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
     assert "content_block_delta" in kinds and "message_delta" in kinds
     assert final.usage.output_tokens == 6 and final.stop_reason == "max_tokens" and final.content[0].text
+    after = anthropic_modes(vllm_fleet.base)
+    assert after["passthrough"] - before["passthrough"] == 2 and after["translated"] == before["translated"]
 
     # the same greedy prompt through the OpenAI route gives the same text
     chat = openai.OpenAI(base_url=vllm_fleet.base + "/v1", api_key="none", max_retries=0, timeout=120)
@@ -121,6 +136,28 @@ def test_anthropic_client_messages_through_the_router(vllm_fleet):
                                                                 {"role": "user", "content": "hello there"}],
                                         max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
     assert same.choices[0].message.content == msg.content[0].text
+
+
+def test_kv_aware_reads_the_cached_tokens_of_a_passed_through_reply(vllm_fleet):
+    """The kv-aware server hashes a passed-through request's rendered prompt as always, and reads
+    what the engine cached from vLLM's own Anthropic usage (``cache_read_input_tokens``): the same
+    long prompt twice, the second a hit that the router's reported-cached counter records exactly."""
+    client = anthropic.Anthropic(base_url=vllm_fleet.kv_base, api_key="none", max_retries=0, timeout=120)
+    system = " ".join(f"passthrough{i}" for i in range(300))
+
+    def reported() -> float:
+        return sample_sum(urlopen_text(vllm_fleet.kv_base + "/metrics"), "infera_kv_reported_cached_tokens_total")
+
+    first = client.messages.create(model="tiny", max_tokens=2, system=system, extra_body={"ignore_eos": True},
+                                   messages=[{"role": "user", "content": "q"}])
+    assert first.id.startswith("chatcmpl-")
+    start = reported()
+    with client.messages.stream(model="tiny", max_tokens=2, system=system, extra_body={"ignore_eos": True},
+                                messages=[{"role": "user", "content": "q"}]) as stream:
+        second = stream.get_final_message()
+    cached = second.usage.cache_read_input_tokens
+    assert second.id.startswith("chatcmpl-") and cached and cached >= 32  # at least a block of 32
+    wait_until(lambda: reported() - start == cached, 10, "the router's reported cached tokens")
 
 
 def engine_prefix_hits(port: int) -> float:
