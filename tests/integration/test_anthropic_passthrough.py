@@ -255,3 +255,25 @@ async def test_sim_serves_the_messages_api_as_vllm_and_the_probe_tells(sims):
         assert delta["usage"]["output_tokens"] == 2 and "cache_read_input_tokens" in delta["usage"]
         async with s.post(plain + "/v1/messages", json={**count, "max_tokens": 2}) as r:
             assert r.status == 404 and await r.json() == {"detail": "Not Found"}  # FastAPI's, as vLLM without it
+
+
+async def test_a_pd_pair_keeps_the_translation(make_server, spawn_worker):
+    """Both halves of a PD pair serve /v1/messages themselves (marked by the probe), yet the request
+    takes the chat route's PD path, translated: the disaggregated router builds its legs from the
+    chat body (the prefill leg's max_tokens 1 and kv_transfer_params), which a passthrough would not."""
+    nixl = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
+    server = await make_server("--router-policy", "round-robin")
+    p = await spawn_worker("--serve-anthropic", "--kv-transfer-config",
+                           json.dumps({**nixl, "kv_role": "kv_producer"}), model="pd")
+    d = await spawn_worker("--serve-anthropic", "--kv-transfer-config",
+                           json.dumps({**nixl, "kv_role": "kv_consumer"}), model="pd")
+    await wait_workers(server, {p.worker_id, d.worker_id})
+    assert all(r.anthropic_messages for r in server.fleet.all())
+    base = f"http://127.0.0.1:{server.port}"
+    system = "You are a meticulous assistant who answers in one sentence. " * 20
+    async with anthropic.AsyncAnthropic(base_url=base, api_key="x", max_retries=0) as c:
+        msg = await c.messages.create(model="pd", max_tokens=6, system=system, extra_body=FIXED,
+                                      messages=[{"role": "user", "content": "What is a router?"}])
+    assert msg.id.startswith("msg_") and msg.usage.output_tokens == 6 and msg.stop_reason == "max_tokens"
+    assert msg.usage.cache_read_input_tokens > 0  # the decode worker got the prompt's blocks over the transfer
+    assert await _metric(base, "translated") == 1 and await _metric(base, "passthrough") == 0
