@@ -11,8 +11,8 @@ def prepare(argv, *launcher_flags):
 
 
 class _Resp:
-    def __init__(self, body):
-        self.body = body
+    def __init__(self, body, status=200):
+        self.body, self.status = body, status
 
     async def __aenter__(self):
         return self
@@ -20,7 +20,7 @@ class _Resp:
     async def __aexit__(self, *exc):
         return None
 
-    async def json(self):
+    async def json(self, **kw):
         return self.body
 
     async def text(self):
@@ -28,6 +28,9 @@ class _Resp:
 
 
 class FakeSimSession:
+    def post(self, url, **kw):  # the Messages API probe: a sim without --serve-anthropic has no such route
+        return _Resp({"detail": "Not Found"}, status=404)
+
     def get(self, url, **kw):
         if url.endswith("/v1/models"):
             return _Resp({"data": [{"id": "m"}]})
