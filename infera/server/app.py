@@ -153,7 +153,8 @@ def _make_inference_handler(route: str):
         await _admit(request, parsed.model)
         stream = bool(parsed.stream)
         span, trace_headers = _trace(state, request, route, parsed.model, request_id)
-        body, salt = salt_request(body, request.get(API_KEY_KEY))  # an isolated tenant's own cache_salt
+        # an isolated tenant's own cache_salt, or the client's
+        body, salt = salt_request(body, request.get(API_KEY_KEY), parsed.cache_salt)
         routed = RoutedRequest(route=route, body=body, parsed=parsed, model=parsed.model, stream=stream,
                                request_id=request_id, direct_worker=request.headers.get(DIRECT_WORKER_HEADER),
                                direct_prefill=request.headers.get(DIRECT_PREFILL_HEADER), trace_headers=trace_headers)

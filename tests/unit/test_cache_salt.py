@@ -14,6 +14,7 @@ import msgspec
 import pytest
 
 from infera.api.errors import ApiError
+from infera.api.requests import parse_request
 from infera.engine.sim.cache import KVCache
 from infera.engine.sim.schemas import ChatCompletionRequest as SimChatRequest
 from infera.kv.hashing import ROUTER_SEED, _py_block_hashes, block_hash_array, block_hashes, event_salt, salt_root
@@ -147,6 +148,12 @@ def test_a_clients_salt_is_folded_into_the_tenants():
 
 # --- the salt in the request body ----------------------------------------------------------------
 
+def salted(body: bytes, key):
+    """What the server does: the body parsed once, then salted with the client's salt it holds."""
+    route = "/v1/chat/completions" if b'"messages"' in body else "/v1/completions"
+    return salt_request(body, key, parse_request(route, body).cache_salt)
+
+
 def tenant_keys():
     keys = parse_keys(keys_text(*ISOLATED))
     return (next(k for k in keys.values() if k.tenant == "a"), next(k for k in keys.values() if k.tenant == "c"))
@@ -158,7 +165,7 @@ def tenant_keys():
 ])
 def test_an_isolated_tenants_salt_is_spliced_in(body):
     isolated, _ = tenant_keys()
-    out, salt = salt_request(body, isolated)
+    out, salt = salted(body, isolated)
     assert salt == isolated.cache_salt()
     doc = json.loads(out)
     assert doc["cache_salt"] == salt and {k: v for k, v in doc.items() if k != "cache_salt"} == json.loads(body)
@@ -173,7 +180,7 @@ def test_an_isolated_tenants_salt_is_spliced_in(body):
 ])
 def test_a_client_salt_from_an_isolated_tenant_is_folded_not_kept(body, client):
     isolated, _ = tenant_keys()
-    out, salt = salt_request(body, isolated)
+    out, salt = salted(body, isolated)
     assert salt == isolated.cache_salt(client)
     assert out.count(b"cache_salt") == 1 and json.loads(out)["cache_salt"] == salt
 
@@ -182,7 +189,7 @@ def test_a_client_salt_from_an_isolated_tenant_is_folded_not_kept(body, client):
 def test_a_bad_client_salt_from_an_isolated_tenant_is_a_400(value):
     isolated, _ = tenant_keys()
     with pytest.raises(ApiError) as err:
-        salt_request(b'{"model":"m","prompt":"x","cache_salt":' + value + b"}", isolated)
+        salted(b'{"model":"m","prompt":"x","cache_salt":' + value + b"}", isolated)
     assert err.value.status == 400 and err.value.param == "cache_salt"
 
 
@@ -190,11 +197,13 @@ def test_other_requests_keep_their_own_salt():
     _, open_tenant = tenant_keys()
     for key in (None, open_tenant):
         body = b'{"model":"m","prompt":"x","cache_salt":"mine"}'
-        assert salt_request(body, key) == (body, "mine")  # forwarded as sent; the router hashes with it
+        assert salted(body, key) == (body, "mine")  # forwarded as sent; the router hashes with it
         body = b'{"model":"m","prompt":"x"}'
-        assert salt_request(body, key) == (body, None)
+        assert salted(body, key) == (body, None)
         body = b'{"model":"m","prompt":"x","cache_salt":""}'
-        assert salt_request(body, key) == (body, None)  # (the engine refuses it: not ours to)
+        assert salted(body, key) == (body, None)  # (the engine refuses it: not ours to)
+        body = b'{"model":"m","prompt":"x","cache\\u005fsalt":"mine"}'
+        assert salted(body, key) == (body, "mine")  # (an escaped key: what the engine reads)
 
 
 def test_anthropic_requests_get_the_tenants_salt():
