@@ -6,6 +6,7 @@ pinned and by load, the launcher's probe marking the record, kv-aware prediction
 and errors in Anthropic's shape."""
 from __future__ import annotations
 
+import hashlib
 import json
 
 import aiohttp
@@ -277,3 +278,85 @@ async def test_a_pd_pair_keeps_the_translation(make_server, spawn_worker):
     assert msg.id.startswith("msg_") and msg.usage.output_tokens == 6 and msg.stop_reason == "max_tokens"
     assert msg.usage.cache_read_input_tokens > 0  # the decode worker got the prompt's blocks over the transfer
     assert await _metric(base, "translated") == 1 and await _metric(base, "passthrough") == 0
+
+
+async def test_tenant_tokens_counted_from_the_engines_anthropic_usage(fed_server, sims, tmp_path):
+    """A tokens/min limit counts a passed-through reply's tokens from Anthropic's usage (every input
+    token, cached or not, and the output), unary and streamed."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(f"keys:\n  - sha256: {hashlib.sha256(b'sk-a').hexdigest()}\n    tenant: team-a\n"
+                    "    tokens_per_minute: 100000\n")
+    server, base = await _router(fed_server, sims, "--api-keys-file", str(keys))
+    counted = []
+    async with anthropic.AsyncAnthropic(base_url=base, api_key="sk-a", max_retries=0) as client:
+        msg = await client.messages.create(model=MODEL, max_tokens=4, extra_headers=_pin(SPEAKS),
+                                           system=system_prompt(5), messages=[{"role": "user", "content": "count me"}])
+        counted.append(server.limiter._own["team-a"].tokens.total)
+        async with client.messages.stream(model=MODEL, max_tokens=3, extra_headers=_pin(SPEAKS), system=system_prompt(5),
+                                          messages=[{"role": "user", "content": "count me"}]) as s:
+            streamed = await s.get_final_message()
+        await wait_for(lambda: server.limiter._own["team-a"].tokens.total > counted[0], 5,
+                       message="the stream's tokens counted")
+        counted.append(server.limiter._own["team-a"].tokens.total)
+    assert msg.id.startswith("chatcmpl-") and streamed.id.startswith("chatcmpl-")
+
+    def total(m) -> int:
+        return m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) + m.usage.output_tokens
+
+    assert counted == [total(msg), total(msg) + total(streamed)]
+    assert streamed.usage.cache_read_input_tokens  # the second: its prompt cached, and counted all the same
+
+
+class FailsOnMessages:
+    """A fake engine that speaks Anthropic but answers /v1/messages with a 500."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.paths.append(request.path)
+        return web.json_response({"type": "error", "error": {"type": "InternalServerError", "message": "boom"}},
+                                 status=500)
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/messages", self.handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+    async def stop(self) -> None:
+        if self.runner:
+            await self.runner.cleanup()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_failover_from_a_passthrough_worker_to_a_translating_one(fed_server, sims, stream):
+    """The first pick's engine fails (500) on the client's own request; the retry on a worker
+    without the Messages API sends the translation, and the reply is read as one."""
+    failing = FailsOnMessages()
+    await failing.start()
+    try:
+        server, base = await fed_server("--router-policy", "round-robin")
+        server.fleet.upsert(WorkerRecord(worker_id="a-fails", url=failing.url, model_name=MODEL,
+                                         anthropic_messages=True))
+        server.fleet.upsert(WorkerRecord(worker_id="b-plain", url=sims[PLAIN].url, model_name=MODEL))
+        async with anthropic.AsyncAnthropic(base_url=base, api_key="x", max_retries=0) as client:
+            for i in range(2):  # round-robin: one of the two starts on the failing worker
+                ask = {"model": MODEL, "max_tokens": 3, "extra_body": FIXED,
+                       "messages": [{"role": "user", "content": f"q{i}"}]}
+                if stream:
+                    async with client.messages.stream(**ask) as s:
+                        msg = await s.get_final_message()
+                else:
+                    msg = await client.messages.create(**ask)
+                assert msg.id.startswith("msg_") and msg.usage.output_tokens == 3
+        assert failing.paths == ["/v1/messages"]
+        assert sims[PLAIN].requests.paths() == ["/v1/chat/completions"] * 2
+        assert await _metric(base, "translated") == 2 and await _metric(base, "passthrough") == 0
+    finally:
+        await failing.stop()
