@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 
 from typing import Any, Callable, Iterator
@@ -32,6 +33,7 @@ from infera.api.requests import parse_request
 from infera.discovery.record import WorkerRecord
 from infera.kv.prompt import DEFAULT_PREFIX_CHARS
 from infera.router.policy import RoutedRequest
+from infera.router.upstream import LegFailure, open_upstream, request_headers
 from infera.server.app_state import (API_KEY_KEY, DIRECT_PREFILL_HEADER, DIRECT_WORKER_HEADER, FLEET_VIEW_KEY,
                                      PERMIT_KEY, REQUEST_ID_HEADER, REQUEST_ID_KEY, STATE_KEY, USAGE_TOKENS_KEY,
                                      ServerState, _admit, _authorize_model, _check_client_request_id, _json,
@@ -243,12 +245,52 @@ async def _anthropic_messages(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+def _router_cannot_count(state: ServerState, model: str) -> ApiError | None:
+    """Why the router cannot count ``model``'s prompts with its own tokenizer (None: it can)."""
+    if state.tokenizers is None:
+        return ApiError(501, "count_tokens needs the router's tokenizer, which this server keeps only under "
+                        "--router-policy kv-aware (or a worker whose engine serves the Messages API itself)",
+                        "count_tokens_unavailable")
+    status = state.tokenizers.model_status(model)
+    if status["status"] == "degraded":  # the router's tokenizer may not be the engine's: no guess
+        return ApiError(501, f"count_tokens is unavailable for model {model!r}: its router tokenizer "
+                        f"is degraded ({'; '.join(status.get('reasons', []))})", "count_tokens_unavailable")
+    if state.tokenizers.prompts_for(model) is None:
+        return ApiError(503, f"the tokenizer of model {model!r} is still loading; retry shortly",
+                        "tokenizer_loading", headers={"Retry-After": "1"})
+    return None
+
+
+async def _count_on_engine(state: ServerState, translated: _anthropic.TranslatedRequest,
+                           request_id: str) -> web.Response | None:
+    """The count of an engine that serves the Messages API itself (its own template renders the
+    tools too), for a server that cannot count: its answer relayed, an error in Anthropic's shape.
+    None: no worker of the model serves it. Any such worker will do (a tokenization, no generation),
+    one the circuit breaker admits where there is one."""
+    pool = [w for w in state.fleet.active(translated.model, "mixed") if serves_messages(w)]
+    if not pool:
+        return None
+    mixed = state.router.mixed
+    worker = random.choice(mixed.breaker.filter(pool))
+    try:
+        opened = await open_upstream(mixed.transport, worker, _anthropic.COUNT_TOKENS_ROUTE,
+                                     _passthrough.passthrough_body(translated.source, None),
+                                     request_headers(request_id, None), False)
+    except LegFailure as exc:
+        log.warning("request %s: count_tokens: %s", request_id, exc.detail)
+        raise ApiError(exc.status, exc.message, exc.reason) from None
+    body = (opened.body or b"") if opened.status < 400 else _passthrough.error_reply_body(opened.status, opened.body)
+    return web.Response(status=opened.status, body=body, content_type="application/json",
+                        headers={REQUEST_ID_HEADER: request_id})
+
+
 _COUNT_INLINE_CHARS = 4096  # count_tokens: smaller prompts are counted on the loop (a thread hop costs more)
 _COUNT_BODY_FACTOR = 8  # count_tokens: bodies over this many times --router-prefix-chars are not read
 
 
 async def _anthropic_count_tokens(request: web.Request) -> web.Response:
-    """``{"input_tokens": N}`` with the model's tokenizer, where the router keeps one (kv-aware)."""
+    """``{"input_tokens": N}`` with the model's tokenizer, where the router keeps one (kv-aware);
+    else, where a worker's engine serves the Messages API itself, that engine's own count."""
     state: ServerState = request.app[STATE_KEY]
     request_id = _request_id(request)
     request[REQUEST_ID_KEY] = request_id
@@ -264,17 +306,13 @@ async def _anthropic_count_tokens(request: web.Request) -> web.Response:
         if not state.fleet.knows_model(translated.model):
             raise ApiError(404, f"The model `{translated.model}` does not exist. Available: "
                            f"{', '.join(state.fleet.models())}", "model_not_found")
-        if state.tokenizers is None:
-            raise ApiError(501, "count_tokens needs the router's tokenizer, which this server keeps only under "
-                           "--router-policy kv-aware", "count_tokens_unavailable")
-        status = state.tokenizers.model_status(translated.model)
-        if status["status"] == "degraded":  # the router's tokenizer may not be the engine's: no guess
-            raise ApiError(501, f"count_tokens is unavailable for model {translated.model!r}: its router tokenizer "
-                           f"is degraded ({'; '.join(status.get('reasons', []))})", "count_tokens_unavailable")
+        unable = _router_cannot_count(state, translated.model)
+        if unable is not None:  # an engine that serves the Messages API itself counts, else the reason
+            counted = await _count_on_engine(state, translated, request_id)
+            if counted is not None:
+                return counted
+            raise unable
         prompts = state.tokenizers.prompts_for(translated.model)
-        if prompts is None:
-            raise ApiError(503, f"the tokenizer of model {translated.model!r} is still loading; retry shortly",
-                           "tokenizer_loading", headers={"Retry-After": "1"})
         # The cap and the threads of routing (infera/kv/prompt.py): a prompt past --router-prefix-chars is
         # not tokenized whole here either (a 413: an estimate is no answer to "does it fit"; no served
         # context holds 512 KiB of text), and anything past a few KB goes to the tokenizer threads.

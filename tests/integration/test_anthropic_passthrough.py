@@ -360,3 +360,24 @@ async def test_failover_from_a_passthrough_worker_to_a_translating_one(fed_serve
         assert await _metric(base, "translated") == 2 and await _metric(base, "passthrough") == 0
     finally:
         await failing.stop()
+
+
+async def test_count_tokens_by_the_engine_where_the_router_cannot_count(fed_server, sims):
+    """A round-robin server keeps no tokenizer: count_tokens goes to a worker whose engine serves the
+    Messages API itself, and its count comes back (without such a worker: the 501, as before)."""
+    server, base = await fed_server()  # round-robin
+    server.fleet.upsert(WorkerRecord(worker_id=PLAIN, url=sims[PLAIN].url, model_name=MODEL))
+    ask = {"model": MODEL, "system": "be brief", "messages": [{"role": "user", "content": "count these words"}]}
+    async with anthropic.AsyncAnthropic(base_url=base, api_key="x", max_retries=0) as client:
+        with pytest.raises(anthropic.InternalServerError) as info:
+            await client.messages.count_tokens(**ask)
+        assert info.value.status_code == 501
+        server.fleet.upsert(WorkerRecord(worker_id=SPEAKS, url=sims[SPEAKS].url, model_name=MODEL,
+                                         anthropic_messages=True))
+        counted = await client.messages.count_tokens(**ask)
+        with pytest.raises(anthropic.NotFoundError):  # the router's own 404, before any engine
+            await client.messages.count_tokens(**{**ask, "model": "nope"})
+    expected = len(sims[SPEAKS].engine.tokenizer.encode_chat([{"role": "system", "content": "be brief"},
+                                                              {"role": "user", "content": "count these words"}]))
+    assert counted.input_tokens == expected
+    assert sims[SPEAKS].requests.paths() == ["/v1/messages/count_tokens"] and not sims[PLAIN].requests.seen
