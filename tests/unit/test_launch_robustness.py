@@ -211,11 +211,17 @@ def test_internal_dp_gets_a_free_port_per_rank():
 class _MetricsSession:
     """Just enough of an aiohttp session for ``describe`` (the engine's /metrics)."""
 
-    def get(self, url):
+    def get(self, url, **kw):
         return _Reply()
+
+    def post(self, url, **kw):  # the Messages API probe: answered as by an engine without the route
+        return _Reply(status=404)
 
 
 class _Reply:
+    def __init__(self, status: int = 200) -> None:
+        self.status = status
+
     async def __aenter__(self):
         return self
 
