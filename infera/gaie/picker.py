@@ -15,6 +15,7 @@ from infera.router.auto import AutoRouter, Picked
 from infera.router.dispatch import UsageObserver
 from infera.router.policy import RoutedRequest
 from infera.router.upstream import DP_RANK_HEADER
+from infera.server.request_salt import CACHE_SALT_STATE
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 WORKER_HEADER = "x-worker-instance-id"
@@ -72,6 +73,9 @@ class EndpointPicker:
         request_id = headers.get("x-request-id") or uuid.uuid4().hex
         req = RoutedRequest(route=route, body=body, parsed=parsed, model=parsed.model, stream=bool(parsed.stream),
                             request_id=request_id)
+        salt = getattr(parsed, "cache_salt", None)
+        if isinstance(salt, str) and salt:  # the engine folds the client's salt into its hashes: so must the pick
+            req.state[CACHE_SALT_STATE] = salt
         picked = await self.router.pick(req, exclude)
         set_headers = {DESTINATION_HEADER: destination(picked.worker, self.destination_port),
                        WORKER_HEADER: picked.worker.worker_id}

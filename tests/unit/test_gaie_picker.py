@@ -175,3 +175,17 @@ async def test_a_rank_multiplexed_worker_gets_the_chosen_rank_header():
     plain = await EndpointPicker(stack_with([worker("w2")]).router, destination_port=8000).pick(
         "/v1/completions", b'{"model": "m", "prompt": "x"}', {"x-data-parallel-rank": "1"})
     assert "x-data-parallel-rank" in plain.remove_headers  # a client's rank never reaches a worker unasked
+
+
+@pytest.mark.parametrize("extra, salt", [
+    ({"cache_salt": "user-7"}, "user-7"),  # the engine folds it into its hashes: the pick must too
+    ({}, None),
+    ({"cache_salt": None}, None),  # present but null: nothing to fold (the engine's own rule for a bad one)
+    ({"cache_salt": ""}, None),
+])
+async def test_the_picker_hashes_under_the_clients_cache_salt(extra, salt):
+    picker = EndpointPicker(stack_with([worker("w1")]).router, destination_port=8000)
+    body = {"model": "m", "prompt": list(range(1000, 1000 + 3 * BS)), "max_tokens": 2, **extra}
+    pick = await picker.pick("/v1/completions", json.dumps(body).encode(), {})
+    assert pick.request.state.get("cache_salt") == salt
+    pick.finish(200)
