@@ -62,3 +62,4 @@ async def test_a_light_request_takes_a_reserved_slot_while_the_heavy_backlog_wai
     assert sorted(done) == ["heavy0", "heavy1", "heavy2", "heavy3", "light"]
     assert server.admission.snapshot()[MODEL] == {"inflight": 0, "waiting": 0, "capacity": 2}
     await heavy.close(), await light.close()
+

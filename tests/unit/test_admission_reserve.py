@@ -151,3 +151,28 @@ async def test_between_tenants_served_alike_the_one_holding_fewer_slots_goes_fir
     held[1].leave()
     await asyncio.wait_for(asyncio.gather(*tasks), 1)
     assert q.snapshot()["m"]["inflight"] == 0
+
+
+@pytest.mark.parametrize("argv, environ, expected", [
+    ([], {}, 0),                                                       # default: off
+    ([], {"INFERA_QUEUE_RESERVE_PER_WORKER": "2"}, 2),                 # env
+    (["--queue-reserve-per-worker", "1"], {"INFERA_QUEUE_RESERVE_PER_WORKER": "2"}, 1),  # flag over env
+])
+def test_the_reserve_flag_then_env_then_default(argv, environ, expected):
+    from infera.server.cli import parse_args
+
+    args = parse_args(["--etcd-endpoint", "unused:1", "--max-inflight-per-worker", "4", *argv], environ=environ)
+    assert args.queue_reserve_per_worker == expected
+
+
+@pytest.mark.parametrize("argv", [
+    ["--max-inflight-per-worker", "4", "--queue-reserve-per-worker", "-1"],
+    ["--max-inflight-per-worker", "2", "--queue-reserve-per-worker", "2"],  # no slot left open to all
+    ["--queue-reserve-per-worker", "1"],  # no per-worker bound to reserve from
+])
+def test_a_reserve_that_cannot_work_is_refused_at_start(argv, capsys):
+    from infera.server.cli import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--etcd-endpoint", "unused:1", *argv], environ={})
+    assert "--queue-reserve-per-worker" in capsys.readouterr().err
