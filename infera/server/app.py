@@ -27,6 +27,7 @@ from infera.server import kv_tiers as _kv_tiers
 from infera.server import profiling as _profiling
 from infera.server import scaling as _scaling
 from infera.server.app_pooling import register_pooling_routes
+from infera.server import app_responses as _responses
 # (re-exported: what handlers share, and the Anthropic handlers, lived here before the split)
 from infera.server.app_anthropic import install as _install_anthropic
 from infera.server.app_anthropic import (ANTHROPIC_PREFIX, _anthropic_count_tokens, _anthropic_error,  # noqa: F401
@@ -91,7 +92,7 @@ async def _admin_auth_middleware(request: web.Request,
 
 # The routes an --api-keys-file key opens (the rest have their own tokens, or are open: /health).
 API_KEY_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", _anthropic.MESSAGES_ROUTE,
-                            _anthropic.COUNT_TOKENS_ROUTE, *POOLING_ROUTES})
+                            _anthropic.COUNT_TOKENS_ROUTE, *POOLING_ROUTES, *_responses.API_KEY_ROUTES})
 
 
 @web.middleware
@@ -418,6 +419,7 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/v1/admin/cache-view/{worker_id}", _cache_view)
     _install_anthropic(app, state.metrics.registry)  # Anthropic Messages API (+ its passthrough counter)
     register_pooling_routes(app)  # embeddings, rerank, score, classify, tokenize (app_pooling.py)
+    _responses.install(app)  # OpenAI Responses API, conversations kept by the router (app_responses.py)
     app[FLEET_VIEW_KEY] = _fleet_view_for(state)  # fleet view + dashboard (GET /v1/fleet, /dashboard)
     app[DASHBOARD_PAGE_KEY] = _dashboard.load_page()
     app.cleanup_ctx.append(_fleet_sampler)

@@ -18,7 +18,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from . import anthropic, pooling, tool_calls
+from . import anthropic, pooling, responses, tool_calls
 from .engine import SimEngine
 from .pd import LegError, LegPlan
 from .scheduler import FINISH_STOP, Sequence
@@ -358,6 +358,7 @@ def build_app(args: argparse.Namespace, engine: SimEngine | None = None) -> web.
         app.router.add_post("/v1/completions", _completions)
         if getattr(args, "serve_anthropic", False):  # vLLM's own /v1/messages (anthropic.py)
             anthropic.install(app)
+        responses.install(app)  # vLLM's Responses API (responses.py)
     pooling.install(app, args)  # --runner pooling's routes, /detokenize, /openapi.json
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)

@@ -1,0 +1,177 @@
+"""The OpenAI Responses API (issue 32 item 1) with the real ``openai`` SDK's ``client.responses``, on
+sims serving ``/v1/responses`` in vLLM's shapes behind the router: plain and streamed (vLLM's event
+order), a three-turn conversation by ``previous_response_id`` whose first engine is stopped before
+the third turn (the router keeps the conversation and sends the follow-up expanded), GET and DELETE
+served from the router's store (404 in OpenAI's shape), ``store: false`` not kept, and kv-aware
+routing following the conversation to the worker that holds its prefix."""
+from __future__ import annotations
+
+import json
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+
+from infera.discovery.record import BUILTIN_TOKENIZER, WorkerRecord
+from infera.engine.sim.server import SimServer, parse_args
+from tests.integration.test_kv_routing import ADMIN_TOKEN
+
+pytestmark = pytest.mark.integration
+
+MODEL = "sim-model"
+FIXED = {"ignore_eos": True}  # exact lengths: the sim never stops early
+VLLM_EVENTS = ["response.created", "response.in_progress", "response.output_item.added",
+               "response.content_part.added", "response.output_text.delta", "response.output_text.done",
+               "response.content_part.done", "response.output_item.done", "response.completed"]
+
+
+class Requests:
+    """A middleware on a sim's app: (path, JSON body) of every POST it got, in order."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, dict]] = []
+
+    @web.middleware
+    async def record(self, request: web.Request, handler):
+        if request.method == "POST" and request.path.startswith("/v1/"):
+            self.seen.append((request.path, json.loads(await request.read())))
+        return await handler(request)
+
+    def responses(self) -> list[dict]:
+        """The /v1/responses bodies (the sim's own loopback chat requests left out)."""
+        return [body for path, body in self.seen if path == "/v1/responses"]
+
+
+async def _sim(*flags: str) -> SimServer:
+    server = SimServer(parse_args(["--model", MODEL, "--host", "127.0.0.1", "--port", "0", "--speedup", "1000",
+                                   *flags]))
+    server.requests = Requests()
+    server.app.middlewares.append(server.requests.record)
+    return server
+
+
+@pytest.fixture
+async def sims():
+    a, b = await _sim(), await _sim()
+    async with a, b:
+        yield {"a": a, "b": b}
+
+
+async def _router(fed_server, sims, *flags: str):
+    server, base = await fed_server("--router-mode", "direct", *flags)
+    for wid, sim in sims.items():
+        server.fleet.upsert(WorkerRecord(worker_id=wid, url=sim.url, model_name=MODEL, tokenizer=BUILTIN_TOKENIZER))
+    return server, base
+
+
+def _client(base: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_plain_and_streamed_in_vllms_shapes(fed_server, sims, stream):
+    server, base = await _router(fed_server, sims)
+    async with _client(base) as client:
+        if stream:
+            kinds, final = [], None
+            async for event in await client.responses.create(model=MODEL, input="Say something", stream=True,
+                                                             instructions="You are terse.", max_output_tokens=5,
+                                                             extra_body=FIXED):
+                kinds.append(event.type)
+                if event.type == "response.completed":
+                    final = event.response
+            deltas = kinds.count("response.output_text.delta")
+            assert deltas >= 1 and kinds == VLLM_EVENTS[:4] + ["response.output_text.delta"] * deltas + VLLM_EVENTS[5:]
+            resp = final
+        else:
+            resp = await client.responses.create(model=MODEL, input="Say something", instructions="You are terse.",
+                                                 max_output_tokens=5, extra_body=FIXED)
+        assert resp.id.startswith("resp_") and resp.object == "response" and resp.model == MODEL
+        assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+        assert len(resp.output_text.split()) == 5 and resp.output[0].type == "message"
+        assert resp.usage.output_tokens == 5 and resp.usage.input_tokens > 0
+        assert resp.usage.total_tokens == resp.usage.input_tokens + 5
+        # the engine got the Responses body itself (not a chat translation), told not to keep it
+        (path, sent), = [r for sim in sims.values() for r in sim.requests.seen if r[0] == "/v1/responses"]
+        assert sent["instructions"] == "You are terse." and sent["input"] == "Say something"
+        assert sent["store"] is False and sent.get("stream", False) is stream
+        # GET from the router's store: the same response
+        got = await client.responses.retrieve(resp.id)
+        assert got.id == resp.id and got.output_text == resp.output_text
+
+
+async def test_three_turns_survive_the_first_engine(fed_server, sims):
+    server, base = await _router(fed_server, sims, "--router-policy", "round-robin")
+    async with _client(base) as client:
+        first = await client.responses.create(model=MODEL, input="Turn one", instructions="Be brief.",
+                                              max_output_tokens=3, extra_body=FIXED)
+        second = await client.responses.create(model=MODEL, input="Turn two", previous_response_id=first.id,
+                                               max_output_tokens=3, extra_body=FIXED, stream=False)
+        # the first engine goes away; the third turn is still served, by whichever worker is left
+        gone = next(w for w, sim in sims.items() if sim.requests.responses()[:1]
+                    and sim.requests.responses()[0]["input"] == "Turn one")
+        await sims[gone].__aexit__(None, None, None)  # still listed: the router fails over from it
+        kinds = []
+        async for event in await client.responses.create(model=MODEL, input="Turn three", stream=True,
+                                                         previous_response_id=second.id, max_output_tokens=3,
+                                                         extra_body=FIXED):
+            kinds.append(event.type)
+            if event.type == "response.completed":
+                third = event.response
+        assert kinds[-1] == "response.completed" and third.status == "incomplete"
+    left = next(w for w in sims if w != gone)
+    sent = sims[left].requests.responses()[-1]
+    assert "previous_response_id" not in sent
+    # the conversation, expanded: turn one, its answer, turn two, its answer, turn three (no instructions)
+    roles = [(item.get("role"), item.get("type")) for item in sent["input"]]
+    assert roles == [("user", None), ("assistant", "message"), ("user", None), ("assistant", "message"),
+                     ("user", None)]
+    assert [sent["input"][i]["content"] for i in (0, 2, 4)] == ["Turn one", "Turn two", "Turn three"]
+    assert sent["input"][1]["content"][0]["text"] == first.output_text
+    assert sent["input"][3]["content"][0]["text"] == second.output_text
+    assert "instructions" not in sent
+    # the third turn's prompt holds the conversation: its input is longer than the second's
+    assert third.usage.input_tokens > second.usage.input_tokens > first.usage.input_tokens
+
+
+async def test_get_delete_unknown_and_store_false(fed_server, sims):
+    server, base = await _router(fed_server, sims)
+    async with _client(base) as client:
+        with pytest.raises(openai.NotFoundError) as err:
+            await client.responses.retrieve("resp_nope")
+        assert err.value.body["message"] == "Response with id 'resp_nope' not found."
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.create(model=MODEL, input="x", previous_response_id="resp_nope")
+        unkept = await client.responses.create(model=MODEL, input="x", store=False, max_output_tokens=2,
+                                               extra_body=FIXED)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(unkept.id)
+        kept = await client.responses.create(model=MODEL, input="x", max_output_tokens=2, extra_body=FIXED)
+        assert (await client.responses.retrieve(kept.id)).id == kept.id
+        await client.responses.delete(kept.id)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(kept.id)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.delete(kept.id)
+    # the route's requests are counted like chat's
+    async with aiohttp.ClientSession() as s, s.get(base + "/metrics") as r:
+        text = await r.text()
+    assert 'route="/v1/responses"' in text
+
+
+async def test_kv_aware_follows_the_conversation(fed_server, sims):
+    server, base = await _router(fed_server, sims, "--router-policy", "kv-aware", "--admin-token", ADMIN_TOKEN)
+    long_doc = " ".join(f"word{i}" for i in range(400))
+    async with _client(base) as client:
+        first = await client.responses.create(model=MODEL, input=long_doc, max_output_tokens=4, extra_body=FIXED)
+        holder = next(w for w, sim in sims.items() if sim.requests.responses())
+        follow = first
+        for turn in range(3):
+            follow = await client.responses.create(model=MODEL, input=f"and then {turn}", max_output_tokens=4,
+                                                   previous_response_id=follow.id, extra_body=FIXED)
+            # each follow-up lands where the conversation's prefix is cached, and hits it
+            assert sims[holder].requests.responses()[-1]["input"][-1]["content"] == f"and then {turn}"
+            assert follow.usage.input_tokens_details.cached_tokens > 0
+    other = next(w for w in sims if w != holder)
+    assert not sims[other].requests.seen
