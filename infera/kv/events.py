@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional, Union
 
 import msgspec
 
-from infera.kv.hashing import ROUTER_SEED, event_salt, salt_root
+from infera.kv.hashing import ROUTER_SEED, chain_root, event_salt
 
 __all__ = [
     "BlockHash", "Stored", "Removed", "Cleared", "KvEvent", "EventBatch", "KvEventDecodeError",
@@ -75,11 +75,11 @@ class Stored(msgspec.Struct, tag_field="type", tag="BlockStored", omit_defaults=
 
     def root(self) -> int:
         """The router-space parent of a first block (``parent`` None): ``ROUTER_SEED``, or the root
-        of the salt its extra keys name (vLLM's cache isolation)."""
+        of the salt its extra keys name (vLLM's cache isolation) under its LoRA adapter, if any."""
         keys = self.extra_keys
         if not keys or keys[0] is None:
             return ROUTER_SEED
-        return salt_root(event_salt(keys, self.lora_name))
+        return chain_root(event_salt(keys, self.lora_name), self.lora_name)
 
 
 class Removed(msgspec.Struct, tag_field="type", tag="BlockRemoved", omit_defaults=True, gc=False):

@@ -43,6 +43,23 @@ def salt_root(salt: str | None) -> int:
     return root if root != ROUTER_SEED else 1
 
 
+# Domain tag of an adapter's root (vLLM folds the LoRA name into every block's extra keys, so an
+# adapter's blocks never match the base model's or another adapter's: here, a root of its own).
+_LORA_TAG = b"infera-lora\x00"
+
+
+def chain_root(salt: str | None, lora: str | None = None) -> int:
+    """The parent of a prompt's first block for a request under ``salt`` and LoRA adapter ``lora``
+    (None or "": the base model): ``salt_root(salt)`` for the base model, else XXH3-64 of a tag, the
+    adapter's name (length-prefixed, so no name/salt pair reads as another) and the salt."""
+    if not lora:
+        return salt_root(salt)
+    name = lora.encode("utf-8", "surrogatepass")
+    data = _LORA_TAG + len(name).to_bytes(4, "little") + name + (salt or "").encode("utf-8", "surrogatepass")
+    root = _xxh3(data)
+    return root if root != ROUTER_SEED else 1
+
+
 def event_salt(extra_keys: Sequence | None, lora_name: str | None = None) -> str | None:
     """The ``cache_salt`` a vLLM ``BlockStored`` names for its first block, or None.
 

@@ -26,6 +26,7 @@ from infera.discovery.fleet import Fleet
 from infera.discovery.record import WorkerRecord
 from infera.router.breaker import CircuitBreaker
 from infera.router.engine_hints import EngineHints
+from infera.router.lora import adapter_holders, adapter_models, knows_adapter, mark_adapter
 from infera.router.metrics import InflightGauge, RouterMetrics
 from infera.router.migration import MigratingRelay, StreamTracker, request_for_migration
 from infera.router.policy import Policy, RoutedRequest
@@ -176,16 +177,21 @@ class MixedRouter:
         workers = self._generative(model, active)
         if workers:
             return workers
+        if not active:  # a LoRA adapter's requests go only to the workers holding it (router/lora.py)
+            holders = adapter_holders(self.fleet, model)
+            if holders:
+                return holders
         if active:  # only pooling workers serve the model: a 400 naming the task (503 while one may come back)
             raise task_unserved(self.fleet, model, GENERATE, active)
         if not self.fleet.active():
             raise ApiError(
                 503, "no active worker in the fleet; retry shortly", "no_active_worker", headers={"Retry-After": "1"}
             )
-        if not self.fleet.knows_model(model):
+        if not self.fleet.knows_model(model) and not knows_adapter(self.fleet, model):
+            available = [*self.fleet.models(), *(name for name, _ in adapter_models(self.fleet))]
             raise ApiError(
                 404,
-                f"The model `{model}` does not exist. Available: {', '.join(self.fleet.models())}",
+                f"The model `{model}` does not exist. Available: {', '.join(available)}",
                 "model_not_found",
                 param="model",
             )
@@ -231,7 +237,7 @@ class MixedRouter:
                 raise ApiError(exc.status, exc.message, exc.reason, headers=unreachable_mark(exc)) from None
 
         candidates = self.candidates(req.model)
-        await self.prepare(req)
+        await self.prepare(req, candidates)
         tried: set[str] = set()
         failure: LegFailure | None = None
         # A worker whose engine answered 5xx, its breaker vote held until another worker has been
@@ -378,8 +384,10 @@ class MixedRouter:
 
         return release
 
-    async def prepare(self, req: RoutedRequest) -> None:
-        """The policy's per-request work (tokenizing, on the tokenizer threads), once."""
+    async def prepare(self, req: RoutedRequest, candidates: Sequence[WorkerRecord] = ()) -> None:
+        """The policy's per-request work (tokenizing, on the tokenizer threads), once; a request for
+        a LoRA adapter (``candidates`` hold it) is marked as one first (its own hash space)."""
+        mark_adapter(req, candidates)
         if self._prepare is not None and (self._prepare_cached is None or not self._prepare_cached(req)):
             await self._prepare(req)
 
@@ -397,7 +405,7 @@ class MixedRouter:
         """Pick only (a gateway sends the request, e.g. the GAIE endpoint picker): the worker
         ``dispatch`` would try first, charged as ``dispatch`` charges it, and its release."""
         candidates = self.candidates(req.model)
-        await self.prepare(req)
+        await self.prepare(req, candidates)
         pool = [w for w in candidates if w.worker_id not in exclude] if exclude else candidates
         if not pool:
             raise ApiError(

@@ -11,9 +11,10 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol, Sequence
 
 from infera.api.cache_hints import parse_cache_hints
-from infera.kv.hashing import ROUTER_SEED, block_hash_array, salt_root
+from infera.kv.hashing import ROUTER_SEED, block_hash_array, chain_root
 from infera.kv.prompt import PromptTokenizer
 from infera.router.kv_hash_cache import BlockHashCache, hash_stepwise
+from infera.router.lora import LORA_BASE, LORA_NAME
 from infera.router.policy import RoutedRequest
 
 # Prompts of at least this many tokens are hashed before the pick, a slice at a time (see
@@ -21,6 +22,17 @@ from infera.router.policy import RoutedRequest
 # has one or two).
 HASH_AHEAD_TOKENS = 16384
 MAX_BLOCK_SIZES_AHEAD = 4
+
+
+def _tokenizer_model(request: RoutedRequest) -> Any:
+    """The model whose tokenizer renders the prompt: a LoRA adapter's base (``router/lora.py``)."""
+    return request.state.get(LORA_BASE) or getattr(request.parsed, "model", None)
+
+
+def _root(state: dict) -> int:
+    """The chain's first parent: under the request's cache_salt (the server's: the salt the engine
+    is sent) and its LoRA adapter, as the engine hashes it."""
+    return chain_root(state.get("cache_salt"), state.get(LORA_NAME))
 
 
 class HorizonPolicy(Protocol):
@@ -102,7 +114,7 @@ class KvPrepare:
         """``prepare`` done synchronously when the prompt's token ids are cached (a repeated prompt:
         the common case), so the caller awaits no coroutine for it; False: ``prepare`` must run."""
         parsed = request.parsed
-        prompts = self._prompts_for(getattr(parsed, "model", None)) if self._prompts_for is not None else self.prompts
+        prompts = self._prompts_for(_tokenizer_model(request)) if self._prompts_for is not None else self.prompts
         if type(prompts) is PromptTokenizer:
             tokens, keyed = prompts.lookup(request.route, parsed)
         else:
@@ -124,7 +136,7 @@ class KvPrepare:
         only as far as it can matter (``Horizon``)."""
         st = request.state
         parsed = request.parsed
-        prompts = self._prompts_for(getattr(parsed, "model", None)) if self._prompts_for is not None else self.prompts
+        prompts = self._prompts_for(_tokenizer_model(request)) if self._prompts_for is not None else self.prompts
         handed = st.pop("prompt_keyed", None)
         keyed = handed[1] if handed is not None and handed[0] is prompts else None
         if "tokens" in st:  # prepare_cached() found them
@@ -136,7 +148,7 @@ class KvPrepare:
             sizes = tuple(self._block_sizes)
 
             def horizon() -> Horizon:
-                made.append(Horizon(self, sizes, salt_root(st.get("cache_salt"))))
+                made.append(Horizon(self, sizes, _root(st)))
                 return made[-1]
 
             tokens = await prompts.token_ids(request.route, parsed, horizon=horizon, keyed=keyed)
@@ -158,7 +170,7 @@ class KvPrepare:
         if len(tokens) >= HASH_AHEAD_TOKENS and self._block_sizes:
             # Hashing 100k+ tokens is tens of ms of Python: done here a slice at a time, yielding
             # to the loop between slices, rather than in one go inside pick().
-            root = salt_root(st.get("cache_salt"))  # (the server's: the salt the engine is sent)
+            root = _root(st)
             request.state["hashes"] = {bs: await hash_stepwise(tokens, bs, root) for bs in tuple(self._block_sizes)}
 
     def _hashes(self, request: RoutedRequest, block_size: int) -> Sequence[int]:
@@ -175,7 +187,7 @@ class KvPrepare:
                 hashes = chain[:n] if len(chain) >= n else chain + block_hash_array(
                     tokens[len(chain) * block_size:n * block_size], block_size, chain[-1])
             elif len(tokens) >= block_size:
-                hashes = self.hash_cache.hashes(tokens, block_size, salt_root(st.get("cache_salt")))
+                hashes = self.hash_cache.hashes(tokens, block_size, _root(st))
             else:
                 hashes = []
             by_size[block_size] = hashes

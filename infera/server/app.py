@@ -21,6 +21,7 @@ from infera.api.errors import ApiError, error_bytes
 from infera.api.pooling import POOLING_ROUTES
 from infera.api.requests import parse_request
 from infera.discovery.record import record_to_dict
+from infera.router.lora import adapter_models
 from infera.router.policy import RoutedRequest
 from infera.server import dashboard as _dashboard
 from infera.server import kv_tiers as _kv_tiers
@@ -222,10 +223,14 @@ async def _models(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE_KEY]
     now = int(time.time())
     models = state.fleet.models()
+    adapters = adapter_models(state.fleet)  # LoRA adapters, each with its base model as vLLM lists them
     if state.api_keys is not None:  # a key sees the models it may use
         key = request[API_KEY_KEY]
         models = [m for m in models if key.allows(m)]
+        adapters = [(a, base) for a, base in adapters if key.allows(a)]
     data = [{"id": m, "object": "model", "created": now, "owned_by": "infera"} for m in models]
+    data += [{"id": a, "object": "model", "created": now, "owned_by": "infera", "parent": base}
+             for a, base in adapters]
     return web.Response(body=_json.encode({"object": "list", "data": data}), content_type="application/json")
 
 

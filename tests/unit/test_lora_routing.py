@@ -1,0 +1,127 @@
+"""LoRA-aware routing: an adapter's requests go only to workers holding it, /v1/models lists each
+adapter with its base, an adapter nobody holds is a 404, and the router's block hashes for an
+adapter live in a space of their own (as vLLM folds the adapter into every block hash)."""
+from __future__ import annotations
+
+import pytest
+
+from infera.api.errors import ApiError
+from infera.discovery.fleet import Fleet
+from infera.discovery.record import WorkerRecord
+from infera.kv.events import Stored
+from infera.kv.hashing import ROUTER_SEED, block_hashes, chain_root, salt_root
+from infera.router.dispatch import MixedRouter
+from infera.router.lora import LORA_BASE, LORA_NAME, adapter_holders, adapter_models, knows_adapter, mark_adapter
+from infera.router.policy import RoutedRequest
+from infera.router.round_robin import RoundRobinPolicy
+
+
+def _rec(worker_id: str, model: str, adapters=(), status="active", tasks=()) -> WorkerRecord:
+    return WorkerRecord(worker_id=worker_id, url=f"http://{worker_id}", model_name=model, status=status,
+                        disagg_mode="mixed", lora_adapters=list(adapters), tasks=list(tasks))
+
+
+def _req(model: str) -> RoutedRequest:
+    return RoutedRequest(route="/v1/completions", body=b"{}", parsed=None, model=model, stream=False,
+                         request_id="r")
+
+
+class _NoTransport:
+    def forget(self, record) -> None:  # pragma: no cover - never reached by candidates()
+        pass
+
+
+def _router(*records) -> MixedRouter:
+    fleet = Fleet()
+    for r in records:
+        fleet.upsert(r)
+    return MixedRouter(fleet, RoundRobinPolicy(), _NoTransport(), metrics=None)  # type: ignore[arg-type]
+
+
+A = _rec("a", "base", ["sql", "chat"])
+B = _rec("b", "base", ["sql"])
+C = _rec("c", "base")
+D = _rec("d", "other", ["poet"])
+DRAIN = _rec("x", "base", ["legal"], status="draining")
+EMB = _rec("e", "base", ["sql"], tasks=["embed"])  # a pooling worker: never a chat/completions candidate
+SHADOW = _rec("s", "base", ["other"])  # an adapter named like a base model: the base model wins
+
+
+@pytest.mark.parametrize("model,records,expected", [
+    ("sql", (A, B, C, D), {"a", "b"}),
+    ("chat", (A, B, C, D), {"a"}),
+    ("poet", (A, B, C, D), {"d"}),
+    ("base", (A, B, C, D), {"a", "b", "c"}),        # the base model: every worker of it
+    ("other", (A, D, SHADOW), {"d"}),                # a base model's name is never read as an adapter
+    ("nope", (A, B, C), (404, "model_not_found")),
+    ("legal", (A, DRAIN), (503, "no_active_worker")),  # its only holder drains: it may come back
+    ("legal", (), (503, "no_active_worker")),
+])
+def test_candidates_for_adapters(model, records, expected):
+    router = _router(*records)
+    if isinstance(expected, set):
+        assert {w.worker_id for w in router.candidates(model)} == expected
+        return
+    with pytest.raises(ApiError) as err:
+        router.candidates(model)
+    assert (err.value.status, err.value.code) == expected
+    if expected[0] == 404:
+        assert "sql" in err.value.message and "chat" in err.value.message  # adapters are listed as available
+
+
+def test_candidates_follow_loads_and_unloads():
+    router = _router(A, C)
+    assert {w.worker_id for w in router.candidates("sql")} == {"a"}
+    router.fleet.upsert(_rec("c", "base", ["sql"]))  # its launcher saw a dynamic load
+    assert {w.worker_id for w in router.candidates("sql")} == {"a", "c"}
+    router.fleet.upsert(_rec("a", "base", ["chat"]))  # and an unload
+    assert {w.worker_id for w in router.candidates("sql")} == {"c"}
+
+
+def test_directory_helpers():
+    fleet = Fleet()
+    for r in (A, B, C, D, DRAIN, SHADOW):
+        fleet.upsert(r)
+    assert adapter_models(fleet) == [("chat", "base"), ("poet", "other"), ("sql", "base")]
+    assert {w.worker_id for w in adapter_holders(fleet, "sql")} == {"a", "b"}
+    assert adapter_holders(fleet, "") == ()
+    assert knows_adapter(fleet, "legal") and not knows_adapter(fleet, "base") and not knows_adapter(fleet, "")
+
+
+@pytest.mark.parametrize("model,candidates,expected", [
+    ("sql", (A, B), ("sql", "base")),
+    ("base", (A, C), None),      # the base model itself
+    ("sql", (), None),
+])
+def test_mark_adapter(model, candidates, expected):
+    req = _req(model)
+    mark_adapter(req, candidates)
+    got = (req.state[LORA_NAME], req.state[LORA_BASE]) if LORA_NAME in req.state else None
+    assert got == expected
+
+
+def test_chain_roots_keep_adapters_and_salts_apart():
+    roots = [chain_root(None), chain_root("s"), chain_root(None, "sql"), chain_root("s", "sql"),
+             chain_root(None, "chat"), chain_root("s", "chat"), chain_root("", "sql"),
+             chain_root("l", "sq"), chain_root(None, "sql" + "l")]
+    assert roots[0] == ROUTER_SEED and roots[1] == salt_root("s")
+    assert roots[6] == roots[2]  # an empty salt is no salt, as in vLLM
+    distinct = roots[:6] + roots[7:]
+    assert len(set(distinct)) == len(distinct)
+    tokens = list(range(64))
+    base, adapter = block_hashes(tokens, 16), block_hashes(tokens, 16, chain_root(None, "sql"))
+    assert not set(base) & set(adapter)  # not one block of the adapter's chain is the base model's
+
+
+@pytest.mark.parametrize("extra_keys,lora_name,expected", [
+    # vLLM 0.32 (to_event_extra_keys): the LoRA name first on every block, the salt on the first
+    ([("sql",), ("sql",)], "sql", chain_root(None, "sql")),
+    ([("sql", "tenant"), ("sql",)], "sql", chain_root("tenant", "sql")),
+    ([("sql", "sql")], "sql", chain_root("sql", "sql")),  # a salt equal to the name still counts
+    ([("tenant",)], None, salt_root("tenant")),
+    ([None, None], None, ROUTER_SEED),
+    (None, None, ROUTER_SEED),
+])
+def test_stored_event_root(extra_keys, lora_name, expected):
+    ev = Stored([1, 2], None, list(range(32)), 16, extra_keys=extra_keys, lora_name=lora_name)
+    assert ev.root() == expected
