@@ -24,7 +24,8 @@ RESPONSE_ROUTE = "/v1/responses/{response_id}"
 # Output item types a follow-up carries on (vLLM skips reasoning when it expands a follow-up).
 _CARRIED_OUTPUT_TYPES = frozenset({"message", "function_call", "custom_tool_call"})
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
-_COMPLETED = b"event: response.completed"
+# At a line's start (JSON escapes a newline inside a string, so text cannot fake it); never the first event.
+_COMPLETED = b"\nevent: response.completed\n"
 
 _decode = msgspec.json.decode
 
@@ -184,7 +185,7 @@ class CompletedEvent:
                 del self._tail[:max(0, len(self._tail) - len(_COMPLETED))]
                 return
             self._found = True
-            del self._tail[:at]
+            del self._tail[:at + 1]
         else:
             self._tail += chunk
         if len(self._tail) > self._max + 4096:

@@ -22,6 +22,8 @@ DEFAULT_KV_OVERLAP_WEIGHT = 16.0
 DEFAULT_REQUEST_FIRST_BYTE_TIMEOUT = 300.0
 DEFAULT_REQUEST_IDLE_TIMEOUT = 120.0
 DEFAULT_MAX_UPSTREAM_REPLY_BYTES = 64 * 1024 * 1024
+DEFAULT_RESPONSES_STORE_BYTES = 64 * 1024 * 1024
+DEFAULT_RESPONSES_STORE_TTL_S = 3600.0
 MAX_SERVER_WORKERS = 1024  # a typo (10000) must not fork a process per unit
 
 
@@ -176,6 +178,13 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
       help="cap of the cooldown, which doubles each time a probe fails")
     f("--max-request-bytes", env="INFERA_MAX_REQUEST_BYTES", default=DEFAULT_MAX_REQUEST_BYTES,
       type=positive_int, help="largest accepted request body (413 above)")
+    # -- the Responses API's conversations, kept by the router (infera/server/responses_store.py) --
+    f("--responses-store-max-bytes", env="INFERA_RESPONSES_STORE_MAX_BYTES", default=DEFAULT_RESPONSES_STORE_BYTES,
+      type=parse_size, help="/v1/responses: memory bound of the stored responses (each one's input and output, "
+                            "for previous_response_id follow-ups and GET/DELETE), in bytes or with a unit "
+                            "(64MiB); the least recently used go first past it; 0: none is stored")
+    f("--responses-store-ttl", env="INFERA_RESPONSES_STORE_TTL", default=DEFAULT_RESPONSES_STORE_TTL_S,
+      type=positive_float, help="/v1/responses: seconds a stored response is kept")
     # -- the front door's own limits against slow or hostile clients (infera/server/limits.py) --
     f("--header-timeout", env="INFERA_HEADER_TIMEOUT", default=DEFAULT_HEADER_TIMEOUT, type=non_negative_float,
       help="seconds a client has to send a request's head (request line and headers) once its connection "

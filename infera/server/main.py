@@ -17,6 +17,8 @@ from infera.server.api_keys import ApiKeys, ApiKeysMetrics
 from infera.server.tenant_limits import TenantLimiter, TenantLimitsMetrics
 from infera.server.tracing import RequestTracer
 from infera.server.app import ServerState, build_app
+from infera.server.app_responses import RESPONSES_STORE_KEY
+from infera.server.responses_store import ResponsesStore
 from infera.server.cli import parse_args
 from infera.server.limits import LimitedAppRunner, LimitsMetrics, ServerLimits, limits_middleware
 from infera.server.metrics import ProcessMetrics
@@ -116,6 +118,8 @@ class InferaServer:
                                     dashboard_session_s=self.args.dashboard_session_s, scaler=self.scaler,
                                     api_keys=self.api_keys, tracer=self.tracer, limiter=self.limiter,
                                     admission=self.admission))
+        # the Responses API's conversations, bounded by the flags (infera/server/responses_store.py)
+        app[RESPONSES_STORE_KEY] = ResponsesStore(self.args.responses_store_max_bytes, self.args.responses_store_ttl)
         app.middlewares.append(limits_middleware(self.limits))  # body timeout, request bytes in flight
         # handler_cancellation: a client that disconnects cancels its handler, which closes the
         # upstream connection, which makes the engine abort the request and free its slot.

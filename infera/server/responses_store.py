@@ -3,8 +3,8 @@ items and the response object, so a follow-up naming ``previous_response_id`` ca
 worker as one self-contained request, and ``GET``/``DELETE /v1/responses/{id}`` are answered here.
 
 ``ResponsesStore`` keeps entries as encoded bytes in memory: bounded in bytes
-(``--responses-store-max-bytes``; the least recently used go first past it, and an entry bigger
-than the bound is not kept), each for ``--responses-store-ttl`` seconds from when it was stored.
+(``--responses-store-max-bytes``; the least recently used go first past it, an entry bigger
+than the bound is not kept, and 0 keeps none), each for ``--responses-store-ttl`` seconds from when it was stored.
 Its methods are coroutines so that a store shared between replicas can take its place.
 """
 from __future__ import annotations
@@ -40,8 +40,8 @@ class ResponsesStore:
 
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, ttl_s: float = DEFAULT_TTL_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if max_bytes < 1 or ttl_s <= 0:
-            raise ValueError("the responses store needs max_bytes >= 1 and ttl_s > 0")
+        if max_bytes < 0 or ttl_s <= 0:
+            raise ValueError("the responses store needs max_bytes >= 0 and ttl_s > 0")
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
         self._clock = clock

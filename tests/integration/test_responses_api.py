@@ -15,7 +15,9 @@ from aiohttp import web
 
 from infera.discovery.record import BUILTIN_TOKENIZER, WorkerRecord
 from infera.engine.sim.server import SimServer, parse_args
-from tests.integration.test_kv_routing import ADMIN_TOKEN
+from tests.conftest import wait_for
+from tests.integration.conftest import wait_workers
+from tests.integration.test_kv_routing import ADMIN_TOKEN, system_prompt
 
 pytestmark = pytest.mark.integration
 
@@ -160,18 +162,32 @@ async def test_get_delete_unknown_and_store_false(fed_server, sims):
     assert 'route="/v1/responses"' in text
 
 
-async def test_kv_aware_follows_the_conversation(fed_server, sims):
-    server, base = await _router(fed_server, sims, "--router-policy", "kv-aware", "--admin-token", ADMIN_TOKEN)
-    long_doc = " ".join(f"word{i}" for i in range(400))
+async def test_kv_aware_follows_the_conversation(make_server, spawn_worker):
+    """Launched sims publishing KV events: every turn of a conversation goes where its prefix is
+    cached, and the router's predicted hit is exactly the engine's cached_tokens (the router hashes
+    the prompt the engine renders from the expanded input)."""
+    server = await make_server("--admin-token", ADMIN_TOKEN)  # kv-aware is the default policy
+    workers = [await spawn_worker("--num-gpu-blocks", "2048") for _ in range(2)]
+    ids = {w.worker_id for w in workers}
+    await wait_workers(server, ids)
+    for wid in ids:
+        await wait_for(lambda: server.kv.stats(wid).get("connected"), 10, message="KV events subscribed")
+    base = f"http://127.0.0.1:{server.port}"
+    follow, holder, cached = None, None, []
     async with _client(base) as client:
-        first = await client.responses.create(model=MODEL, input=long_doc, max_output_tokens=4, extra_body=FIXED)
-        holder = next(w for w, sim in sims.items() if sim.requests.responses())
-        follow = first
-        for turn in range(3):
-            follow = await client.responses.create(model=MODEL, input=f"and then {turn}", max_output_tokens=4,
-                                                   previous_response_id=follow.id, extra_body=FIXED)
-            # each follow-up lands where the conversation's prefix is cached, and hits it
-            assert sims[holder].requests.responses()[-1]["input"][-1]["content"] == f"and then {turn}"
-            assert follow.usage.input_tokens_details.cached_tokens > 0
-    other = next(w for w in sims if w != holder)
-    assert not sims[other].requests.seen
+        for turn in range(4):
+            before = {wid: server.kv.hit_totals(wid)[0] for wid in ids}
+            follow = await client.responses.create(
+                model=MODEL, input=system_prompt(3) if turn == 0 else f"and then {turn}", instructions="Be brief.",
+                max_output_tokens=4, previous_response_id=follow.id if follow else None, extra_body=FIXED)
+            predicted = {wid: server.kv.hit_totals(wid)[0] - before[wid] for wid in ids}
+            reported = follow.usage.input_tokens_details.cached_tokens
+            cached.append(reported)
+            assert sum(predicted.values()) == reported  # exact, turn after turn
+            if holder is not None:
+                assert predicted[holder] == reported  # the conversation's holder was picked
+            tokens = follow.usage.input_tokens
+            await wait_for(lambda: max(server.kv.index.block_count(w) for w in ids) >= tokens // 16, 10,
+                           message="the turn's blocks in the view")
+            holder = holder or max(ids, key=server.kv.index.block_count)
+    assert cached[0] == 0 and all(c >= 16 * 10 for c in cached[1:])  # every follow-up hit the conversation
