@@ -24,7 +24,8 @@ from infera.transport.nats_frames import (BUSY, DATA, ERROR, HEAD, HEARTBEAT_S, 
 
 log = logging.getLogger(__name__)
 
-# messages: engines that speak it; responses: the Responses API (the router keeps its conversations); the pooling and utility routes (embeddings, rerank, score, classify, tokenize)
+# messages: engines that speak it; responses: the Responses API (conversations kept by the router); the pooling
+# and utility routes (embeddings, rerank, score, classify, tokenize)
 _ALLOWED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses",
                             *POOLING_ROUTES})
 
