@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 CHAT_ROUTE = "/v1/chat/completions"
 ROUTE = _responses.RESPONSES_ROUTE
-RESPONSES_STORE_KEY = web.AppKey("responses_store", ResponsesStore)
+RESPONSES_STORE_KEY = web.AppKey("responses_store", object)  # a ResponsesStore or SharedResponsesStore
 # Routes an --api-keys-file key opens (app.py's API_KEY_ROUTES takes them in).
 API_KEY_ROUTES = frozenset({_responses.RESPONSES_ROUTE, _responses.RESPONSE_ROUTE})
 

@@ -185,6 +185,9 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
                             "(64MiB); the least recently used go first past it; 0: none is stored")
     f("--responses-store-ttl", env="INFERA_RESPONSES_STORE_TTL", default=DEFAULT_RESPONSES_STORE_TTL_S,
       type=positive_float, help="/v1/responses: seconds a stored response is kept")
+    f("--responses-store-bucket", env="INFERA_RESPONSES_STORE_BUCKET", default="infera_responses",
+      help="/v1/responses, on NATS: the JetStream KV bucket the server replicas share stored responses in "
+           "(created with the store's size and TTL by the first replica; each replica keeps its own copy too)")
     # -- the front door's own limits against slow or hostile clients (infera/server/limits.py) --
     f("--header-timeout", env="INFERA_HEADER_TIMEOUT", default=DEFAULT_HEADER_TIMEOUT, type=non_negative_float,
       help="seconds a client has to send a request's head (request line and headers) once its connection "

@@ -19,6 +19,7 @@ from infera.server.tracing import RequestTracer
 from infera.server.app import ServerState, build_app
 from infera.server.app_responses import RESPONSES_STORE_KEY
 from infera.server.responses_store import ResponsesStore
+from infera.server.responses_store_nats import SharedResponsesStore
 from infera.server.cli import parse_args
 from infera.server.limits import LimitedAppRunner, LimitsMetrics, ServerLimits, limits_middleware
 from infera.server.metrics import ProcessMetrics
@@ -119,7 +120,10 @@ class InferaServer:
                                     api_keys=self.api_keys, tracer=self.tracer, limiter=self.limiter,
                                     admission=self.admission))
         # the Responses API's conversations, bounded by the flags (infera/server/responses_store.py)
-        app[RESPONSES_STORE_KEY] = ResponsesStore(self.args.responses_store_max_bytes, self.args.responses_store_ttl)
+        store = ResponsesStore(self.args.responses_store_max_bytes, self.args.responses_store_ttl)
+        if self.nats is not None:  # shared with the other replicas through a NATS KV bucket
+            store = SharedResponsesStore(store, self.nats, self.args.responses_store_bucket)
+        app[RESPONSES_STORE_KEY] = store
         app.middlewares.append(limits_middleware(self.limits))  # body timeout, request bytes in flight
         # handler_cancellation: a client that disconnects cancels its handler, which closes the
         # upstream connection, which makes the engine abort the request and free its slot.

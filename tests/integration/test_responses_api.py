@@ -191,3 +191,24 @@ async def test_kv_aware_follows_the_conversation(make_server, spawn_worker):
                            message="the turn's blocks in the view")
             holder = holder or max(ids, key=server.kv.index.block_count)
     assert cached[0] == 0 and all(c >= 16 * 10 for c in cached[1:])  # every follow-up hit the conversation
+
+
+async def test_conversations_shared_between_replicas_over_nats(fed_server, sims, own_nats_server):
+    """Two server replicas on one NATS: a response stored through one is read, continued and
+    deleted through the other (a NATS KV bucket with the store's bounds), and the delete is seen
+    by the first, though it kept its own copy."""
+    nats = ("--kv-event-transport", "nats", "--nats-server", own_nats_server.url, "--responses-store-ttl", "600")
+    (one, base_one), (two, base_two) = [await _router(fed_server, sims, *nats) for _ in range(2)]
+    async with _client(base_one) as c1, _client(base_two) as c2:
+        first = await c1.responses.create(model=MODEL, input="Turn one", max_output_tokens=3, extra_body=FIXED)
+        assert (await c2.responses.retrieve(first.id)).output_text == first.output_text
+        second = await c2.responses.create(model=MODEL, input="Turn two", previous_response_id=first.id,
+                                           max_output_tokens=3, extra_body=FIXED)
+        assert second.usage.input_tokens > first.usage.input_tokens  # expanded from the shared entry
+        await c2.responses.delete(first.id)
+        with pytest.raises(openai.NotFoundError):
+            await c1.responses.retrieve(first.id)  # its own copy is not served after the delete
+        assert (await c1.responses.retrieve(second.id)).id == second.id
+    info = await one.nats.js.stream_info("KV_infera_responses")
+    assert info.config.max_age == 600 and info.config.discard == "old"
+    assert info.config.max_bytes == 64 * 1024 * 1024
