@@ -161,6 +161,8 @@ async def _create(request: web.Request) -> web.StreamResponse:
             if meter is not None:
                 meter.feed(chunk)
             await resp.write(chunk)
+        if completed is not None:  # stored before the stream ends: the client's follow-up may come at once
+            await _keep(request, input_items, completed.response())
         await resp.write_eof()
     except (ConnectionResetError, asyncio.CancelledError):
         metrics.count_disconnect(ROUTE)
@@ -174,8 +176,6 @@ async def _create(request: web.Request) -> web.StreamResponse:
             span.finish(200, routed.state, worker_id=reply.worker_id, error=broken)
         if meter is not None:
             request[USAGE_TOKENS_KEY] = meter.tokens()
-    if completed is not None:
-        await _keep(request, input_items, completed.response())
     return resp
 
 

@@ -18,7 +18,7 @@ from infera.server.tenant_limits import TenantLimiter, TenantLimitsMetrics
 from infera.server.tracing import RequestTracer
 from infera.server.app import ServerState, build_app
 from infera.server.app_responses import RESPONSES_STORE_KEY
-from infera.server.responses_store import ResponsesStore
+from infera.server.responses_store import ResponsesStore, SiblingResponsesStore
 from infera.server.responses_store_nats import SharedResponsesStore
 from infera.server.cli import parse_args
 from infera.server.limits import LimitedAppRunner, LimitsMetrics, ServerLimits, limits_middleware
@@ -123,6 +123,8 @@ class InferaServer:
         store = ResponsesStore(self.args.responses_store_max_bytes, self.args.responses_store_ttl)
         if self.nats is not None:  # shared with the other replicas through a NATS KV bucket
             store = SharedResponsesStore(store, self.nats, self.args.responses_store_bucket)
+        elif self.replica_sync is not None:  # --workers N without NATS: sent to the sibling processes
+            store = SiblingResponsesStore(store, self.replica_sync)
         app[RESPONSES_STORE_KEY] = store
         app.middlewares.append(limits_middleware(self.limits))  # body timeout, request bytes in flight
         # handler_cancellation: a client that disconnects cancels its handler, which closes the

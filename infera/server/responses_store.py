@@ -5,10 +5,15 @@ worker as one self-contained request, and ``GET``/``DELETE /v1/responses/{id}`` 
 ``ResponsesStore`` keeps entries as encoded bytes in memory: bounded in bytes
 (``--responses-store-max-bytes``; the least recently used go first past it, an entry bigger
 than the bound is not kept, and 0 keeps none), each for ``--responses-store-ttl`` seconds from when it was stored.
-Its methods are coroutines so that a store shared between replicas can take its place.
+Its methods are coroutines so that a store shared between replicas can take its place: over NATS KV
+(``responses_store_nats.py``), or among the processes of a ``--workers N`` server without NATS,
+``SiblingResponsesStore``: each stored response and each delete is sent to the siblings over the
+replica-sync channel's side channel (best effort: a process started later has only what it stored
+or heard since).
 """
 from __future__ import annotations
 
+import struct
 import time
 from collections import OrderedDict
 from typing import Any, Callable
@@ -73,6 +78,9 @@ class ResponsesStore:
 
     async def put(self, response_id: str, value: bytes) -> bool:
         """Keep ``value`` under ``response_id`` (False: bigger than the whole bound, not kept)."""
+        return self.put_now(response_id, value)
+
+    def put_now(self, response_id: str, value: bytes) -> bool:
         size = self._size(response_id, value)
         self._drop(response_id)
         if size > self.max_bytes:
@@ -97,8 +105,69 @@ class ResponsesStore:
 
     async def delete(self, response_id: str) -> bool:
         """Forget ``response_id``; False if it was not (or no longer) stored."""
+        return self.delete_now(response_id)
+
+    def delete_now(self, response_id: str) -> bool:
         entry = self._entries.get(response_id)
         if entry is None:
             return False
         self._drop(response_id)
         return entry[0] > self._clock()
+
+
+SIDE_CHANNEL = "responses"
+MAX_SHARED_VALUE_BYTES = 8 * 1024 * 1024  # larger entries stay with the process that stored them
+_ID_LEN = struct.Struct("<H")
+
+
+def encode_side(op: bytes, response_id: str, value: bytes = b"") -> bytes:
+    raw = response_id.encode("utf-8", "surrogateescape")
+    return op + _ID_LEN.pack(len(raw)) + raw + value
+
+
+def decode_side(data: bytes) -> tuple[bytes, str, bytes] | None:
+    """(op, id, value) of a side-channel message, or None for garbage."""
+    if len(data) < 3 or data[:1] not in (b"P", b"D"):
+        return None
+    (n,) = _ID_LEN.unpack_from(data, 1)
+    if len(data) < 3 + n:
+        return None
+    return data[:1], data[3:3 + n].decode("utf-8", "surrogateescape"), data[3 + n:]
+
+
+class SiblingResponsesStore:
+    """``ResponsesStore``'s interface, each put and delete also sent to the sibling processes over
+    ``sync`` (a ``ReplicaSync``: ``add_side_channel`` / ``publish_side``), whose messages it applies."""
+
+    def __init__(self, local: ResponsesStore, sync) -> None:
+        self.local = local
+        self.sync = sync
+        self._subject = sync.add_side_channel(SIDE_CHANNEL, self._receive)
+
+    @property
+    def max_bytes(self) -> int:
+        return self.local.max_bytes
+
+    def _receive(self, data: bytes) -> None:
+        message = decode_side(data)
+        if message is None:
+            return
+        op, response_id, value = message
+        if op == b"P":
+            self.local.put_now(response_id, value)  # (our own: the same value again)
+        else:
+            self.local.delete_now(response_id)
+
+    async def put(self, response_id: str, value: bytes) -> bool:
+        kept = self.local.put_now(response_id, value)
+        if kept and len(value) <= MAX_SHARED_VALUE_BYTES:
+            await self.sync.publish_side(self._subject, encode_side(b"P", response_id, value))
+        return kept
+
+    async def get(self, response_id: str) -> bytes | None:
+        return await self.local.get(response_id)
+
+    async def delete(self, response_id: str) -> bool:
+        existed = self.local.delete_now(response_id)
+        await self.sync.publish_side(self._subject, encode_side(b"D", response_id))
+        return existed
