@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 CHAT_ROUTE = "/v1/chat/completions"
 ROUTE = _responses.RESPONSES_ROUTE
+_NO_PREVIOUS = b'"previous_response_id":null'
 RESPONSES_STORE_KEY = web.AppKey("responses_store", object)  # a ResponsesStore or SharedResponsesStore
 # Routes an --api-keys-file key opens (app.py's API_KEY_ROUTES takes them in).
 API_KEY_ROUTES = frozenset({_responses.RESPONSES_ROUTE, _responses.RESPONSE_ROUTE})
@@ -139,9 +140,15 @@ async def _create(request: web.Request) -> web.StreamResponse:
             span.finish(reply.status, routed.state, worker_id=reply.worker_id)
         if PERMIT_KEY in request:
             request[USAGE_TOKENS_KEY] = reply_tokens(reply.body)
-        if keep and reply.status == 200:
-            await _keep(request, input_items, _responses.response_object(reply.body))
-        return web.Response(status=reply.status, body=reply.body, headers=headers,
+        body = reply.body
+        if reply.status == 200 and (keep or previous is not None):
+            response = _responses.response_object(body)
+            if response is not None and previous is not None:  # as the engine would echo it, had it expanded it
+                response["previous_response_id"] = previous
+                body = _json.encode(response)
+            if keep:
+                await _keep(request, input_items, response)
+        return web.Response(status=reply.status, body=body, headers=headers,
                             content_type=reply.content_type.split(";")[0])
     first = (reply.first_byte_at or time.perf_counter()) - started
     metrics.observe_ttft(ROUTE, first)
@@ -152,6 +159,9 @@ async def _create(request: web.Request) -> web.StreamResponse:
     chunks = reply.stream
     completed = _responses.CompletedEvent(request.app[RESPONSES_STORE_KEY].max_bytes) if keep else None
     meter = UsageMeter() if PERMIT_KEY in request else None
+    # the events' response objects name the previous response, as the engine's would (quotes inside a
+    # JSON string are escaped, so only the field itself matches)
+    echo = b'"previous_response_id":' + _json.encode(previous) if previous is not None else None
     broken: str | None = None
     try:
         await resp.prepare(request)
@@ -160,9 +170,12 @@ async def _create(request: web.Request) -> web.StreamResponse:
                 completed.feed(chunk)
             if meter is not None:
                 meter.feed(chunk)
-            await resp.write(chunk)
+            await resp.write(chunk if echo is None else chunk.replace(_NO_PREVIOUS, echo))
         if completed is not None:  # stored before the stream ends: the client's follow-up may come at once
-            await _keep(request, input_items, completed.response())
+            response = completed.response()
+            if response is not None and previous is not None:
+                response["previous_response_id"] = previous
+            await _keep(request, input_items, response)
         await resp.write_eof()
     except (ConnectionResetError, asyncio.CancelledError):
         metrics.count_disconnect(ROUTE)

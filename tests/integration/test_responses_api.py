@@ -122,6 +122,10 @@ async def test_three_turns_survive_the_first_engine(fed_server, sims):
             if event.type == "response.completed":
                 third = event.response
         assert kinds[-1] == "response.completed" and third.status == "incomplete"
+        # each names its previous response, as the engine would have (streamed, unary and stored)
+        assert third.previous_response_id == second.id and second.previous_response_id == first.id
+        assert (await client.responses.retrieve(third.id)).previous_response_id == second.id
+        assert first.previous_response_id is None
     left = next(w for w in sims if w != gone)
     sent = sims[left].requests.responses()[-1]
     assert "previous_response_id" not in sent
