@@ -216,3 +216,64 @@ async def test_conversations_shared_between_replicas_over_nats(fed_server, sims,
     info = await one.nats.js.stream_info("KV_infera_responses")
     assert info.config.max_age == 600 and info.config.discard == "old"
     assert info.config.max_bytes == 64 * 1024 * 1024
+
+
+async def test_api_keys_guard_responses_and_tenants_keep_their_own(fed_server, sims, tmp_path):
+    """Under --api-keys-file: no key is a 401 on every Responses route, a key without the model a 403,
+    and a tenant neither sees, continues nor deletes another tenant's stored response (404)."""
+    import hashlib
+
+    path = tmp_path / "keys.yaml"
+    path.write_text("keys:\n" + "".join(f"  - sha256: {hashlib.sha256(k.encode()).hexdigest()}\n    tenant: {t}\n"
+                                        f"    models: [\"{m}\"]\n"
+                                        for k, t, m in (("sk-a", "a", MODEL), ("sk-b", "b", MODEL),
+                                                        ("sk-c", "c", "other"))))
+    server, base = await _router(fed_server, sims, "--api-keys-file", str(path))
+
+    def client(key: str) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=base + "/v1", api_key=key, max_retries=0)
+
+    async with client("sk-a") as a, client("sk-b") as b, client("sk-c") as c, client("nope") as nobody:
+        mine = await a.responses.create(model=MODEL, input="secret", max_output_tokens=2, extra_body=FIXED)
+        assert (await a.responses.retrieve(mine.id)).id == mine.id
+        with pytest.raises(openai.AuthenticationError):
+            await nobody.responses.retrieve(mine.id)
+        with pytest.raises(openai.AuthenticationError):
+            await nobody.responses.create(model=MODEL, input="x")
+        with pytest.raises(openai.PermissionDeniedError):
+            await c.responses.create(model=MODEL, input="x")
+        with pytest.raises(openai.NotFoundError):
+            await b.responses.retrieve(mine.id)
+        with pytest.raises(openai.NotFoundError):
+            await b.responses.create(model=MODEL, input="more", previous_response_id=mine.id)
+        with pytest.raises(openai.NotFoundError):
+            await b.responses.delete(mine.id)
+        assert (await a.responses.retrieve(mine.id)).id == mine.id  # still there for its owner
+
+
+async def test_the_sims_own_store_as_vllms(sims, monkeypatch):
+    """The sim keeps responses only with VLLM_ENABLE_RESPONSES_API_STORE, as vLLM: without it a
+    previous_response_id is a 404 (why the router keeps conversations); with it the engine expands a
+    follow-up from its own store, rendering the same prompt the router's expansion gives."""
+    url = sims["a"].url + "/v1/responses"
+    ask = {"model": MODEL, "input": "Turn one", "instructions": "Be brief.", "max_output_tokens": 3, **FIXED}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url, json=ask) as r:
+            first = await r.json()
+        async with s.post(url, json={**ask, "input": "Turn two", "previous_response_id": first["id"]}) as r:
+            assert r.status == 404 and (await r.json())["error"]["message"] == \
+                f"Response with id '{first['id']}' not found."
+        monkeypatch.setenv("VLLM_ENABLE_RESPONSES_API_STORE", "1")
+        async with s.post(url, json=ask) as r:
+            first = await r.json()
+        async with s.get(f"{url}/{first['id']}") as r:
+            assert (await r.json())["id"] == first["id"]
+        follow = {**ask, "input": "Turn two", "previous_response_id": first["id"]}
+        async with s.post(url, json=follow) as r:
+            by_engine = await r.json()
+        expanded = {**ask, "input": [{"role": "user", "content": "Turn one"}, *first["output"],
+                                     {"role": "user", "content": "Turn two"}]}
+        async with s.post(url, json=expanded) as r:
+            by_router = await r.json()
+    assert by_engine["usage"]["input_tokens"] == by_router["usage"]["input_tokens"] > first["usage"]["input_tokens"]
+    assert by_engine["previous_response_id"] == first["id"]
