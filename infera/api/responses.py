@@ -209,6 +209,26 @@ class CompletedEvent:
         return None
 
 
+_ROUTER_ERROR_PREFIX = b'data: {"error"'
+
+
+def router_error_event(chunk: bytes, sequence_number: int) -> bytes | None:
+    """The router's mid-stream error frame (``data: {"error": ...}``, a worker lost after the first
+    byte) as the Responses API's ``error`` event; None: ``chunk`` is the engine's, relayed as it is
+    (every engine event starts with ``event:``)."""
+    if not chunk.startswith(_ROUTER_ERROR_PREFIX):
+        return None
+    try:
+        err = _decode(chunk[len(b"data: "):].strip())["error"]
+    except (msgspec.DecodeError, RecursionError, KeyError, TypeError):
+        return None
+    err = err if isinstance(err, dict) else {}
+    message = err.get("message") if isinstance(err.get("message"), str) else "the worker failed mid-stream"
+    event = {"type": "error", "code": err.get("code") if isinstance(err.get("code"), str) else None,
+             "message": message, "param": None, "sequence_number": sequence_number}
+    return b"event: error\ndata: " + msgspec.json.encode(event) + b"\n\n"
+
+
 def deleted_body(response_id: str) -> bytes:
     """OpenAI's answer to ``DELETE /v1/responses/{id}``."""
     return msgspec.json.encode({"id": response_id, "object": "response", "deleted": True})

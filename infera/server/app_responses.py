@@ -163,6 +163,7 @@ async def _create(request: web.Request) -> web.StreamResponse:
     # JSON string are escaped, so only the field itself matches)
     echo = b'"previous_response_id":' + _json.encode(previous) if previous is not None else None
     broken: str | None = None
+    events = 0
     try:
         await resp.prepare(request)
         async for chunk in chunks:
@@ -170,6 +171,11 @@ async def _create(request: web.Request) -> web.StreamResponse:
                 completed.feed(chunk)
             if meter is not None:
                 meter.feed(chunk)
+            failed = _responses.router_error_event(chunk, events)
+            if failed is not None:  # the worker was lost mid-stream: the Responses API's error event
+                await resp.write(failed)
+                continue
+            events += chunk.count(b"\ndata: ")  # one data line per engine event, after its event line
             await resp.write(chunk if echo is None else chunk.replace(_NO_PREVIOUS, echo))
         if completed is not None:  # stored before the stream ends: the client's follow-up may come at once
             response = completed.response()

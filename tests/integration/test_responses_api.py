@@ -277,3 +277,55 @@ async def test_the_sims_own_store_as_vllms(sims, monkeypatch):
             by_router = await r.json()
     assert by_engine["usage"]["input_tokens"] == by_router["usage"]["input_tokens"] > first["usage"]["input_tokens"]
     assert by_engine["previous_response_id"] == first["id"]
+
+
+class DiesOnResponses:
+    """A fake engine serving /v1/responses: its first events, one text delta, then the connection drops."""
+
+    def __init__(self) -> None:
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        head = {"id": "resp_x", "object": "response", "created_at": 0, "model": MODEL, "output": [],
+                "status": "in_progress", "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
+        events = [("response.created", {"response": head}), ("response.in_progress", {"response": head}),
+                  ("response.output_item.added", {"output_index": 0, "item": {
+                      "id": "msg_x", "type": "message", "role": "assistant", "content": [], "status": "in_progress"}}),
+                  ("response.output_text.delta", {"content_index": 0, "output_index": 0, "item_id": "msg_x",
+                                                  "delta": "Hel", "logprobs": []})]
+        for seq, (kind, fields) in enumerate(events):
+            await resp.write(f"event: {kind}\ndata: ".encode()
+                             + json.dumps({"type": kind, "sequence_number": seq, **fields}).encode() + b"\n\n")
+        request.transport.abort()
+        return resp
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/responses", self.handle)
+        self.runner = web.AppRunner(app, handler_cancellation=True)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+
+
+async def test_midstream_failure_is_a_responses_error_event(fed_server):
+    engine = DiesOnResponses()
+    await engine.start()
+    try:
+        server, base = await fed_server()
+        server.fleet.upsert(WorkerRecord(worker_id="dying", url=f"http://127.0.0.1:{engine.port}", model_name=MODEL))
+        async with _client(base) as client:
+            events = [e async for e in await client.responses.create(model=MODEL, input="hi", stream=True)]
+        assert [e.type for e in events] == ["response.created", "response.in_progress", "response.output_item.added",
+                                            "response.output_text.delta", "error"]
+        assert events[-1].sequence_number == 4 and events[-1].message and events[-1].code
+        # nothing completed, nothing stored
+        async with _client(base) as client:
+            with pytest.raises(openai.NotFoundError):
+                await client.responses.retrieve("resp_x")
+    finally:
+        await engine.runner.cleanup()

@@ -186,3 +186,16 @@ def test_completed_event_too_big_or_absent():
 def test_store_flags(argv, environ, expected):
     args = parse_args(["--etcd-endpoint", "unused:1", *argv], environ=environ)
     assert (args.responses_store_max_bytes, args.responses_store_ttl) == expected
+
+
+def test_router_error_event():
+    from infera.api.errors import sse_error_event
+
+    out = r.router_error_event(sse_error_event("worker w1 went away", 502, "upstream_lost"), 7)
+    assert out.startswith(b"event: error\ndata: ") and out.endswith(b"\n\n")
+    assert msgspec.json.decode(out.split(b"data: ", 1)[1]) == {
+        "type": "error", "code": "upstream_lost", "message": "worker w1 went away", "param": None,
+        "sequence_number": 7}
+    for engine_chunk in (b'event: response.created\ndata: {"error": 1}\n\n', b"data: [DONE]\n\n",
+                         b'data: {"error" nonsense\n\n'):
+        assert r.router_error_event(engine_chunk, 0) is None
