@@ -27,7 +27,7 @@ time per block, and they re-enter the GPU as freshly filled blocks (``on_stored`
 stays (an inclusive tier), refreshed in its LRU order.
 
 A request's ``cache_salt`` (vLLM's per-request isolation) salts its prompt's chain from the first
-block on: the chain starts from ``salt_root(salt)`` instead of the root (the router's space, as
+block on: the chain starts from ``scope_root(salt)`` instead of the root (the router's space, as
 ``infera.kv.hashing`` folds it), so its blocks never match the same tokens unsalted or under another
 salt. A salted prompt's newly cached first block is announced through ``on_stored_salted`` (and
 ``on_offloaded_salted``) with the salt in place of the parent, as vLLM names it among the block's
@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from infera.kv.hashing import ROUTER_SEED, block_hashes, hash_chunk, salt_root  # noqa: F401  (re-exported)
+
+from .lora import scope_root
 
 # The cache's own prefix keys are the router's chained block hashes (one implementation); what
 # it announces in KV events is re-rooted by the publisher, so the router still has to re-hash.
@@ -65,7 +67,7 @@ class _SeqBlocks:
     num_full_blocks: int = 0
     # Of the hit blocks, those loaded from the host tier (after the GPU hit).
     num_loaded_blocks: int = 0
-    salt: str | None = None  # the request's cache_salt: its first block's parent is salt_root(salt)
+    salt: str | None = None  # the request's cache_salt: its first block's parent is scope_root(salt)
 
 
 class KVCache:
@@ -191,7 +193,7 @@ class KVCache:
         limit = self._max_hit_blocks(len(tokens))
         if limit == 0:
             return 0
-        hashes = block_hashes(tokens[: limit * self.block_size], self.block_size, salt_root(salt))
+        hashes = block_hashes(tokens[: limit * self.block_size], self.block_size, scope_root(salt))
         hit = len(self._matching_blocks(hashes, limit))
         return (hit + self._host_run(hashes, hit, limit)) * self.block_size
 
@@ -201,7 +203,7 @@ class KVCache:
         """Leading tokens of ``tokens``' full blocks already cached (no one-token-recompute limit):
         what a KV transfer of those blocks would not need to move. No side effects."""
         num_full = len(tokens) // self.block_size
-        hashes = block_hashes(tokens[: num_full * self.block_size], self.block_size, salt_root(salt))
+        hashes = block_hashes(tokens[: num_full * self.block_size], self.block_size, scope_root(salt))
         return len(self._matching_blocks(hashes, num_full)) * self.block_size
 
     def allocate(self, seq_id: object, tokens: Sequence[int], salt: str | None = None) -> int | None:
@@ -258,7 +260,7 @@ class KVCache:
             raise ValueError(f"sequence {owner!r} already holds blocks")
         bs = self.block_size
         salt = salt or None  # (an empty salt is no salt, as in vLLM)
-        root = salt_root(salt)
+        root = scope_root(salt)
         hashes = block_hashes(tokens, bs, root)
         hit_blocks = self._matching_blocks(hashes, max_hit_blocks)
         loaded = self._host_run(hashes, len(hit_blocks), max_hit_blocks)

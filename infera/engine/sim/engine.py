@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from .cache import KVCache
 from .kv_events import KvEventPublisher
 from .metrics import METRICS_FLAVORS
+from .lora import LoraAdapters
 from .pd import Disaggregation, build_disaggregation
 from .scheduler import Scheduler, default_load_ms_per_block
 from .schemas import ApiError
@@ -38,6 +39,8 @@ class SimEngine:
         self.metrics_flavor = metrics_flavor
         self.model_path: str = args.model
         self.served_model_names: list[str] = list(args.served_model_name or [args.model])
+        # LoRA adapters (--enable-lora, --lora-modules, runtime loads): served as models of their own.
+        self.lora = LoraAdapters(args, self.served_model_names)
         self.max_model_len: int = args.max_model_len
         self.created = int(time.time())
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(args.model)
@@ -82,7 +85,7 @@ class SimEngine:
 
     def check_model(self, model: str | None) -> None:
         # vLLM: an omitted model means the default one; otherwise it must be a served name.
-        if model is not None and model not in self.served_model_names:
+        if model is not None and model not in self.served_model_names and not self.lora.holds(model):
             raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", param="model")
 
     async def run_tokenizer(self, size_hint: int, fn: Callable[..., Any], *args: Any) -> Any:

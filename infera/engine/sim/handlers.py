@@ -18,7 +18,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from . import anthropic, pooling, responses, tool_calls
+from . import anthropic, lora, pooling, responses, tool_calls
 from .engine import SimEngine
 from .pd import LegError, LegPlan
 from .scheduler import FINISH_STOP, Sequence
@@ -63,6 +63,7 @@ async def _models(request: web.Request) -> web.Response:
         }
         for name in engine.served_model_names
     ]
+    data += engine.lora.cards(engine.model_name, engine.created)  # adapters, their base as parent (vLLM)
     return web.Response(body=_json_encode({"object": "list", "data": data}), content_type="application/json")
 
 
@@ -134,6 +135,11 @@ async def _completions(request: web.Request) -> web.StreamResponse:
                            request_id=f"cmpl-{_request_id(request)}")
 
 
+def _reply_model(engine: SimEngine, req: _SamplingRequest) -> str:
+    """The model a reply names: the adapter a request ran under (vLLM), else the served name."""
+    return req.model if engine.lora.holds(req.model) else engine.model_name
+
+
 def _local_addr(request: web.Request) -> tuple[str, int] | None:
     """The (host, port) this request reached us at: a concrete address even on a wildcard bind."""
     sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
@@ -155,7 +161,8 @@ async def _generate(request: web.Request, engine: SimEngine, req: _SamplingReque
     try:
         seq = engine.scheduler.submit(prompt_ids, max_tokens, ignore_eos=bool(req.ignore_eos), request_id=request_id,
                                       kv_hold=plan.kv_hold, kv_import=plan.kv_import,
-                                      cache_salt=req.cache_salt if engine.salts_cache else None)
+                                      cache_salt=engine.lora.scope(req.model, req.cache_salt)
+                                      if engine.salts_cache else None)
     except ValueError as e:
         if engine.disagg is not None:
             engine.disagg.discard(plan)
@@ -186,7 +193,7 @@ async def _full_response(engine: SimEngine, req: _SamplingRequest, seq: Sequence
                           if engine.disagg is not None else None)
     if chat:
         body = {
-            "id": request_id, "object": "chat.completion", "created": created, "model": engine.model_name,
+            "id": request_id, "object": "chat.completion", "created": created, "model": _reply_model(engine, req),
             "choices": [{
                 "index": 0,
                 "message": {"role": "assistant", "content": text.text, "refusal": None, "tool_calls": [],
@@ -200,7 +207,7 @@ async def _full_response(engine: SimEngine, req: _SamplingRequest, seq: Sequence
         }
     else:
         body = {
-            "id": request_id, "object": "text_completion", "created": created, "model": engine.model_name,
+            "id": request_id, "object": "text_completion", "created": created, "model": _reply_model(engine, req),
             "choices": [{
                 "index": 0, "text": text.text, "logprobs": None, "finish_reason": finish_reason,
                 "stop_reason": text.matched, "prompt_logprobs": None,
@@ -217,7 +224,7 @@ async def _stream_response(request: web.Request, engine: SimEngine, req: _Sampli
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous_usage = include_usage and bool(req.stream_options.continuous_usage_stats)
     created = int(time.time())
-    model = engine.model_name
+    model = _reply_model(engine, req)
     obj = "chat.completion.chunk" if chat else "text_completion"
     text = StopStringMatcher(_stop_strings(req.stop), hold_back=True)
 
@@ -360,6 +367,7 @@ def build_app(args: argparse.Namespace, engine: SimEngine | None = None) -> web.
             anthropic.install(app)
         responses.install(app)  # vLLM's Responses API (responses.py)
     pooling.install(app, args)  # --runner pooling's routes, /detokenize, /openapi.json
+    lora.install(app, engine.lora)  # /v1/load_lora_adapter, /v1/unload_lora_adapter (runtime updating)
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
     app.router.add_post("/start_profile", _start_profile)

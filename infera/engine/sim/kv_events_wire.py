@@ -12,6 +12,8 @@ from typing import Any, Iterable
 
 import msgspec
 
+from .lora import first_block_keys, lora_name_of
+
 FORMATS = ("vllm", "sglang", "atom")
 MEDIUM = "GPU"
 # The medium each engine names its host-memory tier by (see kv_events.py's docstring).
@@ -110,9 +112,10 @@ def _vllm_events(events: Iterable["SimEvent"]) -> list[Any]:
         if isinstance(ev, StoredEvent):
             extra: list[list[str] | None] = [None] * len(ev.block_hashes)
             if ev.salt is not None and extra:
-                extra[0] = [ev.salt]  # vLLM's to_event_extra_keys: the bare salt, on the first block only
+                # vLLM's to_event_extra_keys: a LoRA adapter's name, then the bare salt, on the first block
+                extra[0] = first_block_keys(ev.salt)
             out.append(VllmBlockStored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, None,
-                                       ev.medium, None, extra, VLLM_GROUP_IDX, VLLM_SPEC_KIND))
+                                       ev.medium, lora_name_of(ev.salt), extra, VLLM_GROUP_IDX, VLLM_SPEC_KIND))
         elif isinstance(ev, RemovedEvent):
             out.append(VllmBlockRemoved(ev.block_hashes, ev.medium, VLLM_GROUP_IDX))
         elif isinstance(ev, ClearedEvent):

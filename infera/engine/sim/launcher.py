@@ -22,6 +22,7 @@ from infera.engine.base.launcher import EngineProcessSpec, default_advertise_hos
 from infera.engine.base.prom import VLLM_INFLIGHT, info_labels, sum_samples
 from infera.engine.vllm.adapter import disaggregation, parse_kv_transfer_config, with_pinned_engine_id
 from infera.engine.base.anthropic_probe import serves_anthropic_messages
+from infera.engine.base.lora_watch import lora_enabled, probe_lora_adapters
 from infera.engine.vllm.tasks import probe_tasks
 
 PROG = "infera.engine.sim"
@@ -82,6 +83,8 @@ class SimAdapter:
         fields["tasks"] = await probe_tasks(session, base_url, engine_argv)  # --runner pooling's tasks, as vLLM's
         if not fields["tasks"] or "generate" in fields["tasks"]:  # its own /v1/messages: passed through to it
             fields["anthropic_messages"] = await serves_anthropic_messages(session, base_url, fields["model_name"])
+        if lora_enabled(engine_argv):  # its loaded adapters (kept current by base/lora_watch.py)
+            fields["lora_adapters"] = await probe_lora_adapters(session, base_url, served or [model_name]) or []
         return fields
 
     def inflight(self, metrics_text: str) -> int | None:

@@ -42,6 +42,7 @@ from aiohttp import web
 from .engine import OFFLOAD_TOKENIZE_BYTES, SimEngine
 from .handlers import SIM_VERSION, build_app
 from .kv_events import parse_kv_events_config
+from .lora import add_lora_flags, check_lora_flags
 from .metrics import METRICS_FLAVORS
 from .pooling import add_pooling_flags, pooling_task
 from .pd import (DEFAULT_KV_BYTES_PER_TOKEN, DEFAULT_KV_TRANSFER_BANDWIDTH_GBPS, VLLM_KV_HOLD_TIMEOUT_S,
@@ -119,6 +120,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="milliseconds to load one block back from the host tier, divided by --speedup like all "
                         "modelled time (default: 5%% of prefilling a block's tokens)")
     add_pooling_flags(p)  # vLLM's --runner / --convert: a pooling model (pooling.py)
+    add_lora_flags(p)  # vLLM's --enable-lora, --lora-modules, --max-loras (lora.py)
     p.add_argument("--serve-anthropic", action="store_true",
                    help="serve Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens) as vLLM 0.32 "
                         "does, so the router passes such requests through instead of translating them")
@@ -138,6 +140,7 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
         pooling_task(args)
     except ValueError as exc:
         parser.error(str(exc))
+    check_lora_flags(parser, args)
     return args
 
 

@@ -1,0 +1,128 @@
+"""A worker record's ``lora_adapters``, read from the engine and kept current.
+
+vLLM (and the sim) list every loaded LoRA adapter in ``/v1/models`` with the base model as its
+``parent``: static ``--lora-modules`` and runtime loads (``/v1/load_lora_adapter``, which a client
+may send to the engine directly) alike. So the launcher observes rather than proxies: it reads the
+list at registration (``probe_lora_adapters``) and, while registered, :class:`LoraWatch` polls it at
+a bounded interval (``--lora-poll-interval``) and re-registers the record (``registration.update``)
+whenever the set changes. Only engines started with ``--enable-lora`` are watched; every request
+has a timeout, and a failed read keeps the last known list.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any, Awaitable, Callable, Iterable
+
+import aiohttp
+import msgspec
+
+from infera.discovery.record import WorkerRecord
+
+log = logging.getLogger("infera.launcher.lora")
+
+MODELS_TIMEOUT_S = 5.0
+DEFAULT_POLL_INTERVAL_S = 2.0
+POLL_INTERVAL_ENV = "INFERA_LORA_POLL_INTERVAL"
+
+
+def lora_enabled(engine_argv: list[str]) -> bool:
+    return "--enable-lora" in engine_argv or any(a.startswith("--enable-lora=") and a[14:].lower() in ("1", "true")
+                                                 for a in engine_argv)
+
+
+def adapters_from_models(data: Any, base_names: Iterable[str]) -> list[str] | None:
+    """The adapters in a ``/v1/models`` body (entries whose ``parent`` is a base model), sorted;
+    None when the body is not a model list."""
+    if not isinstance(data, dict) or not isinstance(data.get("data"), list):
+        return None
+    bases = set(base_names)
+    found = {m["id"] for m in data["data"]
+             if isinstance(m, dict) and isinstance(m.get("id"), str) and m.get("parent") is not None
+             and m["id"] not in bases}
+    return sorted(found)
+
+
+async def probe_lora_adapters(session: aiohttp.ClientSession, base_url: str,
+                              base_names: Iterable[str]) -> list[str] | None:
+    """The engine's loaded adapters now (None: could not be read)."""
+    try:
+        async with session.get(base_url + "/v1/models", timeout=aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S)) as resp:
+            if resp.status != 200:
+                return None
+            return adapters_from_models(await resp.json(content_type=None), base_names)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        log.debug("cannot read /v1/models: %s", exc)
+        return None
+
+
+class LoraWatch:
+    """Polls the engine's adapters and re-registers the record when they change."""
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, base_names: Iterable[str],
+                 get_record: Callable[[], WorkerRecord | None], set_record: Callable[[WorkerRecord], None],
+                 update: Callable[[WorkerRecord], Awaitable[Any]], interval: float = DEFAULT_POLL_INTERVAL_S) -> None:
+        if interval <= 0:
+            raise ValueError("the LoRA poll interval must be positive")
+        self._session = session
+        self._url = base_url
+        self._bases = list(base_names)
+        self._get_record = get_record
+        self._set_record = set_record
+        self._update = update
+        self.interval = interval
+        self.updates = 0  # records re-registered after a change
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="lora-watch")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def check(self) -> bool:
+        """One poll: True when the record changed and was re-registered."""
+        record = self._get_record()
+        if record is None:
+            return False
+        adapters = await probe_lora_adapters(self._session, self._url, self._bases)
+        if adapters is None or adapters == sorted(record.lora_adapters):
+            return False
+        record = msgspec.structs.replace(record, lora_adapters=adapters)
+        self._set_record(record)
+        await asyncio.wait_for(self._update(record), MODELS_TIMEOUT_S * 2)
+        self.updates += 1
+        log.info("LoRA adapters now %s: record re-registered", adapters or "none")
+        return True
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.check()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the next poll tries again; the record keeps its last list
+                log.warning("LoRA adapter poll failed: %s", exc)
+
+
+def add_lora_watch_flag(parser: Any) -> None:
+    parser.add_argument("--lora-poll-interval", type=float, default=None,
+                        help=f"seconds between reads of a LoRA engine's /v1/models, to keep the record's adapters "
+                             f"current (env {POLL_INTERVAL_ENV}; default {DEFAULT_POLL_INTERVAL_S:g})")
+
+
+def lora_poll_interval(args: Any, env: dict[str, str] | None = None) -> float:
+    """``--lora-poll-interval`` > ``INFERA_LORA_POLL_INTERVAL`` > the default; positive."""
+    value = getattr(args, "lora_poll_interval", None)
+    if value is None:
+        raw = (os.environ if env is None else env).get(POLL_INTERVAL_ENV, "").strip()
+        value = float(raw) if raw else DEFAULT_POLL_INTERVAL_S
+    if not value > 0:
+        raise ValueError(f"the LoRA poll interval must be positive, got {value}")
+    return float(value)
