@@ -11,6 +11,7 @@ expands it from its own store: the previous request's (expanded) input, then the
 response's output messages and function calls (reasoning left out, as vLLM leaves it out), then the
 new input. The expanded request no longer names ``previous_response_id``, so any worker serves it.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -45,14 +46,14 @@ def decode_request(body: bytes) -> dict[str, Any]:
         raise ApiError(400, "'model' is required", "invalid_request", param="model")
     given = doc.get("input")
     if not isinstance(given, (str, list)):
-        raise ApiError(400, "'input' is required: a string or a list of input items", "invalid_request",
-                       param="input")
+        raise ApiError(400, "'input' is required: a string or a list of input items", "invalid_request", param="input")
     if isinstance(given, list) and not all(isinstance(item, dict) for item in given):
         raise ApiError(400, "every input item must be an object", "invalid_request", param="input")
     previous = doc.get("previous_response_id")
     if previous is not None and (not isinstance(previous, str) or not previous):
-        raise ApiError(400, "'previous_response_id' must be a response id", "invalid_request",
-                       param="previous_response_id")
+        raise ApiError(
+            400, "'previous_response_id' must be a response id", "invalid_request", param="previous_response_id"
+        )
     instructions = doc.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise ApiError(400, "'instructions' must be a string", "invalid_request", param="instructions")
@@ -73,8 +74,7 @@ def carried_output(output: Any) -> list[dict[str, Any]]:
     return [item for item in output if isinstance(item, dict) and item.get("type") in _CARRIED_OUTPUT_TYPES]
 
 
-def expand(request: dict[str, Any], prior_input: list[dict[str, Any]], prior_output: list[dict[str, Any]]
-           ) -> dict[str, Any]:
+def expand(request: dict[str, Any], prior_input: list[dict[str, Any]], prior_output: Any) -> dict[str, Any]:
     """``request`` (a follow-up) as one self-contained request: the conversation so far, then its own
     input; ``previous_response_id`` removed. ``request`` itself is left as it was."""
     expanded = {k: v for k, v in request.items() if k != "previous_response_id"}
@@ -113,8 +113,11 @@ def chat_messages(instructions: str | None, given: str | list[dict[str, Any]]) -
         kind = item.get("type")
         last = messages[-1] if messages and messages[-1].get("role") == "assistant" else None
         if kind in ("function_call", "custom_tool_call"):
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments", item.get("input"))}}
+            call = {
+                "id": item.get("call_id"),
+                "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments", item.get("input"))},
+            }
             if last is not None:
                 last.setdefault("tool_calls", []).append(call)
             else:
@@ -138,12 +141,17 @@ def chat_messages(instructions: str | None, given: str | list[dict[str, Any]]) -
 
 def chat_body(request: dict[str, Any]) -> dict[str, Any]:
     """The chat request equivalent to ``request`` for routing: its messages, model, tools and salt."""
-    body: dict[str, Any] = {"model": request["model"],
-                            "messages": chat_messages(request.get("instructions"), request["input"])}
+    body: dict[str, Any] = {
+        "model": request["model"],
+        "messages": chat_messages(request.get("instructions"), request["input"]),
+    }
     tools = request.get("tools")
     if isinstance(tools, list) and tools:  # Responses' flat function tools, in the chat form
-        body["tools"] = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
-                         for t in tools if isinstance(t, dict) and t.get("type") == "function"] or None
+        body["tools"] = [
+            {"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+            for t in tools
+            if isinstance(t, dict) and t.get("type") == "function"
+        ] or None
         if body["tools"] is None:
             del body["tools"]
     salt = request.get("cache_salt")
@@ -166,7 +174,7 @@ class CompletedEvent:
     response object (the stored form of a streamed response). Only the bytes from that event on
     are buffered, up to ``max_bytes`` (a bigger one is not kept)."""
 
-    __slots__ = ("_tail", "_max", "_found", "_over")
+    __slots__ = ("_found", "_max", "_over", "_tail")
 
     def __init__(self, max_bytes: int) -> None:
         self._tail = bytearray()
@@ -182,10 +190,10 @@ class CompletedEvent:
             self._tail += chunk
             at = self._tail.find(_COMPLETED)
             if at < 0:
-                del self._tail[:max(0, len(self._tail) - len(_COMPLETED))]
+                del self._tail[: max(0, len(self._tail) - len(_COMPLETED))]
                 return
             self._found = True
-            del self._tail[:at + 1]
+            del self._tail[: at + 1]
         else:
             self._tail += chunk
         if len(self._tail) > self._max + 4096:
@@ -219,13 +227,18 @@ def router_error_event(chunk: bytes, sequence_number: int) -> bytes | None:
     if not chunk.startswith(_ROUTER_ERROR_PREFIX):
         return None
     try:
-        err = _decode(chunk[len(b"data: "):].strip())["error"]
+        err = _decode(chunk[len(b"data: ") :].strip())["error"]
     except (msgspec.DecodeError, RecursionError, KeyError, TypeError):
         return None
     err = err if isinstance(err, dict) else {}
     message = err.get("message") if isinstance(err.get("message"), str) else "the worker failed mid-stream"
-    event = {"type": "error", "code": err.get("code") if isinstance(err.get("code"), str) else None,
-             "message": message, "param": None, "sequence_number": sequence_number}
+    event = {
+        "type": "error",
+        "code": err.get("code") if isinstance(err.get("code"), str) else None,
+        "message": message,
+        "param": None,
+        "sequence_number": sequence_number,
+    }
     return b"event: error\ndata: " + msgspec.json.encode(event) + b"\n\n"
 
 

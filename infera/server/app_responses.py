@@ -14,6 +14,7 @@ response object); a follow-up naming ``previous_response_id`` is expanded from i
 self-contained request that any worker can serve, and engines are asked not to keep their own copy
 (``store: false``; vLLM's own store is per engine and never frees). GET and DELETE are answered from
 the store, 404 in OpenAI's shape for an unknown id (or another tenant's)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,11 +29,25 @@ from infera.api import responses as _responses
 from infera.api.errors import ApiError
 from infera.api.requests import parse_request
 from infera.router.policy import RoutedRequest
-from infera.server.app_state import (API_KEY_KEY, DIRECT_WORKER_HEADER, FLEET_VIEW_KEY, PERMIT_KEY, REQUEST_ID_HEADER,
-                                     REQUEST_ID_KEY, STATE_KEY, USAGE_TOKENS_KEY, ServerState, _admit,
-                                     _authorize_model, _check_client_request_id, _json, _request_id, _trace)
+from infera.server.app_state import (
+    API_KEY_KEY,
+    DIRECT_WORKER_HEADER,
+    FLEET_VIEW_KEY,
+    PERMIT_KEY,
+    REQUEST_ID_HEADER,
+    REQUEST_ID_KEY,
+    STATE_KEY,
+    USAGE_TOKENS_KEY,
+    ServerState,
+    _admit,
+    _authorize_model,
+    _check_client_request_id,
+    _json,
+    _request_id,
+    _trace,
+)
 from infera.server.request_salt import CACHE_SALT_STATE, salt_translated
-from infera.server.responses_store import ResponsesStore, decode_entry, encode_entry
+from infera.server.responses_store import ResponsesStore, ResponsesStoreLike, decode_entry, encode_entry
 from infera.server.tenant_limits import UsageMeter, reply_tokens
 
 log = logging.getLogger(__name__)
@@ -40,12 +55,12 @@ log = logging.getLogger(__name__)
 CHAT_ROUTE = "/v1/chat/completions"
 ROUTE = _responses.RESPONSES_ROUTE
 _NO_PREVIOUS = b'"previous_response_id":null'
-RESPONSES_STORE_KEY = web.AppKey("responses_store", object)  # a ResponsesStore or SharedResponsesStore
+RESPONSES_STORE_KEY = web.AppKey("responses_store", ResponsesStoreLike)  # local, sibling-shared or NATS-shared
 # Routes an --api-keys-file key opens (app.py's API_KEY_ROUTES takes them in).
 API_KEY_ROUTES = frozenset({_responses.RESPONSES_ROUTE, _responses.RESPONSE_ROUTE})
 
 
-def install(app: web.Application, store: Any = None) -> None:
+def install(app: web.Application, store: ResponsesStoreLike | None = None) -> None:
     """The Responses routes on ``app``, with ``store`` (a default in-memory one if None; the server
     puts the one its flags build under ``RESPONSES_STORE_KEY`` before it starts)."""
     app[RESPONSES_STORE_KEY] = store if store is not None else ResponsesStore()
@@ -97,9 +112,13 @@ async def _create(request: web.Request) -> web.StreamResponse:
         prior_input, prior_response = await _stored(request, previous)
         doc = _responses.expand(doc, prior_input, prior_response.get("output"))
     if "kv_transfer_params" in doc and not state.allow_client_kv_transfer_params:  # as parse_request refuses it
-        raise ApiError(400, "kv_transfer_params is set by the router; start the server with "
-                       "--allow-client-kv-transfer-params to let clients send their own", "invalid_request",
-                       param="kv_transfer_params")
+        raise ApiError(
+            400,
+            "kv_transfer_params is set by the router; start the server with "
+            "--allow-client-kv-transfer-params to let clients send their own",
+            "invalid_request",
+            param="kv_transfer_params",
+        )
     keep = doc.get("store", True) is not False
     doc["store"] = False  # the router keeps it; an engine's own store is per engine and never frees
     salt = salt_translated(doc, request.get(API_KEY_KEY))  # an isolated tenant's own cache_salt
@@ -109,9 +128,17 @@ async def _create(request: web.Request) -> web.StreamResponse:
     await _admit(request, model)
     stream = doc.get("stream") is True
     span, trace_headers = _trace(state, request, ROUTE, model, request_id)
-    routed = RoutedRequest(route=CHAT_ROUTE, body=chat, parsed=parsed, model=model, stream=stream,
-                           request_id=request_id, direct_worker=request.headers.get(DIRECT_WORKER_HEADER),
-                           trace_headers=trace_headers, body_for=lambda worker: (ROUTE, engine_body))
+    routed = RoutedRequest(
+        route=CHAT_ROUTE,
+        body=chat,
+        parsed=parsed,
+        model=model,
+        stream=stream,
+        request_id=request_id,
+        direct_worker=request.headers.get(DIRECT_WORKER_HEADER),
+        trace_headers=trace_headers,
+        body_for=lambda worker: (ROUTE, engine_body),
+    )
     given = doc.get("cache_salt")
     salt = salt if salt is not None else (given if isinstance(given, str) and given else None)
     if salt is not None:  # the kv-aware policy hashes the prompt from the same salted root
@@ -148,8 +175,9 @@ async def _create(request: web.Request) -> web.StreamResponse:
                 body = _json.encode(response)
             if keep:
                 await _keep(request, input_items, response)
-        return web.Response(status=reply.status, body=body, headers=headers,
-                            content_type=reply.content_type.split(";")[0])
+        return web.Response(
+            status=reply.status, body=body, headers=headers, content_type=reply.content_type.split(";")[0]
+        )
     first = (reply.first_byte_at or time.perf_counter()) - started
     metrics.observe_ttft(ROUTE, first)
     request.app[FLEET_VIEW_KEY].recent.observe_ttft(reply.worker_id, first)
@@ -201,8 +229,11 @@ async def _create(request: web.Request) -> web.StreamResponse:
 async def _retrieve(request: web.Request) -> web.Response:
     request[REQUEST_ID_KEY] = request_id = _request_id(request)
     _, response = await _stored(request, request.match_info["response_id"])
-    return web.Response(body=msgspec.json.encode(_public(response)), content_type="application/json",
-                        headers={REQUEST_ID_HEADER: request_id})
+    return web.Response(
+        body=msgspec.json.encode(_public(response)),
+        content_type="application/json",
+        headers={REQUEST_ID_HEADER: request_id},
+    )
 
 
 async def _delete(request: web.Request) -> web.Response:
@@ -211,5 +242,8 @@ async def _delete(request: web.Request) -> web.Response:
     await _stored(request, response_id)  # another tenant's is not found, and stays
     if not await request.app[RESPONSES_STORE_KEY].delete(response_id):
         raise _responses.not_found(response_id)
-    return web.Response(body=_responses.deleted_body(response_id), content_type="application/json",
-                        headers={REQUEST_ID_HEADER: request_id})
+    return web.Response(
+        body=_responses.deleted_body(response_id),
+        content_type="application/json",
+        headers={REQUEST_ID_HEADER: request_id},
+    )

@@ -11,18 +11,33 @@ Its methods are coroutines so that a store shared between replicas can take its 
 replica-sync channel's side channel (best effort: a process started later has only what it stored
 or heard since).
 """
+
 from __future__ import annotations
 
 import struct
 import time
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import msgspec
 
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_TTL_S = 3600.0
 _ENTRY_OVERHEAD = 96  # bytes counted per entry on top of its id and value (the dict slot, the tuple)
+
+
+class ResponsesStoreLike(Protocol):
+    """What the Responses handlers use of a store (this module's, or the NATS-shared one)."""
+
+    @property
+    def max_bytes(self) -> int: ...
+
+    async def put(self, response_id: str, value: bytes) -> bool: ...
+
+    async def get(self, response_id: str) -> bytes | None: ...
+
+    async def delete(self, response_id: str) -> bool: ...
 
 
 def encode_entry(input_items: list[Any], response: dict[str, Any]) -> bytes:
@@ -43,8 +58,12 @@ def decode_entry(value: bytes) -> tuple[list[Any], dict[str, Any]] | None:
 class ResponsesStore:
     """Stored responses in memory: LRU bounded in bytes, each kept ``ttl_s`` seconds."""
 
-    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, ttl_s: float = DEFAULT_TTL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        ttl_s: float = DEFAULT_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if max_bytes < 0 or ttl_s <= 0:
             raise ValueError("the responses store needs max_bytes >= 0 and ttl_s > 0")
         self.max_bytes = max_bytes
@@ -132,14 +151,14 @@ def decode_side(data: bytes) -> tuple[bytes, str, bytes] | None:
     (n,) = _ID_LEN.unpack_from(data, 1)
     if len(data) < 3 + n:
         return None
-    return data[:1], data[3:3 + n].decode("utf-8", "surrogateescape"), data[3 + n:]
+    return data[:1], data[3 : 3 + n].decode("utf-8", "surrogateescape"), data[3 + n :]
 
 
 class SiblingResponsesStore:
     """``ResponsesStore``'s interface, each put and delete also sent to the sibling processes over
     ``sync`` (a ``ReplicaSync``: ``add_side_channel`` / ``publish_side``), whose messages it applies."""
 
-    def __init__(self, local: ResponsesStore, sync) -> None:
+    def __init__(self, local: ResponsesStore, sync: Any) -> None:
         self.local = local
         self.sync = sync
         self._subject = sync.add_side_channel(SIDE_CHANNEL, self._receive)

@@ -10,6 +10,7 @@ is the KV stream created with the store's bounds: ``--responses-store-ttl`` as i
 ``--responses-store-max-bytes`` as its size, the oldest entries dropped past it (discard old, where
 a plain KV bucket would refuse new ones).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -55,12 +56,24 @@ class SharedResponsesStore:
                 try:
                     self._kv = await js.key_value(self.bucket)
                 except BucketNotFoundError:
-                    await js.add_stream(api.StreamConfig(
-                        name=f"KV_{self.bucket}", subjects=[f"$KV.{self.bucket}.>"], allow_direct=True,
-                        allow_rollup_hdrs=True, deny_delete=True, discard=api.DiscardPolicy.OLD,
-                        max_age=self.local.ttl_s, max_bytes=self.local.max_bytes, max_msgs_per_subject=1,
-                        max_msg_size=min(self.local.max_bytes, self.nats.max_payload), max_consumers=-1,
-                        max_msgs=-1, num_replicas=1, duplicate_window=min(120.0, self.local.ttl_s)))
+                    await js.add_stream(
+                        api.StreamConfig(
+                            name=f"KV_{self.bucket}",
+                            subjects=[f"$KV.{self.bucket}.>"],
+                            allow_direct=True,
+                            allow_rollup_hdrs=True,
+                            deny_delete=True,
+                            discard=api.DiscardPolicy.OLD,
+                            max_age=self.local.ttl_s,
+                            max_bytes=self.local.max_bytes,
+                            max_msgs_per_subject=1,
+                            max_msg_size=min(self.local.max_bytes, self.nats.max_payload),
+                            max_consumers=-1,
+                            max_msgs=-1,
+                            num_replicas=1,
+                            duplicate_window=min(120.0, self.local.ttl_s),
+                        )
+                    )
                     self._kv = await js.key_value(self.bucket)
         return self._kv
 
@@ -75,8 +88,11 @@ class SharedResponsesStore:
             kv = await asyncio.wait_for(self._bucket(), self.timeout_s)
             await asyncio.wait_for(kv.put(response_id, value), self.timeout_s)
         except Exception as exc:  # the broker away or the value too big for it: this replica still has it
-            log.info("response %s kept on this replica only: the NATS KV bucket refused it (%s)", response_id,
-                     type(exc).__name__)
+            log.info(
+                "response %s kept on this replica only: the NATS KV bucket refused it (%s)",
+                response_id,
+                type(exc).__name__,
+            )
         return kept
 
     async def get(self, response_id: str) -> bytes | None:
@@ -84,7 +100,7 @@ class SharedResponsesStore:
             try:
                 kv = await asyncio.wait_for(self._bucket(), self.timeout_s)
                 entry = await asyncio.wait_for(kv.get(response_id), self.timeout_s)
-                return entry.value
+                return bytes(entry.value)
             except (KeyDeletedError, KeyNotFoundError, NotFoundError) as exc:
                 if getattr(exc, "op", None) is not None:  # a delete marker (nats-py's get raises it as not found)
                     await self.local.delete(response_id)  # deleted on another replica

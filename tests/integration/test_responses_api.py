@@ -4,6 +4,7 @@ order), a three-turn conversation by ``previous_response_id`` whose first engine
 the third turn (the router keeps the conversation and sends the follow-up expanded), GET and DELETE
 served from the router's store (404 in OpenAI's shape), ``store: false`` not kept, and kv-aware
 routing following the conversation to the worker that holds its prefix."""
+
 from __future__ import annotations
 
 import json
@@ -23,9 +24,17 @@ pytestmark = pytest.mark.integration
 
 MODEL = "sim-model"
 FIXED = {"ignore_eos": True}  # exact lengths: the sim never stops early
-VLLM_EVENTS = ["response.created", "response.in_progress", "response.output_item.added",
-               "response.content_part.added", "response.output_text.delta", "response.output_text.done",
-               "response.content_part.done", "response.output_item.done", "response.completed"]
+VLLM_EVENTS = [
+    "response.created",
+    "response.in_progress",
+    "response.output_item.added",
+    "response.content_part.added",
+    "response.output_text.delta",
+    "response.output_text.done",
+    "response.content_part.done",
+    "response.output_item.done",
+    "response.completed",
+]
 
 
 class Requests:
@@ -46,8 +55,9 @@ class Requests:
 
 
 async def _sim(*flags: str) -> SimServer:
-    server = SimServer(parse_args(["--model", MODEL, "--host", "127.0.0.1", "--port", "0", "--speedup", "1000",
-                                   *flags]))
+    server = SimServer(
+        parse_args(["--model", MODEL, "--host", "127.0.0.1", "--port", "0", "--speedup", "1000", *flags])
+    )
     server.requests = Requests()
     server.app.middlewares.append(server.requests.record)
     return server
@@ -73,13 +83,18 @@ def _client(base: str) -> openai.AsyncOpenAI:
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_plain_and_streamed_in_vllms_shapes(fed_server, sims, stream):
-    server, base = await _router(fed_server, sims)
+    _server, base = await _router(fed_server, sims)
     async with _client(base) as client:
         if stream:
             kinds, final = [], None
-            async for event in await client.responses.create(model=MODEL, input="Say something", stream=True,
-                                                             instructions="You are terse.", max_output_tokens=5,
-                                                             extra_body=FIXED):
+            async for event in await client.responses.create(
+                model=MODEL,
+                input="Say something",
+                stream=True,
+                instructions="You are terse.",
+                max_output_tokens=5,
+                extra_body=FIXED,
+            ):
                 kinds.append(event.type)
                 if event.type == "response.completed":
                     final = event.response
@@ -87,15 +102,16 @@ async def test_plain_and_streamed_in_vllms_shapes(fed_server, sims, stream):
             assert deltas >= 1 and kinds == VLLM_EVENTS[:4] + ["response.output_text.delta"] * deltas + VLLM_EVENTS[5:]
             resp = final
         else:
-            resp = await client.responses.create(model=MODEL, input="Say something", instructions="You are terse.",
-                                                 max_output_tokens=5, extra_body=FIXED)
+            resp = await client.responses.create(
+                model=MODEL, input="Say something", instructions="You are terse.", max_output_tokens=5, extra_body=FIXED
+            )
         assert resp.id.startswith("resp_") and resp.object == "response" and resp.model == MODEL
         assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
         assert len(resp.output_text.split()) == 5 and resp.output[0].type == "message"
         assert resp.usage.output_tokens == 5 and resp.usage.input_tokens > 0
         assert resp.usage.total_tokens == resp.usage.input_tokens + 5
         # the engine got the Responses body itself (not a chat translation), told not to keep it
-        (path, sent), = [r for sim in sims.values() for r in sim.requests.seen if r[0] == "/v1/responses"]
+        ((_path, sent),) = [r for sim in sims.values() for r in sim.requests.seen if r[0] == "/v1/responses"]
         assert sent["instructions"] == "You are terse." and sent["input"] == "Say something"
         assert sent["store"] is False and sent.get("stream", False) is stream
         # GET from the router's store: the same response
@@ -104,20 +120,35 @@ async def test_plain_and_streamed_in_vllms_shapes(fed_server, sims, stream):
 
 
 async def test_three_turns_survive_the_first_engine(fed_server, sims):
-    server, base = await _router(fed_server, sims, "--router-policy", "round-robin")
+    _server, base = await _router(fed_server, sims, "--router-policy", "round-robin")
     async with _client(base) as client:
-        first = await client.responses.create(model=MODEL, input="Turn one", instructions="Be brief.",
-                                              max_output_tokens=3, extra_body=FIXED)
-        second = await client.responses.create(model=MODEL, input="Turn two", previous_response_id=first.id,
-                                               max_output_tokens=3, extra_body=FIXED, stream=False)
+        first = await client.responses.create(
+            model=MODEL, input="Turn one", instructions="Be brief.", max_output_tokens=3, extra_body=FIXED
+        )
+        second = await client.responses.create(
+            model=MODEL,
+            input="Turn two",
+            previous_response_id=first.id,
+            max_output_tokens=3,
+            extra_body=FIXED,
+            stream=False,
+        )
         # the first engine goes away; the third turn is still served, by whichever worker is left
-        gone = next(w for w, sim in sims.items() if sim.requests.responses()[:1]
-                    and sim.requests.responses()[0]["input"] == "Turn one")
+        gone = next(
+            w
+            for w, sim in sims.items()
+            if sim.requests.responses()[:1] and sim.requests.responses()[0]["input"] == "Turn one"
+        )
         await sims[gone].__aexit__(None, None, None)  # still listed: the router fails over from it
         kinds = []
-        async for event in await client.responses.create(model=MODEL, input="Turn three", stream=True,
-                                                         previous_response_id=second.id, max_output_tokens=3,
-                                                         extra_body=FIXED):
+        async for event in await client.responses.create(
+            model=MODEL,
+            input="Turn three",
+            stream=True,
+            previous_response_id=second.id,
+            max_output_tokens=3,
+            extra_body=FIXED,
+        ):
             kinds.append(event.type)
             if event.type == "response.completed":
                 third = event.response
@@ -131,8 +162,7 @@ async def test_three_turns_survive_the_first_engine(fed_server, sims):
     assert "previous_response_id" not in sent
     # the conversation, expanded: turn one, its answer, turn two, its answer, turn three (no instructions)
     roles = [(item.get("role"), item.get("type")) for item in sent["input"]]
-    assert roles == [("user", None), ("assistant", "message"), ("user", None), ("assistant", "message"),
-                     ("user", None)]
+    assert roles == [("user", None), ("assistant", "message"), ("user", None), ("assistant", "message"), ("user", None)]
     assert [sent["input"][i]["content"] for i in (0, 2, 4)] == ["Turn one", "Turn two", "Turn three"]
     assert sent["input"][1]["content"][0]["text"] == first.output_text
     assert sent["input"][3]["content"][0]["text"] == second.output_text
@@ -142,15 +172,16 @@ async def test_three_turns_survive_the_first_engine(fed_server, sims):
 
 
 async def test_get_delete_unknown_and_store_false(fed_server, sims):
-    server, base = await _router(fed_server, sims)
+    _server, base = await _router(fed_server, sims)
     async with _client(base) as client:
         with pytest.raises(openai.NotFoundError) as err:
             await client.responses.retrieve("resp_nope")
         assert err.value.body["message"] == "Response with id 'resp_nope' not found."
         with pytest.raises(openai.NotFoundError):
             await client.responses.create(model=MODEL, input="x", previous_response_id="resp_nope")
-        unkept = await client.responses.create(model=MODEL, input="x", store=False, max_output_tokens=2,
-                                               extra_body=FIXED)
+        unkept = await client.responses.create(
+            model=MODEL, input="x", store=False, max_output_tokens=2, extra_body=FIXED
+        )
         with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve(unkept.id)
         kept = await client.responses.create(model=MODEL, input="x", max_output_tokens=2, extra_body=FIXED)
@@ -182,8 +213,13 @@ async def test_kv_aware_follows_the_conversation(make_server, spawn_worker):
         for turn in range(4):
             before = {wid: server.kv.hit_totals(wid)[0] for wid in ids}
             follow = await client.responses.create(
-                model=MODEL, input=system_prompt(3) if turn == 0 else f"and then {turn}", instructions="Be brief.",
-                max_output_tokens=4, previous_response_id=follow.id if follow else None, extra_body=FIXED)
+                model=MODEL,
+                input=system_prompt(3) if turn == 0 else f"and then {turn}",
+                instructions="Be brief.",
+                max_output_tokens=4,
+                previous_response_id=follow.id if follow else None,
+                extra_body=FIXED,
+            )
             predicted = {wid: server.kv.hit_totals(wid)[0] - before[wid] for wid in ids}
             reported = follow.usage.input_tokens_details.cached_tokens
             cached.append(reported)
@@ -191,8 +227,11 @@ async def test_kv_aware_follows_the_conversation(make_server, spawn_worker):
             if holder is not None:
                 assert predicted[holder] == reported  # the conversation's holder was picked
             tokens = follow.usage.input_tokens
-            await wait_for(lambda: max(server.kv.index.block_count(w) for w in ids) >= tokens // 16, 10,
-                           message="the turn's blocks in the view")
+            await wait_for(
+                lambda: max(server.kv.index.block_count(w) for w in ids) >= tokens // 16,
+                10,
+                message="the turn's blocks in the view",
+            )
             holder = holder or max(ids, key=server.kv.index.block_count)
     assert cached[0] == 0 and all(c >= 16 * 10 for c in cached[1:])  # every follow-up hit the conversation
 
@@ -202,12 +241,13 @@ async def test_conversations_shared_between_replicas_over_nats(fed_server, sims,
     deleted through the other (a NATS KV bucket with the store's bounds), and the delete is seen
     by the first, though it kept its own copy."""
     nats = ("--kv-event-transport", "nats", "--nats-server", own_nats_server.url, "--responses-store-ttl", "600")
-    (one, base_one), (two, base_two) = [await _router(fed_server, sims, *nats) for _ in range(2)]
+    (one, base_one), (_two, base_two) = [await _router(fed_server, sims, *nats) for _ in range(2)]
     async with _client(base_one) as c1, _client(base_two) as c2:
         first = await c1.responses.create(model=MODEL, input="Turn one", max_output_tokens=3, extra_body=FIXED)
         assert (await c2.responses.retrieve(first.id)).output_text == first.output_text
-        second = await c2.responses.create(model=MODEL, input="Turn two", previous_response_id=first.id,
-                                           max_output_tokens=3, extra_body=FIXED)
+        second = await c2.responses.create(
+            model=MODEL, input="Turn two", previous_response_id=first.id, max_output_tokens=3, extra_body=FIXED
+        )
         assert second.usage.input_tokens > first.usage.input_tokens  # expanded from the shared entry
         await c2.responses.delete(first.id)
         with pytest.raises(openai.NotFoundError):
@@ -224,11 +264,14 @@ async def test_api_keys_guard_responses_and_tenants_keep_their_own(fed_server, s
     import hashlib
 
     path = tmp_path / "keys.yaml"
-    path.write_text("keys:\n" + "".join(f"  - sha256: {hashlib.sha256(k.encode()).hexdigest()}\n    tenant: {t}\n"
-                                        f"    models: [\"{m}\"]\n"
-                                        for k, t, m in (("sk-a", "a", MODEL), ("sk-b", "b", MODEL),
-                                                        ("sk-c", "c", "other"))))
-    server, base = await _router(fed_server, sims, "--api-keys-file", str(path))
+    path.write_text(
+        "keys:\n"
+        + "".join(
+            f'  - sha256: {hashlib.sha256(k.encode()).hexdigest()}\n    tenant: {t}\n    models: ["{m}"]\n'
+            for k, t, m in (("sk-a", "a", MODEL), ("sk-b", "b", MODEL), ("sk-c", "c", "other"))
+        )
+    )
+    _server, base = await _router(fed_server, sims, "--api-keys-file", str(path))
 
     def client(key: str) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=base + "/v1", api_key=key, max_retries=0)
@@ -261,8 +304,10 @@ async def test_the_sims_own_store_as_vllms(sims, monkeypatch):
         async with s.post(url, json=ask) as r:
             first = await r.json()
         async with s.post(url, json={**ask, "input": "Turn two", "previous_response_id": first["id"]}) as r:
-            assert r.status == 404 and (await r.json())["error"]["message"] == \
-                f"Response with id '{first['id']}' not found."
+            assert (
+                r.status == 404
+                and (await r.json())["error"]["message"] == f"Response with id '{first['id']}' not found."
+            )
         monkeypatch.setenv("VLLM_ENABLE_RESPONSES_API_STORE", "1")
         async with s.post(url, json=ask) as r:
             first = await r.json()
@@ -271,8 +316,14 @@ async def test_the_sims_own_store_as_vllms(sims, monkeypatch):
         follow = {**ask, "input": "Turn two", "previous_response_id": first["id"]}
         async with s.post(url, json=follow) as r:
             by_engine = await r.json()
-        expanded = {**ask, "input": [{"role": "user", "content": "Turn one"}, *first["output"],
-                                     {"role": "user", "content": "Turn two"}]}
+        expanded = {
+            **ask,
+            "input": [
+                {"role": "user", "content": "Turn one"},
+                *first["output"],
+                {"role": "user", "content": "Turn two"},
+            ],
+        }
         async with s.post(url, json=expanded) as r:
             by_router = await r.json()
     assert by_engine["usage"]["input_tokens"] == by_router["usage"]["input_tokens"] > first["usage"]["input_tokens"]
@@ -289,16 +340,44 @@ class DiesOnResponses:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        head = {"id": "resp_x", "object": "response", "created_at": 0, "model": MODEL, "output": [],
-                "status": "in_progress", "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
-        events = [("response.created", {"response": head}), ("response.in_progress", {"response": head}),
-                  ("response.output_item.added", {"output_index": 0, "item": {
-                      "id": "msg_x", "type": "message", "role": "assistant", "content": [], "status": "in_progress"}}),
-                  ("response.output_text.delta", {"content_index": 0, "output_index": 0, "item_id": "msg_x",
-                                                  "delta": "Hel", "logprobs": []})]
+        head = {
+            "id": "resp_x",
+            "object": "response",
+            "created_at": 0,
+            "model": MODEL,
+            "output": [],
+            "status": "in_progress",
+            "parallel_tool_calls": True,
+            "tool_choice": "auto",
+            "tools": [],
+        }
+        events = [
+            ("response.created", {"response": head}),
+            ("response.in_progress", {"response": head}),
+            (
+                "response.output_item.added",
+                {
+                    "output_index": 0,
+                    "item": {
+                        "id": "msg_x",
+                        "type": "message",
+                        "role": "assistant",
+                        "content": [],
+                        "status": "in_progress",
+                    },
+                },
+            ),
+            (
+                "response.output_text.delta",
+                {"content_index": 0, "output_index": 0, "item_id": "msg_x", "delta": "Hel", "logprobs": []},
+            ),
+        ]
         for seq, (kind, fields) in enumerate(events):
-            await resp.write(f"event: {kind}\ndata: ".encode()
-                             + json.dumps({"type": kind, "sequence_number": seq, **fields}).encode() + b"\n\n")
+            await resp.write(
+                f"event: {kind}\ndata: ".encode()
+                + json.dumps({"type": kind, "sequence_number": seq, **fields}).encode()
+                + b"\n\n"
+            )
         request.transport.abort()
         return resp
 
@@ -320,8 +399,13 @@ async def test_midstream_failure_is_a_responses_error_event(fed_server):
         server.fleet.upsert(WorkerRecord(worker_id="dying", url=f"http://127.0.0.1:{engine.port}", model_name=MODEL))
         async with _client(base) as client:
             events = [e async for e in await client.responses.create(model=MODEL, input="hi", stream=True)]
-        assert [e.type for e in events] == ["response.created", "response.in_progress", "response.output_item.added",
-                                            "response.output_text.delta", "error"]
+        assert [e.type for e in events] == [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.output_text.delta",
+            "error",
+        ]
         assert events[-1].sequence_number == 4 and events[-1].message and events[-1].code
         # nothing completed, nothing stored
         async with _client(base) as client:

@@ -1,6 +1,7 @@
 """The Responses store among the processes of a ``--workers N`` server without NATS: two stores over
 real local replica-sync channels (Unix sockets in a private runtime folder) share each stored
 response and each delete; an entry over the shared size stays with the process that stored it."""
+
 from __future__ import annotations
 
 import shutil
@@ -39,8 +40,7 @@ async def test_puts_and_deletes_reach_the_sibling(stores, monkeypatch):
     await wait_for(lambda: _has(two, "resp_1"), 10, message="the sibling has it")
     assert await two.get("resp_1") == b'{"input":[],"response":{}}'
     assert await two.delete("resp_1")
-    await wait_for(lambda: _gone(one, "resp_1"), 10,
-                   message="the delete reached the first")
+    await wait_for(lambda: _gone(one, "resp_1"), 10, message="the delete reached the first")
     monkeypatch.setattr(store_mod, "MAX_SHARED_VALUE_BYTES", 10)
     assert await one.put("resp_big", b"x" * 100)  # kept here, not sent
     assert await one.put("resp_after", b"y")  # sent after it: once it is there, the big one would have been too

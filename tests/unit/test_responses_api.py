@@ -1,6 +1,7 @@
 """The Responses API's pure parts: the router's store (bytes bound, LRU, TTL), the expansion of a
 follow-up, the chat messages a request renders to (vLLM's construct_input_messages), the door's
 checks, the completed event read from a stream split anywhere, and the store's flags."""
+
 from __future__ import annotations
 
 import asyncio
@@ -51,11 +52,14 @@ def test_store_evicts_least_recently_used_past_the_bound():
     assert store.bytes <= store.max_bytes and len(store) == 3
 
 
-@pytest.mark.parametrize("max_bytes, value, kept", [
-    (0, b"", False),  # 0: none kept
-    (200, b"v" * 50, True),
-    (200, b"v" * 500, False),  # bigger than the whole bound: not kept, nothing evicted for it
-])
+@pytest.mark.parametrize(
+    "max_bytes, value, kept",
+    [
+        (0, b"", False),  # 0: none kept
+        (200, b"v" * 50, True),
+        (200, b"v" * 500, False),  # bigger than the whole bound: not kept, nothing evicted for it
+    ],
+)
 def test_store_entry_sizes(max_bytes, value, kept):
     store = ResponsesStore(max_bytes=max_bytes, ttl_s=60, clock=Clock())
     assert run(store.put("resp_x", value)) is kept
@@ -84,21 +88,44 @@ def test_entry_round_trip_and_garbage():
         assert decode_entry(bad) is None
 
 
-MSG = {"id": "msg_1", "type": "message", "role": "assistant", "status": "completed",
-       "content": [{"type": "output_text", "text": "Hello.", "annotations": []}]}
+MSG = {
+    "id": "msg_1",
+    "type": "message",
+    "role": "assistant",
+    "status": "completed",
+    "content": [{"type": "output_text", "text": "Hello.", "annotations": []}],
+}
 CALL = {"id": "fc_1", "type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
 REASONING = {"id": "rs_1", "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]}
 
 
-@pytest.mark.parametrize("request_input, prior_input, prior_output, expected", [
-    ("two", [{"role": "user", "content": "one"}], [MSG],
-     [{"role": "user", "content": "one"}, MSG, {"role": "user", "content": "two"}]),
-    ([{"role": "user", "content": [{"type": "input_text", "text": "two"}]}], [], [REASONING, MSG],
-     [MSG, {"role": "user", "content": [{"type": "input_text", "text": "two"}]}]),  # reasoning not carried
-    ([{"type": "function_call_output", "call_id": "call_1", "output": "42"}], [{"role": "user", "content": "q"}],
-     [CALL], [{"role": "user", "content": "q"}, CALL,
-              {"type": "function_call_output", "call_id": "call_1", "output": "42"}]),
-])
+@pytest.mark.parametrize(
+    "request_input, prior_input, prior_output, expected",
+    [
+        (
+            "two",
+            [{"role": "user", "content": "one"}],
+            [MSG],
+            [{"role": "user", "content": "one"}, MSG, {"role": "user", "content": "two"}],
+        ),
+        (
+            [{"role": "user", "content": [{"type": "input_text", "text": "two"}]}],
+            [],
+            [REASONING, MSG],
+            [MSG, {"role": "user", "content": [{"type": "input_text", "text": "two"}]}],
+        ),  # reasoning not carried
+        (
+            [{"type": "function_call_output", "call_id": "call_1", "output": "42"}],
+            [{"role": "user", "content": "q"}],
+            [CALL],
+            [
+                {"role": "user", "content": "q"},
+                CALL,
+                {"type": "function_call_output", "call_id": "call_1", "output": "42"},
+            ],
+        ),
+    ],
+)
 def test_expand(request_input, prior_input, prior_output, expected):
     request = {"model": "m", "input": request_input, "previous_response_id": "resp_1", "instructions": "now"}
     expanded = r.expand(request, prior_input, prior_output)
@@ -106,20 +133,36 @@ def test_expand(request_input, prior_input, prior_output, expected):
     assert expanded["instructions"] == "now" and request["previous_response_id"] == "resp_1"  # the original kept
 
 
-@pytest.mark.parametrize("instructions, given, expected", [
-    (None, "hi", [{"role": "user", "content": "hi"}]),
-    ("sys", "hi", [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]),
-    ("", [{"role": "user", "content": [{"type": "input_text", "text": "a"}]}],
-     [{"role": "user", "content": [{"type": "text", "text": "a"}]}]),
-    (None, [{"role": "user", "content": "q"}, MSG], [{"role": "user", "content": "q"},
-                                                     {"role": "assistant", "content": "Hello."}]),
-    (None, [{"role": "assistant", "content": "plain"}], [{"role": "assistant", "content": "plain"}]),
-    (None, [CALL, {"type": "function_call_output", "call_id": "call_1", "output": "42"}],
-     [{"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
-                                            "function": {"name": "f", "arguments": "{}"}}]},
-      {"role": "tool", "content": "42", "tool_call_id": "call_1"}]),
-    (None, [REASONING, MSG], [{"role": "assistant", "content": "Hello."}]),
-])
+@pytest.mark.parametrize(
+    "instructions, given, expected",
+    [
+        (None, "hi", [{"role": "user", "content": "hi"}]),
+        ("sys", "hi", [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]),
+        (
+            "",
+            [{"role": "user", "content": [{"type": "input_text", "text": "a"}]}],
+            [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
+        ),
+        (
+            None,
+            [{"role": "user", "content": "q"}, MSG],
+            [{"role": "user", "content": "q"}, {"role": "assistant", "content": "Hello."}],
+        ),
+        (None, [{"role": "assistant", "content": "plain"}], [{"role": "assistant", "content": "plain"}]),
+        (
+            None,
+            [CALL, {"type": "function_call_output", "call_id": "call_1", "output": "42"}],
+            [
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+                },
+                {"role": "tool", "content": "42", "tool_call_id": "call_1"},
+            ],
+        ),
+        (None, [REASONING, MSG], [{"role": "assistant", "content": "Hello."}]),
+    ],
+)
 def test_chat_messages(instructions, given, expected):
     assert r.chat_messages(instructions, given) == expected
 
@@ -130,12 +173,19 @@ def test_chat_messages_refuses_an_unknown_item():
     assert err.value.status == 400
 
 
-@pytest.mark.parametrize("body, param", [
-    (b"", None), (b"[1]", None), (b'{"input": "x"}', "model"), (b'{"model": "m"}', "input"),
-    (b'{"model": "m", "input": 3}', "input"), (b'{"model": "m", "input": [1]}', "input"),
-    (b'{"model": "m", "input": "x", "previous_response_id": 5}', "previous_response_id"),
-    (b'{"model": "m", "input": "x", "instructions": ["a"]}', "instructions"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (b"", None),
+        (b"[1]", None),
+        (b'{"input": "x"}', "model"),
+        (b'{"model": "m"}', "input"),
+        (b'{"model": "m", "input": 3}', "input"),
+        (b'{"model": "m", "input": [1]}', "input"),
+        (b'{"model": "m", "input": "x", "previous_response_id": 5}', "previous_response_id"),
+        (b'{"model": "m", "input": "x", "instructions": ["a"]}', "instructions"),
+    ],
+)
 def test_decode_request_refuses(body, param):
     with pytest.raises(ApiError) as err:
         r.decode_request(body)
@@ -143,18 +193,31 @@ def test_decode_request_refuses(body, param):
 
 
 def test_chat_body_tools_and_salt():
-    body = r.chat_body({"model": "m", "input": "x", "cache_salt": "s",
-                        "tools": [{"type": "function", "name": "f", "parameters": {}}, {"type": "web_search"}]})
-    assert body == {"model": "m", "messages": [{"role": "user", "content": "x"}], "cache_salt": "s",
-                    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}
+    body = r.chat_body(
+        {
+            "model": "m",
+            "input": "x",
+            "cache_salt": "s",
+            "tools": [{"type": "function", "name": "f", "parameters": {}}, {"type": "web_search"}],
+        }
+    )
+    assert body == {
+        "model": "m",
+        "messages": [{"role": "user", "content": "x"}],
+        "cache_salt": "s",
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+    }
     assert "tools" not in r.chat_body({"model": "m", "input": "x", "tools": [{"type": "web_search"}]})
 
 
 def _stream(response: dict) -> bytes:
-    frames = [b"event: response.created\ndata: " + msgspec.json.encode({"type": "response.created"}) + b"\n\n",
-              b"event: response.output_text.delta\ndata: {\"delta\": \"event: response.completed\"}\n\n",
-              b"event: response.completed\ndata: " + msgspec.json.encode(
-                  {"type": "response.completed", "response": response}) + b"\n\n"]
+    frames = [
+        b"event: response.created\ndata: " + msgspec.json.encode({"type": "response.created"}) + b"\n\n",
+        b'event: response.output_text.delta\ndata: {"delta": "event: response.completed"}\n\n',
+        b"event: response.completed\ndata: "
+        + msgspec.json.encode({"type": "response.completed", "response": response})
+        + b"\n\n",
+    ]
     return b"".join(frames)
 
 
@@ -164,7 +227,7 @@ def test_completed_event_split_anywhere(piece):
     data = _stream(response)
     seen = r.CompletedEvent(max_bytes=10_000)
     for at in range(0, len(data), piece):
-        seen.feed(data[at:at + piece])
+        seen.feed(data[at : at + piece])
     assert seen.response() == response
 
 
@@ -177,12 +240,18 @@ def test_completed_event_too_big_or_absent():
     assert none.response() is None
 
 
-@pytest.mark.parametrize("argv, environ, expected", [
-    ([], {}, (64 * 1024 * 1024, 3600.0)),
-    ([], {"INFERA_RESPONSES_STORE_MAX_BYTES": "1Mi", "INFERA_RESPONSES_STORE_TTL": "30"}, (1024 * 1024, 30.0)),
-    (["--responses-store-max-bytes", "0", "--responses-store-ttl", "5"],
-     {"INFERA_RESPONSES_STORE_MAX_BYTES": "1Mi"}, (0, 5.0)),
-])
+@pytest.mark.parametrize(
+    "argv, environ, expected",
+    [
+        ([], {}, (64 * 1024 * 1024, 3600.0)),
+        ([], {"INFERA_RESPONSES_STORE_MAX_BYTES": "1Mi", "INFERA_RESPONSES_STORE_TTL": "30"}, (1024 * 1024, 30.0)),
+        (
+            ["--responses-store-max-bytes", "0", "--responses-store-ttl", "5"],
+            {"INFERA_RESPONSES_STORE_MAX_BYTES": "1Mi"},
+            (0, 5.0),
+        ),
+    ],
+)
 def test_store_flags(argv, environ, expected):
     args = parse_args(["--etcd-endpoint", "unused:1", *argv], environ=environ)
     assert (args.responses_store_max_bytes, args.responses_store_ttl) == expected
@@ -194,8 +263,15 @@ def test_router_error_event():
     out = r.router_error_event(sse_error_event("worker w1 went away", 502, "upstream_lost"), 7)
     assert out.startswith(b"event: error\ndata: ") and out.endswith(b"\n\n")
     assert msgspec.json.decode(out.split(b"data: ", 1)[1]) == {
-        "type": "error", "code": "upstream_lost", "message": "worker w1 went away", "param": None,
-        "sequence_number": 7}
-    for engine_chunk in (b'event: response.created\ndata: {"error": 1}\n\n', b"data: [DONE]\n\n",
-                         b'data: {"error" nonsense\n\n'):
+        "type": "error",
+        "code": "upstream_lost",
+        "message": "worker w1 went away",
+        "param": None,
+        "sequence_number": 7,
+    }
+    for engine_chunk in (
+        b'event: response.created\ndata: {"error": 1}\n\n',
+        b"data: [DONE]\n\n",
+        b'data: {"error" nonsense\n\n',
+    ):
         assert r.router_error_event(engine_chunk, 0) is None

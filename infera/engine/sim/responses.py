@@ -15,12 +15,14 @@ Like vLLM, a stored response is kept by this engine only with ``VLLM_ENABLE_RESP
 (here bounded to the last ``_STORE_ENTRIES``); without it ``store`` is ignored and every
 ``previous_response_id`` is a 404, which is why the router keeps conversations itself.
 """
+
 from __future__ import annotations
 
 import os
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -33,7 +35,7 @@ from infera.api.errors import ApiError as RouterApiError
 from .schemas import ENGINE_KEY, SSE_HEADERS, ApiError
 
 SESSION_KEY = web.AppKey("responses_loopback", aiohttp.ClientSession)
-STORE_KEY = web.AppKey("responses_store", OrderedDict)
+STORE_KEY: web.AppKey[OrderedDict[str, Any]] = web.AppKey("responses_store")
 _STORE_ENTRIES = 1024
 _FORWARDED_HEADERS = ("X-Request-Id", "traceparent", "tracestate", "X-Data-Parallel-Rank")
 _json_encode = msgspec.json.Encoder().encode
@@ -47,25 +49,52 @@ def _not_found(response_id: str) -> ApiError:
     return ApiError(404, f"Response with id '{response_id}' not found.", "invalid_request_error", "response_id")
 
 
-def _response(req: dict[str, Any], response_id: str, model: str, created: int, output: list[dict[str, Any]],
-              status: str, usage: dict[str, Any] | None, max_tokens: int | None) -> dict[str, Any]:
+def _response(
+    req: dict[str, Any],
+    response_id: str,
+    model: str,
+    created: int,
+    output: list[dict[str, Any]],
+    status: str,
+    usage: dict[str, Any] | None,
+    max_tokens: int | None,
+) -> dict[str, Any]:
     """vLLM's ``ResponsesResponse.from_request`` for this request."""
     temperature = req.get("temperature")
     top_p = req.get("top_p")
     return {
-        "id": response_id, "created_at": created,
+        "id": response_id,
+        "created_at": created,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "instructions": req.get("instructions"), "metadata": req.get("metadata"), "model": model,
-        "object": "response", "output": output, "parallel_tool_calls": req.get("parallel_tool_calls", True),
-        "temperature": 1.0 if temperature is None else temperature, "tool_choice": req.get("tool_choice", "auto"),
-        "tools": req.get("tools") or [], "top_p": 1.0 if top_p is None else top_p,
-        "background": bool(req.get("background")), "max_output_tokens": max_tokens,
-        "max_tool_calls": req.get("max_tool_calls"), "previous_response_id": req.get("previous_response_id"),
-        "prompt": req.get("prompt"), "reasoning": req.get("reasoning"), "service_tier": req.get("service_tier", "auto"),
-        "status": status, "text": req.get("text"), "top_logprobs": None,
-        "truncation": req.get("truncation", "disabled"), "usage": usage, "user": req.get("user"),
-        "presence_penalty": req.get("presence_penalty"), "frequency_penalty": req.get("frequency_penalty"),
-        "kv_transfer_params": None, "ec_transfer_params": None, "input_messages": None, "output_messages": None,
+        "instructions": req.get("instructions"),
+        "metadata": req.get("metadata"),
+        "model": model,
+        "object": "response",
+        "output": output,
+        "parallel_tool_calls": req.get("parallel_tool_calls", True),
+        "temperature": 1.0 if temperature is None else temperature,
+        "tool_choice": req.get("tool_choice", "auto"),
+        "tools": req.get("tools") or [],
+        "top_p": 1.0 if top_p is None else top_p,
+        "background": bool(req.get("background")),
+        "max_output_tokens": max_tokens,
+        "max_tool_calls": req.get("max_tool_calls"),
+        "previous_response_id": req.get("previous_response_id"),
+        "prompt": req.get("prompt"),
+        "reasoning": req.get("reasoning"),
+        "service_tier": req.get("service_tier", "auto"),
+        "status": status,
+        "text": req.get("text"),
+        "top_logprobs": None,
+        "truncation": req.get("truncation", "disabled"),
+        "usage": usage,
+        "user": req.get("user"),
+        "presence_penalty": req.get("presence_penalty"),
+        "frequency_penalty": req.get("frequency_penalty"),
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "input_messages": None,
+        "output_messages": None,
     }
 
 
@@ -73,11 +102,23 @@ def _usage(chat_usage: dict[str, Any] | None) -> dict[str, Any]:
     u = chat_usage or {}
     prompt, completion = u.get("prompt_tokens", 0), u.get("completion_tokens", 0)
     cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return {"input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion,
-            "input_tokens_details": {"cache_write_tokens": 0, "cached_tokens": cached,
-                                     "input_tokens_per_turn": [], "cached_tokens_per_turn": []},
-            "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0,
-                                      "output_tokens_per_turn": [], "tool_output_tokens_per_turn": []}}
+    return {
+        "input_tokens": prompt,
+        "output_tokens": completion,
+        "total_tokens": prompt + completion,
+        "input_tokens_details": {
+            "cache_write_tokens": 0,
+            "cached_tokens": cached,
+            "input_tokens_per_turn": [],
+            "cached_tokens_per_turn": [],
+        },
+        "output_tokens_details": {
+            "reasoning_tokens": 0,
+            "tool_output_tokens": 0,
+            "output_tokens_per_turn": [],
+            "tool_output_tokens_per_turn": [],
+        },
+    }
 
 
 def _text_part(text: str) -> dict[str, Any]:
@@ -85,8 +126,13 @@ def _text_part(text: str) -> dict[str, Any]:
 
 
 def _message(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    return {"id": item_id, "content": [_text_part(text)] if text else [], "role": "assistant", "status": status,
-            "type": "message"}
+    return {
+        "id": item_id,
+        "content": [_text_part(text)] if text else [],
+        "role": "assistant",
+        "status": status,
+        "type": "message",
+    }
 
 
 def _chat_body(req: dict[str, Any], messages: list[dict[str, Any]], stream: bool) -> dict[str, Any]:
@@ -110,7 +156,8 @@ class _Events:
     def __call__(self, event: dict[str, Any]) -> bytes:
         event["sequence_number"] = self.seq
         self.seq += 1
-        return b"event: " + event["type"].encode() + b"\ndata: " + _json_encode(event) + b"\n\n"
+        kind: str = event["type"]
+        return b"event: " + kind.encode() + b"\ndata: " + _json_encode(event) + b"\n\n"
 
 
 async def _create(request: web.Request) -> web.StreamResponse:
@@ -138,7 +185,7 @@ async def _create(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, exc.message) from None
     if prior:
         system = messages[:1] if messages and messages[0].get("role") == "system" and req.get("instructions") else []
-        messages = system + prior + messages[len(system):]
+        messages = system + prior + messages[len(system) :]
     stream = req.get("stream") is True
     sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
     if not isinstance(sockname, tuple) or len(sockname) < 2:
@@ -147,9 +194,11 @@ async def _create(request: web.Request) -> web.StreamResponse:
     headers = {h: v for h in _FORWARDED_HEADERS if (v := request.headers.get(h)) is not None}
     response_id, created, model = f"resp_{uuid.uuid4().hex}", int(time.time()), engine.model_name
     session = request.app[SESSION_KEY]
-    async with session.post(f"http://{host}:{sockname[1]}/v1/chat/completions",
-                            data=_json_encode(_chat_body(req, messages, stream)),
-                            headers={"Content-Type": "application/json", **headers}) as chat:
+    async with session.post(
+        f"http://{host}:{sockname[1]}/v1/chat/completions",
+        data=_json_encode(_chat_body(req, messages, stream)),
+        headers={"Content-Type": "application/json", **headers},
+    ) as chat:
         if chat.status >= 400:  # vLLM's error shape already
             return web.Response(status=chat.status, body=await chat.read(), content_type="application/json")
         if not stream:
@@ -159,8 +208,16 @@ async def _create(request: web.Request) -> web.StreamResponse:
             usage = _usage(answer.get("usage"))
             output = [_message(f"msg_{uuid.uuid4().hex}", text)] if text else []
             status = "incomplete" if choice.get("finish_reason") == "length" or not output else "completed"
-            body = _response(req, response_id, model, created, output, status, usage,
-                             req.get("max_output_tokens") or engine.max_model_len - usage["input_tokens"])
+            body = _response(
+                req,
+                response_id,
+                model,
+                created,
+                output,
+                status,
+                usage,
+                req.get("max_output_tokens") or engine.max_model_len - usage["input_tokens"],
+            )
             if keep:
                 _remember(store, response_id, messages, body)
             return web.Response(body=_json_encode(body), content_type="application/json")
@@ -184,26 +241,78 @@ async def _create(request: web.Request) -> web.StreamResponse:
                 if not delta:
                     continue
                 if not text:  # the message opens with its first text, as vLLM's processor does
-                    await resp.write(event({"type": "response.output_item.added", "output_index": 0,
-                                            "item": _message(item_id, "", "in_progress")}))
-                    await resp.write(event({"type": "response.content_part.added", "output_index": 0,
-                                            "item_id": item_id, "content_index": 0,
-                                            "part": {**_text_part(""), "logprobs": []}}))
+                    await resp.write(
+                        event(
+                            {
+                                "type": "response.output_item.added",
+                                "output_index": 0,
+                                "item": _message(item_id, "", "in_progress"),
+                            }
+                        )
+                    )
+                    await resp.write(
+                        event(
+                            {
+                                "type": "response.content_part.added",
+                                "output_index": 0,
+                                "item_id": item_id,
+                                "content_index": 0,
+                                "part": {**_text_part(""), "logprobs": []},
+                            }
+                        )
+                    )
                 text += delta
-                await resp.write(event({"type": "response.output_text.delta", "content_index": 0, "output_index": 0,
-                                        "item_id": item_id, "delta": delta, "logprobs": []}))
+                await resp.write(
+                    event(
+                        {
+                            "type": "response.output_text.delta",
+                            "content_index": 0,
+                            "output_index": 0,
+                            "item_id": item_id,
+                            "delta": delta,
+                            "logprobs": [],
+                        }
+                    )
+                )
         output = []
         if text:
-            await resp.write(event({"type": "response.output_text.done", "output_index": 0, "content_index": 0,
-                                    "text": text, "logprobs": [], "item_id": item_id}))
-            await resp.write(event({"type": "response.content_part.done", "item_id": item_id, "output_index": 0,
-                                    "content_index": 0, "part": _text_part(text)}))
+            await resp.write(
+                event(
+                    {
+                        "type": "response.output_text.done",
+                        "output_index": 0,
+                        "content_index": 0,
+                        "text": text,
+                        "logprobs": [],
+                        "item_id": item_id,
+                    }
+                )
+            )
+            await resp.write(
+                event(
+                    {
+                        "type": "response.content_part.done",
+                        "item_id": item_id,
+                        "output_index": 0,
+                        "content_index": 0,
+                        "part": _text_part(text),
+                    }
+                )
+            )
             output = [_message(item_id, text)]
             await resp.write(event({"type": "response.output_item.done", "output_index": 0, "item": output[0]}))
         usage = _usage(chat_usage)
         status = "incomplete" if finish == "length" or not output else "completed"
-        final = _response(req, response_id, model, created, output, status, usage,
-                          req.get("max_output_tokens") or engine.max_model_len - usage["input_tokens"])
+        final = _response(
+            req,
+            response_id,
+            model,
+            created,
+            output,
+            status,
+            usage,
+            req.get("max_output_tokens") or engine.max_model_len - usage["input_tokens"],
+        )
         if keep:
             _remember(store, response_id, messages, final)
         await resp.write(event({"type": "response.completed", "response": final}))
@@ -211,7 +320,9 @@ async def _create(request: web.Request) -> web.StreamResponse:
         return resp
 
 
-def _remember(store: OrderedDict, response_id: str, messages: list[dict[str, Any]], response: dict[str, Any]) -> None:
+def _remember(
+    store: OrderedDict[str, Any], response_id: str, messages: list[dict[str, Any]], response: dict[str, Any]
+) -> None:
     store[response_id] = (messages, response)
     while len(store) > _STORE_ENTRIES:
         store.popitem(last=False)
@@ -228,7 +339,7 @@ async def _retrieve(request: web.Request) -> web.Response:
 def install(app: web.Application) -> None:
     """The routes, and the loopback session they reach the chat route with (opened with the app)."""
 
-    async def session_ctx(app: web.Application):
+    async def session_ctx(app: web.Application) -> AsyncIterator[None]:
         app[SESSION_KEY] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         yield
         await app[SESSION_KEY].close()
