@@ -57,6 +57,13 @@ def decode_request(body: bytes) -> dict[str, Any]:
     instructions = doc.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise ApiError(400, "'instructions' must be a string", "invalid_request", param="instructions")
+    if doc.get("background") is True:  # it would be polled from one engine's store, which the router does not use
+        raise ApiError(
+            400,
+            "background responses are not served through the router; send the request without 'background'",
+            "unsupported_parameter",
+            param="background",
+        )
     return doc
 
 

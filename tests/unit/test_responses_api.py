@@ -184,6 +184,7 @@ def test_chat_messages_refuses_an_unknown_item():
         (b'{"model": "m", "input": [1]}', "input"),
         (b'{"model": "m", "input": "x", "previous_response_id": 5}', "previous_response_id"),
         (b'{"model": "m", "input": "x", "instructions": ["a"]}', "instructions"),
+        (b'{"model": "m", "input": "x", "background": true}', "background"),
     ],
 )
 def test_decode_request_refuses(body, param):
