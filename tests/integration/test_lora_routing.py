@@ -141,3 +141,41 @@ async def test_watch_follows_runtime_loads_and_unloads(monkeypatch):
         finally:
             await watch.stop()
         assert len(reg.updates) == 2
+
+
+def _launcher_watches() -> bool:
+    import inspect
+
+    from infera.engine.base import launcher
+
+    return "start_lora_watch" in inspect.getsource(launcher)
+
+
+@pytest.mark.skipif(not _launcher_watches(), reason="base/launcher.py does not start the LoRA watch yet "
+                    "(/tmp/s39-requests/lora-launcher.patch)")
+async def test_records_follow_runtime_loads_through_the_launcher(make_server, spawn_worker, monkeypatch):
+    monkeypatch.setenv(RUNTIME_UPDATING_ENV, "true")  # (the spawned launcher and engine inherit it)
+    server = await make_server("--router-policy", "round-robin")
+    holder = await spawn_worker(*LORA, "--lora-modules", "sql=/a", launcher_args=("--lora-poll-interval", "0.1"))
+    other = await spawn_worker(*LORA, launcher_args=("--lora-poll-interval", "0.1"))
+    await wait_workers(server, {holder.worker_id, other.worker_id})
+    base = f"http://127.0.0.1:{server.port}"
+
+    def adapters(worker) -> list[str]:
+        record = server.fleet.get(worker.worker_id)
+        return record.lora_adapters if record is not None else []
+
+    async with aiohttp.ClientSession() as s:
+        async with s.post(base + "/v1/completions", json={"model": "poet", "prompt": "x", "max_tokens": 1}) as r:
+            assert r.status == 404  # nobody holds it yet
+        async with s.post(other.url + "/v1/load_lora_adapter", json={"lora_name": "poet", "lora_path": "/p"}) as r:
+            assert r.status == 200, await r.text()
+        await wait_for(lambda: adapters(other) == ["poet"], 10, message="the load reached the record")
+        for _ in range(4):
+            async with s.post(base + "/v1/completions", json={"model": "poet", "prompt": "x", "max_tokens": 1}) as r:
+                assert r.status == 200, await r.text()
+        async with s.post(holder.url + "/v1/unload_lora_adapter", json={"lora_name": "sql"}) as r:
+            assert r.status == 200
+        await wait_for(lambda: adapters(holder) == [], 10, message="the unload reached the record")
+        async with s.post(base + "/v1/completions", json={"model": "sql", "prompt": "x", "max_tokens": 1}) as r:
+            assert r.status == 404

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from typing import Any, Awaitable, Callable, Iterable
 
 import aiohttp
 import msgspec
 
+from infera.config import add_flag, positive_float
 from infera.discovery.record import WorkerRecord
 
 log = logging.getLogger("infera.launcher.lora")
@@ -111,18 +111,26 @@ class LoraWatch:
                 log.warning("LoRA adapter poll failed: %s", exc)
 
 
-def add_lora_watch_flag(parser: Any) -> None:
-    parser.add_argument("--lora-poll-interval", type=float, default=None,
-                        help=f"seconds between reads of a LoRA engine's /v1/models, to keep the record's adapters "
-                             f"current (env {POLL_INTERVAL_ENV}; default {DEFAULT_POLL_INTERVAL_S:g})")
+
+def add_lora_watch_flag(parser: Any, environ: Any = None) -> None:
+    """``--lora-poll-interval`` (env ``INFERA_LORA_POLL_INTERVAL``), on the launcher's parser."""
+    add_flag(parser, "--lora-poll-interval", env=POLL_INTERVAL_ENV, default=DEFAULT_POLL_INTERVAL_S,
+             type=positive_float, environ=environ,
+             help="seconds between reads of a LoRA engine's /v1/models (--enable-lora), so the record's "
+                  "adapters follow runtime loads and unloads")
 
 
-def lora_poll_interval(args: Any, env: dict[str, str] | None = None) -> float:
-    """``--lora-poll-interval`` > ``INFERA_LORA_POLL_INTERVAL`` > the default; positive."""
-    value = getattr(args, "lora_poll_interval", None)
-    if value is None:
-        raw = (os.environ if env is None else env).get(POLL_INTERVAL_ENV, "").strip()
-        value = float(raw) if raw else DEFAULT_POLL_INTERVAL_S
-    if not value > 0:
-        raise ValueError(f"the LoRA poll interval must be positive, got {value}")
-    return float(value)
+def start_lora_watch(launcher: Any, session: aiohttp.ClientSession) -> LoraWatch | None:
+    """Start watching a just-registered engine's adapters (``launcher``: the ``Launcher``, its
+    ``record``, ``registration``, ``engine_url``, ``spec``/``engine_argv`` and ``args``); None when
+    the engine was not started with ``--enable-lora``. The caller stops it before deregistering."""
+    argv = (launcher.spec.argv if launcher.spec is not None else None) or launcher.engine_argv
+    record = launcher.record
+    update = getattr(launcher.registration, "update", None)  # (etcd and Kubernetes registrations have it)
+    if record is None or update is None or not lora_enabled(argv):
+        return None
+    watch = LoraWatch(session, launcher.engine_url, [record.model_name], lambda: launcher.record,
+                      lambda r: setattr(launcher, "record", r), update,
+                      interval=getattr(launcher.args, "lora_poll_interval", None) or DEFAULT_POLL_INTERVAL_S)
+    watch.start()
+    return watch

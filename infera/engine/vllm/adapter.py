@@ -38,7 +38,7 @@ from infera.engine.base.engine_config import http_ready, parse_json_flag
 from infera.engine.base.kv_dtype import has_gpu, with_kv_fp8_default
 from infera.engine.base.kv_events import add_kv_events_flag, bind_kv_events, event_fields, with_kv_events
 from infera.engine.base.launcher import EngineProcessSpec, default_advertise_host, engine_command
-from infera.engine.base.lora_watch import lora_enabled, probe_lora_adapters
+from infera.engine.base.lora_watch import add_lora_watch_flag, lora_enabled, probe_lora_adapters
 from infera.engine.base.ports import free_port_blocks
 from infera.engine.base.preflight import PdSetup
 from infera.engine.base.rocm_env import apply_rocm_env
@@ -331,6 +331,7 @@ class VllmAdapter:
 
     def add_flags(self, parser: argparse.ArgumentParser) -> None:
         add_kv_events_flag(parser)
+        add_lora_watch_flag(parser)
         add_flag(parser, "--kvd-socket", env=KVD_SOCKET_ENV, default=None,
                  help="kvd daemon socket: add InferaKvdConnector to the engine's --kv-transfer-config (merged "
                       "with one given) and pass the socket to it")
