@@ -5,6 +5,7 @@ response and each delete; an entry over the shared size stays with the process t
 from __future__ import annotations
 
 import shutil
+from collections.abc import Awaitable
 
 import pytest
 
@@ -13,6 +14,7 @@ from infera.server.responses_store import ResponsesStore, SiblingResponsesStore
 from infera.server.supervisor import make_runtime_dir
 from infera.transport.replica_sync_local import LocalReplicaSync
 from tests.conftest import wait_for
+from tests.integration.test_server_workers import pinned_sessions, start_server  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.integration
 
@@ -50,3 +52,38 @@ async def test_puts_and_deletes_reach_the_sibling(stores, monkeypatch):
 
 async def _gone(store: SiblingResponsesStore, response_id: str) -> bool:
     return await store.get(response_id) is None
+
+
+async def test_a_workers_2_server_serves_a_conversation_from_either_process(start_server, spawn_worker):
+    """``python -m infera.server --workers 2`` (kv-aware, no NATS): a response stored through one
+    process is read and continued through the other, and a delete through the other reaches the first."""
+    await spawn_worker("--no-enable-kv-events")
+    server = await start_server(active=1)
+    pinned = await pinned_sessions(server, 2)
+    url = server.base + "/v1/responses"
+    ask = {"model": "sim-model", "input": "Turn one", "max_output_tokens": 3, "ignore_eos": True}
+    try:
+        async with pinned[0].post(url, json=ask) as r:
+            assert r.status == 200, await r.text()
+            first = await r.json()
+
+        async def status_on(index: int) -> int:
+            async with pinned[index].get(f"{url}/{first['id']}") as r:
+                return r.status
+
+        await wait_for(lambda: _is(status_on(1), 200), 10, message="the sibling process has it")
+        follow = {**ask, "input": "Turn two", "previous_response_id": first["id"]}
+        async with pinned[1].post(url, json=follow) as r:
+            assert r.status == 200, await r.text()
+            second = await r.json()
+        assert second["usage"]["input_tokens"] > first["usage"]["input_tokens"]
+        async with pinned[1].delete(f"{url}/{first['id']}") as r:
+            assert r.status == 200 and (await r.json())["deleted"] is True
+        await wait_for(lambda: _is(status_on(0), 404), 10, message="the delete reached the first process")
+    finally:
+        for s in pinned.values():
+            await s.close()
+
+
+async def _is(status: Awaitable[int], expected: int) -> bool:
+    return await status == expected
