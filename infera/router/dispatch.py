@@ -27,6 +27,7 @@ from infera.discovery.record import WorkerRecord
 from infera.router.breaker import CircuitBreaker
 from infera.router.engine_hints import EngineHints
 from infera.router.lora import adapter_holders, adapter_models, knows_adapter, mark_adapter
+from infera.router.lora_loading import AdapterLoader
 from infera.router.metrics import InflightGauge, RouterMetrics
 from infera.router.migration import MigratingRelay, StreamTracker, request_for_migration
 from infera.router.policy import Policy, RoutedRequest
@@ -150,8 +151,11 @@ class MixedRouter:
         breaker: CircuitBreaker | None = None,
         migration_limit: int = 0,
         engine_hints: EngineHints | None = None,
+        lora_loader: AdapterLoader | None = None,
     ) -> None:
         self.fleet = fleet
+        # --lora-dynamic-loading: an adapter no worker holds is loaded on one first (router/lora_loading.py).
+        self.lora_loader = lora_loader
         self.policy = policy
         self._prepare = getattr(policy, "prepare", None)  # async per-request setup (tokenize once)
         self._prepare_cached = getattr(policy, "prepare_cached", None)  # the same, when no await is needed
@@ -202,6 +206,15 @@ class MixedRouter:
             headers={"Retry-After": "1"},
         )
 
+    async def candidates_loading(self, model: str) -> Sequence[WorkerRecord]:
+        """``candidates``; with dynamic LoRA loading, a model no worker serves is an adapter to load."""
+        try:
+            return self.candidates(model)
+        except ApiError as exc:
+            if self.lora_loader is None or exc.status != 404:
+                raise
+        return await self.lora_loader.holders(model)
+
     # -- dispatch ----------------------------------------------------------------------------------
     async def dispatch(self, req: RoutedRequest) -> Reply:
         account = RequestAccount(
@@ -236,7 +249,7 @@ class MixedRouter:
             except LegFailure as exc:
                 raise ApiError(exc.status, exc.message, exc.reason, headers=unreachable_mark(exc)) from None
 
-        candidates = self.candidates(req.model)
+        candidates = await self.candidates_loading(req.model)
         await self.prepare(req, candidates)
         tried: set[str] = set()
         failure: LegFailure | None = None
@@ -404,7 +417,7 @@ class MixedRouter:
     ) -> tuple[WorkerRecord, Callable[[], None]]:
         """Pick only (a gateway sends the request, e.g. the GAIE endpoint picker): the worker
         ``dispatch`` would try first, charged as ``dispatch`` charges it, and its release."""
-        candidates = self.candidates(req.model)
+        candidates = await self.candidates_loading(req.model)
         await self.prepare(req, candidates)
         pool = [w for w in candidates if w.worker_id not in exclude] if exclude else candidates
         if not pool:

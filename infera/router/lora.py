@@ -49,6 +49,6 @@ def mark_adapter(request: Any, candidates: Sequence[WorkerRecord]) -> None:
     model = request.model
     if not model or not candidates or candidates[0].model_name == model:
         return
-    if model in candidates[0].lora_adapters:
-        request.state[LORA_NAME] = model
-        request.state[LORA_BASE] = candidates[0].model_name
+    # (candidates for a model that is not their base hold it as an adapter, or have just loaded it)
+    request.state[LORA_NAME] = model
+    request.state[LORA_BASE] = candidates[0].model_name

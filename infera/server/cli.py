@@ -167,6 +167,16 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
       help="times a streamed generation whose worker dies or stalls mid-stream moves to another mixed worker "
            "and continues there (exactly from token ids on vLLM, else from the text so far); 0: off, the "
            "stream ends with an SSE error event. On, every streamed event is parsed (~10 µs each)")
+    f("--lora-dynamic-loading", env="INFERA_LORA_DYNAMIC_LOADING", default=False, action="store_true",
+      help="a request for a LoRA adapter no worker holds loads it first on the worker of its base model with the "
+           "fewest adapters (POST /v1/load_lora_adapter: vLLM needs VLLM_ALLOW_RUNTIME_LORA_UPDATING), from "
+           "--lora-adapter-dir/<name>; concurrent first requests share one load")
+    f("--lora-adapter-dir", env="INFERA_LORA_ADAPTER_DIR", default=None,
+      help="dynamic LoRA loading: the folder, on the workers' hosts, holding each adapter as a subfolder by name")
+    f("--lora-base-model", env="INFERA_LORA_BASE_MODEL", default=None,
+      help="dynamic LoRA loading: the base model adapters are loaded onto (default: the fleet's only one)")
+    f("--lora-load-timeout", env="INFERA_LORA_LOAD_TIMEOUT", default=30.0, type=positive_float,
+      help="dynamic LoRA loading: seconds one load may take")
     f("--pd-prefill-timeout", env="INFERA_PD_PREFILL_TIMEOUT", default=120.0, type=positive_float,
       help="PD: seconds a prefill leg may take before it is aborted and the pair retried")
     f("--breaker-failure-threshold", env="INFERA_BREAKER_FAILURE_THRESHOLD", default=3, type=non_negative_int,
@@ -324,6 +334,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
         discovery_options(args, environ)  # fleet key, etcd credentials: read at start, a bad file stops here
     except ValueError as exc:
         parser.error(str(exc))
+    if getattr(args, "lora_dynamic_loading", False) and not args.lora_adapter_dir:
+        parser.error("--lora-dynamic-loading needs --lora-adapter-dir (where the workers find the adapters)")
     if args.workers is None:
         args.workers = default_server_workers()
     if args.replica_sync is None:

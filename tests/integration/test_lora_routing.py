@@ -5,11 +5,13 @@ predictions are exact per adapter, with base and adapter prefixes never cross-pr
 launcher's watch follows runtime loads and unloads into the record."""
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import pytest
 
 from infera.discovery.record import WorkerRecord
-from infera.engine.base.lora_watch import LoraWatch, probe_lora_adapters
+from infera.engine.base.lora_watch import POLL_INTERVAL_ENV, LoraWatch, probe_lora_adapters
 from infera.engine.sim.lora import RUNTIME_UPDATING_ENV
 from infera.engine.sim.server import SimServer, parse_args
 from tests.conftest import wait_for
@@ -154,10 +156,11 @@ def _launcher_watches() -> bool:
 @pytest.mark.skipif(not _launcher_watches(), reason="base/launcher.py does not start the LoRA watch yet "
                     "(/tmp/s39-requests/lora-launcher.patch)")
 async def test_records_follow_runtime_loads_through_the_launcher(make_server, spawn_worker, monkeypatch):
-    monkeypatch.setenv(RUNTIME_UPDATING_ENV, "true")  # (the spawned launcher and engine inherit it)
+    monkeypatch.setenv(RUNTIME_UPDATING_ENV, "true")  # (the spawned launcher and engine inherit them)
+    monkeypatch.setenv(POLL_INTERVAL_ENV, "0.1")
     server = await make_server("--router-policy", "round-robin")
-    holder = await spawn_worker(*LORA, "--lora-modules", "sql=/a", launcher_args=("--lora-poll-interval", "0.1"))
-    other = await spawn_worker(*LORA, launcher_args=("--lora-poll-interval", "0.1"))
+    holder = await spawn_worker(*LORA, "--lora-modules", "sql=/a")
+    other = await spawn_worker(*LORA)
     await wait_workers(server, {holder.worker_id, other.worker_id})
     base = f"http://127.0.0.1:{server.port}"
 
@@ -179,3 +182,53 @@ async def test_records_follow_runtime_loads_through_the_launcher(make_server, sp
         await wait_for(lambda: adapters(holder) == [], 10, message="the unload reached the record")
         async with s.post(base + "/v1/completions", json={"model": "sql", "prompt": "x", "max_tokens": 1}) as r:
             assert r.status == 404
+
+
+def _mixed_router(server):
+    return server.stack.router.mixed
+
+
+async def test_dynamic_loading_loads_once_on_the_least_loaded_worker(make_server, spawn_worker, monkeypatch):
+    from infera.router.lora_loading import AdapterLoader
+
+    monkeypatch.setenv(RUNTIME_UPDATING_ENV, "true")
+    server = await make_server("--router-policy", "round-robin", "--lora-dynamic-loading",
+                               "--lora-adapter-dir", "/adapters")
+    mixed = _mixed_router(server)
+    if mixed.lora_loader is None:  # routing_stack.py does not pass it yet (/tmp/s39-requests/lora.md)
+        mixed.lora_loader = AdapterLoader(server.fleet, "/adapters", timeout=10)
+    loader = mixed.lora_loader
+    w1 = await spawn_worker("--enable-lora", "--max-loras", "1")
+    w2 = await spawn_worker("--enable-lora", "--max-loras", "1")
+    await wait_workers(server, {w1.worker_id, w2.worker_id})
+    base = f"http://127.0.0.1:{server.port}"
+
+    async def held(s, worker) -> dict:
+        async with s.get(worker.url + "/v1/models") as r:
+            return {m["id"]: m["root"] for m in (await r.json())["data"] if m.get("parent")}
+
+    async with aiohttp.ClientSession() as s:
+        async def ask(model: str) -> tuple[int, dict]:
+            async with s.post(base + "/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 1}) as r:
+                return r.status, await r.json()
+
+        replies = await asyncio.gather(*(ask("sql") for _ in range(8)))  # concurrent first requests
+        assert [st for st, _ in replies] == [200] * 8 and {b["model"] for _, b in replies} == {"sql"}
+        assert loader.loads == 1  # one load, not eight
+        holdings = [await held(s, w1), await held(s, w2)]
+        assert sorted(map(len, holdings)) == [0, 1] and {"sql": "/adapters/sql"} in holdings
+        # the next adapter goes to the other worker (fewest adapters), again one load
+        assert (await ask("poet"))[0] == 200 and loader.loads == 2
+        holdings = [await held(s, w1), await held(s, w2)]
+        assert sorted(k for h in holdings for k in h) == ["poet", "sql"] and all(len(h) == 1 for h in holdings)
+        for _ in range(3):
+            assert (await ask("sql"))[0] == 200 and (await ask("poet"))[0] == 200
+        assert loader.loads == 2
+        # both engines are at --max-loras: a third adapter is refused by each (bounded tries), then remembered
+        status, body = await ask("third")
+        assert status == 503 and body["error"]["code"] == "adapter_load_failed"
+        assert loader.loads == 4
+        assert (await ask("third"))[0] == 503 and loader.loads == 4
+        # a name that is no adapter folder name never reaches an engine
+        status, body = await ask("../etc")
+        assert status == 404 and loader.loads == 4

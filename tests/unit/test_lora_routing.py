@@ -125,3 +125,100 @@ def test_chain_roots_keep_adapters_and_salts_apart():
 def test_stored_event_root(extra_keys, lora_name, expected):
     ev = Stored([1, 2], None, list(range(32)), 16, extra_keys=extra_keys, lora_name=lora_name)
     assert ev.root() == expected
+
+
+# -- dynamic loading and the launcher's watch: the pure parts ---------------------------------------
+
+@pytest.mark.parametrize("name,ok", [
+    ("sql", True), ("sql-v2.1_x", True), ("_a", True), ("", False), ("../etc", False), ("a/b", False),
+    (".hidden", False), ("a..b", False), ("a" * 128, True), ("a" * 129, False), ("a b", False),
+])
+def test_adapter_names_that_may_become_paths(name, ok):
+    from infera.router.lora_loading import valid_adapter_name
+
+    assert valid_adapter_name(name) is ok
+
+
+def test_loader_prefers_the_worker_with_fewest_adapters_of_the_base():
+    from infera.router.lora_loading import AdapterLoader
+
+    fleet = Fleet()
+    for r in (_rec("a", "base", ["x", "y"]), _rec("b", "base", ["x"]), _rec("c", "base"), EMB):
+        fleet.upsert(r)
+    loader = AdapterLoader(fleet, "/adapters/")
+    assert [w.worker_id for w in loader._eligible()] == ["c", "b", "a"]  # the embedder never
+    assert loader.path_of("sql") == "/adapters/sql"
+    fleet.upsert(D)  # a second base model: which one is ambiguous without --lora-base-model
+    with pytest.raises(ApiError) as err:
+        loader._eligible()
+    assert err.value.status == 400
+    assert [w.worker_id for w in AdapterLoader(fleet, "/a", base_model="other")._eligible()] == ["d"]
+    with pytest.raises(ValueError):
+        AdapterLoader(fleet, "")
+
+
+async def test_loader_refuses_bad_names_and_base_models_without_loading():
+    from infera.router.lora_loading import AdapterLoader
+
+    fleet = Fleet()
+    fleet.upsert(C)
+    loader = AdapterLoader(fleet, "/adapters")
+    for model in ("../x", "base"):
+        with pytest.raises(ApiError) as err:
+            await loader.holders(model)
+        assert err.value.status == 404
+    assert loader.loads == 0
+
+
+@pytest.mark.parametrize("body,bases,expected", [
+    ({"data": [{"id": "m", "parent": None}, {"id": "sql", "parent": "m"}, {"id": "a", "parent": "m"}]}, ["m"],
+     ["a", "sql"]),
+    ({"data": [{"id": "m", "parent": None}]}, ["m"], []),
+    ({"data": [{"id": "m", "parent": "m"}]}, ["m"], []),  # a base is never its own adapter
+    ({"data": [{"parent": "m"}, "junk", {"id": 3, "parent": "m"}]}, ["m"], []),
+    ({"object": "error"}, ["m"], None),
+    ([], ["m"], None),
+])
+def test_adapters_from_models(body, bases, expected):
+    from infera.engine.base.lora_watch import adapters_from_models
+
+    assert adapters_from_models(body, bases) == expected
+
+
+@pytest.mark.parametrize("argv,enabled", [
+    (["--model", "m", "--enable-lora"], True), (["--enable-lora=true"], True), (["--enable-lora=false"], False),
+    (["--model", "m"], False), (["--enable-lora-bias"], False),
+])
+def test_lora_enabled(argv, enabled):
+    from infera.engine.base.lora_watch import lora_enabled
+
+    assert lora_enabled(argv) is enabled
+
+
+def test_poll_interval_flag_env_default():
+    import argparse
+
+    from infera.engine.base.lora_watch import DEFAULT_POLL_INTERVAL_S, POLL_INTERVAL_ENV, lora_poll_interval
+
+    env = {POLL_INTERVAL_ENV: "0.5"}
+    assert lora_poll_interval(argparse.Namespace(lora_poll_interval=3.0), env) == 3.0
+    assert lora_poll_interval(argparse.Namespace(), env) == 0.5
+    assert lora_poll_interval(argparse.Namespace(), {}) == DEFAULT_POLL_INTERVAL_S
+    with pytest.raises(argparse.ArgumentTypeError):
+        lora_poll_interval(argparse.Namespace(), {POLL_INTERVAL_ENV: "0"})
+
+
+def test_server_flags_for_dynamic_loading():
+    from infera.router.lora_loading import adapter_loader_from_args
+    from infera.server.cli import parse_args
+
+    common = ["--etcd-endpoint", "http://127.0.0.1:1"]
+    with pytest.raises(SystemExit):
+        parse_args([*common, "--lora-dynamic-loading"], environ={})  # no --lora-adapter-dir
+    args = parse_args(common, environ={"INFERA_LORA_DYNAMIC_LOADING": "true", "INFERA_LORA_ADAPTER_DIR": "/env"})
+    assert args.lora_dynamic_loading and args.lora_adapter_dir == "/env"
+    args = parse_args([*common, "--lora-adapter-dir", "/flag", "--lora-load-timeout", "5"],
+                      environ={"INFERA_LORA_DYNAMIC_LOADING": "1", "INFERA_LORA_ADAPTER_DIR": "/env"})
+    loader = adapter_loader_from_args(Fleet(), args)
+    assert loader is not None and loader.adapter_dir == "/flag" and loader.timeout == 5
+    assert adapter_loader_from_args(Fleet(), parse_args(common, environ={})) is None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any, Awaitable, Callable, Iterable
 
 import aiohttp
@@ -120,6 +121,16 @@ def add_lora_watch_flag(parser: Any, environ: Any = None) -> None:
                   "adapters follow runtime loads and unloads")
 
 
+def lora_poll_interval(args: Any, environ: Any = None) -> float:
+    """``--lora-poll-interval`` where the launcher has the flag (vLLM's), else ``INFERA_LORA_POLL_INTERVAL``
+    (the sim launcher, whose flag list the operator mirrors), else the default."""
+    value = getattr(args, "lora_poll_interval", None)
+    if value is None:
+        raw = (os.environ if environ is None else environ).get(POLL_INTERVAL_ENV, "").strip()
+        value = positive_float(raw) if raw else DEFAULT_POLL_INTERVAL_S
+    return float(value)
+
+
 def start_lora_watch(launcher: Any, session: aiohttp.ClientSession) -> LoraWatch | None:
     """Start watching a just-registered engine's adapters (``launcher``: the ``Launcher``, its
     ``record``, ``registration``, ``engine_url``, ``spec``/``engine_argv`` and ``args``); None when
@@ -131,6 +142,6 @@ def start_lora_watch(launcher: Any, session: aiohttp.ClientSession) -> LoraWatch
         return None
     watch = LoraWatch(session, launcher.engine_url, [record.model_name], lambda: launcher.record,
                       lambda r: setattr(launcher, "record", r), update,
-                      interval=getattr(launcher.args, "lora_poll_interval", None) or DEFAULT_POLL_INTERVAL_S)
+                      interval=lora_poll_interval(launcher.args))
     watch.start()
     return watch

@@ -22,7 +22,7 @@ from infera.engine.base.launcher import EngineProcessSpec, default_advertise_hos
 from infera.engine.base.prom import VLLM_INFLIGHT, info_labels, sum_samples
 from infera.engine.vllm.adapter import disaggregation, parse_kv_transfer_config, with_pinned_engine_id
 from infera.engine.base.anthropic_probe import serves_anthropic_messages
-from infera.engine.base.lora_watch import add_lora_watch_flag, lora_enabled, probe_lora_adapters
+from infera.engine.base.lora_watch import lora_enabled, probe_lora_adapters
 from infera.engine.vllm.tasks import probe_tasks
 
 PROG = "infera.engine.sim"
@@ -41,7 +41,6 @@ class SimAdapter:
 
     def add_flags(self, parser: argparse.ArgumentParser) -> None:
         add_kv_events_flag(parser)
-        add_lora_watch_flag(parser)
 
     def prepare(self, engine_argv: list[str], args: argparse.Namespace) -> EngineProcessSpec:
         if not flag_value(engine_argv, "--model"):
