@@ -245,6 +245,9 @@ async def _anthropic_messages(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+_COUNT_ATTEMPTS = 2  # count_tokens on engines: workers tried before the failure is the answer
+
+
 def _router_cannot_count(state: ServerState, model: str) -> ApiError | None:
     """Why the router cannot count ``model``'s prompts with its own tokenizer (None: it can)."""
     if state.tokenizers is None:
@@ -265,20 +268,28 @@ async def _count_on_engine(state: ServerState, translated: _anthropic.Translated
                            request_id: str) -> web.Response | None:
     """The count of an engine that serves the Messages API itself (its own template renders the
     tools too), for a server that cannot count: its answer relayed, an error in Anthropic's shape.
-    None: no worker of the model serves it. Any such worker will do (a tokenization, no generation),
-    one the circuit breaker admits where there is one."""
+    None: no worker of the model serves it. Any such worker will do (a tokenization, no generation):
+    one the circuit breaker admits where there is one, and another if it fails before answering."""
     pool = [w for w in state.fleet.active(translated.model, "mixed") if serves_messages(w)]
     if not pool:
         return None
     mixed = state.router.mixed
-    worker = random.choice(mixed.breaker.filter(pool))
-    try:
-        opened = await open_upstream(mixed.transport, worker, _anthropic.COUNT_TOKENS_ROUTE,
-                                     _passthrough.passthrough_body(translated.source, None),
-                                     request_headers(request_id, None), False)
-    except LegFailure as exc:
-        log.warning("request %s: count_tokens: %s", request_id, exc.detail)
-        raise ApiError(exc.status, exc.message, exc.reason) from None
+    candidates = list(mixed.breaker.filter(pool))
+    random.shuffle(candidates)
+    body = _passthrough.passthrough_body(translated.source, None)
+    failure: LegFailure | None = None
+    for worker in candidates[:_COUNT_ATTEMPTS]:
+        try:
+            opened = await open_upstream(mixed.transport, worker, _anthropic.COUNT_TOKENS_ROUTE, body,
+                                         request_headers(request_id, None), False)
+        except LegFailure as exc:
+            log.warning("request %s: count_tokens: %s", request_id, exc.detail)
+            failure = exc
+            continue
+        break
+    else:
+        assert failure is not None
+        raise ApiError(failure.status, failure.message, failure.reason)
     body = (opened.body or b"") if opened.status < 400 else _passthrough.error_reply_body(opened.status, opened.body)
     return web.Response(status=opened.status, body=body, content_type="application/json",
                         headers={REQUEST_ID_HEADER: request_id})

@@ -381,3 +381,15 @@ async def test_count_tokens_by_the_engine_where_the_router_cannot_count(fed_serv
                                                               {"role": "user", "content": "count these words"}]))
     assert counted.input_tokens == expected
     assert sims[SPEAKS].requests.paths() == ["/v1/messages/count_tokens"] and not sims[PLAIN].requests.seen
+
+
+async def test_count_tokens_tries_another_engine_when_one_is_unreachable(fed_server, sims):
+    server, base = await fed_server()  # round-robin
+    server.fleet.upsert(WorkerRecord(worker_id="dead", url=f"http://127.0.0.1:{free_port()}", model_name=MODEL,
+                                     anthropic_messages=True))
+    server.fleet.upsert(WorkerRecord(worker_id=SPEAKS, url=sims[SPEAKS].url, model_name=MODEL,
+                                     anthropic_messages=True))
+    async with anthropic.AsyncAnthropic(base_url=base, api_key="x", max_retries=0) as client:
+        counts = {(await client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}]))
+                  .input_tokens for _ in range(6)}  # the dead one is picked first about half the time
+    assert len(counts) == 1 and sims[SPEAKS].requests.paths() == ["/v1/messages/count_tokens"] * 6
