@@ -138,6 +138,20 @@ def test_anthropic_client_messages_passed_through_to_vllm(vllm_fleet):
     assert same.choices[0].message.content == msg.content[0].text
 
 
+def test_count_tokens_by_vllm_equals_the_routers_count(vllm_fleet):
+    """count_tokens on the round-robin server (no router tokenizer) is vLLM's own, asked of a worker
+    serving the Messages API (random picks, the other tried if one cannot answer); the kv-aware
+    server counts with its tokenizer; the two agree."""
+    ask = {"model": "tiny", "system": "You are terse.", "messages": [{"role": "user", "content": "count these words"},
+                                                                     {"role": "assistant", "content": "one two"},
+                                                                     {"role": "user", "content": "and these"}]}
+    by_engine = anthropic.Anthropic(base_url=vllm_fleet.base, api_key="none", max_retries=0, timeout=120)
+    by_router = anthropic.Anthropic(base_url=vllm_fleet.kv_base, api_key="none", max_retries=0, timeout=120)
+    routers = by_router.messages.count_tokens(**ask).input_tokens
+    engines = {by_engine.messages.count_tokens(**ask).input_tokens for _ in range(4)}
+    assert routers > 10 and engines == {routers}
+
+
 def test_kv_aware_reads_the_cached_tokens_of_a_passed_through_reply(vllm_fleet):
     """The kv-aware server hashes a passed-through request's rendered prompt as always, and reads
     what the engine cached from vLLM's own Anthropic usage (``cache_read_input_tokens``): the same
