@@ -348,8 +348,11 @@ class MixedRouter:
         tried), failing over before its first byte like a new request."""
         failure: LegFailure | None = None
         for _ in range(1 + self.max_retries):
-            pool = [w for w in self._generative(req.model, self.fleet.active(req.model, "mixed"))
-                    if w.worker_id not in tried]
+            pool = [
+                w
+                for w in self._generative(req.model, self.fleet.active(req.model, "mixed"))
+                if w.worker_id not in tried
+            ]
             if not pool:
                 break
             worker = self.policy.pick(self.breaker.filter(pool), req)
