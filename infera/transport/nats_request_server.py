@@ -24,10 +24,10 @@ from infera.transport.nats_frames import (BUSY, DATA, ERROR, HEAD, HEARTBEAT_S, 
 
 log = logging.getLogger(__name__)
 
-# messages: engines that speak it; responses: the Responses API (conversations kept by the router); the pooling
-# and utility routes (embeddings, rerank, score, classify, tokenize)
-_ALLOWED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses",
-                            *POOLING_ROUTES})
+# messages (and its count_tokens): engines that speak it; responses: the Responses API (conversations kept by
+# the router); the pooling and utility routes (embeddings, rerank, score, classify, tokenize)
+_ALLOWED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
+                            "/v1/responses", *POOLING_ROUTES})
 
 
 class _Request:
