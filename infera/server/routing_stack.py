@@ -21,6 +21,7 @@ from infera.router.breaker import CircuitBreaker
 from infera.router.disagg import DisaggRouter
 from infera.router.dispatch import MixedRouter
 from infera.router.engine_hints import EngineHints
+from infera.router.lora_loading import adapter_loader_from_args
 from infera.router.pd import protocol_registry
 from infera.router.policies import make_policy
 from infera.router.policy import Policy
@@ -118,7 +119,7 @@ class RoutingStack:
         mixed = MixedRouter(self.fleet, self.policy, self.transport, self.metrics,
                             max_retries=args.request_max_retries, direct=direct, usage_observer=usage_observer,
                             breaker=self.breaker, migration_limit=args.migration_limit,
-                            engine_hints=engine_hints)
+                            engine_hints=engine_hints, lora_loader=adapter_loader_from_args(self.fleet, args))
         disagg = DisaggRouter(self.fleet, self.policy, self.transport, self.metrics, protocol_registry(),
                               max_retries=args.request_max_retries, prefill_timeout=args.pd_prefill_timeout,
                               breaker=self.breaker, engine_hints=engine_hints)

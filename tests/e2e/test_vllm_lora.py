@@ -107,16 +107,6 @@ def test_cached_tokens_predicted_exactly_per_adapter_on_vllm(lora_fleet):
             assert cached >= BLOCK * 5, results  # its own do
 
 
-def _stack_loads_adapters() -> bool:
-    import inspect
-
-    from infera.server import routing_stack
-
-    return "adapter_loader_from_args" in inspect.getsource(routing_stack)
-
-
-@pytest.mark.skipif(not _stack_loads_adapters(), reason="routing_stack.py does not pass the LoRA loader yet "
-                    "(/tmp/s39-requests/lora-routing-stack.patch)")
 def test_dynamic_loading_loads_once_under_concurrent_first_requests(lora_fleet, tmp_path):
     import os
     import subprocess

@@ -145,16 +145,6 @@ async def test_watch_follows_runtime_loads_and_unloads(monkeypatch):
         assert len(reg.updates) == 2
 
 
-def _launcher_watches() -> bool:
-    import inspect
-
-    from infera.engine.base import launcher
-
-    return "start_lora_watch" in inspect.getsource(launcher)
-
-
-@pytest.mark.skipif(not _launcher_watches(), reason="base/launcher.py does not start the LoRA watch yet "
-                    "(/tmp/s39-requests/lora-launcher.patch)")
 async def test_records_follow_runtime_loads_through_the_launcher(make_server, spawn_worker, monkeypatch):
     monkeypatch.setenv(RUNTIME_UPDATING_ENV, "true")  # (the spawned launcher and engine inherit them)
     monkeypatch.setenv(POLL_INTERVAL_ENV, "0.1")

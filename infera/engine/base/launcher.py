@@ -29,6 +29,7 @@ from infera.discovery import discovery_options, make_registration
 from infera.discovery.base import Registration
 from infera.discovery.record import WorkerRecord
 from infera.engine.base.follower import NodeRankError, is_follower, node_rank
+from infera.engine.base.lora_watch import LoraWatch, start_lora_watch
 from infera.engine.base.preflight import PdSetup, pd_preflight
 from infera.engine.base.tokenizer_source import tokenizer_fields
 from infera.runtime import install_event_loop, set_pdeathsig
@@ -148,6 +149,7 @@ class Launcher:
         # HTTP API) and the KV-event relay (engine ZMQ → JetStream). None on the dev plane.
         self.nats: NatsConnection | None = None
         self.request_server = None  # NatsRequestServer
+        self.lora_watch: LoraWatch | None = None  # a --enable-lora engine's adapters, followed into the record
         self.kv_relay = None
 
     # -- engine process ------------------------------------------------------------------------------
@@ -312,11 +314,13 @@ class Launcher:
                     stop_wait.cancel()
                     code = self.proc.returncode
                     log.error("engine exited on its own with code %s; deregistering", code)
+                    await self.stop_lora_watch()
                     await self.registration.deregister()
                     registered = False
                     return _exit_code(code)
                 engine_exit.cancel()
                 # Graceful: stop receiving first, then let in-flight requests finish.
+                await self.stop_lora_watch()
                 await self.registration.deregister()
                 registered = False
                 if self.request_server is not None:
@@ -332,6 +336,7 @@ class Launcher:
                 log.error("launcher failed: %s", exc)
                 return 1
             finally:
+                await self.stop_lora_watch()
                 if registered:
                     await self.registration.deregister()
                 await self.stop_nats_plane()
@@ -376,6 +381,12 @@ class Launcher:
         await self.start_nats_plane()
         self._registering = True  # from here a stop must withdraw what may have been written
         await self.registration.register(self.record)
+        self.lora_watch = start_lora_watch(self, session)
+
+    async def stop_lora_watch(self) -> None:
+        watch, self.lora_watch = self.lora_watch, None
+        if watch is not None:
+            await watch.stop()
 
     # -- NATS plane --------------------------------------------------------------------------------------
     async def start_nats_plane(self) -> None:
