@@ -326,7 +326,8 @@ def _fleet_view_for(state: ServerState) -> FleetView:
     mixed = getattr(state.router, "mixed", None)  # its breaker is shared with PD dispatch, its policy too
     return FleetView(state.fleet, state.metrics, RecentWorkerStats(state.fleet),
                      breaker=getattr(mixed, "breaker", None), kv=state.kv, tokenizers=state.tokenizers,
-                     process=state.process, policy=getattr(getattr(mixed, "policy", None), "name", None))
+                     process=state.process, policy=getattr(getattr(mixed, "policy", None), "name", None),
+                     admission=state.admission)
 
 
 async def _fleet_sampler(app: web.Application):
