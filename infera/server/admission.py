@@ -8,17 +8,20 @@ only when a request is admitted, so it is made with the fleet as it is then.
 
 **Order.** Waiting requests are grouped by priority class (the tenant's ``priority`` in
 ``--api-keys-file``, higher first) and, within a class, by tenant; the next admitted is the oldest
-request of the tenant that has been served least in that class (a tenant that starts waiting is
-credited no less than the least-served tenant waiting, so idleness does not bank credit; between
-tenants served alike, the one holding fewer slots goes first, so that newcomer is next): with one
-heavy and one light tenant, each gets half of the freed slots while both wait, and a light request
-never waits behind the heavy tenant's backlog. Without API keys every request is one tenant's:
-first come, first served.
+request of the tenant that has been served least in that class for its weight (each admission
+advances a tenant's virtual time by 1 / its ``weight``, 1 unless the keys file says otherwise; a
+tenant that starts waiting is credited no less than the least-served tenant waiting, so idleness
+does not bank credit; between tenants served alike, the one holding fewer slots for its weight goes
+first, so that newcomer is next): with one heavy and one light tenant of equal weight, each gets
+half of the freed slots while both wait (weights 3 and 1: three quarters and one), and a light
+request never waits behind the heavy tenant's backlog. Without API keys every request is one
+tenant's: first come, first served.
 
 **Reserve.** ``--queue-reserve-per-worker`` R keeps R of each worker's slots for tenants holding
 less than their fair share: a model with C slots over its workers and R × workers reserved admits
 anyone while fewer than C − R × workers are in flight, and past that only a tenant that holds fewer
-than its fair share, C / the tenants in flight or waiting there, while another tenant is active. A
+than its fair share, C × its weight / the weights of the tenants in flight or waiting there, while
+another tenant is active. A
 tenant that overloads the model on its own therefore never fills the reserve, and a light tenant's
 request finds a slot at once instead of waiting for one to free, which a work-conserving queue makes
 it do (bench/fairness.py, 2× overload, 90 % heavy: the light tenant's p99 TTFT 3.6× its unloaded
@@ -52,13 +55,15 @@ class _Waiter:
     priority: int
     future: asyncio.Future
     since: float
+    weight: float = 1.0
 
 
 @dataclass(slots=True)
 class _Class:
-    """One priority class of one model: a FIFO per tenant and what each tenant was served."""
+    """One priority class of one model: a FIFO per tenant and what each tenant was served (its
+    virtual time: admissions / its weight)."""
     queues: dict[str, deque] = field(default_factory=dict)
-    served: dict[str, int] = field(default_factory=dict)
+    served: dict[str, float] = field(default_factory=dict)
 
     def push(self, w: _Waiter) -> None:
         q = self.queues.get(w.tenant)
@@ -71,14 +76,16 @@ class _Class:
 
     def pop(self, eligible: Callable[[str], bool] | None = None, held: dict[str, int] | None = None) -> _Waiter | None:
         """The next request to admit (of a tenant ``eligible`` allows, when given), or None: the
-        least-served tenant's oldest; between tenants served alike, the one holding fewer slots
-        (``held``: a tenant that just started waiting ties with the least served)."""
-        best: tuple[int, int, float, str] | None = None
+        least-served tenant's oldest (for its weight); between tenants served alike, the one holding
+        fewer slots for its weight (``held``: a tenant that just started waiting ties with the least
+        served)."""
+        best: tuple[float, float, float, str] | None = None
         held = held or {}
         for tenant, q in self.queues.items():
             if eligible is not None and not eligible(tenant):
                 continue
-            key = (self.served.get(tenant, 0), held.get(tenant, 0), q[0].since, tenant)
+            weight = q[0].weight
+            key = (self.served.get(tenant, 0.0), held.get(tenant, 0) / weight, q[0].since, tenant)
             if best is None or key < best:
                 best = key
         if best is None:
@@ -88,7 +95,7 @@ class _Class:
         w = q.popleft()
         if not q:
             del self.queues[tenant]
-        self.served[tenant] = self.served.get(tenant, 0) + 1
+        self.served[tenant] = self.served.get(tenant, 0.0) + 1.0 / w.weight
         if not self.queues:
             self.served.clear()  # nobody waits: fairness starts over (the map stays bounded)
         return w
@@ -116,13 +123,15 @@ class Ticket:
 
 
 class _Model:
-    __slots__ = ("inflight", "classes", "waiting", "held")
+    __slots__ = ("inflight", "classes", "waiting", "held", "weights")
 
     def __init__(self) -> None:
         self.inflight = 0
         self.classes: dict[int, _Class] = {}
         self.waiting = 0
         self.held: dict[str, int] = {}  # tenant -> its requests in flight (tenants with none absent)
+        # tenant -> its weight, for tenants in flight or waiting (the last their requests came with)
+        self.weights: dict[str, float] = {}
 
     def take(self, tenant: str) -> None:
         self.inflight += 1
@@ -135,6 +144,12 @@ class _Model:
             self.held[tenant] = n
         else:
             self.held.pop(tenant, None)
+            self.forget_idle(tenant)
+
+    def forget_idle(self, tenant: str) -> None:
+        """Drop ``tenant``'s weight once it neither holds nor waits (the map stays bounded)."""
+        if tenant not in self.held and not any(tenant in cls.queues for cls in self.classes.values()):
+            self.weights.pop(tenant, None)
 
     def active_tenants(self, also: str | None = None) -> set[str]:
         """Tenants in flight or waiting (and ``also``)."""
@@ -145,6 +160,11 @@ class _Model:
             active.add(also)
         return active
 
+    def active_weight(self, also: str | None = None) -> tuple[int, float]:
+        """How many tenants are in flight or waiting (and ``also``), and their weights' sum."""
+        active = self.active_tenants(also)
+        return len(active), sum(self.weights.get(t, 1.0) for t in active)
+
 
 def reserved_slots(capacity: int, reserved_share: float) -> int:
     """Of ``capacity`` slots, those kept for tenants under their fair share (``capacity`` ×
@@ -152,10 +172,13 @@ def reserved_slots(capacity: int, reserved_share: float) -> int:
     return int(capacity * reserved_share + 1e-9) if reserved_share > 0 else 0
 
 
-def may_take_reserved(held: int, capacity: int, active_tenants: int) -> bool:
+def may_take_reserved(held: int, capacity: int, active_tenants: int, weight: float = 1.0,
+                      active_weight: float | None = None) -> bool:
     """Whether a tenant holding ``held`` of the model's ``capacity`` slots may take a reserved one:
-    only below its fair share (capacity / the ``active_tenants``, itself included), and never alone."""
-    return active_tenants >= 2 and held * active_tenants < capacity
+    only below its fair share (capacity × its ``weight`` / the ``active_weight`` of the
+    ``active_tenants``, itself included; equal weights: capacity / active_tenants), never alone."""
+    total = float(active_tenants) if active_weight is None else active_weight
+    return active_tenants >= 2 and held * total < capacity * weight
 
 
 class AdmissionQueue:
@@ -183,8 +206,11 @@ class AdmissionQueue:
             m = self._models[model] = _Model()
         return m
 
-    async def enter(self, model: str, tenant: str, priority: int = 0) -> Ticket:
+    async def enter(self, model: str, tenant: str, priority: int = 0, weight: float = 1.0) -> Ticket:
+        if not weight > 0:
+            raise ValueError("a tenant's weight must be positive")
         m = self._model(model)
+        m.weights[tenant] = weight
         self._admit_waiting(model, m)
         capacity = self.capacity(model)
         # No worker serves it (yet): nothing to wait for here; the router answers at once. Otherwise,
@@ -198,7 +224,7 @@ class AdmissionQueue:
             self.rejected[model] = self.rejected.get(model, 0) + 1
             raise ApiError(503, f"model {model!r} is at capacity and {m.waiting} requests already wait for it; "
                            "retry shortly", "queue_full", headers={"Retry-After": "1"})
-        w = _Waiter(tenant, priority, asyncio.get_running_loop().create_future(), self.clock())
+        w = _Waiter(tenant, priority, asyncio.get_running_loop().create_future(), self.clock(), weight)
         cls = m.classes.get(priority)
         if cls is None:
             cls = m.classes[priority] = _Class()
@@ -214,6 +240,7 @@ class AdmissionQueue:
                 w.future.cancel()
                 cls.remove(w)
                 m.waiting -= 1
+                m.forget_idle(tenant)
                 self._admit_waiting(model, m)  # one tenant fewer waiting: the others' fair shares grow
             if isinstance(exc, asyncio.CancelledError):
                 raise
@@ -243,8 +270,8 @@ class AdmissionQueue:
         reserved = reserved_slots(capacity, self.reserved_share)
         if m.inflight < capacity - reserved:
             return True
-        active = m.active_tenants(tenant if new else None)
-        return may_take_reserved(m.held.get(tenant, 0), capacity, len(active))
+        count, total = m.active_weight(tenant if new else None)
+        return may_take_reserved(m.held.get(tenant, 0), capacity, count, m.weights.get(tenant, 1.0), total)
 
     def _admit_waiting(self, model: str, m: _Model) -> None:
         """Hand freed slots to waiting requests: the highest class first, fair among its tenants;
@@ -256,10 +283,10 @@ class AdmissionQueue:
             reserved = reserved_slots(capacity, self.reserved_share)
             eligible = None
             if m.inflight >= capacity - reserved:
-                active = len(m.active_tenants())
+                count, total = m.active_weight()
 
                 def eligible(t: str) -> bool:
-                    return may_take_reserved(m.held.get(t, 0), capacity, active)
+                    return may_take_reserved(m.held.get(t, 0), capacity, count, m.weights.get(t, 1.0), total)
             w = None
             for priority in sorted(m.classes, reverse=True):
                 w = m.classes[priority].pop(eligible, m.held)
@@ -269,6 +296,7 @@ class AdmissionQueue:
                 break
             m.waiting -= 1
             if w.future.done():  # gave up already
+                m.forget_idle(w.tenant)
                 continue
             m.take(w.tenant)
             self.admitted += 1

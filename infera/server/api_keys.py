@@ -10,6 +10,7 @@ The file is YAML (JSON is valid YAML), usually a Kubernetes Secret mounted as a 
         tokens_per_minute: 200000
         max_concurrent: 32
         priority: 0                        # higher is served first (the fair queue)
+        weight: 1                          # its share of the fair queue within its class (absent: 1)
         cache_isolation: false             # true: a cache_salt of its own (below)
     cache_salt_secret: <random string>     # optional, 16+ characters: see cache isolation below
 
@@ -29,7 +30,9 @@ force and says why in the log and in ``infera_api_keys_reload_failures_total``.
 
 Limits (``requests_per_minute``, ``tokens_per_minute``, ``max_concurrent``) are per tenant, shared by
 its keys and by every replica (infera/server/tenant_limits.py). ``priority`` orders the fair queue
-(infera/server/admission.py, with ``--max-inflight-per-worker``).
+(infera/server/admission.py, with ``--max-inflight-per-worker``) and ``weight`` (per tenant, 1/64 to
+64) is the tenant's share of it within its class: a tenant of weight 3 is admitted three times as
+often as one of weight 1 while both wait.
 
 ``cache_isolation: true`` (per tenant: every key of the tenant states the same) gives the tenant's
 requests a ``cache_salt`` the engine folds into its prefix-cache hashes (vLLM), so no other tenant
@@ -71,7 +74,8 @@ DEFAULT_POLL_S = 2.0
 _TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _SHA256_HEX = re.compile(r"[0-9a-fA-F]{64}")
 LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent")
-KEY_FIELDS = ("sha256", "tenant", "models", "priority", "cache_isolation", *LIMIT_FIELDS)
+KEY_FIELDS = ("sha256", "tenant", "models", "priority", "weight", "cache_isolation", *LIMIT_FIELDS)
+MIN_WEIGHT, MAX_WEIGHT = 1 / 64, 64.0
 NOT_ENFORCED_FIELDS: tuple[str, ...] = ()  # fields parsed but not acted on: none left
 TOP_FIELDS = ("keys", "cache_salt_secret")
 MIN_SALT_SECRET_CHARS = 16
@@ -92,6 +96,7 @@ class ApiKey:
     models: frozenset[str] | None  # None: every model
     limit: TenantLimit = TenantLimit()  # the tenant's (shared by all its keys and every replica)
     priority: int = 0  # its class in the fair queue (--max-inflight-per-worker): higher is served first
+    weight: float = 1.0  # the tenant's share of the fair queue within its class (per tenant)
     # cache_isolation: the tenant's salt key (see the module doc); None: off. Kept out of repr (a
     # logged key entry must not carry what its tenant's salts are made from).
     salt_key: bytes | None = dataclass_field(default=None, repr=False)
@@ -135,6 +140,7 @@ def parse_keys(text: str) -> dict[bytes, ApiKey]:
     keys: dict[bytes, ApiKey] = {}
     limits: dict[str, tuple[TenantLimit, int]] = {}  # tenant → its limits, and the entry that set them
     isolated: dict[str, tuple[bool, int]] = {}  # tenant → its cache_isolation, and the entry that set it
+    weights: dict[str, tuple[float, int]] = {}  # tenant → its fair-queue weight, and the entry that set it
     for i, entry in enumerate(doc["keys"]):
         where = f"keys[{i}]"
         if not isinstance(entry, dict):
@@ -162,6 +168,14 @@ def parse_keys(text: str) -> dict[bytes, ApiKey]:
         priority = entry.get("priority", 0)
         if isinstance(priority, bool) or not isinstance(priority, int) or not -1000 <= priority <= 1000:
             raise ApiKeysError(f"{where}.priority: expected a whole number from -1000 to 1000 (higher is served first)")
+        weight = entry.get("weight", 1)
+        if (isinstance(weight, bool) or not isinstance(weight, (int, float))
+                or not MIN_WEIGHT <= weight <= MAX_WEIGHT):
+            raise ApiKeysError(f"{where}.weight: expected a number from 1/64 to 64 (the tenant's share of the fair "
+                               "queue; absent: 1)")
+        if weights.setdefault(tenant, (float(weight), i))[0] != float(weight):
+            raise ApiKeysError(f"{where}: tenant {tenant!r} has another weight in keys[{weights[tenant][1]}]; the "
+                               "fair queue shares per tenant, so every key of a tenant must state the same")
         limit = TenantLimit(*(entry.get(f) for f in LIMIT_FIELDS))
         if limits.setdefault(tenant, (limit, i))[0] != limit:
             raise ApiKeysError(f"{where}: tenant {tenant!r} has other limits in keys[{limits[tenant][1]}]; limits are "
@@ -175,7 +189,8 @@ def parse_keys(text: str) -> dict[bytes, ApiKey]:
         digest = bytes.fromhex(sha)
         if digest in keys:
             raise ApiKeysError(f"{where}.sha256: the same key is listed twice")
-        keys[digest] = ApiKey(tenant, digest, None if ALL_MODELS in models else frozenset(models), limit, priority)
+        keys[digest] = ApiKey(tenant, digest, None if ALL_MODELS in models else frozenset(models), limit, priority,
+                              float(weight))
     salt_keys = _salt_keys(keys.values(), secret, {t for t, (on, _) in isolated.items() if on})
     if salt_keys:
         keys = {d: replace(k, salt_key=salt_keys.get(k.tenant)) for d, k in keys.items()}

@@ -114,8 +114,8 @@ async def _admit(request: web.Request, model: str) -> None:
     if queue is None or request.headers.get(DIRECT_WORKER_HEADER):  # a gateway's pick is not queued
         return
     key = request.get(API_KEY_KEY)
-    tenant, priority = (key.tenant, key.priority) if key is not None else ("", 0)
-    request[TICKET_KEY] = await queue.enter(model, tenant, priority)
+    tenant, priority, weight = (key.tenant, key.priority, key.weight) if key is not None else ("", 0, 1.0)
+    request[TICKET_KEY] = await queue.enter(model, tenant, priority, weight)
 
 
 def _authorize_model(request: web.Request, model: str | None) -> None:

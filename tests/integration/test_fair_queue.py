@@ -76,3 +76,31 @@ async def test_a_request_that_waits_too_long_gets_429_with_retry_after(fed_serve
     await asyncio.wait_for(long, 60)
     assert server.admission.snapshot()[MODEL] == {"inflight": 0, "waiting": 0, "capacity": 1}
     await client.close()
+
+
+async def test_weights_from_the_keys_file_share_the_freed_slots(fed_server, sim, tmp_path):
+    """Tenant 'gold' (weight: 3 in the keys file) and 'bronze' (no weight: 1), both backlogged behind
+    one request in flight on a one-slot model: of the first eight admitted, six are gold's."""
+    path = tmp_path / "weighted.yaml"
+    path.write_text("keys:\n" + "".join(
+        f"  - sha256: {hashlib.sha256(k.encode()).hexdigest()}\n    tenant: {t}\n{w}" for k, t, w in
+        (("sk-gold", "gold", "    weight: 3\n"), ("sk-bronze", "bronze", ""))))
+    server, base = await fed_server("--api-keys-file", str(path), "--max-inflight-per-worker", "1")
+    server.fleet.upsert(WorkerRecord(worker_id="sim-0", url=sim.url, model_name=MODEL, tokenizer=BUILTIN_TOKENIZER))
+    gold = openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-gold", max_retries=0)
+    bronze = openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-bronze", max_retries=0)
+    done: list[str] = []
+
+    async def request(client, name, tokens=3):
+        await client.completions.create(model=MODEL, prompt="hello", max_tokens=tokens, extra_body={"ignore_eos": True})
+        done.append(name)
+
+    first = asyncio.ensure_future(request(bronze, "first", 60))
+    await wait_for(lambda: server.admission.snapshot().get(MODEL, {}).get("inflight") == 1, 10, message="in flight")
+    backlog = [asyncio.ensure_future(request(c, n)) for _ in range(8) for c, n in ((gold, "gold"), (bronze, "bronze"))]
+    await wait_for(lambda: server.admission.snapshot().get(MODEL, {}).get("waiting") == 16, 10,
+                   message="sixteen waiting behind the one in flight")
+    await asyncio.wait_for(asyncio.gather(first, *backlog), 60)
+    admitted = done[1:9]  # one slot: completion order is admission order
+    assert done[0] == "first" and admitted.count("gold") == 6, done
+    await gold.close(), await bronze.close()

@@ -118,3 +118,33 @@ async def test_capacity_follows_the_fleet_and_no_worker_means_no_wait():
     families = {f.name: f for f in AdmissionMetrics(q).collect()}
     assert {"infera_queue_waiting", "infera_queue_admitted_inflight", "infera_queue_timeouts",
             "infera_queue_rejected", "infera_queue_wait_seconds"} <= set(families)
+
+
+async def test_tenants_are_admitted_in_proportion_to_their_weights():
+    """Two backlogged tenants, weights 3 and 1: of each four freed slots, three go to the heavier;
+    with equal weights they would alternate (above)."""
+    q, _ = queue(1)
+    held = await q.enter("m", "a", weight=3.0)
+    order: list[str] = []
+
+    async def request(tenant: str, weight: float) -> None:
+        ticket = await q.enter("m", tenant, weight=weight)
+        order.append(tenant)
+        await asyncio.sleep(0)
+        ticket.leave()
+
+    tasks = [asyncio.ensure_future(request("a", 3.0)) for _ in range(12)]
+    tasks += [asyncio.ensure_future(request("b", 1.0)) for _ in range(12)]
+    await settle()
+    held.leave()
+    await asyncio.wait_for(asyncio.gather(*tasks), 2)
+    first = order[:16]  # both still waiting throughout
+    assert first.count("a") == 12 and first.count("b") == 4, order
+    for i in range(0, 16, 4):  # and evenly spread: no tenant waits out a run of the other's
+        assert order[i:i + 4].count("a") == 3, order
+
+
+async def test_a_weight_must_be_positive():
+    q, _ = queue(1)
+    with pytest.raises(ValueError):
+        await q.enter("m", "t", weight=0.0)

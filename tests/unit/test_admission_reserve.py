@@ -176,3 +176,35 @@ def test_a_reserve_that_cannot_work_is_refused_at_start(argv, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--etcd-endpoint", "unused:1", *argv], environ={})
     assert "--queue-reserve-per-worker" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("held, capacity, active, weight, total, expected", [
+    (4, 8, 2, 3.0, 4.0, True),    # weight 3 of 4: its share is 6 slots
+    (5, 8, 2, 3.0, 4.0, True),
+    (6, 8, 2, 3.0, 4.0, False),   # at its share
+    (1, 8, 2, 1.0, 4.0, True),    # the weight-1 tenant beside it: a share of 2
+    (2, 8, 2, 1.0, 4.0, False),
+    (0, 8, 1, 5.0, 5.0, False),   # alone, whatever its weight
+    (3, 8, 2, 1.0, None, True),   # no weights given: equal shares, as above
+])
+def test_may_take_reserved_by_weight(held, capacity, active, weight, total, expected):
+    assert may_take_reserved(held, capacity, active, weight, total) is expected
+
+
+async def test_the_reserve_holds_a_weighted_share_for_a_heavier_tenant():
+    """Capacity 8, 2 reserved: tenant 'big' (weight 3) beside 'small' (weight 1) holding one slot may
+    take reserved slots up to its share of 6; with equal weights it would stop at 4."""
+    q = reserve_queue(8, 2)
+    small = await q.enter("m", "small", weight=1.0)
+    big = [await q.enter("m", "big", weight=3.0) for _ in range(5)]  # 6 in flight: the open slots
+    assert q.snapshot()["m"]["inflight"] == 6
+    big.append(await asyncio.wait_for(q.enter("m", "big", weight=3.0), 1))  # reserved: 5 < 6
+    waiting = asyncio.ensure_future(q.enter("m", "big", weight=3.0))  # 6 held: at its share
+    await settle()
+    assert not waiting.done() and q.snapshot()["m"]["inflight"] == 7
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    for t in (small, *big):
+        t.leave()
+    assert q.snapshot()["m"] == {"inflight": 0, "waiting": 0, "capacity": 8}
+    assert not q._models["m"].weights  # idle tenants' weights are not kept

@@ -81,6 +81,12 @@ def test_json_is_valid_yaml():
      "keys[1]: tenant 't' has other limits in keys[0]"),
     (f"keys: [{{sha256: {sha('k')}, tenant: t, priority: high}}]", "keys[0].priority: expected a whole number"),
     (f"keys: [{{sha256: {sha('k')}, tenant: t, priority: 5000}}]", "keys[0].priority: expected a whole number"),
+    (f"keys: [{{sha256: {sha('k')}, tenant: t, weight: 0}}]", "keys[0].weight: expected a number from 1/64 to 64"),
+    (f"keys: [{{sha256: {sha('k')}, tenant: t, weight: 65}}]", "keys[0].weight: expected a number"),
+    (f"keys: [{{sha256: {sha('k')}, tenant: t, weight: true}}]", "keys[0].weight: expected a number"),
+    (f"keys: [{{sha256: {sha('k')}, tenant: t, weight: '2'}}]", "keys[0].weight: expected a number"),
+    (f"keys: [{{sha256: {sha('a')}, tenant: t, weight: 2}}, {{sha256: {sha('b')}, tenant: t}}]",
+     "keys[1]: tenant 't' has another weight in keys[0]"),
     (f"keys: [{{sha256: {sha('k')}, tenant: t, cache_isolation: 'yes'}}]", "keys[0].cache_isolation: expected"),
     (f"keys: [{{sha256: {sha('a')}, tenant: t, cache_isolation: true}}, {{sha256: {sha('b')}, tenant: t}}]",
      "keys[1]: tenant 't' sets another cache_isolation in keys[0]"),
@@ -210,3 +216,15 @@ def test_the_server_refuses_to_start_on_a_bad_file_and_the_picker_refuses_the_fl
     with pytest.raises(SystemExit):  # the gateway authenticates; the picker serves no HTTP API
         parse_epp_args([*etcd, "--api-keys-file", str(good)], environ={})
     assert "unrecognized arguments: --api-keys-file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("entry, weight", [
+    ("", 1.0),            # absent: every tenant alike
+    (", weight: 3", 3.0),
+    (", weight: 0.5", 0.5),
+    (", weight: 64", 64.0),
+    (", weight: 0.015625", 1 / 64),
+])
+def test_a_tenants_weight_is_read(entry, weight):
+    (key,) = parse_keys(f"keys: [{{sha256: {sha('k')}, tenant: t{entry}}}]").values()
+    assert key.weight == weight
