@@ -61,6 +61,9 @@ class WorkerRecord(msgspec.Struct, kw_only=True, omit_defaults=False):
     # name requests use as their model; the launcher keeps it current. Requests for an adapter go
     # only to workers listing it. Empty in records from older launchers.
     lora_adapters: list[str] = msgspec.field(default_factory=list)
+    # The engine's --max-loras (adapters it serves at once), so on-demand loads go first to workers
+    # under it. 0: unknown (records from older launchers, engines without LoRA).
+    lora_max: int = 0
     schema: int = SCHEMA_VERSION
 
     @property

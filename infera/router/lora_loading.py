@@ -4,8 +4,9 @@ holds loads it on the best worker first, then goes there.
 The adapter's path is ``<--lora-adapter-dir>/<name>`` on the worker's host (vLLM's runtime
 ``POST /v1/load_lora_adapter``, which needs ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` on the engine). The
 best worker is an active generative worker of the adapter's base model (``--lora-base-model``, else
-the fleet's only one) holding the fewest adapters, so loads spread and stay under each engine's
-``--max-loras``; a refused load (an engine at its bound, one without runtime loading) tries the next
+the fleet's only one) under its engine's ``--max-loras`` (the record's ``lora_max``) holding the
+fewest adapters, so loads spread and stay under each engine's bound; workers at their bound come
+last (vLLM then swaps adapters through its CPU cache; an engine that refuses passes); a refused load (an engine at its bound, one without runtime loading) tries the next
 worker, at most ``MAX_LOAD_ATTEMPTS``. Concurrent first requests share one load (single flight).
 Until the worker's record lists the adapter (its launcher's poll), the router remembers where it
 loaded it; a failed name is remembered briefly, so a typo is not a load per request. Every wait is
@@ -105,7 +106,10 @@ class AdapterLoader:
         for wid, _ in self._placed.values():
             pending[wid] = pending.get(wid, 0) + 1
         chosen = [w for w in workers if w.model_name == base]
-        return sorted(chosen, key=lambda w: (len(w.lora_adapters) + pending.get(w.worker_id, 0), w.worker_id))
+        def held(w: WorkerRecord) -> int:
+            return len(w.lora_adapters) + pending.get(w.worker_id, 0)
+
+        return sorted(chosen, key=lambda w: (0 < w.lora_max <= held(w), held(w), w.worker_id))
 
     async def _load(self, model: str) -> WorkerRecord:
         workers = self._eligible()

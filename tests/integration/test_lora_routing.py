@@ -38,6 +38,7 @@ async def test_adapter_requests_go_only_to_holders(make_server, spawn_worker, po
     assert records[w_sql.worker_id].lora_adapters == ["sql"]
     assert records[w_both.worker_id].lora_adapters == ["poet", "sql"]
     assert records[w_base.worker_id].lora_adapters == []
+    assert [records[w.worker_id].lora_max for w in (w_sql, w_both, w_base)] == [4, 4, 0]
     base = f"http://127.0.0.1:{server.port}"
     async with aiohttp.ClientSession() as s:
         async with s.get(base + "/v1/models") as r:
@@ -184,10 +185,8 @@ async def test_dynamic_loading_loads_once_on_the_least_loaded_worker(make_server
     monkeypatch.setenv(RUNTIME_UPDATING_ENV, "true")
     server = await make_server("--router-policy", "round-robin", "--lora-dynamic-loading",
                                "--lora-adapter-dir", "/adapters")
-    mixed = _mixed_router(server)
-    if mixed.lora_loader is None:  # routing_stack.py does not pass it yet (/tmp/s39-requests/lora.md)
-        mixed.lora_loader = AdapterLoader(server.fleet, "/adapters", timeout=10)
-    loader = mixed.lora_loader
+    loader = _mixed_router(server).lora_loader
+    assert isinstance(loader, AdapterLoader)
     w1 = await spawn_worker("--enable-lora", "--max-loras", "1")
     w2 = await spawn_worker("--enable-lora", "--max-loras", "1")
     await wait_workers(server, {w1.worker_id, w2.worker_id})
@@ -222,3 +221,23 @@ async def test_dynamic_loading_loads_once_on_the_least_loaded_worker(make_server
         # a name that is no adapter folder name never reaches an engine
         status, body = await ask("../etc")
         assert status == 404 and loader.loads == 4
+
+
+async def test_dynamic_loading_skips_a_worker_at_its_max_loras(make_server, spawn_worker, monkeypatch):
+    """One worker holds one adapter at --max-loras 1, another two of 4: fewest-held alone would try
+    the full one first (which refuses); its record's lora_max sends the one load to the other."""
+    monkeypatch.setenv(RUNTIME_UPDATING_ENV, "true")
+    server = await make_server("--router-policy", "round-robin", "--lora-dynamic-loading",
+                               "--lora-adapter-dir", "/adapters")
+    full = await spawn_worker("--enable-lora", "--max-loras", "1", "--lora-modules", "sql=/adapters/sql")
+    roomy = await spawn_worker(*LORA, "--lora-modules", "poet=/adapters/poet", "chef=/adapters/chef")
+    await wait_workers(server, {full.worker_id, roomy.worker_id})
+    assert {r.worker_id: r.lora_max for r in server.fleet.all()} == {full.worker_id: 1, roomy.worker_id: 4}
+    loader = _mixed_router(server).lora_loader
+    base = f"http://127.0.0.1:{server.port}"
+    async with aiohttp.ClientSession() as s:
+        async with s.post(base + "/v1/completions", json={"model": "third", "prompt": "hi", "max_tokens": 1}) as r:
+            assert r.status == 200, await r.text()
+        async with s.get(roomy.url + "/v1/models") as r:
+            held = {m["id"] for m in (await r.json())["data"] if m.get("parent")}
+    assert loader.loads == 1 and held == {"chef", "poet", "third"}

@@ -222,3 +222,31 @@ def test_server_flags_for_dynamic_loading():
     loader = adapter_loader_from_args(Fleet(), args)
     assert loader is not None and loader.adapter_dir == "/flag" and loader.timeout == 5
     assert adapter_loader_from_args(Fleet(), parse_args(common, environ={})) is None
+
+
+def test_loader_puts_workers_at_their_max_loras_last():
+    """Records carry the engine's --max-loras (lora_max): a worker at its bound is tried only after
+    every worker under it, however few adapters those hold; 0 (unknown) is never full."""
+    from infera.router.lora_loading import AdapterLoader
+
+    fleet = Fleet()
+    recs = (_rec("a", "base", ["x"]), _rec("b", "base", ["x", "y", "z"]), _rec("c", "base", ["x", "y"]),
+            _rec("d", "base", ["w", "x", "y", "z"]))
+    for r, bound in zip(recs, (1, 4, 2, 0)):
+        fleet.upsert(WorkerRecord(**{**{f: getattr(r, f) for f in r.__struct_fields__}, "lora_max": bound}))
+    # b: 3 of 4 (room); d: unknown bound, 4 held; a and c: full
+    assert [w.worker_id for w in AdapterLoader(fleet, "/a")._eligible()] == ["b", "d", "a", "c"]
+
+
+@pytest.mark.parametrize("argv,bound", [
+    (["--enable-lora", "--max-loras", "4"], 4), (["--enable-lora", "--max-loras=3"], 3),
+    (["--enable-lora"], 1),                       # vLLM's default
+    (["--enable-lora", "--max-loras", "x"], 1),   # the engine refuses it itself
+    (["--enable-lora", "--max-loras", "0"], 1),
+    (["--max-loras", "4"], 0),                    # LoRA off: no bound to state
+    (["--enable-lora", "--max-loras"], 1),
+])
+def test_max_loras_from_the_engine_flags(argv, bound):
+    from infera.engine.base.lora_watch import max_loras
+
+    assert max_loras(argv) == bound

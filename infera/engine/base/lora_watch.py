@@ -33,6 +33,27 @@ def lora_enabled(engine_argv: list[str]) -> bool:
                                                  for a in engine_argv)
 
 
+DEFAULT_MAX_LORAS = 1  # vLLM's --max-loras default
+
+
+def max_loras(engine_argv: list[str]) -> int:
+    """The engine's ``--max-loras`` (``N`` or ``=N``; absent or unreadable: vLLM's default, 1), for
+    the record's ``lora_max``; 0 when LoRA is off."""
+    if not lora_enabled(engine_argv):
+        return 0
+    value: str | None = None
+    for i, arg in enumerate(engine_argv):
+        if arg == "--max-loras" and i + 1 < len(engine_argv):
+            value = engine_argv[i + 1]
+        elif arg.startswith("--max-loras="):
+            value = arg.split("=", 1)[1]
+    try:
+        n = int(value) if value is not None else DEFAULT_MAX_LORAS
+    except ValueError:
+        return DEFAULT_MAX_LORAS  # the engine refuses it at start; the record's bound is moot
+    return n if n > 0 else DEFAULT_MAX_LORAS
+
+
 def adapters_from_models(data: Any, base_names: Iterable[str]) -> list[str] | None:
     """The adapters in a ``/v1/models`` body (entries whose ``parent`` is a base model), sorted;
     None when the body is not a model list."""

@@ -22,7 +22,7 @@ from infera.engine.base.launcher import EngineProcessSpec, default_advertise_hos
 from infera.engine.base.prom import VLLM_INFLIGHT, info_labels, sum_samples
 from infera.engine.vllm.adapter import disaggregation, parse_kv_transfer_config, with_pinned_engine_id
 from infera.engine.base.anthropic_probe import serves_anthropic_messages
-from infera.engine.base.lora_watch import lora_enabled, probe_lora_adapters
+from infera.engine.base.lora_watch import lora_enabled, max_loras, probe_lora_adapters
 from infera.engine.vllm.tasks import probe_tasks
 
 PROG = "infera.engine.sim"
@@ -85,6 +85,7 @@ class SimAdapter:
             fields["anthropic_messages"] = await serves_anthropic_messages(session, base_url, fields["model_name"])
         if lora_enabled(engine_argv):  # its loaded adapters (kept current by base/lora_watch.py)
             fields["lora_adapters"] = await probe_lora_adapters(session, base_url, served or [model_name]) or []
+            fields["lora_max"] = max_loras(engine_argv)
         return fields
 
     def inflight(self, metrics_text: str) -> int | None:

@@ -38,7 +38,7 @@ from infera.engine.base.engine_config import http_ready, parse_json_flag
 from infera.engine.base.kv_dtype import has_gpu, with_kv_fp8_default
 from infera.engine.base.kv_events import add_kv_events_flag, bind_kv_events, event_fields, with_kv_events
 from infera.engine.base.launcher import EngineProcessSpec, default_advertise_host, engine_command
-from infera.engine.base.lora_watch import add_lora_watch_flag, lora_enabled, probe_lora_adapters
+from infera.engine.base.lora_watch import add_lora_watch_flag, lora_enabled, max_loras, probe_lora_adapters
 from infera.engine.base.ports import free_port_blocks
 from infera.engine.base.preflight import PdSetup
 from infera.engine.base.rocm_env import apply_rocm_env
@@ -422,6 +422,7 @@ class VllmAdapter:
             fields["anthropic_messages"] = await serves_anthropic_messages(session, base_url, fields["model_name"])
         if lora_enabled(engine_argv):  # its loaded adapters (kept current by base/lora_watch.py)
             fields["lora_adapters"] = await probe_lora_adapters(session, base_url, served or [fields["model_name"]]) or []
+            fields["lora_max"] = max_loras(engine_argv)
         if has_kvd_connector(cfg):  # --kvd-socket, or the user's own config naming the connector
             fields["kvd_socket"] = getattr(args, "kvd_socket", None) or os.environ.get(KVD_SOCKET_ENV) or DEFAULT_KVD_SOCKET
         return fields
