@@ -32,6 +32,7 @@ from infera.api.errors import ApiError
 from infera.api.requests import parse_request
 from infera.discovery.record import WorkerRecord
 from infera.kv.prompt import DEFAULT_PREFIX_CHARS
+from infera.router.lora import adapter_holders
 from infera.router.policy import RoutedRequest
 from infera.router.upstream import LegFailure, open_upstream, request_headers
 from infera.server.app_state import (API_KEY_KEY, DIRECT_PREFILL_HEADER, DIRECT_WORKER_HEADER, FLEET_VIEW_KEY,
@@ -264,13 +265,14 @@ def _router_cannot_count(state: ServerState, model: str) -> ApiError | None:
     return None
 
 
-async def _count_on_engine(state: ServerState, translated: _anthropic.TranslatedRequest,
-                           request_id: str) -> web.Response | None:
+async def _count_on_engine(state: ServerState, translated: _anthropic.TranslatedRequest, request_id: str,
+                           holders: tuple[WorkerRecord, ...] = ()) -> web.Response | None:
     """The count of an engine that serves the Messages API itself (its own template renders the
     tools too), for a server that cannot count: its answer relayed, an error in Anthropic's shape.
     None: no worker of the model serves it. Any such worker will do (a tokenization, no generation):
-    one the circuit breaker admits where there is one, and another if it fails before answering."""
-    pool = [w for w in state.fleet.active(translated.model, "mixed") if serves_messages(w)]
+    one the circuit breaker admits where there is one, and another if it fails before answering.
+    ``holders``: for a LoRA adapter, the workers holding it (its engine counts under its name)."""
+    pool = [w for w in holders or state.fleet.active(translated.model, "mixed") if serves_messages(w)]
     if not pool:
         return None
     mixed = state.router.mixed
@@ -314,16 +316,19 @@ async def _anthropic_count_tokens(request: web.Request) -> web.Response:
                            f"this body is over {_COUNT_BODY_FACTOR}x that", "prompt_too_large")
         translated = _anthropic.translate_request(await _anthropic_body(request, state), count_only=True)
         _authorize_model(request, translated.model)
-        if not state.fleet.knows_model(translated.model):
+        # A LoRA adapter counts with its base model's tokenizer (an adapter changes weights, not tokens).
+        holders = () if state.fleet.knows_model(translated.model) else adapter_holders(state.fleet, translated.model)
+        if not holders and not state.fleet.knows_model(translated.model):
             raise ApiError(404, f"The model `{translated.model}` does not exist. Available: "
                            f"{', '.join(state.fleet.models())}", "model_not_found")
-        unable = _router_cannot_count(state, translated.model)
+        counted_model = holders[0].model_name if holders else translated.model
+        unable = _router_cannot_count(state, counted_model)
         if unable is not None:  # an engine that serves the Messages API itself counts, else the reason
-            counted = await _count_on_engine(state, translated, request_id)
+            counted = await _count_on_engine(state, translated, request_id, holders)
             if counted is not None:
                 return counted
             raise unable
-        prompts = state.tokenizers.prompts_for(translated.model)
+        prompts = state.tokenizers.prompts_for(counted_model)
         # The cap and the threads of routing (infera/kv/prompt.py): a prompt past --router-prefix-chars is
         # not tokenized whole here either (a 413: an estimate is no answer to "does it fit"; no served
         # context holds 512 KiB of text), and anything past a few KB goes to the tokenizer threads.

@@ -241,3 +241,26 @@ async def test_dynamic_loading_skips_a_worker_at_its_max_loras(make_server, spaw
         async with s.get(roomy.url + "/v1/models") as r:
             held = {m["id"] for m in (await r.json())["data"] if m.get("parent")}
     assert loader.loads == 1 and held == {"chef", "poet", "third"}
+
+
+@pytest.mark.parametrize("policy", ["kv-aware", "round-robin"])
+async def test_count_tokens_for_an_adapter_is_its_base_models_count(make_server, spawn_worker, policy):
+    """Anthropic's count_tokens for an adapter: the kv-aware server counts with the base model's
+    tokenizer (an adapter changes weights, not tokens); the round-robin one asks a worker holding the
+    adapter, whose engine serves the Messages API. Either way the base model's count; an adapter
+    nobody holds is a 404."""
+    import anthropic
+
+    server = await make_server("--router-policy", policy)
+    worker = await spawn_worker(*LORA, "--serve-anthropic", "--lora-modules", "sql=/adapters/sql")
+    await wait_workers(server, {worker.worker_id})
+    ask = {"system": "be brief", "messages": [{"role": "user", "content": "count these words please"}]}
+    async with anthropic.AsyncAnthropic(base_url=f"http://127.0.0.1:{server.port}", api_key="x",
+                                        max_retries=0) as client:
+        base = (await client.messages.count_tokens(model="sim-model", **ask)).input_tokens
+        adapter = (await client.messages.count_tokens(model="sql", **ask)).input_tokens
+        with pytest.raises(anthropic.NotFoundError):
+            await client.messages.count_tokens(model="poet", **ask)
+        reply = await client.messages.create(model="sql", max_tokens=2, **ask)  # and served under it
+    assert adapter == base > 5
+    assert reply.model == "sql" and reply.usage.input_tokens + (reply.usage.cache_read_input_tokens or 0) == base
