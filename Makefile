@@ -76,6 +76,7 @@ LINT_STRICT_RULES := E,W,I,UP,SIM,C4,RUF,PIE,PERF,PLW,LOG,G
 LINT_STRICT_IGNORE := RUF001,RUF002,RUF003,PERF203
 LINT_STRICT := \
 	infera/router/disagg.py \
+	infera/router/pd_legs.py \
 	infera/router/dispatch.py \
 	infera/router/metrics.py \
 	infera/router/upstream.py \

@@ -26,7 +26,7 @@ from typing import Any, Callable
 from infera.discovery.fleet import Fleet
 from infera.discovery.record import WorkerRecord
 from infera.router.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
-from infera.router.disagg import pd_kind  # a prefill pairs only with a decode of its kind
+from infera.router.pd_legs import pd_kind  # a prefill pairs only with a decode of its kind
 from infera.router.kv_aware import expand_targets
 
 WINDOW_S = 10.0

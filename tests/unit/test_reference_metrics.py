@@ -14,8 +14,8 @@ from infera.api.cache_hints import LONG, CacheHints
 from infera.api.errors import ApiError
 from infera.discovery.fleet import Fleet
 from infera.discovery.record import DisaggMode, Status, WorkerRecord
-from infera.router.disagg import bootstrap_failure_reason
 from infera.router.dispatch import Reply, RequestAccount, count_hints, outcome_of
+from infera.router.pd_legs import bootstrap_failure_reason
 from infera.router.policy import RoutedRequest
 from infera.router.upstream import LegFailure, Opened, Relay
 from infera.server.metrics import ServerMetrics
