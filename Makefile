@@ -87,6 +87,21 @@ LINT_STRICT := \
 	infera/server/app_responses.py \
 	infera/server/responses_store.py \
 	infera/server/responses_store_nats.py \
+	infera/router/lora.py \
+	infera/router/lora_loading.py \
+	infera/router/pooling.py \
+	infera/api/pooling.py \
+	infera/server/app_pooling.py \
+	infera/server/request_salt.py \
+	infera/kv/bound.py \
+	infera/engine/base/anthropic_probe.py \
+	infera/engine/base/lora_watch.py \
+	infera/engine/sim/lora.py \
+	infera/engine/sim/pooling.py \
+	infera/engine/vllm/tasks.py \
+	infera/api/anthropic_passthrough.py \
+	infera/server/admission.py \
+	infera/server/api_keys.py \
 	tests/integration/test_reference_metrics.py \
 	tests/unit/test_lint_config.py \
 	tests/unit/test_reference_metrics.py

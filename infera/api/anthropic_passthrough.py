@@ -9,13 +9,20 @@ body in another shape (a framework's ``{"detail"}``, OpenAI's ``{"error":{...}}`
 own mid-stream error frame. The tokens a reply used (for tenant limits) are read from Anthropic's
 usage: ``input_tokens + cache_read_input_tokens + cache_creation_input_tokens + output_tokens``.
 """
+
 from __future__ import annotations
 
 import re
 from typing import Any
 
-from infera.api.anthropic_errors import (_decode, _DecodeErrors, _encode, anthropic_error_body, anthropic_error_type,
-                                         error_message_of)
+from infera.api.anthropic_errors import (
+    _decode,
+    _DecodeErrors,
+    _encode,
+    anthropic_error_body,
+    anthropic_error_type,
+    error_message_of,
+)
 from infera.api.anthropic_stream import sse_event
 
 SALT_FIELD = "cache_salt"
@@ -42,8 +49,12 @@ def is_anthropic_error(body: bytes | None) -> bool:
         doc = _decode(body or b"")
     except _DecodeErrors:
         return False
-    return (isinstance(doc, dict) and doc.get("type") == "error" and isinstance(doc.get("error"), dict)
-            and isinstance(doc["error"].get("message"), str))
+    return (
+        isinstance(doc, dict)
+        and doc.get("type") == "error"
+        and isinstance(doc.get("error"), dict)
+        and isinstance(doc["error"].get("message"), str)
+    )
 
 
 def error_reply_body(status: int, body: bytes | None) -> bytes:
@@ -61,7 +72,7 @@ def usage_tokens(data: bytes | None) -> int | None:
         return None
     for m in reversed(list(_USAGE.finditer(data))):
         try:
-            usage = _decode(m.group(0)[m.group(0).index(b"{"):])
+            usage = _decode(m.group(0)[m.group(0).index(b"{") :])
         except _DecodeErrors:
             continue
         if isinstance(usage, dict):
@@ -75,8 +86,8 @@ def router_error_event(chunk: bytes) -> bytes | None:
     if not chunk.startswith(_ROUTER_ERROR_PREFIX):
         return None
     try:
-        err = _decode(chunk[len(b"data: "):].strip())["error"]
-    except (_DecodeErrors + (KeyError, TypeError)):
+        err = _decode(chunk[len(b"data: ") :].strip())["error"]
+    except (*_DecodeErrors, KeyError, TypeError):
         return None
     status, message = 502, "the worker failed mid-stream"
     if isinstance(err, dict):
@@ -91,7 +102,7 @@ class PassthroughMeter:
     """The tokens of a passed-through stream: its last usage (vLLM's ``message_delta`` carries the
     whole count), else one per content delta."""
 
-    __slots__ = ("tail", "deltas")
+    __slots__ = ("deltas", "tail")
 
     def __init__(self) -> None:
         self.tail = b""

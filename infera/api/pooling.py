@@ -9,9 +9,11 @@ for single-label classifiers) and ``generate``. A record with no tasks is a gene
 every launcher meant before records carried tasks). /tokenize and /detokenize need no task: every
 vLLM worker serves them, generative or pooling.
 """
+
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import msgspec
 
@@ -88,13 +90,25 @@ def task_unserved(fleet: Any, model: str, task: str | None, active: Sequence[Any
     while a draining or unreachable worker of it does (it may come back), else a 400 naming the task
     and what the model's workers serve. ``fleet``: the ``Fleet`` (its ``all()`` records)."""
     if any(r.model_name == model and serves(r.tasks, task) for r in fleet.all()):
-        return ApiError(503, f"no active worker of model {model!r} serves {task!r} right now; retry shortly",
-                        "no_active_worker", headers={"Retry-After": "1"})
+        return ApiError(
+            503,
+            f"no active worker of model {model!r} serves {task!r} right now; retry shortly",
+            "no_active_worker",
+            headers={"Retry-After": "1"},
+        )
     offered = sorted(set().union(*(worker_tasks(w.tasks) for w in active)))
-    hint = ("start a worker of it without --runner pooling" if task == GENERATE else
-            f"start a worker of it with vLLM's --runner pooling --convert {task if task != SCORE else EMBED}")
-    return ApiError(400, f"model {model!r} is served by no worker for the {task!r} task (its workers serve: "
-                    f"{', '.join(offered)}); {hint}, or send another model", "task_not_supported", param="model")
+    hint = (
+        "start a worker of it without --runner pooling"
+        if task == GENERATE
+        else f"start a worker of it with vLLM's --runner pooling --convert {task if task != SCORE else EMBED}"
+    )
+    return ApiError(
+        400,
+        f"model {model!r} is served by no worker for the {task!r} task (its workers serve: "
+        f"{', '.join(offered)}); {hint}, or send another model",
+        "task_not_supported",
+        param="model",
+    )
 
 
 def record_tasks(served: Iterable[str]) -> list[str]:
@@ -123,7 +137,7 @@ def tasks_from_flags(runner: str | None, convert: str | None) -> list[str] | Non
         return [EMBED, SCORE]
     if convert == "classify":
         return [CLASSIFY]
-    if runner == "generate" or convert == "none" and runner != "pooling":
+    if runner == "generate" or (convert == "none" and runner != "pooling"):
         return []
     return None
 

@@ -19,14 +19,14 @@ to 95% of the bound (so each round frees a twentieth at least and its passes are
 The default is an eighth of the host's memory (``/proc/meminfo`` MemTotal, read once at start; 4 GiB
 where that cannot be read): a router replica shares its host with the rest of the serving stack.
 """
+
 from __future__ import annotations
 
 import argparse
 import re
 from typing import NamedTuple
 
-__all__ = ["BLOCK_BYTES", "HOLDER_BYTES", "ENTRY_BYTES", "BoundStats", "default_max_bytes", "parse_size",
-           "model_bytes"]
+__all__ = ["BLOCK_BYTES", "ENTRY_BYTES", "HOLDER_BYTES", "BoundStats", "default_max_bytes", "model_bytes", "parse_size"]
 
 #: a block's slot in the holder table (key and set word, 16 B, and its age byte) at ~0.76 load
 BLOCK_BYTES = 25
@@ -45,11 +45,12 @@ _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(?:([KMGTkmgt])i?[Bb]?|[Bb])?")
 
 class BoundStats(NamedTuple):
     """The index's bound as it stands (``KvIndex.bound_stats()``)."""
-    bytes_held: int       #: by the model above
-    max_bytes: int        #: 0: unbounded
+
+    bytes_held: int  #: by the model above
+    max_bytes: int  #: 0: unbounded
     evicted_entries: int  #: (block, target) entries evicted, ever
-    evicted_blocks: int   #: blocks evicted, ever
-    rounds: int           #: eviction rounds
+    evicted_blocks: int  #: blocks evicted, ever
+    rounds: int  #: eviction rounds
 
 
 def model_bytes(blocks: int, entries: int) -> int:

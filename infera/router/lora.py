@@ -8,9 +8,11 @@ renders its prompt with). vLLM folds the adapter into every block hash, so the r
 such a request starts from ``chain_root(salt, adapter)`` (``infera.kv.hashing``): ``mark_adapter``
 puts the adapter and its base in the request's state for the kv-aware policy to read.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from infera.discovery.fleet import Fleet
 from infera.discovery.record import WorkerRecord

@@ -6,20 +6,24 @@ The adapter's path is ``<--lora-adapter-dir>/<name>`` on the worker's host (vLLM
 best worker is an active generative worker of the adapter's base model (``--lora-base-model``, else
 the fleet's only one) under its engine's ``--max-loras`` (the record's ``lora_max``) holding the
 fewest adapters, so loads spread and stay under each engine's bound; workers at their bound come
-last (vLLM then swaps adapters through its CPU cache; an engine that refuses passes); a refused load (an engine at its bound, one without runtime loading) tries the next
-worker, at most ``MAX_LOAD_ATTEMPTS``. Concurrent first requests share one load (single flight).
-Until the worker's record lists the adapter (its launcher's poll), the router remembers where it
-loaded it; a failed name is remembered briefly, so a typo is not a load per request. Every wait is
-bounded (``--lora-load-timeout``), both memories are bounded in entries.
+last (vLLM then swaps adapters through its CPU cache). A refused load (an engine at its bound, one
+without runtime loading) tries the next worker, at most ``MAX_LOAD_ATTEMPTS``. Concurrent first
+requests share one load (single flight). Until the worker's record lists the adapter (its
+launcher's poll), the router remembers where it loaded it; a failed name is remembered briefly,
+so a typo is not a load per request. Every wait is bounded (``--lora-load-timeout``), both
+memories are bounded in entries.
 """
+
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import aiohttp
 
@@ -45,8 +49,15 @@ def valid_adapter_name(name: str) -> bool:
 class AdapterLoader:
     """Loads adapters on demand; ``holders(model)`` is the router's answer for an adapter no record lists."""
 
-    def __init__(self, fleet: Fleet, adapter_dir: str, *, base_model: str | None = None, timeout: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        adapter_dir: str,
+        *,
+        base_model: str | None = None,
+        timeout: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not adapter_dir:
             raise ValueError("dynamic LoRA loading needs --lora-adapter-dir (where the workers find adapters)")
         self.fleet = fleet
@@ -54,7 +65,7 @@ class AdapterLoader:
         self.base_model = base_model
         self.timeout = timeout
         self._clock = clock
-        self._loads: dict[str, asyncio.Task] = {}  # adapter -> its one load in flight
+        self._loads: dict[str, asyncio.Task[WorkerRecord]] = {}  # adapter -> its one load in flight
         self._placed: OrderedDict[str, tuple[str, float]] = OrderedDict()  # adapter -> (worker_id, until)
         self._failed: OrderedDict[str, tuple[ApiError, float]] = OrderedDict()
         self.loads = 0  # loads sent to engines (for tests and metrics)
@@ -76,12 +87,19 @@ class AdapterLoader:
         task = self._loads.get(model)
         if task is None:
             task = self._loads[model] = asyncio.ensure_future(self._load(model))
-            task.add_done_callback(lambda _t, m=model: self._loads.pop(m, None))
+            task.add_done_callback(functools.partial(self._load_done, model))
         try:
             return [await asyncio.wait_for(asyncio.shield(task), self.timeout * MAX_LOAD_ATTEMPTS + 1)]
         except asyncio.TimeoutError:
-            raise ApiError(503, f"loading LoRA adapter {model!r} is taking too long; retry shortly",
-                           "adapter_loading", headers={"Retry-After": "1"}) from None
+            raise ApiError(
+                503,
+                f"loading LoRA adapter {model!r} is taking too long; retry shortly",
+                "adapter_loading",
+                headers={"Retry-After": "1"},
+            ) from None
+
+    def _load_done(self, model: str, _task: asyncio.Task[WorkerRecord]) -> None:
+        self._loads.pop(model, None)
 
     def _recall(self, model: str) -> WorkerRecord | None:
         entry = self._placed.get(model)
@@ -99,13 +117,19 @@ class AdapterLoader:
         base = self.base_model
         if base is None:
             if len(bases) > 1:
-                raise ApiError(400, f"the fleet serves several base models ({', '.join(bases)}): the server needs "
-                               "--lora-base-model to load adapters on demand", "adapter_base_ambiguous", param="model")
+                raise ApiError(
+                    400,
+                    f"the fleet serves several base models ({', '.join(bases)}): the server needs "
+                    "--lora-base-model to load adapters on demand",
+                    "adapter_base_ambiguous",
+                    param="model",
+                )
             base = bases[0] if bases else None
         pending: dict[str, int] = {}
         for wid, _ in self._placed.values():
             pending[wid] = pending.get(wid, 0) + 1
         chosen = [w for w in workers if w.model_name == base]
+
         def held(w: WorkerRecord) -> int:
             return len(w.lora_adapters) + pending.get(w.worker_id, 0)
 
@@ -114,20 +138,30 @@ class AdapterLoader:
     async def _load(self, model: str) -> WorkerRecord:
         workers = self._eligible()
         if not workers:
-            raise ApiError(503, "no active worker to load the adapter on; retry shortly", "no_active_worker",
-                           headers={"Retry-After": "1"})
+            raise ApiError(
+                503,
+                "no active worker to load the adapter on; retry shortly",
+                "no_active_worker",
+                headers={"Retry-After": "1"},
+            )
         last: ApiError | None = None
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout)) as session:
             for worker in workers[:MAX_LOAD_ATTEMPTS]:
                 try:
                     self.loads += 1
-                    async with session.post(worker.url + "/v1/load_lora_adapter",
-                                            json={"lora_name": model, "lora_path": self.path_of(model)}) as resp:
+                    async with session.post(
+                        worker.url + "/v1/load_lora_adapter",
+                        json={"lora_name": model, "lora_path": self.path_of(model)},
+                    ) as resp:
                         text = await resp.text()
                         status = resp.status
                 except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                    last = ApiError(503, f"loading LoRA adapter {model!r} on {worker.worker_id} failed: "
-                                    f"{type(exc).__name__}", "adapter_load_failed", headers={"Retry-After": "1"})
+                    last = ApiError(
+                        503,
+                        f"loading LoRA adapter {model!r} on {worker.worker_id} failed: {type(exc).__name__}",
+                        "adapter_load_failed",
+                        headers={"Retry-After": "1"},
+                    )
                     continue
                 if status == 200 or (status == 400 and "already been loaded" in text):
                     log.info("loaded LoRA adapter %s on %s", model, worker.worker_id)
@@ -135,16 +169,27 @@ class AdapterLoader:
                     return worker
                 log.warning("loading LoRA adapter %s on %s: engine answered %d", model, worker.worker_id, status)
                 # 404: no such adapter at that path; else (at --max-loras, no runtime loading...) it may pass
-                last = (ApiError(404, f"LoRA adapter {model!r} could not be loaded: {text[:300]}", "model_not_found",
-                                 param="model") if status == 404 else
-                        ApiError(503, f"LoRA adapter {model!r} could not be loaded (engine answered {status}: "
-                                 f"{text[:300]})", "adapter_load_failed", headers={"Retry-After": "1"}))
+                last = (
+                    ApiError(
+                        404,
+                        f"LoRA adapter {model!r} could not be loaded: {text[:300]}",
+                        "model_not_found",
+                        param="model",
+                    )
+                    if status == 404
+                    else ApiError(
+                        503,
+                        f"LoRA adapter {model!r} could not be loaded (engine answered {status}: {text[:300]})",
+                        "adapter_load_failed",
+                        headers={"Retry-After": "1"},
+                    )
+                )
         assert last is not None
         self._remember(self._failed, model, (last, self._clock() + FAILED_TTL_S))
         raise last
 
     @staticmethod
-    def _remember(memory: OrderedDict, key: str, value: tuple) -> None:
+    def _remember(memory: OrderedDict[str, Any], key: str, value: tuple[Any, float]) -> None:
         memory[key] = value
         memory.move_to_end(key)
         while len(memory) > MEMORY_CAP:
@@ -155,10 +200,18 @@ def adapter_loader_from_args(fleet: Fleet, args: Any) -> AdapterLoader | None:
     """The server's loader (``--lora-dynamic-loading`` and its flags), or None when it is off."""
     if not getattr(args, "lora_dynamic_loading", False):
         return None
-    return AdapterLoader(fleet, args.lora_adapter_dir, base_model=getattr(args, "lora_base_model", None),
-                         timeout=getattr(args, "lora_load_timeout", 30.0))
+    return AdapterLoader(
+        fleet,
+        args.lora_adapter_dir,
+        base_model=getattr(args, "lora_base_model", None),
+        timeout=getattr(args, "lora_load_timeout", 30.0),
+    )
 
 
 def _not_found(fleet: Fleet, model: str) -> ApiError:
-    return ApiError(404, f"The model `{model}` does not exist. Available: {', '.join(fleet.models())}",
-                    "model_not_found", param="model")
+    return ApiError(
+        404,
+        f"The model `{model}` does not exist. Available: {', '.join(fleet.models())}",
+        "model_not_found",
+        param="model",
+    )

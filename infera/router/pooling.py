@@ -8,6 +8,7 @@ as for chat. They share one ``LeastLoadedPolicy``: no prompt hashing (a pooling 
 KV cache behind to come back to), the worker with the fewest of these requests in flight, ties
 taken in turn.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -65,9 +66,18 @@ class LeastLoadedPolicy:
 class TaskRouter(MixedRouter):
     """A mixed router over the workers of a model that serve ``task`` (None: every worker)."""
 
-    def __init__(self, task: str | None, fleet: Fleet, policy: LeastLoadedPolicy, transport: RequestTransport,
-                 metrics: RouterMetrics, *, max_retries: int = 1, direct: bool = False,
-                 breaker: CircuitBreaker | None = None) -> None:
+    def __init__(
+        self,
+        task: str | None,
+        fleet: Fleet,
+        policy: LeastLoadedPolicy,
+        transport: RequestTransport,
+        metrics: RouterMetrics,
+        *,
+        max_retries: int = 1,
+        direct: bool = False,
+        breaker: CircuitBreaker | None = None,
+    ) -> None:
         super().__init__(fleet, policy, transport, metrics, max_retries=max_retries, direct=direct, breaker=breaker)
         self.task = task
         self._serving = WorkersForTask(task, CANDIDATE_CACHE_CAP)

@@ -32,13 +32,15 @@ tenant alone saturates the model (and always without API keys, where every reque
 none waits longer than ``--queue-timeout`` (then 429 with Retry-After); a client that leaves while
 waiting leaves the queue. Nothing is dropped silently.
 """
+
 from __future__ import annotations
 
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
@@ -53,7 +55,7 @@ WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 
 class _Waiter:
     tenant: str
     priority: int
-    future: asyncio.Future
+    future: asyncio.Future[None]
     since: float
     weight: float = 1.0
 
@@ -62,7 +64,8 @@ class _Waiter:
 class _Class:
     """One priority class of one model: a FIFO per tenant and what each tenant was served (its
     virtual time: admissions / its weight)."""
-    queues: dict[str, deque] = field(default_factory=dict)
+
+    queues: dict[str, deque[_Waiter]] = field(default_factory=dict)
     served: dict[str, float] = field(default_factory=dict)
 
     def push(self, w: _Waiter) -> None:
@@ -111,9 +114,9 @@ class _Class:
 class Ticket:
     """An admitted request's slot: ``leave()`` once when its reply has ended (or broke)."""
 
-    __slots__ = ("_queue", "model", "tenant", "_left")
+    __slots__ = ("_left", "_queue", "model", "tenant")
 
-    def __init__(self, queue: "AdmissionQueue", model: str, tenant: str) -> None:
+    def __init__(self, queue: AdmissionQueue, model: str, tenant: str) -> None:
         self._queue, self.model, self.tenant, self._left = queue, model, tenant, False
 
     def leave(self) -> None:
@@ -123,7 +126,7 @@ class Ticket:
 
 
 class _Model:
-    __slots__ = ("inflight", "classes", "waiting", "held", "weights")
+    __slots__ = ("classes", "held", "inflight", "waiting", "weights")
 
     def __init__(self) -> None:
         self.inflight = 0
@@ -172,8 +175,9 @@ def reserved_slots(capacity: int, reserved_share: float) -> int:
     return int(capacity * reserved_share + 1e-9) if reserved_share > 0 else 0
 
 
-def may_take_reserved(held: int, capacity: int, active_tenants: int, weight: float = 1.0,
-                      active_weight: float | None = None) -> bool:
+def may_take_reserved(
+    held: int, capacity: int, active_tenants: int, weight: float = 1.0, active_weight: float | None = None
+) -> bool:
     """Whether a tenant holding ``held`` of the model's ``capacity`` slots may take a reserved one:
     only below its fair share (capacity × its ``weight`` / the ``active_weight`` of the
     ``active_tenants``, itself included; equal weights: capacity / active_tenants), never alone."""
@@ -184,12 +188,20 @@ def may_take_reserved(held: int, capacity: int, active_tenants: int, weight: flo
 class AdmissionQueue:
     """``await enter(model, tenant, priority)`` → ``Ticket`` (at once while the model has room)."""
 
-    def __init__(self, capacity: Callable[[str], int], *, timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
-                 max_waiting: int = DEFAULT_MAX_WAITING, reserved_share: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        capacity: Callable[[str], int],
+        *,
+        timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
+        max_waiting: int = DEFAULT_MAX_WAITING,
+        reserved_share: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not 0.0 <= reserved_share < 1.0:
-            raise ValueError("--queue-reserve-per-worker must be below --max-inflight-per-worker (some slots "
-                             "must be open to every tenant)")
+            raise ValueError(
+                "--queue-reserve-per-worker must be below --max-inflight-per-worker (some slots "
+                "must be open to every tenant)"
+            )
         self.capacity, self.timeout_s, self.max_waiting, self.clock = capacity, timeout_s, max_waiting, clock
         self.reserved_share = reserved_share
         self._models: dict[str, _Model] = {}
@@ -222,8 +234,12 @@ class AdmissionQueue:
             return Ticket(self, model, tenant)
         if m.waiting >= self.max_waiting:
             self.rejected[model] = self.rejected.get(model, 0) + 1
-            raise ApiError(503, f"model {model!r} is at capacity and {m.waiting} requests already wait for it; "
-                           "retry shortly", "queue_full", headers={"Retry-After": "1"})
+            raise ApiError(
+                503,
+                f"model {model!r} is at capacity and {m.waiting} requests already wait for it; retry shortly",
+                "queue_full",
+                headers={"Retry-After": "1"},
+            )
         w = _Waiter(tenant, priority, asyncio.get_running_loop().create_future(), self.clock(), weight)
         cls = m.classes.get(priority)
         if cls is None:
@@ -245,9 +261,13 @@ class AdmissionQueue:
             if isinstance(exc, asyncio.CancelledError):
                 raise
             self.timeouts[model] = self.timeouts.get(model, 0) + 1
-            raise ApiError(429, f"model {model!r} stayed at capacity for the {self.timeout_s:g} s this request may "
-                           "wait (--queue-timeout); retry later", "queue_timeout",
-                           headers={"Retry-After": str(max(1, round(self.timeout_s / 4)))}) from None
+            raise ApiError(
+                429,
+                f"model {model!r} stayed at capacity for the {self.timeout_s:g} s this request may "
+                "wait (--queue-timeout); retry later",
+                "queue_timeout",
+                headers={"Retry-After": str(max(1, round(self.timeout_s / 4)))},
+            ) from None
         self._observe_wait(self.clock() - w.since)
         return Ticket(self, model, tenant)
 
@@ -287,6 +307,7 @@ class AdmissionQueue:
 
                 def eligible(t: str) -> bool:
                     return may_take_reserved(m.held.get(t, 0), capacity, count, m.weights.get(t, 1.0), total)
+
             w = None
             for priority in sorted(m.classes, reverse=True):
                 w = m.classes[priority].pop(eligible, m.held)
@@ -307,7 +328,7 @@ class AdmissionQueue:
         for model, m in list(self._models.items()):
             self._admit_waiting(model, m)
 
-    def view(self, model: str) -> dict | None:
+    def view(self, model: str) -> dict[str, Any] | None:
         """The dashboard's line for ``model`` (``/v1/fleet``): None when no request came for it."""
         m = self._models.get(model)
         if m is None:
@@ -315,15 +336,22 @@ class AdmissionQueue:
         now = self.clock()
         oldest = min((q[0].since for cls in m.classes.values() for q in cls.queues.values()), default=None)
         capacity = self.capacity(model)
-        return {"waiting": m.waiting, "in_flight": m.inflight, "capacity": capacity,
-                "reserved": reserved_slots(capacity, self.reserved_share),
-                "tenants_waiting": len({t for cls in m.classes.values() for t in cls.queues}),
-                "oldest_wait_s": None if oldest is None else round(now - oldest, 3),
-                "timeouts_total": self.timeouts.get(model, 0), "rejected_total": self.rejected.get(model, 0)}
+        return {
+            "waiting": m.waiting,
+            "in_flight": m.inflight,
+            "capacity": capacity,
+            "reserved": reserved_slots(capacity, self.reserved_share),
+            "tenants_waiting": len({t for cls in m.classes.values() for t in cls.queues}),
+            "oldest_wait_s": None if oldest is None else round(now - oldest, 3),
+            "timeouts_total": self.timeouts.get(model, 0),
+            "rejected_total": self.rejected.get(model, 0),
+        }
 
     def snapshot(self) -> dict[str, dict[str, int]]:
-        return {model: {"inflight": m.inflight, "waiting": m.waiting, "capacity": self.capacity(model)}
-                for model, m in self._models.items()}
+        return {
+            model: {"inflight": m.inflight, "waiting": m.waiting, "capacity": self.capacity(model)}
+            for model, m in self._models.items()
+        }
 
 
 class AdmissionMetrics:
@@ -333,8 +361,9 @@ class AdmissionMetrics:
     def collect(self) -> Iterator[Metric]:
         q = self.queue
         g = GaugeMetricFamily("infera_queue_waiting", "Requests waiting for a free slot, per model", labels=["model"])
-        a = GaugeMetricFamily("infera_queue_admitted_inflight", "Admitted requests in flight, per model",
-                              labels=["model"])
+        a = GaugeMetricFamily(
+            "infera_queue_admitted_inflight", "Admitted requests in flight, per model", labels=["model"]
+        )
         for model, s in sorted(q.snapshot().items()):
             g.add_metric([model], s["waiting"])
             a.add_metric([model], s["inflight"])

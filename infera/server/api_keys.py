@@ -47,6 +47,7 @@ across key rotations. A ``cache_salt`` the client sent is folded in, not dropped
 apart from the others, and may still partition its own cache (per end user, say), which an override
 would silently undo and a 400 would forbid.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -56,9 +57,9 @@ import hmac
 import logging
 import os
 import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from dataclasses import field as dataclass_field
-from typing import Callable, Iterable, Iterator, Mapping
 
 import yaml
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -94,7 +95,8 @@ class ApiKey:
     tenant: str
     digest: bytes  # sha256 of the key
     models: frozenset[str] | None  # None: every model
-    limit: TenantLimit = TenantLimit()  # the tenant's (shared by all its keys and every replica)
+    # the tenant's limits (shared by all its keys and every replica)
+    limit: TenantLimit = dataclass_field(default_factory=TenantLimit)
     priority: int = 0  # its class in the fair queue (--max-inflight-per-worker): higher is served first
     weight: float = 1.0  # the tenant's share of the fair queue within its class (per tenant)
     # cache_isolation: the tenant's salt key (see the module doc); None: off. Kept out of repr (a
@@ -129,14 +131,21 @@ def parse_keys(text: str) -> dict[bytes, ApiKey]:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise ApiKeysError(f"not valid YAML{where}") from None
-    if (not isinstance(doc, dict) or "keys" not in doc or not set(doc) <= set(TOP_FIELDS)
-            or not isinstance(doc["keys"], list)):
-        raise ApiKeysError("expected a mapping with exactly one field, 'keys': a list of entries (and optionally "
-                           "'cache_salt_secret')")
+    if (
+        not isinstance(doc, dict)
+        or "keys" not in doc
+        or not set(doc) <= set(TOP_FIELDS)
+        or not isinstance(doc["keys"], list)
+    ):
+        raise ApiKeysError(
+            "expected a mapping with exactly one field, 'keys': a list of entries (and optionally 'cache_salt_secret')"
+        )
     secret = doc.get("cache_salt_secret")
     if secret is not None and (not isinstance(secret, str) or len(secret) < MIN_SALT_SECRET_CHARS):
-        raise ApiKeysError(f"cache_salt_secret: expected a string of at least {MIN_SALT_SECRET_CHARS} characters "
-                           "(random, the same for every replica)")
+        raise ApiKeysError(
+            f"cache_salt_secret: expected a string of at least {MIN_SALT_SECRET_CHARS} characters "
+            "(random, the same for every replica)"
+        )
     keys: dict[bytes, ApiKey] = {}
     limits: dict[str, tuple[TenantLimit, int]] = {}  # tenant → its limits, and the entry that set them
     isolated: dict[str, tuple[bool, int]] = {}  # tenant → its cache_isolation, and the entry that set it
@@ -147,8 +156,9 @@ def parse_keys(text: str) -> dict[bytes, ApiKey]:
             raise ApiKeysError(f"{where}: expected a mapping")
         for field in entry:
             if field in NOT_ENFORCED_FIELDS:
-                raise ApiKeysError(f"{where}.{field}: not enforced by this version; remove the field rather than "
-                                   "rely on it")
+                raise ApiKeysError(
+                    f"{where}.{field}: not enforced by this version; remove the field rather than rely on it"
+                )
             if field not in KEY_FIELDS:
                 raise ApiKeysError(f"{where}: unknown field {str(field)[:64]!r} (fields: {', '.join(KEY_FIELDS)})")
         sha = entry.get("sha256")
@@ -156,11 +166,13 @@ def parse_keys(text: str) -> dict[bytes, ApiKey]:
             raise ApiKeysError(f"{where}.sha256: expected the key's sha256 as 64 hex digits")
         tenant = entry.get("tenant")
         if not isinstance(tenant, str) or not _TENANT.fullmatch(tenant) or tenant == OTHER_TENANT:
-            raise ApiKeysError(f"{where}.tenant: expected 1-64 characters of A-Z a-z 0-9 . _ - (starting with a "
-                               f"letter or digit), not {OTHER_TENANT!r}")
+            raise ApiKeysError(
+                f"{where}.tenant: expected 1-64 characters of A-Z a-z 0-9 . _ - (starting with a "
+                f"letter or digit), not {OTHER_TENANT!r}"
+            )
         models = entry.get("models", [ALL_MODELS])
         if not isinstance(models, list) or not models or not all(isinstance(m, str) and m for m in models):
-            raise ApiKeysError(f"{where}.models: expected a non-empty list of model names, or [\"*\"]")
+            raise ApiKeysError(f'{where}.models: expected a non-empty list of model names, or ["*"]')
         for field in LIMIT_FIELDS:
             value = entry.get(field)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -169,28 +181,35 @@ def parse_keys(text: str) -> dict[bytes, ApiKey]:
         if isinstance(priority, bool) or not isinstance(priority, int) or not -1000 <= priority <= 1000:
             raise ApiKeysError(f"{where}.priority: expected a whole number from -1000 to 1000 (higher is served first)")
         weight = entry.get("weight", 1)
-        if (isinstance(weight, bool) or not isinstance(weight, (int, float))
-                or not MIN_WEIGHT <= weight <= MAX_WEIGHT):
-            raise ApiKeysError(f"{where}.weight: expected a number from 1/64 to 64 (the tenant's share of the fair "
-                               "queue; absent: 1)")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not MIN_WEIGHT <= weight <= MAX_WEIGHT:
+            raise ApiKeysError(
+                f"{where}.weight: expected a number from 1/64 to 64 (the tenant's share of the fair queue; absent: 1)"
+            )
         if weights.setdefault(tenant, (float(weight), i))[0] != float(weight):
-            raise ApiKeysError(f"{where}: tenant {tenant!r} has another weight in keys[{weights[tenant][1]}]; the "
-                               "fair queue shares per tenant, so every key of a tenant must state the same")
+            raise ApiKeysError(
+                f"{where}: tenant {tenant!r} has another weight in keys[{weights[tenant][1]}]; the "
+                "fair queue shares per tenant, so every key of a tenant must state the same"
+            )
         limit = TenantLimit(*(entry.get(f) for f in LIMIT_FIELDS))
         if limits.setdefault(tenant, (limit, i))[0] != limit:
-            raise ApiKeysError(f"{where}: tenant {tenant!r} has other limits in keys[{limits[tenant][1]}]; limits are "
-                               "per tenant, so every key of a tenant must state the same ones")
+            raise ApiKeysError(
+                f"{where}: tenant {tenant!r} has other limits in keys[{limits[tenant][1]}]; limits are "
+                "per tenant, so every key of a tenant must state the same ones"
+            )
         isolation = entry.get("cache_isolation", False)
         if not isinstance(isolation, bool):
             raise ApiKeysError(f"{where}.cache_isolation: expected true or false")
         if isolated.setdefault(tenant, (isolation, i))[0] != isolation:
-            raise ApiKeysError(f"{where}: tenant {tenant!r} sets another cache_isolation in keys[{isolated[tenant][1]}];"
-                               " the cache is isolated per tenant, so every key of a tenant must state the same")
+            raise ApiKeysError(
+                f"{where}: tenant {tenant!r} sets another cache_isolation in keys[{isolated[tenant][1]}];"
+                " the cache is isolated per tenant, so every key of a tenant must state the same"
+            )
         digest = bytes.fromhex(sha)
         if digest in keys:
             raise ApiKeysError(f"{where}.sha256: the same key is listed twice")
-        keys[digest] = ApiKey(tenant, digest, None if ALL_MODELS in models else frozenset(models), limit, priority,
-                              float(weight))
+        keys[digest] = ApiKey(
+            tenant, digest, None if ALL_MODELS in models else frozenset(models), limit, priority, float(weight)
+        )
     salt_keys = _salt_keys(keys.values(), secret, {t for t, (on, _) in isolated.items() if on})
     if salt_keys:
         keys = {d: replace(k, salt_key=salt_keys.get(k.tenant)) for d, k in keys.items()}
@@ -209,8 +228,10 @@ def _salt_keys(entries: Iterable[ApiKey], secret: str | None, tenants: set[str])
     for k in entries:
         if k.tenant in tenants:
             digests.setdefault(k.tenant, []).append(k.digest)
-    return {t: hashlib.sha256(_SALT_DOMAIN + t.encode() + b"\x00" + b"".join(sorted(ds))).digest()
-            for t, ds in digests.items()}
+    return {
+        t: hashlib.sha256(_SALT_DOMAIN + t.encode() + b"\x00" + b"".join(sorted(ds))).digest()
+        for t, ds in digests.items()
+    }
 
 
 def presented_key(headers: Mapping[str, str]) -> str | None:
@@ -226,14 +247,15 @@ class ApiKeys:
     """The keys in force. ``load()`` once at start (raises ``ApiKeysError``), then ``start()``
     watches the file; ``authenticate`` and ``authorize`` are the per-request checks."""
 
-    def __init__(self, path: str, *, poll_s: float = DEFAULT_POLL_S,
-                 stat: Callable[[str], os.stat_result] = os.stat) -> None:
+    def __init__(
+        self, path: str, *, poll_s: float = DEFAULT_POLL_S, stat: Callable[[str], os.stat_result] = os.stat
+    ) -> None:
         self.path = path
         self.poll_s = poll_s
         self._stat = stat
         self._keys: dict[bytes, ApiKey] = {}
         self._version: tuple[int, int, int] | None = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self.reloads = 0
         self.reload_failures = 0
         self.rejected: dict[str, int] = {"missing": 0, "invalid": 0, "model": 0}
@@ -269,8 +291,12 @@ class ApiKeys:
         except (OSError, ApiKeysError) as exc:
             self.reload_failures += 1
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            log.error("--api-keys-file %s: not reloaded, the previous %d key(s) stay in force: %s",
-                      self.path, len(self._keys), why)
+            log.error(
+                "--api-keys-file %s: not reloaded, the previous %d key(s) stay in force: %s",
+                self.path,
+                len(self._keys),
+                why,
+            )
             return False
         self._version, self._keys = version, keys
         self.reloads += 1
@@ -294,8 +320,12 @@ class ApiKeys:
         key = presented_key(headers)
         if key is None:
             self.rejected["missing"] += 1
-            raise ApiError(401, "this server needs an API key: send 'Authorization: Bearer <key>' or "
-                           "'x-api-key: <key>'", "missing_api_key", headers=_CHALLENGE)
+            raise ApiError(
+                401,
+                "this server needs an API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                "missing_api_key",
+                headers=_CHALLENGE,
+            )
         digest = key_digest(key)
         found = self._keys.get(digest)
         if found is None or not hmac.compare_digest(found.digest, digest):
@@ -331,17 +361,21 @@ class ApiKeysMetrics:
         c = CounterMetricFamily("infera_api_keys_reloads", "Reloads of --api-keys-file that took effect")
         c.add_metric([], k.reloads)
         yield c
-        c = CounterMetricFamily("infera_api_keys_reload_failures",
-                                "Changes of --api-keys-file that could not be loaded (the previous keys stayed)")
+        c = CounterMetricFamily(
+            "infera_api_keys_reload_failures",
+            "Changes of --api-keys-file that could not be loaded (the previous keys stayed)",
+        )
         c.add_metric([], k.reload_failures)
         yield c
-        c = CounterMetricFamily("infera_api_key_rejections", "Requests refused for their API key",
-                                labels=["reason"])
+        c = CounterMetricFamily("infera_api_key_rejections", "Requests refused for their API key", labels=["reason"])
         for reason, n in k.rejected.items():
             c.add_metric([reason], n)
         yield c
-        c = CounterMetricFamily("infera_tenant_requests", "Requests answered per tenant of --api-keys-file "
-                                "(a tenant no longer in the file counts as 'other')", labels=["tenant", "code"])
+        c = CounterMetricFamily(
+            "infera_tenant_requests",
+            "Requests answered per tenant of --api-keys-file (a tenant no longer in the file counts as 'other')",
+            labels=["tenant", "code"],
+        )
         for (tenant, code), n in sorted(k.requests.items()):
             c.add_metric([tenant, code], n)
         yield c

@@ -8,20 +8,34 @@ request takes the steps every inference route takes (request id, size limit, the
 the fair queue, the trace, per-route metrics). A model no worker serves for the task is a 404
 (unknown model) or a 400 naming the task. ``register_pooling_routes`` wires them into the app.
 """
+
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
 from infera.api.errors import ApiError
 from infera.api.pooling import ROUTE_TASKS, request_model
-from infera.router.pooling import LeastLoadedPolicy, TaskRouter
+from infera.discovery.record import WorkerRecord
 from infera.router.policy import RoutedRequest
-from infera.server.app_state import (DIRECT_WORKER_HEADER, PERMIT_KEY, REQUEST_ID_HEADER, REQUEST_ID_KEY,
-                                     STATE_KEY, USAGE_TOKENS_KEY, ServerState, _admit, _authorize_model,
-                                     _check_client_request_id, _request_id, _trace)
+from infera.router.pooling import LeastLoadedPolicy, TaskRouter
+from infera.server.app_state import (
+    DIRECT_WORKER_HEADER,
+    PERMIT_KEY,
+    REQUEST_ID_HEADER,
+    REQUEST_ID_KEY,
+    STATE_KEY,
+    USAGE_TOKENS_KEY,
+    ServerState,
+    _admit,
+    _authorize_model,
+    _check_client_request_id,
+    _request_id,
+    _trace,
+)
 from infera.server.tenant_limits import reply_tokens
 
 # One router per task (None: tokenize/detokenize, any worker of the model), kept on the app.
@@ -33,11 +47,21 @@ def build_task_routers(state: ServerState) -> dict[str | None, TaskRouter]:
     sharing one load policy (a worker serving several tasks is loaded by all of them)."""
     mixed = state.router.mixed
     policy = LeastLoadedPolicy()
-    routers = {task: TaskRouter(task, state.fleet, policy, mixed.transport, mixed.metrics,
-                                max_retries=mixed.max_retries, direct=mixed.direct, breaker=mixed.breaker)
-               for task in set(ROUTE_TASKS.values())}
+    routers = {
+        task: TaskRouter(
+            task,
+            state.fleet,
+            policy,
+            mixed.transport,
+            mixed.metrics,
+            max_retries=mixed.max_retries,
+            direct=mixed.direct,
+            breaker=mixed.breaker,
+        )
+        for task in set(ROUTE_TASKS.values())
+    }
 
-    def on_fleet_change(worker_id: str, record) -> None:
+    def on_fleet_change(worker_id: str, record: WorkerRecord | None) -> None:
         if record is None or not record.is_active:
             policy.forget(worker_id)
 
@@ -45,7 +69,7 @@ def build_task_routers(state: ServerState) -> dict[str | None, TaskRouter]:
     return routers
 
 
-def _make_handler(route: str):
+def _make_handler(route: str) -> Callable[[web.Request], Awaitable[web.Response]]:
     task = ROUTE_TASKS[route]
 
     async def handler(request: web.Request) -> web.Response:
@@ -61,8 +85,16 @@ def _make_handler(route: str):
         _authorize_model(request, model)
         await _admit(request, model)
         span, trace_headers = _trace(state, request, route, model, request_id)
-        routed = RoutedRequest(route=route, body=body, parsed=None, model=model, stream=False, request_id=request_id,
-                               direct_worker=request.headers.get(DIRECT_WORKER_HEADER), trace_headers=trace_headers)
+        routed = RoutedRequest(
+            route=route,
+            body=body,
+            parsed=None,
+            model=model,
+            stream=False,
+            request_id=request_id,
+            direct_worker=request.headers.get(DIRECT_WORKER_HEADER),
+            trace_headers=trace_headers,
+        )
         metrics = state.metrics
         try:
             reply = await request.app[TASK_ROUTERS_KEY][task].dispatch(routed)
@@ -85,8 +117,12 @@ def _make_handler(route: str):
             span.finish(reply.status, routed.state, worker_id=reply.worker_id)
         if PERMIT_KEY in request:  # a tenant's tokens/min limit counts this reply's tokens
             request[USAGE_TOKENS_KEY] = reply_tokens(reply.body)
-        return web.Response(status=reply.status, body=reply.body, headers={REQUEST_ID_HEADER: request_id},
-                            content_type=reply.content_type.split(";")[0])
+        return web.Response(
+            status=reply.status,
+            body=reply.body,
+            headers={REQUEST_ID_HEADER: request_id},
+            content_type=reply.content_type.split(";")[0],
+        )
 
     return handler
 

@@ -17,6 +17,7 @@ salt is written into it: spliced in after the opening brace when the client sent
 the salt replaced (the engine then sees one ``cache_salt``, ours: a duplicate or escaped spelling
 of the client's is gone too).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -63,5 +64,6 @@ def salt_translated(doc: dict[str, Any], key: Any) -> str | None:
     written into ``doc`` for an isolated tenant; None otherwise (its API has no ``cache_salt``)."""
     if key is None or key.salt_key is None:
         return None
-    salt = doc[SALT_FIELD] = key.cache_salt(None)
+    salt: str | None = key.cache_salt(None)
+    doc[SALT_FIELD] = salt
     return salt

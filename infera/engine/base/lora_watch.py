@@ -8,12 +8,14 @@ a bounded interval (``--lora-poll-interval``) and re-registers the record (``reg
 whenever the set changes. Only engines started with ``--enable-lora`` are watched; every request
 has a timeout, and a failed read keeps the last known list.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
-from typing import Any, Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -29,8 +31,9 @@ POLL_INTERVAL_ENV = "INFERA_LORA_POLL_INTERVAL"
 
 
 def lora_enabled(engine_argv: list[str]) -> bool:
-    return "--enable-lora" in engine_argv or any(a.startswith("--enable-lora=") and a[14:].lower() in ("1", "true")
-                                                 for a in engine_argv)
+    return "--enable-lora" in engine_argv or any(
+        a.startswith("--enable-lora=") and a[14:].lower() in ("1", "true") for a in engine_argv
+    )
 
 
 DEFAULT_MAX_LORAS = 1  # vLLM's --max-loras default
@@ -60,14 +63,17 @@ def adapters_from_models(data: Any, base_names: Iterable[str]) -> list[str] | No
     if not isinstance(data, dict) or not isinstance(data.get("data"), list):
         return None
     bases = set(base_names)
-    found = {m["id"] for m in data["data"]
-             if isinstance(m, dict) and isinstance(m.get("id"), str) and m.get("parent") is not None
-             and m["id"] not in bases}
+    found = {
+        m["id"]
+        for m in data["data"]
+        if isinstance(m, dict) and isinstance(m.get("id"), str) and m.get("parent") is not None and m["id"] not in bases
+    }
     return sorted(found)
 
 
-async def probe_lora_adapters(session: aiohttp.ClientSession, base_url: str,
-                              base_names: Iterable[str]) -> list[str] | None:
+async def probe_lora_adapters(
+    session: aiohttp.ClientSession, base_url: str, base_names: Iterable[str]
+) -> list[str] | None:
     """The engine's loaded adapters now (None: could not be read)."""
     try:
         async with session.get(base_url + "/v1/models", timeout=aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S)) as resp:
@@ -82,9 +88,16 @@ async def probe_lora_adapters(session: aiohttp.ClientSession, base_url: str,
 class LoraWatch:
     """Polls the engine's adapters and re-registers the record when they change."""
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, base_names: Iterable[str],
-                 get_record: Callable[[], WorkerRecord | None], set_record: Callable[[WorkerRecord], None],
-                 update: Callable[[WorkerRecord], Awaitable[Any]], interval: float = DEFAULT_POLL_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        base_names: Iterable[str],
+        get_record: Callable[[], WorkerRecord | None],
+        set_record: Callable[[WorkerRecord], None],
+        update: Callable[[WorkerRecord], Awaitable[Any]],
+        interval: float = DEFAULT_POLL_INTERVAL_S,
+    ) -> None:
         if interval <= 0:
             raise ValueError("the LoRA poll interval must be positive")
         self._session = session
@@ -95,7 +108,7 @@ class LoraWatch:
         self._update = update
         self.interval = interval
         self.updates = 0  # records re-registered after a change
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         if self._task is None:
@@ -133,13 +146,18 @@ class LoraWatch:
                 log.warning("LoRA adapter poll failed: %s", exc)
 
 
-
 def add_lora_watch_flag(parser: Any, environ: Any = None) -> None:
     """``--lora-poll-interval`` (env ``INFERA_LORA_POLL_INTERVAL``), on the launcher's parser."""
-    add_flag(parser, "--lora-poll-interval", env=POLL_INTERVAL_ENV, default=DEFAULT_POLL_INTERVAL_S,
-             type=positive_float, environ=environ,
-             help="seconds between reads of a LoRA engine's /v1/models (--enable-lora), so the record's "
-                  "adapters follow runtime loads and unloads")
+    add_flag(
+        parser,
+        "--lora-poll-interval",
+        env=POLL_INTERVAL_ENV,
+        default=DEFAULT_POLL_INTERVAL_S,
+        type=positive_float,
+        environ=environ,
+        help="seconds between reads of a LoRA engine's /v1/models (--enable-lora), so the record's "
+        "adapters follow runtime loads and unloads",
+    )
 
 
 def lora_poll_interval(args: Any, environ: Any = None) -> float:
@@ -161,8 +179,14 @@ def start_lora_watch(launcher: Any, session: aiohttp.ClientSession) -> LoraWatch
     update = getattr(launcher.registration, "update", None)  # (etcd and Kubernetes registrations have it)
     if record is None or update is None or not lora_enabled(argv):
         return None
-    watch = LoraWatch(session, launcher.engine_url, [record.model_name], lambda: launcher.record,
-                      lambda r: setattr(launcher, "record", r), update,
-                      interval=lora_poll_interval(launcher.args))
+    watch = LoraWatch(
+        session,
+        launcher.engine_url,
+        [record.model_name],
+        lambda: launcher.record,
+        lambda r: setattr(launcher, "record", r),
+        update,
+        interval=lora_poll_interval(launcher.args),
+    )
     watch.start()
     return watch

@@ -11,11 +11,13 @@ cache and the events carry it where they carry a ``cache_salt``), whose chain st
 as ``lora_name`` and first in that block's ``extra_keys`` (vLLM's ``to_event_extra_keys``). The sim
 keeps no weights: a path is recorded, never read.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
@@ -33,7 +35,7 @@ class LoraScope(str):
     lora: str
     salt: str | None
 
-    def __new__(cls, lora: str, salt: str | None = None) -> "LoraScope":
+    def __new__(cls, lora: str, salt: str | None = None) -> LoraScope:
         name = lora.encode("utf-8", "surrogatepass")
         self = super().__new__(cls, f"\x00lora\x00{len(name)}\x00{lora}\x00{salt or ''}")
         self.lora = lora
@@ -86,10 +88,19 @@ def _positive_int(text: str) -> int:
 
 def add_lora_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (vLLM's flag)")
-    p.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None,
-                   help="adapters loaded at start: name=path or JSON {\"name\",\"path\"} (needs --enable-lora)")
-    p.add_argument("--max-loras", type=_positive_int, default=DEFAULT_MAX_LORAS,
-                   help="adapters a batch may mix (vLLM's flag); runtime loads beyond it are refused here")
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=parse_lora_module,
+        default=None,
+        help='adapters loaded at start: name=path or JSON {"name","path"} (needs --enable-lora)',
+    )
+    p.add_argument(
+        "--max-loras",
+        type=_positive_int,
+        default=DEFAULT_MAX_LORAS,
+        help="adapters a batch may mix (vLLM's flag); runtime loads beyond it are refused here",
+    )
 
 
 def check_lora_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -114,22 +125,39 @@ class LoraAdapters:
         return LoraScope(model, salt) if model is not None and self.holds(model) else salt
 
     def cards(self, base: str, created: int) -> list[dict[str, Any]]:
-        return [{"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": path,
-                 "parent": base, "max_model_len": None, "permission": []} for name, path in self.paths.items()]
+        return [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "vllm",
+                "root": path,
+                "parent": base,
+                "max_model_len": None,
+                "permission": [],
+            }
+            for name, path in self.paths.items()
+        ]
 
     def load(self, name: Any, path: Any) -> tuple[int, Any]:
         if not name or not path:
             return 400, _error("Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput", 400)
         if name in self._bases:
-            return 400, _error(f"The lora adapter '{name}' conflicts with a served base model.",
-                               "InvalidUserInput", 400)
+            return 400, _error(
+                f"The lora adapter '{name}' conflicts with a served base model.", "InvalidUserInput", 400
+            )
         if name in self.paths:
-            return 400, _error(f"The lora adapter '{name}' has already been loaded. If you want to load the adapter "
-                               "in place, set 'load_inplace' to True.", "InvalidUserInput", 400)
+            return 400, _error(
+                f"The lora adapter '{name}' has already been loaded. If you want to load the adapter "
+                "in place, set 'load_inplace' to True.",
+                "InvalidUserInput",
+                400,
+            )
         if len(self.paths) >= self.max_loras:
             # (vLLM keeps more on the CPU; the sim holds at most --max-loras, so a fleet's bound shows)
-            return 400, _error(f"The engine already holds --max-loras={self.max_loras} adapters.",
-                               "InvalidUserInput", 400)
+            return 400, _error(
+                f"The engine already holds --max-loras={self.max_loras} adapters.", "InvalidUserInput", 400
+            )
         self.paths[name] = str(path)
         return 200, f"Success: LoRA adapter '{name}' added successfully."
 
@@ -162,10 +190,10 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def install(app: web.Application, adapters: LoraAdapters, env: dict[str, str] | None = None) -> None:
+def install(app: web.Application, adapters: LoraAdapters, env: Mapping[str, str] | None = None) -> None:
     """vLLM's load/unload routes, when runtime updating is allowed (its env variable) and LoRA is on."""
-    env = os.environ if env is None else env
-    if not adapters.enabled or env.get(RUNTIME_UPDATING_ENV, "").strip().lower() not in ("1", "true"):
+    environ: Mapping[str, str] = os.environ if env is None else env
+    if not adapters.enabled or environ.get(RUNTIME_UPDATING_ENV, "").strip().lower() not in ("1", "true"):
         return
 
     async def load(request: web.Request) -> web.Response:

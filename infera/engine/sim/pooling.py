@@ -13,6 +13,7 @@ An input's embedding is the L2-normalised sum of one pseudo-random vector per to
 ``--seed``): the same text always embeds the same, and texts sharing tokens score closer. Each
 request takes the modelled prefill time of its tokens (divided by ``--speedup``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,12 +42,20 @@ _json_encode = msgspec.json.Encoder().encode
 
 
 def add_pooling_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--runner", choices=RUNNERS, default="auto",
-                        help="vLLM's runner: generate, or pooling (embeddings, scores, classification); auto: "
-                             "pooling when --convert embed|classify is given, else generate")
-    parser.add_argument("--convert", choices=CONVERTS, default="auto",
-                        help="vLLM's model conversion for a pooling runner: embed (/v1/embeddings, /score, rerank) "
-                             "or classify (/classify); auto: embed under --runner pooling")
+    parser.add_argument(
+        "--runner",
+        choices=RUNNERS,
+        default="auto",
+        help="vLLM's runner: generate, or pooling (embeddings, scores, classification); auto: "
+        "pooling when --convert embed|classify is given, else generate",
+    )
+    parser.add_argument(
+        "--convert",
+        choices=CONVERTS,
+        default="auto",
+        help="vLLM's model conversion for a pooling runner: embed (/v1/embeddings, /score, rerank) "
+        "or classify (/classify); auto: embed under --runner pooling",
+    )
 
 
 def pooling_task(args: argparse.Namespace) -> str | None:
@@ -95,8 +104,9 @@ def cosine(a: list[float], b: list[float]) -> float:
 
 
 def classify_probs(seed: int, embedding: list[float]) -> list[float]:
-    logits = [4.0 * cosine(embedding, _token_vector(seed ^ 0x5EED, -1 - k)) / math.sqrt(EMBED_DIM)
-              for k in range(NUM_LABELS)]
+    logits = [
+        4.0 * cosine(embedding, _token_vector(seed ^ 0x5EED, -1 - k)) / math.sqrt(EMBED_DIM) for k in range(NUM_LABELS)
+    ]
     top = max(logits)
     exps = [math.exp(v - top) for v in logits]
     return [e / sum(exps) for e in exps]
@@ -122,11 +132,15 @@ def _inputs(value: Any, field: str) -> list[str | list[int]]:
     if isinstance(value, list) and value:
         if all(isinstance(v, int) for v in value):
             return [value]
-        if all(isinstance(v, str) for v in value) or all(isinstance(v, list) and all(isinstance(t, int) for t in v)
-                                                         for v in value):
+        if all(isinstance(v, str) for v in value) or all(
+            isinstance(v, list) and all(isinstance(t, int) for t in v) for v in value
+        ):
             return list(value)
-    raise ApiError(400, f"Invalid request: '{field}' must be a non-empty string, list of strings, token list or "
-                        "list of token lists", param=field)
+    raise ApiError(
+        400,
+        f"Invalid request: '{field}' must be a non-empty string, list of strings, token list or list of token lists",
+        param=field,
+    )
 
 
 async def _tokens(request: web.Request, item: str | list[int]) -> list[int]:
@@ -136,8 +150,11 @@ async def _tokens(request: web.Request, item: str | list[int]) -> list[int]:
     else:
         ids = await engine.run_tokenizer(len(item), engine.tokenizer.encode, item, True)
     if len(ids) > engine.max_model_len:
-        raise ApiError(400, f"This model's maximum context length is {engine.max_model_len} tokens. However, you "
-                            f"requested {len(ids)} tokens in the input. Please reduce the length of the input.")
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {engine.max_model_len} tokens. However, you "
+            f"requested {len(ids)} tokens in the input. Please reduce the length of the input.",
+        )
     return ids
 
 
@@ -152,8 +169,13 @@ async def _embed_all(request: web.Request, items: list[str | list[int]]) -> tupl
 
 
 def _usage(n: int) -> dict[str, Any]:
-    return {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0, "prompt_tokens_details": None,
-            "completion_tokens_details": None}
+    return {
+        "prompt_tokens": n,
+        "total_tokens": n,
+        "completion_tokens": 0,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
 
 
 def _reply(body: dict[str, Any]) -> web.Response:
@@ -163,7 +185,7 @@ def _reply(body: dict[str, Any]) -> web.Response:
 def _text_of(item: Any) -> str | list[int]:
     if isinstance(item, dict):  # a content part ({"type": "text", "text": ...})
         item = item.get("text")
-    if isinstance(item, str) or isinstance(item, list) and all(isinstance(t, int) for t in item):
+    if isinstance(item, str) or (isinstance(item, list) and all(isinstance(t, int) for t in item)):
         return item
     raise ApiError(400, "Invalid request: score and rerank inputs must be strings (or text parts)")
 
@@ -176,18 +198,27 @@ async def _embeddings(request: web.Request) -> web.Response:
     if fmt not in ("float", "base64"):
         raise ApiError(400, f"Invalid request: encoding_format {fmt!r} is not supported", param="encoding_format")
     if body.get("dimensions") is not None:
-        raise ApiError(400, f"Model '{request.app[ENGINE_KEY].model_name}' does not support Matryoshka embeddings; "
-                            f"dimensions must be unset (received dimensions={body['dimensions']}).")
+        raise ApiError(
+            400,
+            f"Model '{request.app[ENGINE_KEY].model_name}' does not support Matryoshka embeddings; "
+            f"dimensions must be unset (received dimensions={body['dimensions']}).",
+        )
     vectors, n = await _embed_all(request, items)
     engine = request.app[ENGINE_KEY]
 
     def encoded(v: list[float]) -> Any:
         return v if fmt == "float" else base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode()
 
-    return _reply({"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                   "model": engine.model_name,
-                   "data": [{"index": i, "object": "embedding", "embedding": encoded(v)} for i, v in enumerate(vectors)],
-                   "usage": _usage(n)})
+    return _reply(
+        {
+            "id": f"embd-{uuid.uuid4().hex}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": engine.model_name,
+            "data": [{"index": i, "object": "embedding", "embedding": encoded(v)} for i, v in enumerate(vectors)],
+            "usage": _usage(n),
+        }
+    )
 
 
 def _pairs(body: dict[str, Any]) -> tuple[list[Any], list[Any]]:
@@ -206,12 +237,18 @@ async def _score(request: web.Request) -> web.Response:
     body = await _body(request)
     first, second = _pairs(body)
     vectors, n = await _embed_all(request, [*first, *second])
-    left, right = vectors[:len(first)], vectors[len(first):]
+    left, right = vectors[: len(first)], vectors[len(first) :]
     scores = [cosine(left[0 if len(left) == 1 else i], r) for i, r in enumerate(right)]
-    return _reply({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                   "model": request.app[ENGINE_KEY].model_name,
-                   "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
-                   "usage": _usage(n)})
+    return _reply(
+        {
+            "id": f"score-{uuid.uuid4().hex}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": request.app[ENGINE_KEY].model_name,
+            "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+            "usage": _usage(n),
+        }
+    )
 
 
 async def _rerank(request: web.Request) -> web.Response:
@@ -229,10 +266,22 @@ async def _rerank(request: web.Request) -> web.Response:
     vectors, n = await _embed_all(request, [query, *texts])
     scores = [cosine(vectors[0], v) for v in vectors[1:]]
     order = sorted(range(len(texts)), key=lambda i: -scores[i])
-    results = [{"index": i, "document": {"text": texts[i] if isinstance(texts[i], str) else None, "multi_modal": None},
-                "relevance_score": scores[i]} for i in order]
-    return _reply({"id": f"score-{uuid.uuid4().hex}", "model": request.app[ENGINE_KEY].model_name,
-                   "usage": {"prompt_tokens": n, "total_tokens": n}, "results": results[:top_n] if top_n else results})
+    results = [
+        {
+            "index": i,
+            "document": {"text": texts[i] if isinstance(texts[i], str) else None, "multi_modal": None},
+            "relevance_score": scores[i],
+        }
+        for i in order
+    ]
+    return _reply(
+        {
+            "id": f"score-{uuid.uuid4().hex}",
+            "model": request.app[ENGINE_KEY].model_name,
+            "usage": {"prompt_tokens": n, "total_tokens": n},
+            "results": results[:top_n] if top_n else results,
+        }
+    )
 
 
 async def _classify(request: web.Request) -> web.Response:
@@ -245,8 +294,16 @@ async def _classify(request: web.Request) -> web.Response:
         probs = classify_probs(seed, v)
         label = max(range(NUM_LABELS), key=lambda k: probs[k])
         data.append({"index": i, "label": f"LABEL_{label}", "probs": probs, "num_classes": NUM_LABELS})
-    return _reply({"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                   "model": request.app[ENGINE_KEY].model_name, "data": data, "usage": _usage(n)})
+    return _reply(
+        {
+            "id": f"classify-{uuid.uuid4().hex}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": request.app[ENGINE_KEY].model_name,
+            "data": data,
+            "usage": _usage(n),
+        }
+    )
 
 
 async def _detokenize(request: web.Request) -> web.Response:
@@ -262,8 +319,9 @@ async def _detokenize(request: web.Request) -> web.Response:
 async def _openapi(request: web.Request) -> web.Response:
     """The paths served, as FastAPI's /openapi.json lists them (all a launcher reads)."""
     paths = sorted({r.canonical for r in request.app.router.resources()})
-    return _reply({"openapi": "3.1.0", "info": {"title": "infera sim", "version": "0"},
-                   "paths": {p: {} for p in paths}})
+    return _reply(
+        {"openapi": "3.1.0", "info": {"title": "infera sim", "version": "0"}, "paths": {p: {} for p in paths}}
+    )
 
 
 def install(app: web.Application, args: argparse.Namespace) -> None:

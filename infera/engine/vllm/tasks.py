@@ -6,6 +6,7 @@ architecture), so the paths of its ``/openapi.json`` say exactly what it serves.
 be read (``--disable-fastapi-docs``), from the flags; when the flags leave it to the model too, the
 worker is recorded as generative, with a warning.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,8 +28,9 @@ def flag_tasks(engine_argv: list[str]) -> list[str] | None:
 async def probe_tasks(session: aiohttp.ClientSession, base_url: str, engine_argv: list[str]) -> list[str]:
     """The record's ``tasks``: from the engine's /openapi.json, else its flags (empty: generative)."""
     try:
-        async with session.get(base_url + "/openapi.json",
-                               timeout=aiohttp.ClientTimeout(total=OPENAPI_TIMEOUT_S)) as resp:
+        async with session.get(
+            base_url + "/openapi.json", timeout=aiohttp.ClientTimeout(total=OPENAPI_TIMEOUT_S)
+        ) as resp:
             doc = await resp.json(content_type=None) if resp.status == 200 else None
             paths = doc.get("paths") if isinstance(doc, dict) else None
             if isinstance(paths, dict):
@@ -38,8 +40,11 @@ async def probe_tasks(session: aiohttp.ClientSession, base_url: str, engine_argv
         why = f"{type(exc).__name__}: {exc}"
     tasks = flag_tasks(engine_argv)
     if tasks is None:
-        log.warning("cannot read the engine's routes from /openapi.json (%s) and --runner/--convert leave its tasks to "
-                    "the model: recorded as a generative worker; give --convert embed|classify to route pooling "
-                    "requests to it", why)
+        log.warning(
+            "cannot read the engine's routes from /openapi.json (%s) and --runner/--convert leave its tasks to "
+            "the model: recorded as a generative worker; give --convert embed|classify to route pooling "
+            "requests to it",
+            why,
+        )
         return []
     return tasks
