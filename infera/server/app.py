@@ -35,12 +35,12 @@ from infera.server.app_anthropic import (ANTHROPIC_PREFIX, _anthropic_count_toke
                                          _anthropic_messages)
 from infera.server.app_state import (API_KEY_KEY, DIRECT_PREFILL_HEADER, DIRECT_WORKER_HEADER,  # noqa: F401
                                      FLEET_VIEW_KEY, PERMIT_KEY, REQUEST_ID_HEADER, REQUEST_ID_KEY, STATE_KEY,
-                                     TICKET_KEY, USAGE_TOKENS_KEY, RequestIds, ServerState, _admit,
+                                     TICKET_KEY, USAGE_TOKENS_KEY, RequestIds, ServerState, _account_unary, _admit,
                                      _authorize_model, _check_client_request_id, _error_response, _json,
-                                     _request_id, _trace)
+                                     _dispatch_accounted, _request_id, _trace)
 from infera.server.fleet_view import FleetView, RecentWorkerStats
 from infera.server.request_salt import CACHE_SALT_STATE, salt_request
-from infera.server.tenant_limits import UsageMeter, reply_tokens
+from infera.server.tenant_limits import UsageMeter
 
 log = logging.getLogger(__name__)
 
@@ -163,27 +163,11 @@ def _make_inference_handler(route: str):
         if salt is not None:  # the kv-aware policy hashes the prompt from the same salted root
             routed.state[CACHE_SALT_STATE] = salt
         metrics = state.metrics
-        try:
-            reply = await state.router.dispatch(routed)
-        except ApiError as exc:
-            metrics.count_request(route, exc.status, "none")
-            if span is not None:
-                span.finish(exc.status, routed.state, error=exc.message if exc.status >= 500 else None)
-            raise
-        except asyncio.CancelledError:
-            metrics.count_disconnect(route)
-            if span is not None:
-                span.finish(None, routed.state, error="the client disconnected")
-            raise
+        reply = await _dispatch_accounted(state.router, routed, metrics, route, span)
         headers = {REQUEST_ID_HEADER: request_id}
         metered = PERMIT_KEY in request  # a tenant limit counts this reply's tokens
         if reply.stream is None:
-            metrics.count_request(route, reply.status, reply.worker_id)
-            metrics.observe_e2e(route, stream, time.perf_counter() - started)
-            if span is not None:
-                span.finish(reply.status, routed.state, worker_id=reply.worker_id)
-            if metered:
-                request[USAGE_TOKENS_KEY] = reply_tokens(reply.body)
+            _account_unary(request, metrics, route, stream, started, span, routed, reply)
             return web.Response(status=reply.status, body=reply.body, headers=headers,
                                 content_type=reply.content_type.split(";")[0])
         metrics.observe_ttft(route, (reply.first_byte_at or time.perf_counter()) - started)

@@ -11,7 +11,6 @@ the fair queue, the trace, per-route metrics). A model no worker serves for the 
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
@@ -24,19 +23,18 @@ from infera.router.policy import RoutedRequest
 from infera.router.pooling import LeastLoadedPolicy, TaskRouter
 from infera.server.app_state import (
     DIRECT_WORKER_HEADER,
-    PERMIT_KEY,
     REQUEST_ID_HEADER,
     REQUEST_ID_KEY,
     STATE_KEY,
-    USAGE_TOKENS_KEY,
     ServerState,
+    _account_unary,
     _admit,
     _authorize_model,
     _check_client_request_id,
+    _dispatch_accounted,
     _request_id,
     _trace,
 )
-from infera.server.tenant_limits import reply_tokens
 
 # One router per task (None: tokenize/detokenize, any worker of the model), kept on the app.
 TASK_ROUTERS_KEY = web.AppKey("pooling_task_routers", dict)
@@ -96,27 +94,11 @@ def _make_handler(route: str) -> Callable[[web.Request], Awaitable[web.Response]
             trace_headers=trace_headers,
         )
         metrics = state.metrics
-        try:
-            reply = await request.app[TASK_ROUTERS_KEY][task].dispatch(routed)
-        except ApiError as exc:
-            metrics.count_request(route, exc.status, "none")
-            if span is not None:
-                span.finish(exc.status, routed.state, error=exc.message if exc.status >= 500 else None)
-            raise
-        except asyncio.CancelledError:
-            metrics.count_disconnect(route)
-            if span is not None:
-                span.finish(None, routed.state, error="the client disconnected")
-            raise
+        reply = await _dispatch_accounted(request.app[TASK_ROUTERS_KEY][task], routed, metrics, route, span)
         if reply.stream is not None:  # these routes answer in one body; close whatever came instead
             await reply.stream.aclose()
             raise ApiError(502, f"the engine answered {route} with a stream", "unexpected_stream")
-        metrics.count_request(route, reply.status, reply.worker_id)
-        metrics.observe_e2e(route, False, time.perf_counter() - started)
-        if span is not None:
-            span.finish(reply.status, routed.state, worker_id=reply.worker_id)
-        if PERMIT_KEY in request:  # a tenant's tokens/min limit counts this reply's tokens
-            request[USAGE_TOKENS_KEY] = reply_tokens(reply.body)
+        _account_unary(request, metrics, route, False, started, span, routed, reply)
         return web.Response(
             status=reply.status,
             body=reply.body,

@@ -39,16 +39,18 @@ from infera.server.app_state import (
     STATE_KEY,
     USAGE_TOKENS_KEY,
     ServerState,
+    _account_unary,
     _admit,
     _authorize_model,
     _check_client_request_id,
+    _dispatch_accounted,
     _json,
     _request_id,
     _trace,
 )
 from infera.server.request_salt import CACHE_SALT_STATE, salt_translated
 from infera.server.responses_store import ResponsesStore, ResponsesStoreLike, decode_entry, encode_entry
-from infera.server.tenant_limits import UsageMeter, reply_tokens
+from infera.server.tenant_limits import UsageMeter
 
 log = logging.getLogger(__name__)
 
@@ -147,26 +149,10 @@ async def _create(request: web.Request) -> web.StreamResponse:
     metrics = state.metrics
     # Mixed workers only: a PD pair's legs are built from a chat body, not the Responses one.
     router = getattr(state.router, "mixed", state.router)
-    try:
-        reply = await router.dispatch(routed)
-    except ApiError as exc:
-        metrics.count_request(ROUTE, exc.status, "none")
-        if span is not None:
-            span.finish(exc.status, routed.state, error=exc.message if exc.status >= 500 else None)
-        raise
-    except asyncio.CancelledError:
-        metrics.count_disconnect(ROUTE)
-        if span is not None:
-            span.finish(None, routed.state, error="the client disconnected")
-        raise
+    reply = await _dispatch_accounted(router, routed, metrics, ROUTE, span)
     headers = {REQUEST_ID_HEADER: request_id}
     if reply.stream is None:
-        metrics.count_request(ROUTE, reply.status, reply.worker_id)
-        metrics.observe_e2e(ROUTE, False, time.perf_counter() - started)
-        if span is not None:
-            span.finish(reply.status, routed.state, worker_id=reply.worker_id)
-        if PERMIT_KEY in request:
-            request[USAGE_TOKENS_KEY] = reply_tokens(reply.body)
+        _account_unary(request, metrics, ROUTE, False, started, span, routed, reply)
         body = reply.body
         if reply.status == 200 and (keep or previous is not None):
             response = _responses.response_object(body)

@@ -5,9 +5,11 @@ queue, the trace). The handlers live in ``app.py`` (OpenAI routes, observers, ad
 ``app_anthropic.py`` (Anthropic's Messages API)."""
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,9 +19,12 @@ from aiohttp import web
 from infera.api.errors import ApiError
 from infera.discovery.fleet import Fleet
 from infera.router.auto import AutoRouter
+from infera.router.dispatch import Reply
+from infera.router.policy import RoutedRequest
 from infera.server import dashboard as _dashboard
 from infera.server.fleet_view import FleetView
 from infera.server.metrics import ServerMetrics
+from infera.server.tenant_limits import reply_tokens
 from infera.server.tracing import RequestSpan, client_trace_headers
 
 REQUEST_ID_HEADER = "X-Infera-Request-Id"
@@ -122,6 +127,37 @@ def _authorize_model(request: web.Request, model: str | None) -> None:
     keys = request.app[STATE_KEY].api_keys
     if keys is not None:
         keys.authorize(request[API_KEY_KEY], model)
+
+
+async def _dispatch_accounted(router: Any, routed: RoutedRequest, metrics: ServerMetrics, route: str,
+                              span: RequestSpan | None) -> Reply:
+    """``router.dispatch(routed)``; a refusal (ApiError) or a client that leaves while it runs is
+    counted and ends the request's span before it propagates."""
+    try:
+        reply: Reply = await router.dispatch(routed)
+    except ApiError as exc:
+        metrics.count_request(route, exc.status, "none")
+        if span is not None:
+            span.finish(exc.status, routed.state, error=exc.message if exc.status >= 500 else None)
+        raise
+    except asyncio.CancelledError:
+        metrics.count_disconnect(route)
+        if span is not None:
+            span.finish(None, routed.state, error="the client disconnected")
+        raise
+    return reply
+
+
+def _account_unary(request: web.Request, metrics: ServerMetrics, route: str, stream: bool, started: float,
+                   span: RequestSpan | None, routed: RoutedRequest, reply: Reply) -> None:
+    """A reply in one body, counted: the request series, its end-to-end time, the span's end, and
+    (under a tokens/min limit) its tokens for the tenant."""
+    metrics.count_request(route, reply.status, reply.worker_id)
+    metrics.observe_e2e(route, stream, time.perf_counter() - started)
+    if span is not None:
+        span.finish(reply.status, routed.state, worker_id=reply.worker_id)
+    if PERMIT_KEY in request:  # a tenant's tokens/min limit counts this reply's tokens
+        request[USAGE_TOKENS_KEY] = reply_tokens(reply.body)
 
 
 def _trace(state: ServerState, request: web.Request, route: str, model: str | None,
