@@ -32,6 +32,11 @@ log = logging.getLogger(__name__)
 
 # How long a new request waits for a lost NATS connection to come back before failing.
 RECONNECT_GRACE_S = 10.0
+# A liveness check this late ran after the router's own loop was held up (CPU starvation, a long
+# callback): heartbeats that arrived meanwhile still wait unread behind it, so it judges again once
+# they are read (LIVENESS_RECHECK_S later) instead of failing live workers' requests.
+LIVENESS_LATE_S = 0.5
+LIVENESS_RECHECK_S = 0.1
 
 
 class AdmissionRefused(UpstreamError):
@@ -212,7 +217,10 @@ class NatsRequestClient:
         self.dead_after = dead_after
         self._alive: dict[bytes, float] = {}  # worker token → loop time of its last heartbeat
         self._liveness: asyncio.TimerHandle | None = None
+        self._liveness_due = 0.0  # loop time the pending liveness check is scheduled for
+        self._liveness_deferred = False  # the last check was put off (a stalled loop): the next one judges
         self.dead_workers_failed = 0
+        self.liveness_checks_deferred = 0
         self._prefix = b""
         self._sid: bytes | None = None
         self._ids = itertools.count(1)
@@ -288,7 +296,7 @@ class NatsRequestClient:
         resp.alive_at = self._alive.get(subjects[2])
         self._pending[inbox] = resp
         if self._liveness is None and self.dead_after > 0:
-            self._liveness = asyncio.get_running_loop().call_later(1.0, self._check_liveness)
+            self._schedule_liveness(1.0)
         self._inflight[wid] = self._inflight.get(wid, 0) + 1
         self.sent += 1
         try:
@@ -305,15 +313,27 @@ class NatsRequestClient:
     def _on_alive(self, subject: bytes, _reply: bytes, _data: bytes, _status: int) -> None:
         self._alive[subject[len(ALIVE_SUBJECT):]] = asyncio.get_running_loop().time()
 
+    def _schedule_liveness(self, delay: float) -> None:
+        loop = asyncio.get_running_loop()
+        self._liveness_due = loop.time() + delay
+        self._liveness = loop.call_later(delay, self._check_liveness)
+
     def _check_liveness(self) -> None:
         """Once a second while requests are pending: fail those whose worker's heartbeat stopped
         (the process is gone; nothing else would tell us before the idle timeout). Workers never
-        heard from (older launchers without heartbeats) are left to the idle timeout."""
+        heard from (older launchers without heartbeats) are left to the idle timeout. A check that
+        runs late (this loop was stalled) first lets the heartbeats queued meanwhile be read."""
         self._liveness = None
         if not self._pending:
             return
         loop = asyncio.get_running_loop()
         now = loop.time()
+        if now - self._liveness_due > LIVENESS_LATE_S and not self._liveness_deferred:
+            self._liveness_deferred = True
+            self.liveness_checks_deferred += 1
+            self._schedule_liveness(LIVENESS_RECHECK_S)
+            return
+        self._liveness_deferred = False
         if self._core is not None and self._core.connected:  # (a lost broker is handled on its own)
             alive, limit = self._alive, self.dead_after
             for resp in list(self._pending.values()):
@@ -326,7 +346,7 @@ class NatsRequestClient:
                     self.dead_workers_failed += 1
                     resp._fail(UpstreamError(f"worker {resp.worker_id} stopped answering over NATS (no heartbeat "
                                              f"for {now - last:.1f}s)", before_response=not resp._headers.done()))
-        self._liveness = loop.call_later(1.0, self._check_liveness)
+        self._schedule_liveness(1.0)
 
     def _on_reply(self, subject: bytes, _reply: bytes, data: bytes, status: int) -> None:
         resp = self._pending.get(subject)
