@@ -102,6 +102,10 @@ LINT_STRICT := \
 	infera/api/anthropic_passthrough.py \
 	infera/server/admission.py \
 	infera/server/api_keys.py \
+	infera/server/kv_metrics.py \
+	infera/transport/kv_events_nats.py \
+	infera/transport/kv_events_zmq.py \
+	infera/transport/kv_events_zmq_replay.py \
 	tests/integration/test_reference_metrics.py \
 	tests/unit/test_lint_config.py \
 	tests/unit/test_reference_metrics.py

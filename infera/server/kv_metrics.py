@@ -1,13 +1,16 @@
 """The server's KV-view metrics (``infera.server.kv``'s bridge, a prometheus collector): per target
 the event stream (batches, block events, gaps, resets, delay, CPU), the view (size, caught up,
 degraded, staleness, engine restarts), the self-check (prediction errors, hit-rate counters), the
-kv-aware policy's load terms, and the index's byte bound: ``infera_kv_index_bytes`` (held, by the
+kv-aware policy's load terms, the replays asked and waiting (``infera_kv_event_replays``), and
+the index's byte bound: ``infera_kv_index_bytes`` (held, by the
 model of ``infera.kv.bound``), ``infera_kv_index_max_bytes`` and
 ``infera_kv_index_evicted_entries_total`` (the (block, worker) entries the bound evicted).
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
@@ -30,8 +33,9 @@ class KvViewMetrics:
     clock: Callable[[], float]
     active_blocks: Callable[[str], int] | None
     balance: Any
+    subscriber: Any  # the ZMQ subscriber (its replay_load)
 
-    def stats(self, key: str) -> dict:  # the bridge's
+    def stats(self, key: str) -> dict[str, Any]:  # the bridge's
         raise NotImplementedError
 
     def collect(self) -> Iterator[Metric]:
@@ -41,14 +45,17 @@ class KvViewMetrics:
         for (role, key), n in sorted(self.picks.items()):
             fam.add_metric([role, key], n)
         yield fam
-        for name, table, doc in (("infera_router_pick_cache_hits", self.pick_hits, "Predicted cached blocks per pick"),
-                                 ("infera_router_pick_request_blocks", self.pick_blocks, "Full blocks per request")):
+        for name, table, doc in (
+            ("infera_router_pick_cache_hits", self.pick_hits, "Predicted cached blocks per pick"),
+            ("infera_router_pick_request_blocks", self.pick_blocks, "Full blocks per request"),
+        ):
             hist = HistogramMetricFamily(name, doc, labels=["role"])
             for role, h in sorted(table.items()):
                 hist.add_metric([role], h.cumulative(), h.total)
             yield hist
-        hist = HistogramMetricFamily("infera_kv_prediction_error_tokens", "|engine-reported − router-predicted| "
-                                     "cached prompt tokens per reply")
+        hist = HistogramMetricFamily(
+            "infera_kv_prediction_error_tokens", "|engine-reported − router-predicted| cached prompt tokens per reply"
+        )
         hist.add_metric([], self.prediction_error.cumulative(), self.prediction_error.total)
         yield hist
         label = ["worker_id"]
@@ -57,44 +64,82 @@ class KvViewMetrics:
         gaps = CounterMetricFamily("infera_kv_event_gaps", "Sequence gaps (replayed or reset)", labels=label)
         resets = CounterMetricFamily("infera_kv_view_resets", "Cache views reset after lost continuity", labels=label)
         silent = GaugeMetricFamily("infera_kv_events_silent", "1 when a worker's KV events fell silent", labels=label)
-        blocks = GaugeMetricFamily("infera_policy_cache_view_size", "Blocks in the router's view of a worker's cache",
-                                   labels=label)
-        delay = HistogramMetricFamily("infera_kv_event_delay_seconds", "Engine batch timestamp to applied here",
-                                      labels=label)
-        cpu = CounterMetricFamily("infera_kv_event_cpu_seconds", "Router CPU spent decoding and applying a "
-                                  "worker's KV-event batches (the socket read excluded)", labels=label)
-        evicted_under = CounterMetricFamily("infera_kv_predictions_evicted", "Replies with more blocks cached than "
-                                            "predicted, on a view the index's byte bound evicted from: possibly "
-                                            "what it evicted, not counted as drift (predictions_off)", labels=label)
-        off = CounterMetricFamily("infera_kv_predictions_off", "Replies whose cached tokens the router predicted "
-                                  "wrong by more than one block: over (predicted more) or under (fewer)",
-                                  labels=["worker_id", "direction"])
-        prompt = CounterMetricFamily("infera_kv_prompt_tokens", "Prompt tokens (router's tokenizer) of the completed "
-                                     "replies routed to a worker, with or without usage", labels=label)
-        predicted = CounterMetricFamily("infera_kv_predicted_cached_tokens", "Of those, the tokens the router "
-                                        "predicted cached when it picked the worker", labels=label)
-        reported_prompt = CounterMetricFamily("infera_kv_reported_prompt_tokens", "Prompt tokens (router's "
-                                              "tokenizer) of the replies whose usage reported cached tokens",
-                                              labels=label)
-        reported = CounterMetricFamily("infera_kv_reported_cached_tokens", "Cached prompt tokens the engine "
-                                       "reported in those replies' usage", labels=label)
-        caught_up = GaugeMetricFamily("infera_kv_view_caught_up", "1 once a worker's view has caught up with its "
-                                      "engine's history (replay or JetStream); 0 while warming up, when the "
-                                      "kv-aware policy routes its picks by load", labels=label)
-        degraded = GaugeMetricFamily("infera_kv_view_degraded", "1 while a worker's view may lack blocks its engine "
-                                     "holds (events lost beyond replay, or history older than the replay "
-                                     "buffer): it under-predicts until the engine clears its cache or restarts",
-                                     labels=label)
-        staleness = GaugeMetricFamily("infera_kv_view_staleness_seconds", "Seconds since a worker's view last "
-                                      "applied an event batch (or since it was subscribed, before any)",
-                                      labels=label)
-        restarts = CounterMetricFamily("infera_kv_engine_restarts", "Engine restarts found (a new KV-event "
-                                       "stream registered, or the stream started over): the view was dropped",
-                                       labels=label)
+        blocks = GaugeMetricFamily(
+            "infera_policy_cache_view_size", "Blocks in the router's view of a worker's cache", labels=label
+        )
+        delay = HistogramMetricFamily(
+            "infera_kv_event_delay_seconds", "Engine batch timestamp to applied here", labels=label
+        )
+        cpu = CounterMetricFamily(
+            "infera_kv_event_cpu_seconds",
+            "Router CPU spent decoding and applying a worker's KV-event batches (the socket read excluded)",
+            labels=label,
+        )
+        evicted_under = CounterMetricFamily(
+            "infera_kv_predictions_evicted",
+            "Replies with more blocks cached than "
+            "predicted, on a view the index's byte bound evicted from: possibly "
+            "what it evicted, not counted as drift (predictions_off)",
+            labels=label,
+        )
+        off = CounterMetricFamily(
+            "infera_kv_predictions_off",
+            "Replies whose cached tokens the router predicted "
+            "wrong by more than one block: over (predicted more) or under (fewer)",
+            labels=["worker_id", "direction"],
+        )
+        prompt = CounterMetricFamily(
+            "infera_kv_prompt_tokens",
+            "Prompt tokens (router's tokenizer) of the completed replies routed to a worker, with or without usage",
+            labels=label,
+        )
+        predicted = CounterMetricFamily(
+            "infera_kv_predicted_cached_tokens",
+            "Of those, the tokens the router predicted cached when it picked the worker",
+            labels=label,
+        )
+        reported_prompt = CounterMetricFamily(
+            "infera_kv_reported_prompt_tokens",
+            "Prompt tokens (router's tokenizer) of the replies whose usage reported cached tokens",
+            labels=label,
+        )
+        reported = CounterMetricFamily(
+            "infera_kv_reported_cached_tokens",
+            "Cached prompt tokens the engine reported in those replies' usage",
+            labels=label,
+        )
+        caught_up = GaugeMetricFamily(
+            "infera_kv_view_caught_up",
+            "1 once a worker's view has caught up with its "
+            "engine's history (replay or JetStream); 0 while warming up, when the "
+            "kv-aware policy routes its picks by load",
+            labels=label,
+        )
+        degraded = GaugeMetricFamily(
+            "infera_kv_view_degraded",
+            "1 while a worker's view may lack blocks its engine "
+            "holds (events lost beyond replay, or history older than the replay "
+            "buffer): it under-predicts until the engine clears its cache or restarts",
+            labels=label,
+        )
+        staleness = GaugeMetricFamily(
+            "infera_kv_view_staleness_seconds",
+            "Seconds since a worker's view last applied an event batch (or since it was subscribed, before any)",
+            labels=label,
+        )
+        restarts = CounterMetricFamily(
+            "infera_kv_engine_restarts",
+            "Engine restarts found (a new KV-event "
+            "stream registered, or the stream started over): the view was dropped",
+            labels=label,
+        )
         now = self.clock()
         warming = self.warming
-        active = GaugeMetricFamily("infera_policy_active_blocks", "Distinct prompt blocks of the requests in flight "
-                                   "on a worker (the kv-aware policy's load term)", labels=label)
+        active = GaugeMetricFamily(
+            "infera_policy_active_blocks",
+            "Distinct prompt blocks of the requests in flight on a worker (the kv-aware policy's load term)",
+            labels=label,
+        )
         active_blocks = self.active_blocks
         for key, state in sorted(self.targets.items()):
             sub = self.stats(key)
@@ -120,14 +165,47 @@ class KvViewMetrics:
             reported.add_metric([key], state.reported_cached_tokens)
             if active_blocks is not None:
                 active.add_metric([key], active_blocks(key))
-        yield from (batches, events, cpu, gaps, resets, silent, blocks, delay, off, evicted_under, prompt, predicted,
-                    reported_prompt, reported, caught_up, degraded, staleness, restarts)
+        yield from (
+            batches,
+            events,
+            cpu,
+            gaps,
+            resets,
+            silent,
+            blocks,
+            delay,
+            off,
+            evicted_under,
+            prompt,
+            predicted,
+            reported_prompt,
+            reported,
+            caught_up,
+            degraded,
+            staleness,
+            restarts,
+        )
         yield from self._index_bound()
+        replay_load = getattr(self.subscriber, "replay_load", None)
+        if replay_load is not None:
+            load = replay_load()
+            replays = GaugeMetricFamily(
+                "infera_kv_event_replays",
+                "Replays of engines' buffered KV events over "
+                "ZMQ: asked now (in_flight, at most limit at once) and waiting for a slot",
+                labels=["state"],
+            )
+            for slot in ("in_flight", "waiting", "limit"):
+                replays.add_metric([slot], load[slot])
+            yield replays
         if active_blocks is not None:
             yield active
         if self.balance is not None:
-            weight = GaugeMetricFamily("infera_policy_inflight_weight", "What one request in flight on a worker "
-                                       "weighs in the kv-aware load, in missed blocks (learned unless fixed)")
+            weight = GaugeMetricFamily(
+                "infera_policy_inflight_weight",
+                "What one request in flight on a worker "
+                "weighs in the kv-aware load, in missed blocks (learned unless fixed)",
+            )
             weight.add_metric([], self.balance.ratio)
             yield weight
 
@@ -138,13 +216,19 @@ class KvViewMetrics:
         if bound_stats is None:
             return
         b = bound_stats()
-        held = GaugeMetricFamily("infera_kv_index_bytes", "Bytes the router's KV index holds (its model of the C "
-                                 "view's tables: blocks and (block, worker) entries; infera/kv/bound.py)")
+        held = GaugeMetricFamily(
+            "infera_kv_index_bytes",
+            "Bytes the router's KV index holds (its model of the C "
+            "view's tables: blocks and (block, worker) entries; infera/kv/bound.py)",
+        )
         held.add_metric([], b.bytes_held)
-        cap = GaugeMetricFamily("infera_kv_index_max_bytes", "The KV index's byte bound (--kv-index-max-bytes; "
-                                "0: unbounded)")
+        cap = GaugeMetricFamily(
+            "infera_kv_index_max_bytes", "The KV index's byte bound (--kv-index-max-bytes; 0: unbounded)"
+        )
         cap.add_metric([], b.max_bytes)
-        evicted = CounterMetricFamily("infera_kv_index_evicted_entries", "(block, worker) entries the KV index "
-                                      "evicted at its byte bound, coldest blocks first")
+        evicted = CounterMetricFamily(
+            "infera_kv_index_evicted_entries",
+            "(block, worker) entries the KV index evicted at its byte bound, coldest blocks first",
+        )
         evicted.add_metric([], b.evicted_entries)
         yield from (held, cap, evicted)

@@ -16,24 +16,34 @@ over to the shared consumer (stream sequences make the hand-over exact).
 
 Resets carry a reason, as on ZMQ (``RESET_REASONS``): a relay's reset marker sent at its start, a
 new epoch whose marker never came, or a seq going back is ``restart``; any other marker (the
-relay lost continuity with its engine) or a seq gap is ``gap``; a first message past seq 0 (history trimmed by the stream's limits) is
-``history``; a re-created stream is ``reconnect``. ``on_caught_up(key)``, when set, is called when
-a key's history has been delivered (``caught_up`` turns true).
+relay lost continuity with its engine) or a seq gap is ``gap``; a first message past seq 0
+(history trimmed by the stream's limits) is ``history``; a re-created stream is ``reconnect``.
+``on_caught_up(key)``, when set, is called when a key's history has been delivered (``caught_up``
+turns true). Per-key history fetches run at most ``history_concurrency`` at once.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, cast
 
 import nats.errors
 import nats.js.errors
 from nats.js import api
 
-from infera.transport.kv_events_zmq import (NO_SEQ, RESET_GAP, RESET_HISTORY, RESET_RECONNECT, RESET_RESTART,
-                                            KvCallbacks, OnCaughtUp)
+from infera.transport.kv_event_callbacks import (
+    NO_SEQ,
+    RESET_GAP,
+    RESET_HISTORY,
+    RESET_RECONNECT,
+    RESET_RESTART,
+    KvCallbacks,
+    OnCaughtUp,
+)
 from infera.transport.nats_conn import NatsConnection, subject_token
 
 log = logging.getLogger("infera.transport.kv_events_nats")
@@ -49,6 +59,12 @@ HDR_EPOCH = "Infera-Kv-Epoch"
 HDR_RESET = "Infera-Kv-Reset"
 MARKER_RELAY_START = "relay-start"  # HDR_RESET of the marker a relay sends when it starts (a new engine)
 
+# Per-key history fetches running at once: each is an ephemeral pull consumer on the broker. A
+# server that adds a fleet's keys at once (after their history went by) would otherwise create one
+# per worker together and, at 1,000 workers, hit nats-server's consumer limit and retry
+# (bench/fleet_scale.py --mode nats).
+HISTORY_CONCURRENCY = 32
+
 _STREAM_IN_USE = 10058  # JetStream err_code: stream name already in use with a different configuration
 
 OnBatch = Callable[[str, int, bytes], None]
@@ -60,20 +76,26 @@ def kv_event_subject(worker_id: str, rank: int | None) -> str:
 
 
 def stream_config() -> api.StreamConfig:
-    return api.StreamConfig(name=STREAM, subjects=list(STREAM_SUBJECTS), retention=api.RetentionPolicy.LIMITS,
-                            storage=api.StorageType.FILE, discard=api.DiscardPolicy.OLD,
-                            max_bytes=STREAM_MAX_BYTES, max_msgs=STREAM_MAX_MSGS)
+    return api.StreamConfig(
+        name=STREAM,
+        subjects=list(STREAM_SUBJECTS),
+        retention=api.RetentionPolicy.LIMITS,
+        storage=api.StorageType.FILE,
+        discard=api.DiscardPolicy.OLD,
+        max_bytes=STREAM_MAX_BYTES,
+        max_msgs=STREAM_MAX_MSGS,
+    )
 
 
 async def ensure_stream(js: Any) -> api.StreamInfo:
     """Create the stream unless it exists; one made elsewhere with other limits is used as it is."""
     try:
-        return await js.add_stream(stream_config())
+        return cast(api.StreamInfo, await js.add_stream(stream_config()))
     except nats.js.errors.APIError as exc:
         if exc.err_code != _STREAM_IN_USE:
             raise
         log.info("JetStream stream %s exists with other settings; using it as it is", STREAM)
-        return await js.stream_info(STREAM)
+        return cast(api.StreamInfo, await js.stream_info(STREAM))
 
 
 _FETCH_BATCH = 256
@@ -92,9 +114,9 @@ class _Key:
     seen: bool = False  # any message since add (first contact rules)
     last_seq: int | None = None
     epoch: str | None = None
-    buffer: list[tuple[int, dict | None, bytes]] = field(default_factory=list)
+    buffer: list[tuple[int, dict[str, str] | None, bytes]] = field(default_factory=list)
     clears: int = 0  # buffer overflows
-    task: asyncio.Task | None = None
+    task: asyncio.Task[None] | None = None
     batches: int = 0
     markers: int = 0
     gaps: int = 0
@@ -112,9 +134,21 @@ class NatsKvEventSubscriber(KvCallbacks):
     """Server side: JetStream → ``on_batch(key, seq, payload)`` / ``on_reset(key)``; the interface of
     ``ZmqKvEventSubscriber``. ``add``'s endpoint is the key's subject (``kv_event_subject``)."""
 
-    def __init__(self, nats: NatsConnection, on_batch: OnBatch, on_reset: OnReset, *, heartbeat_s: float = 1.0,
-                 api_timeout: float = 5.0, on_caught_up: OnCaughtUp | None = None) -> None:
+    def __init__(
+        self,
+        nats: NatsConnection,
+        on_batch: OnBatch,
+        on_reset: OnReset,
+        *,
+        heartbeat_s: float = 1.0,
+        api_timeout: float = 5.0,
+        on_caught_up: OnCaughtUp | None = None,
+        history_concurrency: int = HISTORY_CONCURRENCY,
+    ) -> None:
+        if history_concurrency < 1:
+            raise ValueError("history_concurrency must be >= 1")
         self.nats = nats
+        self._history_slots = asyncio.Semaphore(history_concurrency)
         self.on_batch = on_batch
         self.on_reset = on_reset
         self.on_caught_up = on_caught_up
@@ -126,7 +160,7 @@ class NatsKvEventSubscriber(KvCallbacks):
         self._passed: OrderedDict[str, int] = OrderedDict()
         self._passed_overflow = False
         self._sub: Any = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._started = False
         self._global_caught_up = False
         self._target = 0  # stream's last seq when subscribed: caught up once delivered
@@ -195,16 +229,28 @@ class NatsKvEventSubscriber(KvCallbacks):
         st = self._keys.get(key)
         return st is not None and not self._caught_up(st)
 
-    def stats(self, key: str) -> dict:
+    def stats(self, key: str) -> dict[str, Any]:
         st = self._keys[key]
-        return {"key": st.key, "subject": st.subject, "transport": "nats",
-                "connected": self._sub is not None and self.nats.connected,
-                "last_seq": st.last_seq, "epoch": st.epoch, "stream_seq": st.floor,
-                "batches": st.batches, "markers": st.markers, "gaps": st.gaps, "replays": st.replays,
-                "replay_failures": st.replay_failures, "resets": st.resets,
-                "reset_reasons": dict(st.reset_reasons), "restarts": st.restarts,
-                "callback_errors": st.callback_errors, "last_batch_at": st.last_batch_at,
-                "caught_up": self._caught_up(st)}
+        return {
+            "key": st.key,
+            "subject": st.subject,
+            "transport": "nats",
+            "connected": self._sub is not None and self.nats.connected,
+            "last_seq": st.last_seq,
+            "epoch": st.epoch,
+            "stream_seq": st.floor,
+            "batches": st.batches,
+            "markers": st.markers,
+            "gaps": st.gaps,
+            "replays": st.replays,
+            "replay_failures": st.replay_failures,
+            "resets": st.resets,
+            "reset_reasons": dict(st.reset_reasons),
+            "restarts": st.restarts,
+            "callback_errors": st.callback_errors,
+            "last_batch_at": st.last_batch_at,
+            "caught_up": self._caught_up(st),
+        }
 
     # -- the shared consumer ------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -229,8 +275,9 @@ class NatsKvEventSubscriber(KvCallbacks):
     async def _subscribe(self) -> None:
         js = self.nats.js
         info = await ensure_stream(js)
-        recreated = self._stream_created is not None and (info.created != self._stream_created
-                                                         or info.state.last_seq < self._last_sseq)
+        recreated = self._stream_created is not None and (
+            info.created != self._stream_created or info.state.last_seq < self._last_sseq
+        )
         self._check_stream = False
         if self._sub is not None and not recreated:
             return  # reconnected to the same stream: the ordered consumer resumes by itself
@@ -255,12 +302,17 @@ class NatsKvEventSubscriber(KvCallbacks):
         self._global_caught_up = False
         if info.state.messages == 0:
             self._mark_global_caught_up()
-        self._sub = await js.subscribe(STREAM_SUBJECTS[0], stream=STREAM, cb=self._on_msg, ordered_consumer=True,
-                                       deliver_policy=api.DeliverPolicy.ALL, idle_heartbeat=self.heartbeat_s,
-                                       pending_msgs_limit=STREAM_MAX_MSGS + 100_000,
-                                       pending_bytes_limit=STREAM_MAX_BYTES + 64 * 1024 * 1024)
-        log.info("KV events over NATS: following %s from its first message (%d stored)", STREAM,
-                 info.state.messages)
+        self._sub = await js.subscribe(
+            STREAM_SUBJECTS[0],
+            stream=STREAM,
+            cb=self._on_msg,
+            ordered_consumer=True,
+            deliver_policy=api.DeliverPolicy.ALL,
+            idle_heartbeat=self.heartbeat_s,
+            pending_msgs_limit=STREAM_MAX_MSGS + 100_000,
+            pending_bytes_limit=STREAM_MAX_BYTES + 64 * 1024 * 1024,
+        )
+        log.info("KV events over NATS: following %s from its first message (%d stored)", STREAM, info.state.messages)
 
     async def _unsubscribe(self) -> None:
         sub, self._sub = self._sub, None
@@ -330,7 +382,8 @@ class NatsKvEventSubscriber(KvCallbacks):
         backoff = 0.2
         while True:
             try:
-                await self._fetch_once(st)
+                async with self._history_slots:
+                    await self._fetch_once(st)
                 break
             except asyncio.CancelledError:
                 raise
@@ -353,8 +406,9 @@ class NatsKvEventSubscriber(KvCallbacks):
             raise ConnectionError("NATS not connected")
         st.replays += 1
         js = self.nats.js
-        config = api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, mem_storage=True, inactive_threshold=30.0,
-                                    max_deliver=1)
+        config = api.ConsumerConfig(
+            ack_policy=api.AckPolicy.NONE, mem_storage=True, inactive_threshold=30.0, max_deliver=1
+        )
         if st.floor:  # a retry: go on from what was delivered
             config.deliver_policy = api.DeliverPolicy.BY_START_SEQUENCE
             config.opt_start_seq = st.floor + 1
@@ -380,13 +434,13 @@ class NatsKvEventSubscriber(KvCallbacks):
         finally:
             try:
                 await asyncio.wait_for(psub.unsubscribe(), self.api_timeout)
-                # pull_subscribe named the ephemeral consumer in ``config``
-                await asyncio.wait_for(js.delete_consumer(STREAM, config.name), self.api_timeout)
+                if config.name:  # pull_subscribe named the ephemeral consumer in ``config``
+                    await asyncio.wait_for(js.delete_consumer(STREAM, config.name), self.api_timeout)
             except Exception as exc:  # it expires on its own (inactive_threshold)
                 log.debug("KV events %s: history consumer cleanup: %s", st.key, exc)
 
     # -- sequence rules ---------------------------------------------------------------------------------
-    def _handle(self, st: _Key, sseq: int, headers: dict | None, data: bytes) -> None:
+    def _handle(self, st: _Key, sseq: int, headers: dict[str, str] | None, data: bytes) -> None:
         """One message of ``st``'s subject, in stream order."""
         if sseq <= st.floor:
             return  # delivered already (history fetch and shared consumer overlap)

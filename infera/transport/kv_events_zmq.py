@@ -45,7 +45,8 @@ syscalls, the largest part of kv-aware routing's CPU; bench/kv_path.py, "zmq"). 
 sequence are delivered from the connection's reads; anything else (a gap, a restart, a first
 batch to catch up to) pauses the connection and goes to the key's task, which resumes it when done:
 what arrives meanwhile waits in the connection's buffer and the kernel's, in order. The replay
-DEALER is pyzmq's (asked rarely). Like a libzmq SUB the connection re-establishes itself; batches
+DEALER is pyzmq's (asked rarely; at most ``replay_concurrency`` at once, the other keys waiting
+for a slot, see ``replay_load()``). Like a libzmq SUB the connection re-establishes itself; batches
 published while it was down show as a gap.
 
 Replay protocol (vLLM): the DEALER sends ``[b"", start_seq (8-byte BE)]`` and receives
@@ -58,23 +59,35 @@ the per-key task, recovery from a failed reader); its neighbours own the callbac
 shares (``kv_event_callbacks``), the per-key state (``kv_events_zmq_state``) and the replay side
 (``kv_events_zmq_replay``).
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 from time import monotonic as _monotonic
+from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from infera.transport.backoff import retry_delay
+
 # The subscriber's other concerns, in their own modules; their names are re-exported here, where
 # callers imported them from.
 from infera.transport.kv_event_callbacks import (  # noqa: F401
-    NO_SEQ, RESET_GAP, RESET_HISTORY, RESET_REASONS, RESET_RECONNECT, RESET_RESTART, KvCallbacks, OnBatch,
-    OnCaughtUp, OnReset)
+    NO_SEQ,
+    RESET_GAP,
+    RESET_HISTORY,
+    RESET_REASONS,
+    RESET_RECONNECT,
+    RESET_RESTART,
+    KvCallbacks,
+    OnBatch,
+    OnCaughtUp,
+    OnReset,
+)
 from infera.transport.kv_events_zmq_replay import _END_SEQ, ZmqReplay  # noqa: F401
-from infera.transport.kv_events_zmq_state import _digest, _KeyState  # noqa: F401
+from infera.transport.kv_events_zmq_state import _digest, _KeyState
 from infera.transport.zmtp import ZmtpSubscription
 
 log = logging.getLogger("infera.transport.kv_events_zmq")
@@ -86,6 +99,13 @@ _FIRST_PROBE_S = 0.5  # (also the interval of the warm-up's retries)
 _IDLE_PROBE_S = 5.0
 _WARMUP_ATTEMPTS = 3  # failed replays before a key is caught up without its history
 _STOP_WAIT_S = 5.0  # how long stop() waits for closing readers and connections
+# Replay DEALERs open at once, per subscriber. A server that starts (or reconnects) against a
+# fleet asks every engine for its history at the same moment; unbounded, 1,000 engines meant 1,000
+# libzmq sockets at once (each ~50 KB of pipes, batch buffers and mailbox, one fd), a high-water
+# mark that the allocator kept: ~50 KB of the server's memory per worker for good
+# (bench/fleet_scale.py). The rest wait their turn; a dead replay socket holds its slot at most
+# ``replay_timeout``.
+REPLAY_CONCURRENCY = 32
 # A reader that fails (fd exhaustion: "Too many open files" on the replay socket, a bug) restarts
 # after a backoff doubling from _RECOVER_MIN_S to _RECOVER_MAX_S (+-25% jitter), not at once: a
 # failure that repeats immediately spun 100k tracebacks (110 MB of log) in 30 s and reset the view
@@ -106,20 +126,34 @@ def endpoint_for_rank(endpoint: str, rank: int | None) -> str:
 class ZmqKvEventSubscriber(ZmqReplay, KvCallbacks):
     """Subscribe to many engines' KV events; see the module docstring for the guarantees."""
 
-    def __init__(self, on_batch: OnBatch, on_reset: OnReset, *, context: zmq.asyncio.Context | None = None,
-                 replay_timeout: float = 2.0, topic: str = DEFAULT_TOPIC,
-                 on_caught_up: OnCaughtUp | None = None) -> None:
+    def __init__(
+        self,
+        on_batch: OnBatch,
+        on_reset: OnReset,
+        *,
+        context: zmq.asyncio.Context | None = None,
+        replay_timeout: float = 2.0,
+        topic: str = DEFAULT_TOPIC,
+        on_caught_up: OnCaughtUp | None = None,
+        replay_concurrency: int = REPLAY_CONCURRENCY,
+    ) -> None:
         if replay_timeout <= 0:
             raise ValueError("replay_timeout must be > 0")
+        if replay_concurrency < 1:
+            raise ValueError("replay_concurrency must be >= 1")
         self.on_batch = on_batch
         self.on_reset = on_reset
         self.on_caught_up = on_caught_up
         self.replay_timeout = replay_timeout
+        self.replay_concurrency = replay_concurrency
+        self._replay_slots = asyncio.Semaphore(replay_concurrency)
+        self._replays_in_flight = 0
+        self._replays_waiting = 0
         self.topic = topic.encode()
         self._ctx = context  # for the replay DEALERs
         self._own_ctx = context is None
         self._keys: dict[str, _KeyState] = {}
-        self._closing: set[asyncio.Task] = set()
+        self._closing: set[asyncio.Task[None]] = set()
         self._started = False
 
     # ------------------------------------------------------------------ public
@@ -167,8 +201,9 @@ class ZmqKvEventSubscriber(ZmqReplay, KvCallbacks):
                 if not task.cancelled():
                     task.exception()  # retrieved: a close that failed has nothing left to do
             if late:
-                log.warning("KV events: %d task(s) still running %.0fs after stop; left behind",
-                            len(late), _STOP_WAIT_S)
+                log.warning(
+                    "KV events: %d task(s) still running %.0fs after stop; left behind", len(late), _STOP_WAIT_S
+                )
         for st in self._keys.values():
             st.task = None
         if self._own_ctx and self._ctx is not None:
@@ -180,7 +215,15 @@ class ZmqKvEventSubscriber(ZmqReplay, KvCallbacks):
         st = self._keys.get(key)
         return st is not None and st.replaying
 
-    def stats(self, key: str) -> dict:
+    def replay_load(self) -> dict[str, int]:
+        """Replays asked now (DEALERs open, at most ``replay_concurrency``) and waiting for a slot."""
+        return {
+            "in_flight": self._replays_in_flight,
+            "waiting": self._replays_waiting,
+            "limit": self.replay_concurrency,
+        }
+
+    def stats(self, key: str) -> dict[str, Any]:
         """Counters and sequence state of one key (KeyError if not subscribed)."""
         st = self._keys[key]
         return {
@@ -215,8 +258,14 @@ class ZmqKvEventSubscriber(ZmqReplay, KvCallbacks):
             self._reset(st, RESET_RECONNECT)
         loop = asyncio.get_running_loop()
         st.live, st.slow, st.wake, st.pending, st.recheck = False, None, asyncio.Event(), [], False
-        st.conn = ZmtpSubscription(st.endpoint, self.topic, lambda frames: self._on_frames(st, frames),
-                                   on_connect=lambda: self._on_connect(st), reconnect_s=0.1, reconnect_max_s=5.0)
+        st.conn = ZmtpSubscription(
+            st.endpoint,
+            self.topic,
+            lambda frames: self._on_frames(st, frames),
+            on_connect=lambda: self._on_connect(st),
+            reconnect_s=0.1,
+            reconnect_max_s=5.0,
+        )
         st.conn.pause()  # until the task's first contact is done
         st.conn.start()
         st.task = loop.create_task(self._reader(st), name=f"kv-events-sub:{st.key}")
@@ -351,8 +400,13 @@ class ZmqKvEventSubscriber(ZmqReplay, KvCallbacks):
         if st.replay_endpoint and not st.replay_answered:
             if st.warmup_failures < _WARMUP_ATTEMPTS:
                 return  # the probes ask again
-            log.warning("KV events %s: %d replays from %s failed: the view starts from live events, without "
-                        "the engine's earlier history", st.key, st.warmup_failures, st.replay_endpoint)
+            log.warning(
+                "KV events %s: %d replays from %s failed: the view starts from live events, without "
+                "the engine's earlier history",
+                st.key,
+                st.warmup_failures,
+                st.replay_endpoint,
+            )
         st.caught_up = True
         self._notify_caught_up(st)
 
@@ -369,11 +423,19 @@ class ZmqKvEventSubscriber(ZmqReplay, KvCallbacks):
         delay = retry_delay(st.failures, _RECOVER_MIN_S, _RECOVER_MAX_S)
         if not st.recovering:
             st.recovering = True
-            log.exception("KV events %s: reader failed; resetting the view, retrying with backoff (up to %.0f s)",
-                          st.key, _RECOVER_MAX_S)
+            log.exception(  # noqa: LOG004 - called from the reader's exception handlers
+                "KV events %s: reader failed; resetting the view, retrying with backoff (up to %.0f s)",
+                st.key,
+                _RECOVER_MAX_S,
+            )
         else:
-            log.debug("KV events %s: reader failed again (%d in a row); retrying in %.2f s", st.key, st.failures,
-                      delay, exc_info=True)
+            log.debug(
+                "KV events %s: reader failed again (%d in a row); retrying in %.2f s",
+                st.key,
+                st.failures,
+                delay,
+                exc_info=True,  # noqa: LOG014 - called from the reader's exception handlers
+            )
         reset = st.failures == 1 or st.batches != st.batches_at_failure or st.last_seq is not None
         st.last_seq = None
         st.forget_replayed()
@@ -384,8 +446,7 @@ class ZmqKvEventSubscriber(ZmqReplay, KvCallbacks):
         if self._keys.get(st.key) is st and st.conn is not None:
             st.live = False
             st.conn.pause()
-            st.task = asyncio.get_running_loop().create_task(self._reader(st, delay),
-                                                             name=f"kv-events-sub:{st.key}")
+            st.task = asyncio.get_running_loop().create_task(self._reader(st, delay), name=f"kv-events-sub:{st.key}")
 
     def _in_order(self, st: _KeyState, frames: list[bytes]) -> bool:
         """The common case: the next batch in sequence, nothing replayed to check against; delivered
@@ -416,8 +477,7 @@ class ZmqKvEventSubscriber(ZmqReplay, KvCallbacks):
                 return
             # Sequence went backwards with new content: the engine (or its publisher) restarted.
             st.restarts += 1
-            log.info("KV events %s: seq went back from %d to %d (engine restart?): resetting",
-                     st.key, st.last_seq, seq)
+            log.info("KV events %s: seq went back from %d to %d (engine restart?): resetting", st.key, st.last_seq, seq)
             st.last_seq = None
             st.forget_replayed()
             self._reset(st, RESET_RESTART)

@@ -5,6 +5,7 @@ what is done with the answer: catching up on first contact, repairing a gap, pro
 reconnected key for batches the live stream dropped and for a restarted engine, and delivering
 replayed batches in order, with ``on_reset`` first when they do not reach back far enough.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,8 +29,12 @@ class ZmqReplay:
 
     _ctx: Any  # zmq.asyncio.Context | None: for the replay DEALERs
     replay_timeout: float
+    _replay_slots: asyncio.Semaphore  # bounds the DEALERs open at once (REPLAY_CONCURRENCY)
+    _replays_in_flight: int
+    _replays_waiting: int
 
     if TYPE_CHECKING:  # (the subscriber's: declared for the type checker only, never shadowing them)
+
         def _reset(self, st: Any, reason: str) -> None: ...
 
         def _deliver(self, st: _KeyState, seq: int, payload: bytes, *, track: bool = True) -> None: ...
@@ -49,8 +54,11 @@ class ZmqReplay:
                 # new engine (its buffer would still hold ``last`` otherwise, or newer ones). An
                 # empty answer counts only from a replay socket that has answered with batches
                 # before (one that buffers nothing would look restarted at every probe).
-                await self._restarted(st, "the engine's replay %s" % (
-                    "differs at batch %d" % last if anchor is not None else "ends before batch %d" % last))
+                await self._restarted(
+                    st,
+                    "the engine's replay "
+                    + (f"differs at batch {last}" if anchor is not None else f"ends before batch {last}"),
+                )
                 return
         start = 0 if last is None else last + 1
         before = st.batches
@@ -90,8 +98,11 @@ class ZmqReplay:
         anchor = next((p for s, p in batches if s == last), None)
         if anchor is not None and anchor != st.last_payload:
             st.restarts += 1
-            log.info("KV events %s: the replayed batch %d differs from the one delivered (engine restart?): "
-                     "resetting", st.key, last)
+            log.info(
+                "KV events %s: the replayed batch %d differs from the one delivered (engine restart?): resetting",
+                st.key,
+                last,
+            )
             st.last_seq = None
             st.forget_replayed()
             self._reset(st, RESET_RESTART)
@@ -137,6 +148,22 @@ class ZmqReplay:
             return None
         if counted:
             st.replays += 1
+        self._replays_waiting += 1
+        try:
+            await self._replay_slots.acquire()
+        finally:
+            self._replays_waiting -= 1
+        self._replays_in_flight += 1
+        try:
+            if st.conn is None:  # closed while waiting
+                return None
+            return await self._fetch_open(st, start)
+        finally:
+            self._replays_in_flight -= 1
+            self._replay_slots.release()
+
+    async def _fetch_open(self, st: _KeyState, start: int) -> list[tuple[int, bytes]] | None:
+        """``_fetch`` with a slot held: one DEALER, asked once."""
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         out: list[tuple[int, bytes]] = []
@@ -160,8 +187,13 @@ class ZmqReplay:
         except asyncio.TimeoutError:
             st.replay_failures += 1
             st.warmup_failures += not st.caught_up
-            log.warning("KV events %s: replay from %d via %s timed out after %.1fs", st.key, start,
-                        st.replay_endpoint, self.replay_timeout)
+            log.warning(
+                "KV events %s: replay from %d via %s timed out after %.1fs",
+                st.key,
+                start,
+                st.replay_endpoint,
+                self.replay_timeout,
+            )
             return None
         except zmq.ZMQError as exc:
             st.replay_failures += 1

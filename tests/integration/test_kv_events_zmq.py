@@ -646,3 +646,52 @@ async def test_a_real_publishers_oversized_message_drops_the_connection_once_the
     assert len(lines) == 2, lines  # one a drop: nothing per frame
     assert "a message of more than 1048576 bytes" in lines[0] and "a message of more than 64 frames" in lines[1]
     assert all(secret.decode() not in line for line in lines)
+
+
+async def test_first_contact_replays_open_at_most_replay_concurrency_dealers():
+    """A server meeting a fleet asks every engine's replay socket at once. At most
+    ``replay_concurrency`` DEALERs are open together (each one's libzmq buffers stayed in the
+    server's memory for good when 1,000 were opened at once); the other keys wait for a slot, and
+    every key still catches up."""
+    n, limit = 8, 3
+    ctx = zmq.asyncio.Context()
+    pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    pub_ports, replay_ports = [free_port() for _ in range(n)], [free_port() for _ in range(n)]
+    for port in pub_ports:
+        pub.bind(f"tcp://127.0.0.1:{port}")
+    for port in replay_ports:  # one ROUTER answers every engine's replay port
+        router.bind(f"tcp://127.0.0.1:{port}")
+    sink = Sink()
+    sub = ZmqKvEventSubscriber(sink.on_batch, sink.on_reset, replay_timeout=10.0, replay_concurrency=limit)
+    for i in range(n):
+        sub.add(f"w{i}", f"tcp://127.0.0.1:{pub_ports[i]}", f"tcp://127.0.0.1:{replay_ports[i]}")
+    end = [b"", (-1).to_bytes(8, "big", signed=True), b""]  # an empty history: the end marker only
+    try:
+        await sub.start()
+        held = [await asyncio.wait_for(router.recv_multipart(), 10) for _ in range(limit)]
+        await wait_for(lambda: sub.replay_load() == {"in_flight": limit, "waiting": n - limit, "limit": limit}, 10,
+                       message=f"{limit} replays asked, {n - limit} waiting for a slot")
+        assert not any(sub.stats(f"w{i}")["caught_up"] for i in range(n))
+        for request in held:
+            await router.send_multipart([request[0], *end])
+        # Answer whatever comes (first contacts, then the caught-up keys' idle probes) until every
+        # key has caught up, checking the bound at each request.
+        deadline = asyncio.get_running_loop().time() + 10
+        while not all(sub.stats(f"w{i}")["caught_up"] for i in range(n)):
+            assert asyncio.get_running_loop().time() < deadline, "not every key caught up in 10 s"
+            if await router.poll(100):
+                request = await router.recv_multipart()
+                assert sub.replay_load()["in_flight"] <= limit
+                await router.send_multipart([request[0], *end])
+        assert sum(sub.stats(f"w{i}")["replay_failures"] for i in range(n)) == 0
+        assert sub.replay_load()["in_flight"] <= limit
+    finally:
+        await sub.stop()
+        pub.close(linger=0)
+        router.close(linger=0)
+        ctx.term()
+
+
+def test_replay_concurrency_must_be_positive():
+    with pytest.raises(ValueError, match="replay_concurrency"):
+        ZmqKvEventSubscriber(lambda k, s, p: None, lambda k: None, replay_concurrency=0)

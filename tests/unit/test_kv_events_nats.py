@@ -346,3 +346,37 @@ def test_retry_delay_doubles_to_its_cap_with_jitter():
         samples = [retry_delay(failures, 0.5, 30.0) for _ in range(200)]
         assert all(0.75 * base <= d <= 1.25 * base for d in samples)
         assert len(set(samples)) > 1  # jittered: peers that failed together do not retry in step
+
+
+async def test_history_fetches_run_at_most_history_concurrency_at_once(monkeypatch):
+    """Keys re-added together (their history went by) fetch it through at most
+    ``history_concurrency`` pull consumers at once; the others wait, and every key catches up."""
+    limit, n = 2, 6
+    sub = NatsKvEventSubscriber(None, lambda k, s, p: None, lambda k: None, history_concurrency=limit)
+    running, most, release = 0, 0, asyncio.Event()
+
+    async def fetch_once(st) -> None:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        try:
+            await release.wait()
+        finally:
+            running -= 1
+
+    monkeypatch.setattr(sub, "_fetch_once", fetch_once)
+    keys = [kvn._Key(f"w{i}", kv_event_subject(f"w{i}", 0)) for i in range(n)]
+    tasks = [asyncio.ensure_future(sub._fetch_history(st)) for st in keys]
+    await wait_for(lambda: running == limit, 5, message=f"{limit} fetches running")
+    for _ in range(20):  # the waiting keys get every chance to start one too many
+        await asyncio.sleep(0)
+    assert running == limit
+    release.set()
+    await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    assert most == limit
+    assert all(st.caught_up and st.live for st in keys)
+
+
+def test_history_concurrency_must_be_positive():
+    with pytest.raises(ValueError, match="history_concurrency"):
+        NatsKvEventSubscriber(None, lambda k, s, p: None, lambda k: None, history_concurrency=0)

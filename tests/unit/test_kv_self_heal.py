@@ -447,3 +447,12 @@ def test_nats_says_caught_up_per_key_when_the_shared_consumer_reaches_the_end():
     assert sorted(told) == ["a", "b"] and sub.stats("a")["caught_up"]
     sub.add("c")  # added after: nothing of it in the stream yet, live from here
     assert told[-1] == "c"
+
+
+def test_the_replay_load_is_collected():
+    """``infera_kv_event_replays``: the ZMQ subscriber's replays asked, waiting and its bound."""
+    sub = ZmqKvEventSubscriber(lambda k, s, p: None, lambda k: None, replay_concurrency=7)
+    b = KvEventsBridge(Fleet(), KvIndex(), subscriber=sub)
+    sub._replays_in_flight, sub._replays_waiting = 7, 3  # as mid warm-up
+    fam = {m.name: m for m in b.collect()}["infera_kv_event_replays"]
+    assert {s.labels["state"]: s.value for s in fam.samples} == {"in_flight": 7, "waiting": 3, "limit": 7}
