@@ -414,6 +414,11 @@ class ZmtpSubProtocol(asyncio.Protocol):
             if self._paused:
                 self._set_reading(False)  # subscribed; nothing more is read until resume
             self.on_ready()
+        elif not self._ready and name != b"ERROR":
+            # As libzmq's NULL mechanism: the handshake is READY (or ERROR); any other command
+            # before it is a protocol error (a PING answered then put our PONG before the
+            # subscription)
+            self._fail(f"a {_peer_text(name) or '?'} command before the handshake completed")
         elif name == b"PING":  # ZMTP 3.1 heartbeat: TTL (2 bytes) + context (at most 16 bytes), echoed in PONG
             context = rest[2:18]  # as libzmq: no more is echoed, whatever the peer sent
             self.transport.write(_frame_header(_COMMAND, 5 + len(context)) + b"\x04PONG" + context)  # type: ignore[union-attr]

@@ -266,6 +266,7 @@ def run_reader(impl, stream: bytes, sizes: list[int] | None) -> tuple:
 @example(stream=PUB_GREETING + command(b"READY", {b"Socket-Type": b"P\nUB" * 100}), sizes=[80])  # a long, odd type
 @example(stream=PUB_GREETING + bytes([0x04, 13]) + b"\x05ERROR\x06\nfake\r", sizes=[80])  # a newline in a reason
 @example(stream=PUB_GREETING + b"\x06" + (262).to_bytes(8, "big") + b"\x05ERROR\xff" + b"\xfe" * 255, sizes=[80])  # escaped 6x
+@example(stream=PUB_GREETING + b"\x04\x05\x04PING" + command(b"READY", {b"Socket-Type": b"PUB"}), sizes=[1])  # PING first
 def test_the_handshake_on_any_bytes(stream, sizes):
     whole = {name: run_reader(impl, stream, None) for name, impl in SPLITS.items()}
     assert all(w == whole["python"] for w in whole.values())
