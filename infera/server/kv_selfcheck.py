@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from typing import Any, Callable
 
 from infera.discovery.record import WorkerRecord
@@ -111,6 +112,8 @@ class SelfCheck:
                 return
         state.observations += 1
         errors = state.errors
+        if errors is None:
+            errors = state.errors = deque()
         if cached_tokens == predicted:  # (the common case: none of the work below)
             self.prediction_error.counts[0] += 1  # (its first bound is 0)
             state.exact += 1
@@ -136,11 +139,14 @@ class SelfCheck:
             if len(errors) > DIVERGENCE_WINDOW:
                 state.abs_error_sum -= errors.popleft()
         wrong = blocks_off > 1
-        state.verdicts.append(wrong)
+        verdicts = state.verdicts
+        if verdicts is None:
+            verdicts = state.verdicts = deque()
+        verdicts.append(wrong)
         state.wrong += wrong
-        if len(state.verdicts) > DIVERGENCE_WINDOW:
-            state.wrong -= state.verdicts.popleft()
-        if len(state.verdicts) == DIVERGENCE_WINDOW and 2 * state.wrong > DIVERGENCE_WINDOW:
+        if len(verdicts) > DIVERGENCE_WINDOW:
+            state.wrong -= verdicts.popleft()
+        if len(verdicts) == DIVERGENCE_WINDOW and 2 * state.wrong > DIVERGENCE_WINDOW:
             self._warn_once(key, "diverged", "router predictions for %s disagree with the engine's reported cached "
                             "tokens (%d of the last %d replies with cached blocks were off by more than one "
                             "block): check that the router tokenizer (--router-tokenizer-path) and chat template "

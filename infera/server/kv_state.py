@@ -56,7 +56,9 @@ class _TargetState:
         self.last_seq: int | None = None
         self.unconfirmed_since: float | None = None  # first routed miss not yet followed by a batch
         self.silent = False
-        self.errors: deque[int] = deque()  # recent |predicted − reported| in blocks
+        # recent |predicted − reported| in blocks; made at the first reply (an empty deque is ~600 B,
+        # and a fleet has targets that never get one)
+        self.errors: deque[int] | None = None
         self.abs_error_sum = 0
         self.observations = 0
         self.exact = 0
@@ -72,7 +74,7 @@ class _TargetState:
         # Events that lag a reply leave the next turn routed on a view without that reply's blocks.
         self.delays = Histogram()  # the server's latency buckets, 1 ms to 300 s
         self.delay_ewma: float | None = None
-        self.verdicts: deque[bool] = deque()  # recent informative replies: off by more than one block?
+        self.verdicts: deque[bool] | None = None  # recent informative replies: off by more than one block?
         self.wrong = 0
         # Hit-rate counters (tokens), over every completed 200 reply routed here, with or without usage:
         # the router's prompt tokens and its predicted cached share; and, of the replies whose usage

@@ -290,7 +290,7 @@ class RouterTokenizers:
         targets = getattr(self.self_check, "targets", None)
         if not targets:
             return False
-        return any(t.worker_id == worker_id and len(t.verdicts) == DIVERGENCE_WINDOW
+        return any(t.worker_id == worker_id and t.verdicts is not None and len(t.verdicts) == DIVERGENCE_WINDOW
                    and 2 * t.wrong > DIVERGENCE_WINDOW for t in targets.values())
 
     # -- visibility -------------------------------------------------------------------------------------

@@ -312,7 +312,7 @@ class ZmqKvEventSubscriber(ZmqReplay, KvCallbacks):
                     if len(seq) == 8 and int.from_bytes(seq, "big") == st.last_seq + 1:
                         payload = frames[2]
                         st.last_seq += 1
-                        st.last_payload = payload
+                        st.last_digest = _digest(payload)
                         st.batches += 1
                         st.last_batch_at = _monotonic()
                         try:
@@ -497,5 +497,5 @@ class ZmqKvEventSubscriber(ZmqReplay, KvCallbacks):
     def _deliver(self, st: _KeyState, seq: int, payload: bytes, *, track: bool = True) -> None:
         if track:
             st.last_seq = seq
-            st.last_payload = payload
+            st.last_digest = _digest(payload)
         self._emit(st, seq, payload)

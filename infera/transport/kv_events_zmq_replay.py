@@ -49,7 +49,7 @@ class ZmqReplay:
         if last is not None and st.last_seq == last:
             anchor = next((p for s, p in batches if s == last), None)
             ended = st.replay_answers > 0 and not any(s >= last for s, _ in batches)
-            if (anchor is not None and anchor != st.last_payload) or ended:
+            if (anchor is not None and _digest(anchor) != st.last_digest) or ended:
                 # Our last batch is not the engine's, or the engine has not published that many: a
                 # new engine (its buffer would still hold ``last`` otherwise, or newer ones). An
                 # empty answer counts only from a replay socket that has answered with batches
@@ -96,7 +96,7 @@ class ZmqReplay:
             self._reset(st, RESET_GAP)
             return
         anchor = next((p for s, p in batches if s == last), None)
-        if anchor is not None and anchor != st.last_payload:
+        if anchor is not None and _digest(anchor) != st.last_digest:
             st.restarts += 1
             log.info(
                 "KV events %s: the replayed batch %d differs from the one delivered (engine restart?): resetting",

@@ -1,6 +1,6 @@
 """The ZMQ KV-event subscriber's state per subscribed key (:class:`_KeyState`): its connection and
 reader task, the live/slow-path handoff between the connection's reads and the task, the sequence
-delivered last (and its payload, to recognise a restarted engine), the digests of replayed batches
+delivered last (and its payload's digest, to recognise a restarted engine), the digests of replayed batches
 not yet seen live (to tell a duplicate from a restart), the warm-up and failure/backoff state, and
 the counters ``ZmqKvEventSubscriber.stats`` reports. Part of :mod:`infera.transport.kv_events_zmq`.
 """
@@ -18,7 +18,7 @@ def _digest(payload: bytes) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: one per worker, ~1 KB less than a __dict__
 class _KeyState:
     key: str
     endpoint: str
@@ -32,7 +32,9 @@ class _KeyState:
     pending: list[list[bytes]] = field(default_factory=list)  # read while not live, for the task
     wake: asyncio.Event | None = None
     last_seq: int | None = None  # last seq delivered (None: nothing since the last reset)
-    last_payload: bytes = b""  # the payload delivered as last_seq (a gap's replay checks it against its own)
+    # digest of the payload delivered as last_seq (a gap's replay checks it against its own); a digest,
+    # not the payload: that was one batch (~4.5 KB) kept per worker for good
+    last_digest: int | None = None
     # seq -> payload digest of batches delivered by replay and not yet seen live: a live copy of
     # one of them is a duplicate; anything else at seq <= last_seq means the engine restarted.
     replayed: dict[int, int] = field(default_factory=dict)
