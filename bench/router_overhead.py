@@ -583,7 +583,9 @@ class Bench:
         while time.monotonic() < deadline:
             self.check_alive()
             try:
-                async with session.get(url + "/v1/workers", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                # (the kv-aware server has an admin token, so its /v1/workers wants it; the others ignore it)
+                async with session.get(url + "/v1/workers", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+                                       timeout=aiohttp.ClientTimeout(total=2)) as r:
                     seen = (await r.json())["workers"]
                 active = [w for w in seen if w["status"] == "active" and w["model_name"] == a.model
                           and w.get("request_transport", "http") == plane.transport and w.get("routable", True)]
