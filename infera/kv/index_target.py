@@ -15,7 +15,7 @@ import struct
 import sys
 from array import array
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import xxhash
 
@@ -96,8 +96,9 @@ class LowerTiers:
     _targets: dict
     _lower_targets: int
 
-    def _gpu_parent(self, t: _Target, parent: BlockHash) -> Optional[int]:  # the index's
-        raise NotImplementedError
+    if TYPE_CHECKING:  # the index's (declared for the type checker only, never shadowing it)
+
+        def _gpu_parent(self, t: _Target, parent: BlockHash) -> Optional[int]: ...
 
     def tier_block_counts(self, key: str) -> dict[str, int]:
         """Blocks (engine hashes) ``key``'s engine holds on each lower tier, by upper-cased medium

@@ -10,7 +10,7 @@ model of ``infera.kv.bound``), ``infera_kv_index_max_bytes`` and
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
@@ -35,8 +35,9 @@ class KvViewMetrics:
     balance: Any
     subscriber: Any  # the ZMQ subscriber (its replay_load)
 
-    def stats(self, key: str) -> dict[str, Any]:  # the bridge's
-        raise NotImplementedError
+    if TYPE_CHECKING:  # the bridge's (declared for the type checker only, never shadowing it)
+
+        def stats(self, key: str) -> dict[str, Any]: ...
 
     def collect(self) -> Iterator[Metric]:
         # Names and labels follow the reference (AMD Infera) where it has the series: worker_id

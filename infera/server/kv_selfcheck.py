@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from infera.discovery.record import WorkerRecord
 from infera.router.kv_aware import predicted_cached_tokens
@@ -41,14 +41,13 @@ class SelfCheck:
     _warned: set[tuple[str, str]]
     _worker_keys: dict[str, list[str]]
 
-    def stats(self, key: str) -> dict:  # the bridge's
-        raise NotImplementedError
+    if TYPE_CHECKING:  # the bridge's (declared for the type checker only, never shadowing them)
 
-    def transport(self, key: str) -> str | None:  # the bridge's
-        raise NotImplementedError
+        def stats(self, key: str) -> dict[str, Any]: ...
 
-    def _on_caught_up(self, key: str) -> None:  # the bridge's
-        raise NotImplementedError
+        def transport(self, key: str) -> str | None: ...
+
+        def _on_caught_up(self, key: str) -> None: ...
 
     def _evicted_from(self, key: str) -> int:
         """(block, worker) entries the index's byte bound evicted from ``key``'s view."""
