@@ -1147,6 +1147,27 @@ class ContainerRuntime:
         return False
 
 
+CANCEL_WAIT_S = 10.0  # how long a stop waits for its cancelled tasks
+
+
+async def cancel_tasks(tasks: Iterable[asyncio.Task], timeout: float = CANCEL_WAIT_S) -> None:
+    """Cancel ``tasks`` and wait for them to end, at most ``timeout`` s. Python 3.11's wait_for can
+    swallow a cancellation that lands as its wait ends, leaving a loop running: those are cancelled
+    again every 0.2 s (a teardown once hung on one, the Pod it owned restarting for minutes)."""
+    pending = {t for t in tasks if t is not None}
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while pending:
+        for task in pending:
+            task.cancel()
+        done, pending = await asyncio.wait(pending, timeout=min(0.2, max(0.0, deadline - loop.time())))
+        for task in done:
+            if not task.cancelled():
+                task.exception()  # retrieved
+        if loop.time() >= deadline:
+            break
+
+
 async def stop_group(proc: asyncio.subprocess.Process, grace: float) -> None:
     """SIGTERM to the process group, SIGKILL to it after ``grace`` seconds; the process is reaped."""
     if proc.returncode is not None:
@@ -1293,12 +1314,7 @@ class PodRuntime:
     async def detach(self) -> None:
         """Stop talking to the API: the status writer and the termination task end (the kubelet
         is stopping; the processes are stopped by :meth:`stop`)."""
-        tasks = self._tasks + ([self._termination] if self._termination else [])
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_tasks(self._tasks + ([self._termination] if self._termination else []))
 
     async def close(self) -> None:
         await self.detach()
@@ -1763,11 +1779,7 @@ class LocalKubelet:
     async def stop(self) -> None:
         """Stop every loop, every Pod's processes (SIGTERM, ``stop_grace`` s, SIGKILL, reaped) and
         every proxy; the Pods stay in the API as they are."""
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_tasks(self._tasks)
         runtimes = list(self.runtimes.values()) + list(self.finished.values())
         for runtime in runtimes:
             await runtime.detach()
