@@ -375,6 +375,9 @@ class ZmqKvEventSubscriber(ZmqReplay, KvCallbacks):
                     st.conn.resume()  # delivers what it holds; hands a message back via st.slow if it must
                 if st.slow is not None or st.pending or st.recheck:
                     continue
+                # the last message handled here would stay alive with this frame for as long as the
+                # key is quiet or live: ~7 KB a worker at fleet size, a tenth of its index's bytes
+                frames = None
                 seen = st.batches
                 st.wake.clear()
                 try:

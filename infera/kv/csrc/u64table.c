@@ -2,20 +2,41 @@
  * (u64table.h has the probes and the reads). */
 #include "u64table.h"
 
+#include <sys/mman.h>
+
 /* ------------------------------------------------------------------------------------------ */
 /* Map64                                                                                       */
+
+void *
+infera_tmem_alloc(size_t bytes)
+{
+    if (bytes < TMEM_MAP_MIN)
+        return PyMem_Calloc(1, bytes);
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+void
+infera_tmem_free(void *p, size_t bytes)
+{
+    if (bytes < TMEM_MAP_MIN)
+        PyMem_Free(p);
+    else
+        munmap(p, bytes);
+}
 
 static int
 map_alloc(Map64 *m, uint64_t cap)
 {
-    m->keys = PyMem_Malloc(cap * sizeof(uint64_t));
-    m->vals = PyMem_Malloc(cap * sizeof(uint64_t));
-    m->used = PyMem_Calloc((cap + 63) / 64, sizeof(uint64_t));
-    if (m->keys == NULL || m->vals == NULL || m->used == NULL) {
-        map_free(m);
+    uint64_t *block = infera_tmem_alloc(map_block_bytes(cap));
+    if (block == NULL) {
+        memset(m, 0, sizeof(*m));
         PyErr_NoMemory();
         return -1;
     }
+    m->keys = block;
+    m->vals = block + cap;
+    m->used = block + 2 * cap;
     m->cap = cap;
     m->n = 0;
     return 0;
@@ -79,19 +100,23 @@ infera_map_delete_at(Map64 *m, uint64_t i)
 /* ------------------------------------------------------------------------------------------ */
 /* Holders: the table                                                                          */
 
+/* The bytes of the holders' block: the slots, then an age byte per slot. */
+static size_t
+h_block_bytes(uint64_t cap)
+{
+    return (size_t)(cap * 17);
+}
+
 int
 infera_h_alloc(Holders *h, uint64_t cap)
 {
-    h->slots = PyMem_Calloc(cap * 2, sizeof(uint64_t));
-    h->age = PyMem_Calloc(cap, 1);
-    if (h->slots == NULL || h->age == NULL) {
-        PyMem_Free(h->slots);
-        PyMem_Free(h->age);
-        h->slots = NULL;
+    h->slots = infera_tmem_alloc(h_block_bytes(cap));
+    if (h->slots == NULL) {
         h->age = NULL;
         PyErr_NoMemory();
         return -1;
     }
+    h->age = (uint8_t *)(h->slots + 2 * cap);
     h->clamp_at = 0;
     h->cap = cap;
     h->n = 0;
@@ -118,8 +143,8 @@ infera_h_free(Holders *h)
 {
     for (uint64_t i = 0; i < h->cap; i++)
         hs_free(h, h->slots[2 * i + 1]);
-    PyMem_Free(h->slots);
-    PyMem_Free(h->age);
+    if (h->slots != NULL)
+        infera_tmem_free(h->slots, h_block_bytes(h->cap));
     memset(h, 0, sizeof(*h));
 }
 
@@ -145,8 +170,8 @@ h_rebuild(Holders *h, uint64_t cap)
         h->age[j] = old.age[i];
         h->n++;
     }
-    PyMem_Free(old.slots);
-    PyMem_Free(old.age);
+    if (old.slots != NULL)
+        infera_tmem_free(old.slots, h_block_bytes(old.cap));
     return 0;
 }
 

@@ -54,6 +54,15 @@ stays_put(uint64_t i, uint64_t j, uint64_t k)
     return (i <= j) ? (i < k && k <= j) : (i < k || k <= j);
 }
 
+/* A table's storage is one block (a map's keys, values and used bits; the holders' slots and ages):
+ * from PyMem while small, mapped from the OS past TMEM_MAP_MIN bytes. A table grows by a quarter at
+ * a time, so at fleet size the heap was left with the holes of every size a table passed through
+ * (~9 B per entry at 1,000 engines, issue 30); a mapping gives its pages back whole when the table
+ * moves on. Zeroed. */
+#define TMEM_MAP_MIN (32 * 1024)
+INFERA_INTERNAL void *infera_tmem_alloc(size_t bytes);
+INFERA_INTERNAL void infera_tmem_free(void *p, size_t bytes);
+
 /* key -> u64 value; the bit of used[] marks the occupied slots (any key, 0 included, is valid) */
 typedef struct {
     uint64_t *keys;
@@ -69,12 +78,18 @@ map_used(const Map64 *m, uint64_t i)
     return (int)((m->used[i >> 6] >> (i & 63)) & 1);
 }
 
+/* The bytes of a map's block: keys, values, then the used bits. */
+static inline size_t
+map_block_bytes(uint64_t cap)
+{
+    return (size_t)(cap * 16 + ((cap + 63) / 64) * 8);
+}
+
 static inline void
 map_free(Map64 *m)
 {
-    PyMem_Free(m->keys);
-    PyMem_Free(m->vals);
-    PyMem_Free(m->used);
+    if (m->keys != NULL)
+        infera_tmem_free(m->keys, map_block_bytes(m->cap));
     memset(m, 0, sizeof(*m));
 }
 
@@ -82,7 +97,7 @@ map_free(Map64 *m)
 static inline uint64_t
 map_bytes(const Map64 *m)
 {
-    return m->cap ? m->cap * 16 + ((m->cap + 63) / 64) * 8 : 0;
+    return m->cap ? map_block_bytes(m->cap) : 0;
 }
 
 static inline int64_t
@@ -158,7 +173,7 @@ typedef struct {
 #define HS_AGE_OLD 96
 
 typedef struct {
-    uint64_t *slots; /* cap * 2 words: key, holder set */
+    uint64_t *slots; /* cap * 2 words: key, holder set; then the cap age bytes (one block) */
     uint64_t cap;    /* >= TABLE_MIN_CAP once allocated */
     uint64_t n;
     uint64_t ext_bytes; /* bytes of the external sets */
