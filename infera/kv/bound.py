@@ -11,7 +11,7 @@ is O(1):
 where a *block* is a router hash some target holds (its slot in the holder table and its age byte)
 and an *entry* a (block, target) pair (the engine-hash map entry that names it, and the holder id past
 a block's first). The costs are the C tables' per item at their mean load (``tests/unit/
-test_kv_bound.py`` checks the model against ``GpuView.memory_bytes()``): distinct blocks cost ~47 B
+test_kv_bound.py`` checks the model against ``GpuView.memory_bytes()``): distinct blocks cost ~41 B
 per entry, blocks held by every target of 1,000 ~24 B. Past the bound the coldest blocks go: ages
 are epochs of stores and matches (``u64table.h``), evicted oldest first, a whole age at a time, down
 to 95% of the bound (so each round frees a twentieth at least and its passes are amortised).
@@ -32,8 +32,8 @@ __all__ = ["BLOCK_BYTES", "ENTRY_BYTES", "HOLDER_BYTES", "BoundStats", "default_
 BLOCK_BYTES = 25
 #: a holder id past a block's first (an id in a sorted array; a bitmap costs less)
 HOLDER_BYTES = 4
-#: an engine-hash map entry (key and value, 16 B, and its used bit) at ~0.76 load
-ENTRY_BYTES = 22
+#: an engine-hash map entry (key and the router hash's low half, 12 B, and its used bit) at ~0.76 load
+ENTRY_BYTES = 16
 
 #: where the default cannot read the host's memory
 FALLBACK_HOST_BYTES = 32 << 30

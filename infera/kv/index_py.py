@@ -250,6 +250,8 @@ class PyKvIndex(LowerTiers):
                     h = ROUTER_SEED if ev.extra_keys is None else ev.root()  # (a salted prompt's own root)
                 else:
                     h = eget(parent)
+                    if h is not None and not hget(h, 0) & m:
+                        h = None  # evicted: unknown, as the C view's 32-bit map cannot name it either
                     if h is None and t.lower:
                         h = self._lower_parent(t, None, parent)
                     if h is None:
@@ -341,8 +343,10 @@ class PyKvIndex(LowerTiers):
         t.stats.cleared += 1
 
     def _gpu_parent(self, t: _Target, parent: BlockHash) -> Optional[int]:
-        """Router hash of engine hash ``parent`` in ``t``'s GPU map, or None."""
-        return t.emap.get(parent)
+        """Router hash of engine hash ``parent`` in ``t``'s GPU map, or None (also when ``t`` no
+        longer holds it: evicted)."""
+        h = t.emap.get(parent)
+        return h if h is not None and self._holders.get(h, 0) & t.mask else None
 
     # --- matching --------------------------------------------------------------------------
 

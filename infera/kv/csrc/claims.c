@@ -74,7 +74,7 @@ static void
 claims_pop_head(LandedClaims *lc)
 {
     int64_t i = lc->head;
-    uint64_t dummy;
+    uint32_t dummy;
     claims_unlink(lc, i);
     map_pop(&lc->index, lc->slots[i].key, &dummy);
     lc->slots[i].next = lc->free_head;

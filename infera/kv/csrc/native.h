@@ -12,11 +12,12 @@
  *   - chat_keys.c:    chat_part_keys(): a chat's per-message cache keys without rendering it;
  *   - tokenizer.c:    encode_builtin(): the built-in tokenizer's pieces and ids for ASCII text
  *                     (infera/kv/tokenizer.py, the same pieces as its bytes regex);
- *   - u64table.c/.h:  open-addressing tables of plain integers (u64 -> u64, u64 -> holder sets);
+ *   - u64table.c/.h:  open-addressing tables of plain integers (u64 -> u32, u64 -> holder sets);
  *   - view.c, view_match.c, view_apply.c, view_payload.c (+ msgpack.c):
  *                     GpuView, the index's GPU view (infera/kv/index.py): router hash -> holder
  *                     set (the targets' bits, sized by its members, not the fleet), and per
- *                     target engine hash -> router hash (a walk over a prompt's blocks touches a
+ *                     target engine hash -> router hash (view_emap.c: its low half, the whole key
+ *                     found among the holders' keys that share it; a walk over a prompt's blocks touches a
  *                     few cache lines, not a dict entry and two int objects per block), with
  *                     event application (decoded events, or a msgpack batch as it
  *                     came off the wire) and the prefix matches;

@@ -35,8 +35,8 @@ map_alloc(Map64 *m, uint64_t cap)
         return -1;
     }
     m->keys = block;
-    m->vals = block + cap;
-    m->used = block + 2 * cap;
+    m->used = block + cap;
+    m->vals = (uint32_t *)(m->used + (cap + 63) / 64);
     m->cap = cap;
     m->n = 0;
     return 0;
@@ -59,7 +59,7 @@ map_grow(Map64 *m)
 }
 
 int
-infera_map_put(Map64 *m, uint64_t key, uint64_t val)
+infera_map_put(Map64 *m, uint64_t key, uint32_t val)
 {
     if (table_full(m->n, m->cap) && map_grow(m) < 0)
         return -1;
@@ -162,7 +162,7 @@ h_rebuild(Holders *h, uint64_t cap)
         if (src[1] == 0)
             continue;
         /* insert directly: the new table has room and no copy of the key */
-        uint64_t j = home_of(src[0], h->cap);
+        uint64_t j = h_home(src[0], h->cap);
         while (h->slots[2 * j + 1] != 0)
             j = next_slot(j, h->cap);
         h->slots[2 * j] = src[0];
@@ -186,7 +186,7 @@ h_delete(Holders *h, uint64_t *slot)
         uint64_t *sj = h->slots + 2 * j;
         if (sj[1] == 0)
             break;
-        if (!stays_put(i, j, home_of(sj[0], h->cap))) {
+        if (!stays_put(i, j, h_home(sj[0], h->cap))) {
             h->slots[2 * i] = sj[0];
             h->slots[2 * i + 1] = sj[1];
             h->age[i] = h->age[j];
@@ -387,7 +387,7 @@ infera_h_add(Holders *h, uint64_t key, uint32_t id)
         if (h_rebuild(h, table_grown(h->cap)) < 0)
             return -1;
     }
-    uint64_t i = home_of(key, h->cap);
+    uint64_t i = h_home(key, h->cap);
     for (;;) {
         uint64_t *slot = h->slots + 2 * i;
         if (slot[1] == 0) {

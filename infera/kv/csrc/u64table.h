@@ -1,4 +1,4 @@
-/* Open-addressing tables of u64 keys (linear probing, backward-shift deletion): Map64 (u64 -> u64)
+/* Open-addressing tables of u64 keys (linear probing, backward-shift deletion): Map64 (u64 -> u32)
  * and Holders (router hash -> the set of targets holding it). The probes and the set reads are
  * inline here (the walks call them per block); growth, deletion and the set writes are in
  * u64table.c. In C because a walk over a prompt's blocks then touches a few cache lines, not a dict
@@ -63,10 +63,12 @@ stays_put(uint64_t i, uint64_t j, uint64_t k)
 INFERA_INTERNAL void *infera_tmem_alloc(size_t bytes);
 INFERA_INTERNAL void infera_tmem_free(void *p, size_t bytes);
 
-/* key -> u64 value; the bit of used[] marks the occupied slots (any key, 0 included, is valid) */
+/* u64 key -> u32 value; the bit of used[] marks the occupied slots (any key, 0 included, is valid).
+ * 32-bit values: a view's engine-hash map holds the low half of a router hash (view.h), the
+ * counters and claims small counts and slot numbers. */
 typedef struct {
     uint64_t *keys;
-    uint64_t *vals;
+    uint32_t *vals;
     uint64_t *used; /* a bit per slot */
     uint64_t cap;   /* 0 or >= TABLE_MIN_CAP */
     uint64_t n;
@@ -78,11 +80,11 @@ map_used(const Map64 *m, uint64_t i)
     return (int)((m->used[i >> 6] >> (i & 63)) & 1);
 }
 
-/* The bytes of a map's block: keys, values, then the used bits. */
+/* The bytes of a map's block: keys, the used bits, then the values. */
 static inline size_t
 map_block_bytes(uint64_t cap)
 {
-    return (size_t)(cap * 16 + ((cap + 63) / 64) * 8);
+    return (size_t)(cap * 12 + ((cap + 63) / 64) * 8);
 }
 
 static inline void
@@ -115,11 +117,11 @@ map_find(const Map64 *m, uint64_t key)
 }
 
 /* insert or overwrite */
-INFERA_INTERNAL int infera_map_put(Map64 *m, uint64_t key, uint64_t val);
+INFERA_INTERNAL int infera_map_put(Map64 *m, uint64_t key, uint32_t val);
 INFERA_INTERNAL void infera_map_delete_at(Map64 *m, uint64_t i);
 
 static inline int
-map_pop(Map64 *m, uint64_t key, uint64_t *val)
+map_pop(Map64 *m, uint64_t key, uint32_t *val)
 {
     int64_t i = map_find(m, key);
     if (i < 0)
@@ -271,13 +273,22 @@ hs_has(uint64_t v, uint32_t id)
     return harr_has(hs_arr(v), id);
 }
 
+/* A router hash's home slot: from its low 32 bits only, so that a view's engine-hash map, which
+ * keeps those 32 bits of each router hash (view.h), finds the whole key among the few that share
+ * its home. */
+static inline uint64_t
+h_home(uint64_t key, uint64_t cap)
+{
+    return home_of(key & 0xFFFFFFFFULL, cap);
+}
+
 /* the slot of ``key``, or NULL */
 static inline uint64_t *
 h_find(const Holders *h, uint64_t key)
 {
     if (h->cap == 0)
         return NULL;
-    uint64_t i = home_of(key, h->cap);
+    uint64_t i = h_home(key, h->cap);
     for (;;) {
         uint64_t *slot = h->slots + 2 * i;
         if (slot[0] == key && slot[1] != 0)
@@ -294,7 +305,7 @@ static inline void
 h_prefetch(const Holders *h, uint64_t key)
 {
     if (h->cap)
-        __builtin_prefetch(h->slots + 2 * home_of(key, h->cap));
+        __builtin_prefetch(h->slots + 2 * h_home(key, h->cap));
 }
 
 /* A store or match of the key in ``slot``: its age is the current epoch. */
@@ -313,6 +324,26 @@ h_age_of(const Holders *h, uint64_t i)
 {
     uint32_t d = (uint8_t)(h->epoch - h->age[i]);
     return d > HS_AGE_OLD ? HS_AGE_OLD : d;
+}
+
+/* The keys ``id`` holds whose low 32 bits are ``low`` (but ``except``, when ``skip``): how many (0, 1,
+ * or 2 meaning two or more), the first in *out. They all lie in the run of slots from their home. */
+static inline int
+h_held_low(const Holders *h, uint32_t low, uint32_t id, int skip, uint64_t except, uint64_t *out)
+{
+    if (h->cap == 0)
+        return 0;
+    int found = 0;
+    for (uint64_t i = h_home(low, h->cap);; i = next_slot(i, h->cap)) {
+        const uint64_t *slot = h->slots + 2 * i;
+        if (slot[1] == 0)
+            return found;
+        if ((uint32_t)slot[0] == low && !(skip && slot[0] == except) && hs_has(slot[1], id)) {
+            if (found++)
+                return 2;
+            *out = slot[0];
+        }
+    }
 }
 
 /* How many blocks ahead a walk prefetches. */

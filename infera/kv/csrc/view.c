@@ -67,8 +67,10 @@ GpuView_init(GpuView *v, PyObject *args, PyObject *kwds)
 static void
 GpuView_dealloc(GpuView *v)
 {
-    for (Py_ssize_t i = 0; i < v->ntargets; i++)
+    for (Py_ssize_t i = 0; i < v->ntargets; i++) {
         map_free(&v->targets[i].emap);
+        map_free(&v->targets[i].ehigh);
+    }
     PyMem_Free(v->targets);
     infera_h_free(&v->holders);
     Py_XDECREF(v->stored_type);
@@ -97,6 +99,7 @@ GpuView_add(GpuView *v, PyObject *arg)
         return NULL;
     }
     map_free(&t->emap);
+    map_free(&t->ehigh);
     t->count = 0;
     t->unmapped = 0;
     t->live = 1;
@@ -114,7 +117,9 @@ view_drop(GpuView *v, int bit)
     if (t->count && !t->unmapped) {
         /* every viewed hash was added with a map entry: clear through the map */
         for (uint64_t i = 0; i < t->emap.cap && t->count; i++) {
-            if (map_used(&t->emap, i) && h_remove(h, t->emap.vals[i], (uint32_t)bit))
+            uint64_t rh;
+            if (map_used(&t->emap, i) && infera_view_resolve(v, t, bit, t->emap.keys[i], &rh) > 0 &&
+                h_remove(h, rh, (uint32_t)bit))
                 t->count--;
         }
     }
@@ -132,6 +137,7 @@ view_drop(GpuView *v, int bit)
     }
     t->count = 0;
     map_free(&t->emap);
+    map_free(&t->ehigh);
     t->unmapped = 0;
 }
 
@@ -247,10 +253,10 @@ GpuView_emap_get(GpuView *v, PyObject *args)
         return NULL;
     if (infera_engine_key(eobj, &key) < 0)
         return NULL;
-    int64_t i = map_find(&v->targets[bit].emap, key);
-    if (i < 0)
+    uint64_t h;
+    if (infera_view_resolve(v, &v->targets[bit], bit, key, &h) <= 0)
         Py_RETURN_NONE;
-    return PyLong_FromUnsignedLongLong(v->targets[bit].emap.vals[i]);
+    return PyLong_FromUnsignedLongLong(h);
 }
 
 /* memory_bytes() -> the bytes the view's tables have allocated: the holder table and its sets, the
@@ -260,7 +266,7 @@ GpuView_memory_bytes(GpuView *v, PyObject *unused)
 {
     uint64_t n = h_bytes(&v->holders) + (uint64_t)v->ntargets * sizeof(Target);
     for (Py_ssize_t i = 0; i < v->ntargets; i++)
-        n += map_bytes(&v->targets[i].emap);
+        n += map_bytes(&v->targets[i].emap) + map_bytes(&v->targets[i].ehigh);
     return PyLong_FromUnsignedLongLong(n);
 }
 
@@ -299,8 +305,9 @@ view_sweep_map(GpuView *v, int bit)
         return;
     for (uint64_t i = 0; i < m->cap;) {
         /* a deletion shifts a later entry into slot i (or one seen already, kept): read i again */
-        if (map_used(m, i) && !h_has(&v->holders, m->vals[i], (uint32_t)bit)) {
-            infera_map_delete_at(m, i);
+        uint64_t rh;
+        if (map_used(m, i) && infera_view_resolve(v, t, bit, m->keys[i], &rh) == 0) {
+            infera_view_unmap(v, t, bit, m->keys[i], &rh);
             continue;
         }
         i++;

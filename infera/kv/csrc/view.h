@@ -23,7 +23,8 @@ enum { C_STORED_EVENTS, C_STORED_BLOCKS, C_REMOVED_EVENTS, C_REMOVED_BLOCKS, C_D
        C_EVICTED, N_COUNTERS };
 
 typedef struct {
-    Map64 emap;         /* engine hash (folded to u64) -> router hash */
+    Map64 emap;         /* engine hash (folded to u64) -> its router hash's low 32 bits (view_emap.c) */
+    Map64 ehigh;        /* engine hash -> the high 32 bits, where the low ones are ambiguous (rare) */
     Py_ssize_t count;   /* router hashes whose entry has this target's bit */
     int unmapped;       /* the view may hold router hashes no emap value names */
     int live;
@@ -56,6 +57,14 @@ typedef struct {
 #define FOLD_SEED_OTHER 0x6b76766965775f6fULL
 
 INFERA_INTERNAL int infera_engine_key(PyObject *obj, uint64_t *out); /* view_apply.c */
+
+/* The router hash that engine hash ``ekey`` names in target ``bit`` (view_emap.c): 1 with *out set;
+ * 0 when mapped but the target no longer holds it (evicted); -1 when not mapped. */
+INFERA_INTERNAL int infera_view_resolve(const GpuView *v, const Target *t, int bit, uint64_t ekey, uint64_t *out);
+/* The same, and the map entry goes. */
+INFERA_INTERNAL int infera_view_unmap(GpuView *v, Target *t, int bit, uint64_t ekey, uint64_t *out);
+/* Target ``bit`` holds router hash ``h`` (its count follows), mapped from ``ekey`` when ``mapped``. */
+INFERA_INTERNAL int infera_view_store(GpuView *v, int bit, uint64_t h, int mapped, uint64_t ekey);
 
 /* The bit ``obj`` names, of a live target (else KeyError). */
 INFERA_INTERNAL int infera_view_parse_bit(GpuView *v, PyObject *obj, int *bit); /* view.c */

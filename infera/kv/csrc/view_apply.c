@@ -85,10 +85,11 @@ apply_removed(GpuView *v, int bit, PyObject *ev, ApplyCounts *c)
             Py_DECREF(seq);
             return -1;
         }
-        if (!map_pop(&t->emap, key, &h))
+        int r = infera_view_unmap(v, t, bit, key, &h);
+        if (r < 0)
             continue;
         c->removed_blocks++;
-        if (h_remove(&v->holders, h, (uint32_t)bit))
+        if (r && h_remove(&v->holders, h, (uint32_t)bit))
             t->count--;
     }
     Py_DECREF(seq);
@@ -130,9 +131,8 @@ apply_stored(GpuView *v, int bit, Py_ssize_t bs, PyObject *ev, PyObject *lower_p
             Py_DECREF(parent);
             return -1;
         }
-        int64_t at = map_find(&t->emap, pkey);
-        if (at >= 0) {
-            h = t->emap.vals[at];
+        if (infera_view_resolve(v, t, bit, pkey, &h) > 0) {
+            /* h: the parent's router hash */
         }
         else if (lower_parent != Py_None) {
             /* a block loaded back from a lower tier: its parent may be there */
@@ -213,21 +213,12 @@ apply_stored(GpuView *v, int bit, Py_ssize_t bs, PyObject *ev, PyObject *lower_p
         memcpy(buf, &h, 8);
         memcpy(buf + 8, tk.ids + i * bs, span);
         h = infera_xxh3_64(buf, 8 + span);
-        if (aligned) {
-            uint64_t ekey;
-            if (infera_engine_key(eitems[i], &ekey) < 0 || infera_map_put(&t->emap, ekey, h) < 0) {
-                u32_release(&tk);
-                Py_DECREF(eseq);
-                return -1;
-            }
-        }
-        int set = infera_h_add(&v->holders, h, (uint32_t)bit);
-        if (set < 0) {
+        uint64_t ekey = 0;
+        if ((aligned && infera_engine_key(eitems[i], &ekey) < 0) || infera_view_store(v, bit, h, aligned, ekey) < 0) {
             u32_release(&tk);
             Py_DECREF(eseq);
             return -1;
         }
-        t->count += set;
     }
     u32_release(&tk);
     Py_DECREF(eseq);

@@ -267,10 +267,11 @@ infera_GpuView_apply_payload(GpuView *v, PyObject *args)
             for (uint32_t j = 0; j < ev->nhashes; j++) {
                 uint64_t key, h;
                 mp_engine_key(&hc, &key);
-                if (!map_pop(&t->emap, key, &h))
+                int r = infera_view_unmap(v, t, bit, key, &h);
+                if (r < 0)
                     continue;
                 n.removed_blocks++;
-                if (h_remove(&v->holders, h, (uint32_t)bit))
+                if (r && h_remove(&v->holders, h, (uint32_t)bit))
                     t->count--;
             }
             continue;
@@ -284,12 +285,10 @@ infera_GpuView_apply_payload(GpuView *v, PyObject *args)
             Cur pc = ev->parent;
             uint64_t pkey;
             mp_engine_key(&pc, &pkey);
-            int64_t at = map_find(&t->emap, pkey);
-            if (at < 0) {
+            if (infera_view_resolve(v, t, bit, pkey, &h) <= 0) {
                 n.dropped_events++;
                 continue;
             }
-            h = t->emap.vals[at];
         }
         if (ev->block_size != bs && n.other_block_size == 0)
             n.other_block_size = ev->block_size ? (Py_ssize_t)ev->block_size : -1;
@@ -332,22 +331,14 @@ infera_GpuView_apply_payload(GpuView *v, PyObject *args)
             memcpy(buf, &h, 8);
             memcpy(buf + 8, ids + b * bs, span);
             h = infera_xxh3_64(buf, 8 + span);
-            if (aligned) {
-                uint64_t ekey;
+            uint64_t ekey = 0;
+            if (aligned)
                 mp_engine_key(&hc, &ekey);
-                if (infera_map_put(&t->emap, ekey, h) < 0) {
-                    PyMem_Free(ids);
-                    PyMem_Free(scratch.heap);
-                    goto done;
-                }
-            }
-            int set = infera_h_add(&v->holders, h, (uint32_t)bit);
-            if (set < 0) {
+            if (infera_view_store(v, bit, h, aligned, ekey) < 0) {
                 PyMem_Free(ids);
                 PyMem_Free(scratch.heap);
                 goto done;
             }
-            t->count += set;
         }
     }
     PyMem_Free(ids);

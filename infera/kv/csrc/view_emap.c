@@ -1,0 +1,85 @@
+/* A target's engine-hash map (Target.emap): engine hash -> the low 32 bits of its router hash, the
+ * whole key found in the holder table, where the keys that share those bits share a home
+ * (u64table.h h_home) and this target holds only one of them. Where it holds two or more (about one
+ * store in 2^32 / the target's blocks), the map's entries for those bits also keep the high half
+ * (Target.ehigh). 12 bytes a slot instead of 16: issue 30's bytes per (block, target) entry. */
+#include "view.h"
+
+int
+infera_view_resolve(const GpuView *v, const Target *t, int bit, uint64_t ekey, uint64_t *out)
+{
+    int64_t i = map_find(&t->emap, ekey);
+    if (i < 0)
+        return -1;
+    uint32_t low = t->emap.vals[i];
+    if (t->ehigh.n) {
+        int64_t j = map_find(&t->ehigh, ekey);
+        if (j >= 0) {
+            uint64_t h = ((uint64_t)t->ehigh.vals[j] << 32) | low;
+            if (!h_has(&v->holders, h, (uint32_t)bit))
+                return 0;
+            *out = h;
+            return 1;
+        }
+    }
+    /* two or more cannot be (the entry would have its high half); none: evicted or removed */
+    uint64_t h;
+    if (h_held_low(&v->holders, low, (uint32_t)bit, 0, 0, &h) != 1)
+        return 0;
+    *out = h;
+    return 1;
+}
+
+int
+infera_view_unmap(GpuView *v, Target *t, int bit, uint64_t ekey, uint64_t *out)
+{
+    int r = infera_view_resolve(v, t, bit, ekey, out);
+    if (r < 0)
+        return -1;
+    int64_t i = map_find(&t->emap, ekey);
+    infera_map_delete_at(&t->emap, (uint64_t)i);
+    if (t->ehigh.n) {
+        uint32_t dummy;
+        map_pop(&t->ehigh, ekey, &dummy);
+    }
+    return r;
+}
+
+/* The target joined ``h`` and already held ``other``, a key with the same low bits: its map's
+ * entries for those bits (all ``other``'s, none with a high half yet) take other's high half. */
+static int
+view_split_low(Target *t, uint32_t low, uint64_t other)
+{
+    Map64 *m = &t->emap;
+    for (uint64_t i = 0; i < m->cap; i++) {
+        if (map_used(m, i) && m->vals[i] == low && map_find(&t->ehigh, m->keys[i]) < 0 &&
+            infera_map_put(&t->ehigh, m->keys[i], (uint32_t)(other >> 32)) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+int
+infera_view_store(GpuView *v, int bit, uint64_t h, int mapped, uint64_t ekey)
+{
+    Target *t = &v->targets[bit];
+    int set = infera_h_add(&v->holders, h, (uint32_t)bit);
+    if (set < 0)
+        return -1;
+    t->count += set;
+    uint64_t other = 0;
+    int twins = h_held_low(&v->holders, (uint32_t)h, (uint32_t)bit, 1, h, &other);
+    if (set && twins == 1 && view_split_low(t, (uint32_t)h, other) < 0)
+        return -1;
+    if (!mapped)
+        return 0;
+    if (infera_map_put(&t->emap, ekey, (uint32_t)h) < 0)
+        return -1;
+    if (twins)
+        return infera_map_put(&t->ehigh, ekey, (uint32_t)(h >> 32));
+    if (t->ehigh.n) {
+        uint32_t dummy;
+        map_pop(&t->ehigh, ekey, &dummy);
+    }
+    return 0;
+}
