@@ -87,7 +87,7 @@ from infera.transport.kv_event_callbacks import (  # noqa: F401
     OnReset,
 )
 from infera.transport.kv_events_zmq_replay import _END_SEQ, ZmqReplay  # noqa: F401
-from infera.transport.kv_events_zmq_state import _digest, _KeyState
+from infera.transport.kv_events_zmq_state import Wake, _digest, _KeyState
 from infera.transport.zmtp import ZmtpSubscription
 
 log = logging.getLogger("infera.transport.kv_events_zmq")
@@ -257,7 +257,7 @@ class ZmqKvEventSubscriber(ZmqReplay, KvCallbacks):
             st.forget_replayed()
             self._reset(st, RESET_RECONNECT)
         loop = asyncio.get_running_loop()
-        st.live, st.slow, st.wake, st.pending, st.recheck = False, None, asyncio.Event(), [], False
+        st.live, st.slow, st.wake, st.pending, st.recheck = False, None, Wake(), [], False
         st.conn = ZmtpSubscription(
             st.endpoint,
             self.topic,
@@ -379,18 +379,15 @@ class ZmqKvEventSubscriber(ZmqReplay, KvCallbacks):
                 # key is quiet or live: ~7 KB a worker at fleet size, a tenth of its index's bytes
                 frames = None
                 seen = st.batches
-                st.wake.clear()
-                try:
-                    await asyncio.wait_for(st.wake.wait(), probe_after if st.replay_endpoint else None)
-                except asyncio.TimeoutError:
-                    if st.batches == seen and st.slow is None and not st.recheck:
-                        # Quiet: batches published while the SUB was still joining (the publisher
-                        # drops them silently) would otherwise stay unknown until the next live batch.
-                        st.live = False
-                        if st.conn is not None:
-                            st.conn.pause()
-                        await self._probe(st)
-                        probe_after = _IDLE_PROBE_S if st.caught_up else _FIRST_PROBE_S
+                woken = await st.wake.wait(probe_after if st.replay_endpoint else None)
+                if not woken and st.batches == seen and st.slow is None and not st.recheck:
+                    # Quiet: batches published while the SUB was still joining (the publisher
+                    # drops them silently) would otherwise stay unknown until the next live batch.
+                    st.live = False
+                    if st.conn is not None:
+                        st.conn.pause()
+                    await self._probe(st)
+                    probe_after = _IDLE_PROBE_S if st.caught_up else _FIRST_PROBE_S
         except asyncio.CancelledError:
             raise
         except Exception:  # a bug here must not silently end the subscription

@@ -431,7 +431,12 @@ class ZmtpSubscription:
     """A SUB to one endpoint that keeps itself connected, like a libzmq SUB: ``on_message`` gets
     each message's frames, in order; ``on_connect`` is called after each handshake (a new
     connection may have missed messages). ``pause``/``resume`` hold delivery (the caller is busy:
-    a replay, a gap) without losing what is already read."""
+    a replay, a gap) without losing what is already read.
+
+    A task runs only while a connection is being made; a live connection is followed by a callback
+    on its ``closed`` future, and a retry waits on a timer. A fleet's server holds one of these per
+    engine, all connected nearly all the time: a task parked on each connection (its frame and its
+    entry in the loop's task set) was ~1 KB a worker for nothing."""
 
     def __init__(self, endpoint: str, topic: bytes, on_message: OnMessage, *,
                  on_connect: Callable[[], None] | None = None, reconnect_s: float = 0.1,
@@ -452,18 +457,27 @@ class ZmtpSubscription:
         self.connects = 0  # handshakes completed
         self.failures = 0  # connections refused, dropped or broken
         self._paused = False
-        self._task: asyncio.Task | None = None
-        self._warned: set[str] = set()
+        self._running = False  # between start() and close()
+        self._delay = reconnect_s  # the next retry's wait (doubles up to reconnect_max_s)
+        self._task: asyncio.Task | None = None  # a connection being made
+        self._timer: asyncio.TimerHandle | None = None  # a retry waiting
+        self._warned: set[str] | None = None  # made at the first warning
 
     @property
     def connected(self) -> bool:
         return self.protocol is not None and self.protocol._ready and not self.protocol.closed.done()
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"zmtp-sub:{self.endpoint}")
+        if not self._running:
+            self._running = True
+            self._delay = self.reconnect_s
+            self._connect()
 
     async def close(self) -> None:
+        self._running = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -490,37 +504,58 @@ class ZmtpSubscription:
         if self.on_connect is not None:
             self.on_connect()
 
-    async def _run(self) -> None:
+    def _connect(self) -> None:
+        self._timer = None
+        if self._running:
+            self._task = asyncio.get_running_loop().create_task(self._attempt(), name=f"zmtp-sub:{self.endpoint}")
+
+    async def _attempt(self) -> None:
         loop = asyncio.get_running_loop()
-        delay = self.reconnect_s
-        while True:
-            protocol = ZmtpSubProtocol(self.topic, self.on_message, self._ready, self.max_frame_bytes,
-                                       self.max_message_bytes, self.max_message_frames)
-            try:
-                if self.kind == "tcp":
-                    await asyncio.wait_for(loop.create_connection(lambda: protocol, self.host, self.port), 10)
-                else:
-                    await asyncio.wait_for(loop.create_unix_connection(lambda: protocol, self.host), 10)
-            except (OSError, asyncio.TimeoutError) as exc:
-                self.failures += 1
-                self._warn("connect", "KV events %s: cannot connect (%s); retrying", self.endpoint, exc)
+        protocol = ZmtpSubProtocol(self.topic, self.on_message, self._ready, self.max_frame_bytes,
+                                   self.max_message_bytes, self.max_message_frames)
+        try:
+            if self.kind == "tcp":
+                await asyncio.wait_for(loop.create_connection(lambda: protocol, self.host, self.port), 10)
             else:
-                self.protocol = protocol
-                if self._paused:
-                    protocol.pause()
-                why = await protocol.closed
-                if protocol._ready:
-                    delay = self.reconnect_s  # it worked: the next failure starts the backoff over
-                    self._warned.discard("connect")
-                self.failures += 1
-                if isinstance(why, ZmtpError):
-                    self._warn(str(why), "KV events %s: %s; reconnecting", self.endpoint, why)
-                else:
-                    log.info("KV events %s: connection closed (%s); reconnecting", self.endpoint, why or "EOF")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, self.reconnect_max_s)
+                await asyncio.wait_for(loop.create_unix_connection(lambda: protocol, self.host), 10)
+        except (OSError, asyncio.TimeoutError) as exc:
+            self._task = None
+            self.failures += 1
+            self._warn("connect", "KV events %s: cannot connect (%s); retrying", self.endpoint, exc)
+            self._retry()
+            return
+        self._task = None
+        if not self._running:  # closed while the connection was being made (its cancel came late)
+            protocol.close()
+            return
+        self.protocol = protocol
+        if self._paused:
+            protocol.pause()
+        protocol.closed.add_done_callback(lambda closed: self._lost(protocol, closed))
+
+    def _lost(self, protocol: ZmtpSubProtocol, closed: asyncio.Future) -> None:
+        if not self._running or closed.cancelled():
+            return
+        why = closed.result()
+        if protocol._ready:
+            self._delay = self.reconnect_s  # it worked: the next failure starts the backoff over
+            if self._warned is not None:
+                self._warned.discard("connect")
+        self.failures += 1
+        if isinstance(why, ZmtpError):
+            self._warn(str(why), "KV events %s: %s; reconnecting", self.endpoint, why)
+        else:
+            log.info("KV events %s: connection closed (%s); reconnecting", self.endpoint, why or "EOF")
+        self._retry()
+
+    def _retry(self) -> None:
+        if self._running:
+            self._timer = asyncio.get_running_loop().call_later(self._delay, self._connect)
+            self._delay = min(self._delay * 2, self.reconnect_max_s)
 
     def _warn(self, what: str, msg: str, *args: object) -> None:
+        if self._warned is None:
+            self._warned = set()
         if what in self._warned:
             log.debug(msg, *args)
         else:

@@ -358,3 +358,45 @@ async def _until(cond, interval=0.01):
     import asyncio
     while not cond():
         await asyncio.sleep(interval)
+
+
+async def test_a_connected_subscription_parks_no_task_and_reconnects_after_a_drop():
+    """Connected, the subscription is followed by a callback, not a task (one per engine of a fleet);
+    a dropped connection is made again after the backoff; close() stops it, retries included."""
+    import asyncio
+
+    from infera.transport.zmtp import ZmtpSubscription
+
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def pub(reader, writer):
+        accepted.append(writer)
+        writer.write(SESSION[:64] + command(b"READY", {b"Socket-Type": b"PUB"}))
+        await writer.drain()
+        try:
+            await reader.read()  # until the subscriber goes
+        except (ConnectionError, OSError):
+            pass
+
+    server = await asyncio.start_server(pub, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    sub = ZmtpSubscription(f"tcp://127.0.0.1:{port}", b"", lambda frames: None, reconnect_s=0.01)
+    sub.start()
+    try:
+        await asyncio.wait_for(_until(lambda: sub.connected), 10)
+        assert sub._task is None and sub._timer is None
+        assert not any(t.get_name().startswith("zmtp-sub:") for t in asyncio.all_tasks())
+        accepted[0].close()  # the publisher drops it: the subscription connects again
+        await asyncio.wait_for(_until(lambda: sub.connects >= 2 and sub.connected), 10)
+        assert sub.failures == 1 and len(accepted) == 2
+        server.close()  # nothing to connect to any more: it keeps retrying, backing off
+        accepted[1].close()
+        await asyncio.wait_for(_until(lambda: sub.failures >= 3), 10)
+    finally:
+        await sub.close()
+        server.close()
+        await server.wait_closed()
+    assert sub._timer is None and sub._task is None and sub.protocol is None
+    failures = sub.failures
+    await asyncio.sleep(0.1)
+    assert sub.failures == failures  # closed: no retry ran after
