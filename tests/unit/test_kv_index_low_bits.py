@@ -124,3 +124,31 @@ def test_reset_drops_both(idx):
     idx.reset("w")
     assert idx.block_count("w") == 0
     assert emap_of(idx, "w", EA) is None and emap_of(idx, "w", EB) is None
+
+
+@pytest.mark.parametrize("kind", IMPLS, ids=lambda c: c.__name__)
+def test_an_evicted_keys_entry_does_not_name_a_later_twin(kind):
+    """A evicted by the byte bound leaves its map entry (until a sweep); B, with A's low bits, joins
+    later: the entry must still name nothing held (a removal of A's engine hash leaves B, a child of
+    it is dropped), not B, which the C map would otherwise find by those bits."""
+    from infera.kv.bound import BLOCK_BYTES, ENTRY_BYTES
+
+    a, b, _ = twin_roots()
+    ha, hb = rh(a), rh(b)
+    idx = kind(max_bytes=(BLOCK_BYTES + ENTRY_BYTES) * 300)
+    idx.add_target("w", BS)
+    idx.apply("w", stored([EA], None, a))  # epoch 0, with the first chain
+    for c in range(3):  # 100-block chains, a batch each: the third passes the bound
+        tokens = [100_000 * (c + 1) + i for i in range(100 * BS)]
+        idx.apply("w", stored([10_000 * (c + 1) + i for i in range(100)], None, tokens))
+    assert idx.bound_stats().evicted_blocks > 0
+    assert idx.match_one([ha], "w") == 0  # evicted
+    assert idx.mapped_count("w") > idx.block_count("w")  # its entry is still there: not swept
+    idx.apply("w", stored([EB], None, b))
+    assert emap_of(idx, "w", EB) == hb and emap_of(idx, "w", EA) is None
+    dropped = idx.stats("w").dropped_events
+    idx.apply("w", stored([ECHILD], EA, CHILD))  # A's child: its parent is unknown
+    assert idx.stats("w").dropped_events == dropped + 1
+    assert idx.match_one([hb, rh(CHILD, hb)], "w") == 1
+    idx.apply("w", removed(EA))
+    assert idx.match_one([hb], "w") == 1  # B stays

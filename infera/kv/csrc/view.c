@@ -70,6 +70,7 @@ GpuView_dealloc(GpuView *v)
     for (Py_ssize_t i = 0; i < v->ntargets; i++) {
         map_free(&v->targets[i].emap);
         map_free(&v->targets[i].ehigh);
+        map_free(&v->targets[i].tomb);
     }
     PyMem_Free(v->targets);
     infera_h_free(&v->holders);
@@ -100,6 +101,7 @@ GpuView_add(GpuView *v, PyObject *arg)
     }
     map_free(&t->emap);
     map_free(&t->ehigh);
+    map_free(&t->tomb);
     t->count = 0;
     t->unmapped = 0;
     t->live = 1;
@@ -138,6 +140,7 @@ view_drop(GpuView *v, int bit)
     t->count = 0;
     map_free(&t->emap);
     map_free(&t->ehigh);
+    map_free(&t->tomb);
     t->unmapped = 0;
 }
 
@@ -266,7 +269,7 @@ GpuView_memory_bytes(GpuView *v, PyObject *unused)
 {
     uint64_t n = h_bytes(&v->holders) + (uint64_t)v->ntargets * sizeof(Target);
     for (Py_ssize_t i = 0; i < v->ntargets; i++)
-        n += map_bytes(&v->targets[i].emap) + map_bytes(&v->targets[i].ehigh);
+        n += map_bytes(&v->targets[i].emap) + map_bytes(&v->targets[i].ehigh) + map_bytes(&v->targets[i].tomb);
     return PyLong_FromUnsignedLongLong(n);
 }
 
@@ -276,6 +279,7 @@ GpuView_memory_bytes(GpuView *v, PyObject *unused)
 typedef struct {
     GpuView *v;
     uint64_t entries;
+    uint64_t key; /* the router hash being evicted */
 } EvictCtx;
 
 static void
@@ -287,6 +291,11 @@ evict_member(void *ctx, uint32_t id)
         Target *t = &v->targets[id];
         t->count--;
         t->counters[C_EVICTED]++;
+        /* its map entries for the key now name nothing held: remember their low bits, so that a key
+         * joining later with the same ones does not inherit them (view_emap.c). Best effort: without
+         * memory for it, such an entry may resolve to that key until the next sweep. */
+        if (t->emap.n && infera_map_put(&t->tomb, (uint32_t)e->key, (uint32_t)(e->key >> 32)) < 0)
+            PyErr_Clear();
     }
     v->members--;
     e->entries++;
@@ -303,6 +312,7 @@ view_sweep_map(GpuView *v, int bit)
     Map64 *m = &t->emap;
     if (m->n <= (uint64_t)t->count + (uint64_t)t->count / 4 + 64)
         return;
+    map_free(&t->tomb); /* no entry is left that names nothing held */
     for (uint64_t i = 0; i < m->cap;) {
         /* a deletion shifts a later entry into slot i (or one seen already, kept): read i again */
         uint64_t rh;
@@ -348,11 +358,12 @@ infera_view_trim(GpuView *v)
             break;
         }
     }
-    EvictCtx ctx = {v, 0};
+    EvictCtx ctx = {v, 0, 0};
     uint64_t blocks = 0;
     for (uint64_t i = 0; i < h->cap;) {
         uint64_t *slot = h->slots + 2 * i;
         if (slot[1] != 0 && (all || h_age_of(h, i) >= oldest_kept)) {
+            ctx.key = slot[0];
             infera_h_evict_at(h, slot, evict_member, &ctx); /* a later key may shift into i: read it again */
             blocks++;
             continue;

@@ -25,6 +25,7 @@ enum { C_STORED_EVENTS, C_STORED_BLOCKS, C_REMOVED_EVENTS, C_REMOVED_BLOCKS, C_D
 typedef struct {
     Map64 emap;         /* engine hash (folded to u64) -> its router hash's low 32 bits (view_emap.c) */
     Map64 ehigh;        /* engine hash -> the high 32 bits, where the low ones are ambiguous (rare) */
+    Map64 tomb;         /* keys evicted since the last sweep: low 32 bits -> high (view_emap.c; bound only) */
     Py_ssize_t count;   /* router hashes whose entry has this target's bit */
     int unmapped;       /* the view may hold router hashes no emap value names */
     int live;

@@ -2,7 +2,15 @@
  * whole key found in the holder table, where the keys that share those bits share a home
  * (u64table.h h_home) and this target holds only one of them. Where it holds two or more (about one
  * store in 2^32 / the target's blocks), the map's entries for those bits also keep the high half
- * (Target.ehigh). 12 bytes a slot instead of 16: issue 30's bytes per (block, target) entry. */
+ * (Target.ehigh). 12 bytes a slot instead of 16: issue 30's bytes per (block, target) entry.
+ *
+ * So an entry names the key it was made for, or nothing held: when a key it named is evicted (the
+ * byte bound), its low bits are remembered with its high ones (Target.tomb) until the sweep that
+ * deletes such entries, and another key joining with the same low bits meanwhile deletes them first
+ * (the evicted key itself coming back keeps them: they name it again). Two evicted keys sharing low
+ * bits keep only the later one's high bits there (one chance in 2^32). (An entry whose key left
+ * through another engine hash's removal, two engine hashes naming one router hash, is not tracked:
+ * it could name a key joining later with the same low bits, one chance in 2^32 a join.) */
 #include "view.h"
 
 int
@@ -59,6 +67,23 @@ view_split_low(Target *t, uint32_t low, uint64_t other)
     return 0;
 }
 
+/* The target joined a key whose low bits it held before, in another key evicted since the last
+ * sweep (Target.tomb), and holds no other key with them now: the entries that named the evicted key
+ * go, or they would name the new one. */
+static void
+view_drop_low(Target *t, uint32_t low)
+{
+    Map64 *m = &t->emap;
+    for (uint64_t i = 0; i < m->cap;) {
+        /* a deletion shifts a later entry into slot i (or one seen already, kept): read i again */
+        if (map_used(m, i) && m->vals[i] == low && (t->ehigh.n == 0 || map_find(&t->ehigh, m->keys[i]) < 0)) {
+            infera_map_delete_at(m, i);
+            continue;
+        }
+        i++;
+    }
+}
+
 int
 infera_view_store(GpuView *v, int bit, uint64_t h, int mapped, uint64_t ekey)
 {
@@ -67,8 +92,20 @@ infera_view_store(GpuView *v, int bit, uint64_t h, int mapped, uint64_t ekey)
     if (set < 0)
         return -1;
     t->count += set;
+    if (!set && !mapped)
+        return 0;
     uint64_t other = 0;
     int twins = h_held_low(&v->holders, (uint32_t)h, (uint32_t)bit, 1, h, &other);
+    if (set && t->tomb.n) {
+        int64_t k = map_find(&t->tomb, (uint32_t)h);
+        if (k >= 0) {
+            /* the evicted key itself back: the entries that named it name it again (as in the twin) */
+            int same = t->tomb.vals[k] == (uint32_t)(h >> 32);
+            infera_map_delete_at(&t->tomb, (uint64_t)k);
+            if (!same && twins == 0)
+                view_drop_low(t, (uint32_t)h);
+        }
+    }
     if (set && twins == 1 && view_split_low(t, (uint32_t)h, other) < 0)
         return -1;
     if (!mapped)
