@@ -327,21 +327,22 @@ h_age_of(const Holders *h, uint64_t i)
 }
 
 /* The keys ``id`` holds whose low 32 bits are ``low`` (but ``except``, when ``skip``): how many (0, 1,
- * or 2 meaning two or more), the first in *out. They all lie in the run of slots from their home. */
+ * or 2 meaning two or more), the first one's slot in *out. They all lie in the run of slots from
+ * their home. */
 static inline int
-h_held_low(const Holders *h, uint32_t low, uint32_t id, int skip, uint64_t except, uint64_t *out)
+h_held_low(const Holders *h, uint32_t low, uint32_t id, int skip, uint64_t except, uint64_t **out)
 {
     if (h->cap == 0)
         return 0;
     int found = 0;
     for (uint64_t i = h_home(low, h->cap);; i = next_slot(i, h->cap)) {
-        const uint64_t *slot = h->slots + 2 * i;
+        uint64_t *slot = h->slots + 2 * i;
         if (slot[1] == 0)
             return found;
         if ((uint32_t)slot[0] == low && !(skip && slot[0] == except) && hs_has(slot[1], id)) {
             if (found++)
                 return 2;
-            *out = slot[0];
+            *out = slot;
         }
     }
 }

@@ -119,9 +119,9 @@ view_drop(GpuView *v, int bit)
     if (t->count && !t->unmapped) {
         /* every viewed hash was added with a map entry: clear through the map */
         for (uint64_t i = 0; i < t->emap.cap && t->count; i++) {
-            uint64_t rh;
-            if (map_used(&t->emap, i) && infera_view_resolve(v, t, bit, t->emap.keys[i], &rh) > 0 &&
-                h_remove(h, rh, (uint32_t)bit))
+            uint64_t *slot;
+            if (map_used(&t->emap, i) && (slot = infera_view_slot_at(v, t, bit, i)) != NULL &&
+                infera_h_remove_at(h, slot, (uint32_t)bit))
                 t->count--;
         }
     }
@@ -301,29 +301,6 @@ evict_member(void *ctx, uint32_t id)
     e->entries++;
 }
 
-/* A target whose map names many router hashes its view no longer holds (evicted blocks): those
- * entries go, in one pass, once they are a fifth of the map (amortised over the evictions that left
- * them). Only the parents of later stores lose them: such a store is dropped, as for any unknown
- * parent (the block was cold). */
-static void
-view_sweep_map(GpuView *v, int bit)
-{
-    Target *t = &v->targets[bit];
-    Map64 *m = &t->emap;
-    if (m->n <= (uint64_t)t->count + (uint64_t)t->count / 4 + 64)
-        return;
-    map_free(&t->tomb); /* no entry is left that names nothing held */
-    for (uint64_t i = 0; i < m->cap;) {
-        /* a deletion shifts a later entry into slot i (or one seen already, kept): read i again */
-        uint64_t rh;
-        if (map_used(m, i) && infera_view_resolve(v, t, bit, m->keys[i], &rh) == 0) {
-            infera_view_unmap(v, t, bit, m->keys[i], &rh);
-            continue;
-        }
-        i++;
-    }
-}
-
 /* Evict whole age buckets, oldest first, until the model's bytes are at most 95% of the bound (so a
  * round frees a twentieth at least, and its two passes over the table are amortised over as many
  * evictions). Ages are buckets of epochs (u64table.h), the same buckets as the Python twin's, and a
@@ -375,7 +352,7 @@ infera_view_trim(GpuView *v)
     b->rounds++;
     for (Py_ssize_t t = 0; t < v->ntargets; t++) {
         if (v->targets[t].live)
-            view_sweep_map(v, (int)t);
+            infera_view_sweep_map(v, (int)t);
     }
 }
 

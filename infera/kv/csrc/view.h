@@ -62,8 +62,13 @@ INFERA_INTERNAL int infera_engine_key(PyObject *obj, uint64_t *out); /* view_app
 /* The router hash that engine hash ``ekey`` names in target ``bit`` (view_emap.c): 1 with *out set;
  * 0 when mapped but the target no longer holds it (evicted); -1 when not mapped. */
 INFERA_INTERNAL int infera_view_resolve(const GpuView *v, const Target *t, int bit, uint64_t ekey, uint64_t *out);
-/* The same, and the map entry goes. */
-INFERA_INTERNAL int infera_view_unmap(GpuView *v, Target *t, int bit, uint64_t ekey, uint64_t *out);
+/* The holder slot of the key the target's map entry at ``i`` names, where the target holds it. */
+INFERA_INTERNAL uint64_t *infera_view_slot_at(const GpuView *v, const Target *t, int bit, uint64_t i);
+/* A removal: the map entry goes, and the target leaves the key it named (its count follows): 1 when
+ * it held it, 0 when mapped but not held, -1 when not mapped. */
+INFERA_INTERNAL int infera_view_unmap(GpuView *v, Target *t, int bit, uint64_t ekey);
+/* After an eviction round: a map that names many keys the target no longer holds loses them. */
+INFERA_INTERNAL void infera_view_sweep_map(GpuView *v, int bit);
 /* Target ``bit`` holds router hash ``h`` (its count follows), mapped from ``ekey`` when ``mapped``. */
 INFERA_INTERNAL int infera_view_store(GpuView *v, int bit, uint64_t h, int mapped, uint64_t ekey);
 

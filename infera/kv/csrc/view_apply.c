@@ -80,17 +80,13 @@ apply_removed(GpuView *v, int bit, PyObject *ev, ApplyCounts *c)
     Target *t = &v->targets[bit];
     c->removed_events++;
     for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t key, h;
+        uint64_t key;
         if (infera_engine_key(items[i], &key) < 0) {
             Py_DECREF(seq);
             return -1;
         }
-        int r = infera_view_unmap(v, t, bit, key, &h);
-        if (r < 0)
-            continue;
-        c->removed_blocks++;
-        if (r && h_remove(&v->holders, h, (uint32_t)bit))
-            t->count--;
+        if (infera_view_unmap(v, t, bit, key) >= 0)  /* (the target's count follows) */
+            c->removed_blocks++;
     }
     Py_DECREF(seq);
     return 0;

@@ -13,44 +13,78 @@
  * it could name a key joining later with the same low bits, one chance in 2^32 a join.) */
 #include "view.h"
 
+/* The holder slot of the key the map entry at ``i`` names, if the target holds it; else NULL. */
+uint64_t *
+infera_view_slot_at(const GpuView *v, const Target *t, int bit, uint64_t i)
+{
+    uint32_t low = t->emap.vals[i];
+    if (t->ehigh.n) {
+        int64_t j = map_find(&t->ehigh, t->emap.keys[i]);
+        if (j >= 0) {
+            uint64_t *slot = h_find(&v->holders, ((uint64_t)t->ehigh.vals[j] << 32) | low);
+            return slot != NULL && hs_has(slot[1], (uint32_t)bit) ? slot : NULL;
+        }
+    }
+    /* two or more cannot be (the entry would have its high half); none: evicted or removed */
+    uint64_t *slot;
+    return h_held_low(&v->holders, low, (uint32_t)bit, 0, 0, &slot) == 1 ? slot : NULL;
+}
+
 int
 infera_view_resolve(const GpuView *v, const Target *t, int bit, uint64_t ekey, uint64_t *out)
 {
     int64_t i = map_find(&t->emap, ekey);
     if (i < 0)
         return -1;
-    uint32_t low = t->emap.vals[i];
-    if (t->ehigh.n) {
-        int64_t j = map_find(&t->ehigh, ekey);
-        if (j >= 0) {
-            uint64_t h = ((uint64_t)t->ehigh.vals[j] << 32) | low;
-            if (!h_has(&v->holders, h, (uint32_t)bit))
-                return 0;
-            *out = h;
-            return 1;
-        }
-    }
-    /* two or more cannot be (the entry would have its high half); none: evicted or removed */
-    uint64_t h;
-    if (h_held_low(&v->holders, low, (uint32_t)bit, 0, 0, &h) != 1)
+    uint64_t *slot = infera_view_slot_at(v, t, bit, (uint64_t)i);
+    if (slot == NULL)
         return 0;
-    *out = h;
+    *out = slot[0];
     return 1;
 }
 
-int
-infera_view_unmap(GpuView *v, Target *t, int bit, uint64_t ekey, uint64_t *out)
+/* Delete the map entry at ``i`` (and its high half). */
+static void
+view_entry_delete_at(Target *t, uint64_t i)
 {
-    int r = infera_view_resolve(v, t, bit, ekey, out);
-    if (r < 0)
-        return -1;
-    int64_t i = map_find(&t->emap, ekey);
-    infera_map_delete_at(&t->emap, (uint64_t)i);
+    uint64_t ekey = t->emap.keys[i];
+    infera_map_delete_at(&t->emap, i);
     if (t->ehigh.n) {
         uint32_t dummy;
         map_pop(&t->ehigh, ekey, &dummy);
     }
-    return r;
+}
+
+int
+infera_view_unmap(GpuView *v, Target *t, int bit, uint64_t ekey)
+{
+    int64_t i = map_find(&t->emap, ekey);
+    if (i < 0)
+        return -1;
+    uint64_t *slot = infera_view_slot_at(v, t, bit, (uint64_t)i);
+    view_entry_delete_at(t, (uint64_t)i);
+    if (slot == NULL || !infera_h_remove_at(&v->holders, slot, (uint32_t)bit))
+        return 0;
+    t->count--;
+    return 1;
+}
+
+void
+infera_view_sweep_map(GpuView *v, int bit)
+{
+    Target *t = &v->targets[bit];
+    Map64 *m = &t->emap;
+    if (m->n <= (uint64_t)t->count + (uint64_t)t->count / 4 + 64)
+        return;
+    map_free(&t->tomb); /* no entry is left that names nothing held */
+    for (uint64_t i = 0; i < m->cap;) {
+        /* a deletion shifts a later entry into slot i (or one seen already, kept): read i again */
+        if (map_used(m, i) && infera_view_slot_at(v, t, bit, i) == NULL) {
+            view_entry_delete_at(t, i);
+            continue;
+        }
+        i++;
+    }
 }
 
 /* The target joined ``h`` and already held ``other``, a key with the same low bits: its map's
@@ -94,8 +128,8 @@ infera_view_store(GpuView *v, int bit, uint64_t h, int mapped, uint64_t ekey)
     t->count += set;
     if (!set && !mapped)
         return 0;
-    uint64_t other = 0;
-    int twins = h_held_low(&v->holders, (uint32_t)h, (uint32_t)bit, 1, h, &other);
+    uint64_t *other_slot = NULL;
+    int twins = h_held_low(&v->holders, (uint32_t)h, (uint32_t)bit, 1, h, &other_slot);
     if (set && t->tomb.n) {
         int64_t k = map_find(&t->tomb, (uint32_t)h);
         if (k >= 0) {
@@ -106,7 +140,7 @@ infera_view_store(GpuView *v, int bit, uint64_t h, int mapped, uint64_t ekey)
                 view_drop_low(t, (uint32_t)h);
         }
     }
-    if (set && twins == 1 && view_split_low(t, (uint32_t)h, other) < 0)
+    if (set && twins == 1 && view_split_low(t, (uint32_t)h, other_slot[0]) < 0)
         return -1;
     if (!mapped)
         return 0;

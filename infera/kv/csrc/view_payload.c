@@ -265,14 +265,10 @@ infera_GpuView_apply_payload(GpuView *v, PyObject *args)
             n.removed_events++;
             Cur hc = ev->hashes;
             for (uint32_t j = 0; j < ev->nhashes; j++) {
-                uint64_t key, h;
+                uint64_t key;
                 mp_engine_key(&hc, &key);
-                int r = infera_view_unmap(v, t, bit, key, &h);
-                if (r < 0)
-                    continue;
-                n.removed_blocks++;
-                if (r && h_remove(&v->holders, h, (uint32_t)bit))
-                    t->count--;
+                if (infera_view_unmap(v, t, bit, key) >= 0)  /* (the target's count follows) */
+                    n.removed_blocks++;
             }
             continue;
         }
