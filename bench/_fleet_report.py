@@ -31,12 +31,15 @@ class ProcessKv:
     delay_buckets: dict[float, float] = field(default_factory=dict)  # le → cumulative count
     # infera_router_pick_seconds{role="mixed"}: the policy's pick alone (le → cumulative count)
     pick_buckets: dict[float, float] = field(default_factory=dict)
+    heap_trims: float = 0.0  # infera_process_heap_trims_total (--heap-trim-interval)
+    heap_trim_interval: float = 0.0  # infera_process_heap_trim_interval_seconds (0: the trimmer is off)
 
 
 _SIMPLE = {"infera_kv_block_events_total": "block_events", "infera_kv_event_batches_total": "batches",
            "infera_policy_cache_view_size": "view_blocks", "infera_kv_event_gaps_total": "gaps",
            "infera_kv_view_resets_total": "resets", "infera_kv_event_delay_seconds_count": "delay_count",
-           "infera_kv_event_delay_seconds_sum": "delay_sum"}
+           "infera_kv_event_delay_seconds_sum": "delay_sum", "infera_process_heap_trims_total": "heap_trims",
+           "infera_process_heap_trim_interval_seconds": "heap_trim_interval"}
 
 
 def parse_kv_metrics(text: str) -> dict[str, ProcessKv]:
@@ -44,7 +47,8 @@ def parse_kv_metrics(text: str) -> dict[str, ProcessKv]:
     when there is none: a one-process server)."""
     out: dict[str, ProcessKv] = {}
     for line in text.split("\n"):
-        if not line.startswith(("infera_kv_", "infera_policy_cache_view_size", "infera_router_pick_seconds_bucket")):
+        if not line.startswith(("infera_kv_", "infera_policy_cache_view_size", "infera_router_pick_seconds_bucket",
+                                "infera_process_heap_trim")):
             continue
         brace = line.find("{")
         name = line[:brace] if brace >= 0 else line.split(" ", 1)[0]
@@ -158,6 +162,15 @@ def memory_slopes(results: list[dict]) -> dict[tuple[float, int], dict]:
         rss_pts = [(r["entries"], r["rss_bytes"]) for r in rs]
         out[key] = {"bytes_per_entry": statistics.median(per_run) if per_run else None, "per_run": per_run,
                     "rss_bytes_per_entry": slope([x for x, _ in rss_pts], [y for _, y in rss_pts])}
+        # the same read before the server's first heap trim after the fill (its freed heap still held)
+        untrimmed = []
+        for run in sorted({r["run"] for r in rs}):
+            pts = [(r["entries"], r["pss_untrimmed_bytes"]) for r in rs if r["run"] == run and "pss_untrimmed_bytes" in r]
+            s = slope([x for x, _ in pts], [y for _, y in pts]) if len(pts) > 1 else None
+            if s is not None:
+                untrimmed.append(s)
+        if untrimmed:
+            out[key]["untrimmed_bytes_per_entry"] = statistics.median(untrimmed)
     return out
 
 

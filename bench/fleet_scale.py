@@ -191,6 +191,20 @@ async def wait_full(server: Server, session: aiohttp.ClientSession, entries: int
         await asyncio.sleep(0.5)
 
 
+async def wait_trimmed(server: Server, session: aiohttp.ClientSession, full: dict) -> dict:
+    """After the fill: until every server process has trimmed its freed heap once more
+    (``--heap-trim-interval``, infera/heap_trim.py; at once where the trimmer is off)."""
+    timeout = 2 * max((p.heap_trim_interval for p in full.values()), default=0.0) + 10.0
+    deadline = time.monotonic() + timeout
+    while True:
+        kv = await server.kv(session)
+        if all(p.heap_trim_interval == 0 or p.heap_trims > full[k].heap_trims for k, p in kv.items() if k in full):
+            return kv
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no heap trim in every server process within {timeout:.0f}s")
+        await asyncio.sleep(0.5)
+
+
 async def caught_up(server: Server, session: aiohttp.ClientSession, last_seq: dict[int, int]) -> bool:
     """Whether the server has applied the last batch sent to a sample of the engines (cheap: a
     /metrics read of 1,000 workers costs the server ~0.3 s of its loop, which would stall the drain)."""
@@ -348,6 +362,8 @@ async def measure(args: argparse.Namespace, etcd: EmbeddedEtcd, client: EtcdClie
             kv = await wait_full(server, session, n * args.pool, FULL_TIMEOUT_S)
             r["fill_s"] = round(time.monotonic() - t0, 1)
             r["entries"] = n * args.pool
+            r["pss_untrimmed_bytes"], r["rss_untrimmed_bytes"] = memory(server.pids)
+            kv = await wait_trimmed(server, session, kv)  # what the fill left free goes back, as it does in service
             r["pss_bytes"], r["rss_bytes"] = memory(server.pids)
             r["pss_mb"] = r["pss_bytes"] / 2 ** 20
             r["fill_gaps"] = sum(p.gaps for p in kv.values())
@@ -512,6 +528,10 @@ def report(args: argparse.Namespace, results: list[dict], pub_info: dict) -> int
     print(f"\nfleet_scale ({args.mode}): medians of {args.runs} run(s); pool {args.pool} blocks/engine, block size 16; offered "
           f"{args.rate / 1e3:,.0f}k block events/s; {os.cpu_count()} cores, {where}")
     print(table(rows, slopes))
+    for (s, w), v in slopes.items():
+        if v.get("untrimmed_bytes_per_entry") is not None:
+            print(f"sharing {s:g}, --workers {w}: {v['untrimmed_bytes_per_entry']:.1f} B/entry read before the "
+                  f"server's first heap trim after the fill (B/entry above: after it)")
     checks = goals(rows, slopes)
     for name, c in checks.items():
         verdict = "n/a" if c["ok"] is None else "PASS" if c["ok"] else "FAIL"

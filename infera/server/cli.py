@@ -9,6 +9,7 @@ from typing import Mapping, Sequence
 from infera.config import (add_flag, add_plane_flags, choice_of, non_negative_float, non_negative_int, port_number,
                            positive_float, positive_int)
 from infera.discovery import discovery_options
+from infera.heap_trim import DEFAULT_HEAP_TRIM_INTERVAL_S
 from infera.kv.bound import default_max_bytes, parse_size
 from infera.kv.prompt import DEFAULT_CACHE_BYTES, DEFAULT_PREFIX_CHARS
 from infera.router.kv_aware import DEFAULT_LOWER_TIER_WEIGHT
@@ -131,6 +132,10 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
       help="kv-aware: memory bound of the router's KV index (every worker's cached blocks), in bytes or with a "
            "binary unit (512Mi, 4G); past it the coldest blocks (longest since stored or matched) are evicted "
            "(0: unbounded; default: 1/8 of this host's memory, /proc/meminfo MemTotal read at start)")
+    f("--heap-trim-interval", env="INFERA_HEAP_TRIM_INTERVAL", default=DEFAULT_HEAP_TRIM_INTERVAL_S,
+      type=non_negative_float,
+      help="seconds between trims of this process's freed heap (glibc malloc_trim, in a thread): what a burst "
+           "(the index's first fill, an event backlog) left free goes back to the OS (0: never)")
     # 16, not upstream's 1.0: with in-flight blocks as the load term, a weight of 1 lets one or two
     # running requests outweigh a whole cached prefix, so conversations scatter and caches hold
     # duplicates (bench/kv_routing.py: hit rate 64.8 % at 1, 77.8 % at 16 uniform; 74.9 → 86.2 %

@@ -15,6 +15,7 @@ from infera.discovery import discovery_options, make_discovery
 from infera.discovery.base import Discovery
 from infera.discovery.fleet import Fleet
 from infera.discovery.record import WorkerRecord
+from infera.heap_trim import HeapTrimmer
 from infera.kv.index import KvIndex
 from infera.router.auto import AutoRouter
 from infera.router.breaker import CircuitBreaker
@@ -134,6 +135,9 @@ class RoutingStack:
             self.engine_window = EngineHitWindow(self.fleet, self.kv.hit_totals,
                                                  interval_s=args.engine_scrape_interval,
                                                  window_s=args.engine_scrape_window)
+        # What a burst leaves free in the heap goes back to the OS (infera/heap_trim.py).
+        self.heap_trimmer = HeapTrimmer.for_this_process(args.heap_trim_interval)
+        self.metrics.registry.register(self.heap_trimmer)
         self._workers: dict[str, WorkerRecord] = {}
         self.fleet.subscribe(self._on_fleet_change)
 
@@ -162,6 +166,7 @@ class RoutingStack:
             await self.engine_window.start()
         if self.replica_sync is not None:
             await self.replica_sync.start()
+        self.heap_trimmer.start()
 
     async def start_discovery(self) -> None:
         await self.discovery.start(self.fleet)  # returns at once; converges in the background
@@ -172,6 +177,7 @@ class RoutingStack:
 
     async def stop(self) -> None:
         await self.router.close()
+        await self.heap_trimmer.stop()
         await self.discovery.stop()
         if self.replica_sync is not None:
             await self.replica_sync.stop()

@@ -149,6 +149,7 @@ infera_kv_event_delay_seconds_bucket{le="0.001",process="0",worker_id="b"} 1.0
 infera_kv_event_delay_seconds_bucket{le="+Inf",process="0",worker_id="b"} 1.0
 infera_kv_event_gaps_total{process="0",worker_id="a"} 2.0
 infera_kv_prediction_error_tokens_count 9.0
+infera_process_heap_trims_total{process="1"} 4.0
 """
 
 
@@ -157,6 +158,7 @@ def test_parse_kv_metrics() -> None:
     assert got["0"].block_events == 15 and got["1"].block_events == 7
     assert got["1"].view_blocks == 2048 and got["0"].gaps == 2
     assert got["0"].delay_buckets == {0.001: 4.0, float("inf"): 5.0}
+    assert got["1"].heap_trims == 4 and got["0"].heap_trims == 0
     one = rep.parse_kv_metrics('infera_kv_block_events_total{worker_id="a"} 3.0\n')
     assert list(one) == ["0"] and one["0"].block_events == 3
 
@@ -219,3 +221,14 @@ def test_the_policy_pick_histogram_is_read_per_process_for_the_mixed_role() -> N
     assert got["1"].pick_buckets == {0.0001: 1.0, float("inf"): 1.0}
     cum = rep.bucket_delta({0.0001: 4.0, float("inf"): 5.0}, {0.0001: 1.0, float("inf"): 1.0})
     assert cum == [(0.0001, 3.0), (float("inf"), 4.0)] and rep.hist_quantile(cum, 0.5) <= 0.0001
+
+
+def test_untrimmed_slope_is_reported_beside_the_trimmed_one() -> None:
+    results = [_result(0.0, 1, n, r, pss_per_entry=45) for n in (100, 300, 1000) for r in range(3)]
+    for r in results:
+        r["pss_untrimmed_bytes"] = r["pss_bytes"] + 3 * r["entries"]  # the fill's freed heap, 3 B an entry
+    slopes = rep.memory_slopes(results)
+    assert slopes[(0.0, 1)]["bytes_per_entry"] == pytest.approx(45)
+    assert slopes[(0.0, 1)]["untrimmed_bytes_per_entry"] == pytest.approx(48)
+    older = rep.memory_slopes([_result(0.0, 1, n, 0) for n in (100, 300)])  # JSON from before the trimmer
+    assert "untrimmed_bytes_per_entry" not in older[(0.0, 1)]
