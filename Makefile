@@ -140,6 +140,7 @@ test: setup setup-vllm setup-sglang docs
 ASAN_DIR := build/asan
 ASAN_TESTS := tests/unit/test_native_guard.py tests/unit/test_native.py tests/unit/test_pick_native.py \
 	tests/unit/test_zmtp.py tests/unit/test_native_compact.py tests/unit/test_kv_index.py tests/unit/test_kv_index_low_bits.py tests/unit/test_kv_bound.py \
+	tests/unit/test_kv_shared_view.py \
 	$(wildcard tests/unit/test_fuzz_*.py)
 SAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g
 SAN_RUN := LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" PYTHONMALLOC=malloc \

@@ -85,11 +85,13 @@ class NativeKvIndex(PyKvIndex):
 
     __slots__ = ("_view", "_generation", "_bits_memo")
 
-    def __init__(self, max_bytes: int = 0) -> None:
+    def __init__(self, max_bytes: int = 0, shared_bytes: int = 0) -> None:
+        """``shared_bytes``: the holder table lives in a shared arena of that size (sparse), which
+        other processes match against with ``native.GpuViewReader(fd)`` (:meth:`shared_fd`)."""
         if native is None:
             raise RuntimeError("NativeKvIndex needs the C accelerator (infera.kv.native says why it is missing)")
         super().__init__(max_bytes)
-        self._view = native.GpuView(Stored, Removed, Cleared, FULL_ATTENTION_KINDS)
+        self._view = native.GpuView(Stored, Removed, Cleared, FULL_ATTENTION_KINDS, shared_bytes=shared_bytes)
         self._view.set_bound(max_bytes, BLOCK_BYTES, HOLDER_BYTES, ENTRY_BYTES)  # (0: counts, never evicts)
         self._generation = 0  # targets added or removed: the bits of a list of keys may differ
         self._bits_memo: tuple[list[str], int, list[int]] | None = None
@@ -121,6 +123,11 @@ class NativeKvIndex(PyKvIndex):
         bits = [t.bit if (t := targets.get(k)) is not None else -1 for k in keys]
         self._bits_memo = (list(keys), self._generation, bits)
         return bits
+
+    def shared_fd(self) -> int | None:
+        """The shared arena's file descriptor (this index's; a reader maps it), or None: private."""
+        shared = self._view.shared()
+        return None if shared is None else shared[0]
 
     def block_count(self, key: str) -> int:
         t = self._targets.get(key)

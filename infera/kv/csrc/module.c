@@ -42,14 +42,15 @@ PyInit__native(void)
     if (infera_view_apply_init() < 0 || infera_chat_keys_init() < 0)
         return NULL;
     if (PyType_Ready(&infera_GpuViewType) < 0 || PyType_Ready(&infera_BlockCounterType) < 0 ||
-        PyType_Ready(&infera_LandedClaimsType) < 0)
+        PyType_Ready(&infera_LandedClaimsType) < 0 || PyType_Ready(&infera_GpuViewReaderType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&native_module);
     if (m == NULL)
         return NULL;
-    PyTypeObject *types[] = {&infera_GpuViewType, &infera_BlockCounterType, &infera_LandedClaimsType};
-    const char *names[] = {"GpuView", "BlockCounter", "LandedClaims"};
-    for (int i = 0; i < 3; i++) {
+    PyTypeObject *types[] = {&infera_GpuViewType, &infera_BlockCounterType, &infera_LandedClaimsType,
+                             &infera_GpuViewReaderType};
+    const char *names[] = {"GpuView", "BlockCounter", "LandedClaims", "GpuViewReader"};
+    for (int i = 0; i < 4; i++) {
         Py_INCREF(types[i]);
         if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
             Py_DECREF(types[i]);

@@ -21,6 +21,10 @@
  *                     few cache lines, not a dict entry and two int objects per block), with
  *                     event application (decoded events, or a msgpack batch as it
  *                     came off the wire) and the prefix matches;
+ *   - arena.c/.h, view_reader.c:
+ *                     the shared arena a GpuView(shared_bytes=N) keeps its holder table in, and
+ *                     GpuViewReader, another process's lock-free matches against it (issue 30
+ *                     item 4: one index per host);
  *   - counter.c:      BlockCounter, a multiset of block hashes (the policy's blocks in flight per
  *                     target);
  *   - claims.c:       LandedClaims, blocks a target computed, not yet confirmed by its events;
@@ -81,6 +85,7 @@ INFERA_INTERNAL PyObject *infera_py_score_targets(PyObject *self, PyObject *args
 
 /* The module's types. */
 INFERA_INTERNAL extern PyTypeObject infera_GpuViewType;      /* view.c */
+INFERA_INTERNAL extern PyTypeObject infera_GpuViewReaderType; /* view_reader.c */
 INFERA_INTERNAL extern PyTypeObject infera_BlockCounterType; /* counter.c */
 INFERA_INTERNAL extern PyTypeObject infera_LandedClaimsType; /* claims.c */
 

@@ -100,23 +100,159 @@ infera_map_delete_at(Map64 *m, uint64_t i)
 /* ------------------------------------------------------------------------------------------ */
 /* Holders: the table                                                                          */
 
-/* The bytes of the holders' block: the slots, then an age byte per slot. */
-static size_t
-h_block_bytes(uint64_t cap)
+/* The holders' memory: private (PyMem, and tables through tmem), or the shared arena's. */
+static void *
+hmem_alloc(Holders *h, size_t bytes)
 {
+    if (h->arena == NULL)
+        return PyMem_Calloc(1, bytes);
+    uint64_t at = infera_arena_alloc(h->arena, bytes);
+    return at ? h->arena->base + at : NULL;
+}
+
+static void
+hmem_free(Holders *h, void *p, size_t bytes)
+{
+    if (h->arena == NULL)
+        PyMem_Free(p);
+    else if (p != NULL)
+        infera_arena_free(h->arena, (uint64_t)((uint8_t *)p - h->arena->base), bytes);
+}
+
+/* ``p`` (``old`` bytes) moved to a block of ``bytes``; the bytes past ``old`` are not zeroed. */
+static void *
+hmem_realloc(Holders *h, void *p, size_t old, size_t bytes)
+{
+    if (h->arena == NULL)
+        return PyMem_Realloc(p, bytes);
+    void *g = hmem_alloc(h, bytes);
+    if (g != NULL) {
+        memcpy(g, p, old < bytes ? old : bytes);
+        hmem_free(h, p, old);
+    }
+    return g;
+}
+
+/* A change a shared table's readers could see (no-ops when private): h_wbegin, then h_mark(i)
+ * before the slot at i (or the set it holds) is written, then h_wend. */
+static inline void
+h_wbegin(Holders *h)
+{
+    h->nmarked = 0;
+    h->whole = 0;
+}
+
+static void
+h_mark(Holders *h, uint64_t i)
+{
+    if (h->arena == NULL || h->whole)
+        return;
+    uint32_t s = (uint32_t)(i >> H_STRIPE_SHIFT);
+    for (uint32_t k = 0; k < h->nmarked; k++) {
+        if (h->marked[k] == s)
+            return;
+    }
+    if (h->nmarked == H_MARKS) { /* a long shift: the whole table's sequence instead */
+        arena_write_begin(h->arena);
+        h->whole = 1;
+        return;
+    }
+    h->marked[h->nmarked++] = s;
+    __atomic_store_n(&h->stripes[s], h->stripes[s] + 1, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+}
+
+static inline void
+h_mark_slot(Holders *h, const uint64_t *slot)
+{
+    if (h->arena != NULL)
+        h_mark(h, (uint64_t)(slot - h->slots) / 2);
+}
+
+static inline void
+h_wend(Holders *h)
+{
+    if (h->arena == NULL)
+        return;
+    for (uint32_t k = 0; k < h->nmarked; k++) {
+        uint32_t s = h->marked[k];
+        __atomic_store_n(&h->stripes[s], h->stripes[s] + 1, __ATOMIC_RELEASE);
+    }
+    h->nmarked = 0;
+    if (h->whole) {
+        arena_write_end(h->arena);
+        h->whole = 0;
+    }
+}
+
+/* The bytes of the holders' block: the slots, then an age byte per slot (shared: then the stripes'
+ * sequences). */
+static size_t
+h_block_bytes(const Holders *h, uint64_t cap)
+{
+    if (h->arena != NULL)
+        return (size_t)(h_stripes_at(cap) + h_nstripes(cap) * 8);
     return (size_t)(cap * 17);
+}
+
+static uint64_t *
+h_block_alloc(Holders *h, uint64_t cap)
+{
+    if (h->arena == NULL)
+        return infera_tmem_alloc(h_block_bytes(h, cap));
+    return hmem_alloc(h, h_block_bytes(h, cap));
+}
+
+static void
+h_block_free(Holders *h, uint64_t *slots, uint64_t cap)
+{
+    if (slots == NULL)
+        return;
+    if (h->arena == NULL)
+        infera_tmem_free(slots, h_block_bytes(h, cap));
+    else
+        hmem_free(h, slots, h_block_bytes(h, cap));
+}
+
+/* A shared table's readers find its slots here from now on. */
+static void
+h_publish(Holders *h)
+{
+    if (h->arena == NULL)
+        return;
+    ArenaHeader *hd = arena_header(h->arena);
+    arena_write_begin(h->arena);
+    hd->slots = (uint64_t)((uint8_t *)h->slots - h->arena->base);
+    hd->cap = h->cap;
+    arena_write_end(h->arena);
+}
+
+int
+infera_h_share(Holders *h, Arena *arena, uint64_t cap)
+{
+    if (h->slots != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "a holder table is shared from its start only");
+        return -1;
+    }
+    h->arena = arena;
+    h->base = (uint64_t)(uintptr_t)arena->base;
+    if (infera_h_alloc(h, cap) < 0)
+        return -1;
+    h_publish(h);
+    return 0;
 }
 
 int
 infera_h_alloc(Holders *h, uint64_t cap)
 {
-    h->slots = infera_tmem_alloc(h_block_bytes(cap));
+    h->slots = h_block_alloc(h, cap);
     if (h->slots == NULL) {
         h->age = NULL;
         PyErr_NoMemory();
         return -1;
     }
     h->age = (uint8_t *)(h->slots + 2 * cap);
+    h->stripes = h->arena != NULL ? (uint64_t *)((uint8_t *)h->slots + h_stripes_at(cap)) : NULL;
     h->clamp_at = 0;
     h->cap = cap;
     h->n = 0;
@@ -129,12 +265,14 @@ hs_free(Holders *h, uint64_t v)
     if (!(v & HS_EXT))
         return;
     if (v & HS_BITMAP) {
-        h->ext_bytes -= hbits_bytes(hs_bits(v)->words);
-        PyMem_Free(hs_bits(v));
+        HBits *b = hs_bits(h->base, v);
+        h->ext_bytes -= hbits_bytes(b->words);
+        hmem_free(h, b, hbits_bytes(b->words));
     }
     else {
-        h->ext_bytes -= harr_bytes(hs_arr(v)->cap);
-        PyMem_Free(hs_arr(v));
+        HArr *a = hs_arr(h->base, v);
+        h->ext_bytes -= harr_bytes(a->cap);
+        hmem_free(h, a, harr_bytes(a->cap));
     }
 }
 
@@ -143,9 +281,12 @@ infera_h_free(Holders *h)
 {
     for (uint64_t i = 0; i < h->cap; i++)
         hs_free(h, h->slots[2 * i + 1]);
-    if (h->slots != NULL)
-        infera_tmem_free(h->slots, h_block_bytes(h->cap));
+    h_block_free(h, h->slots, h->cap);
+    Arena *arena = h->arena;
+    uint64_t base = h->base;
     memset(h, 0, sizeof(*h));
+    h->arena = arena; /* (the arena is the view's: it outlives the table) */
+    h->base = base;
 }
 
 static int
@@ -170,8 +311,10 @@ h_rebuild(Holders *h, uint64_t cap)
         h->age[j] = old.age[i];
         h->n++;
     }
-    if (old.slots != NULL)
-        infera_tmem_free(old.slots, h_block_bytes(old.cap));
+    /* readers go on reading the old table until the new one is published, and a reader that read
+     * the old one's address sees the sequence move on: its read is taken again, from the new one */
+    h_publish(h);
+    h_block_free(h, old.slots, old.cap);
     return 0;
 }
 
@@ -187,6 +330,7 @@ h_delete(Holders *h, uint64_t *slot)
         if (sj[1] == 0)
             break;
         if (!stays_put(i, j, h_home(sj[0], h->cap))) {
+            h_mark(h, j); /* (i is marked: the slot emptied, or a j before) */
             h->slots[2 * i] = sj[0];
             h->slots[2 * i + 1] = sj[1];
             h->age[i] = h->age[j];
@@ -233,10 +377,11 @@ prefer_bitmap(uint32_t n, uint32_t max_id)
 static uint64_t
 hs_word(Holders *h, void *p, uint64_t bytes, uint64_t flags)
 {
-    if ((uintptr_t)p & ~(uintptr_t)HS_PTR_MASK)
+    uint64_t rel = (uint64_t)(uintptr_t)p - h->base; /* a shared table's sets: offsets in the arena */
+    if (rel & ~HS_PTR_MASK)
         Py_FatalError("infera.kv._native: a holder set allocated above the 62-bit address space");
     h->ext_bytes += bytes;
-    return (uint64_t)(uintptr_t)p | HS_EXT | flags;
+    return rel | HS_EXT | flags;
 }
 
 /* The set word of the n >= 1 sorted ids in its smallest form: an inline bitmap, an inline list, an
@@ -255,7 +400,7 @@ hs_make(Holders *h, const uint32_t *ids, uint32_t n, uint64_t *out)
     }
     if (prefer_bitmap(n, max_id)) {
         uint32_t words = (max_id >> 6) + 1;
-        HBits *b = PyMem_Calloc(1, hbits_bytes(words));
+        HBits *b = hmem_alloc(h, hbits_bytes(words));
         if (b == NULL) {
             PyErr_NoMemory();
             return -1;
@@ -268,7 +413,7 @@ hs_make(Holders *h, const uint32_t *ids, uint32_t n, uint64_t *out)
         return 0;
     }
     uint32_t cap = n < 8 ? 8 : (n + 1) & ~1u;
-    HArr *a = PyMem_Malloc(harr_bytes(cap));
+    HArr *a = hmem_alloc(h, harr_bytes(cap));
     if (a == NULL) {
         PyErr_NoMemory();
         return -1;
@@ -318,11 +463,11 @@ hs_add(Holders *h, uint64_t *slot, uint32_t id)
         return 1;
     }
     if (v & HS_BITMAP) {
-        HBits *b = hs_bits(v);
+        HBits *b = hs_bits(h->base, v);
         uint32_t w = id >> 6;
         if (w >= b->words) {
             uint32_t words = w + 1;
-            HBits *g = PyMem_Realloc(b, hbits_bytes(words));
+            HBits *g = hmem_realloc(h, b, hbits_bytes(b->words), hbits_bytes(words));
             if (g == NULL) {
                 PyErr_NoMemory();
                 return -1;
@@ -340,14 +485,14 @@ hs_add(Holders *h, uint64_t *slot, uint32_t id)
         b->n++;
         return 1;
     }
-    HArr *a = hs_arr(v);
+    HArr *a = hs_arr(h->base, v);
     uint32_t lo = harr_lower_bound(a, id);
     if (lo < a->n && a->ids[lo] == id)
         return 0;
     uint32_t max_id = a->ids[a->n - 1] > id ? a->ids[a->n - 1] : id;
     if (prefer_bitmap(a->n + 1, max_id)) {
         uint32_t words = (max_id >> 6) + 1;
-        HBits *b = PyMem_Calloc(1, hbits_bytes(words));
+        HBits *b = hmem_alloc(h, hbits_bytes(words));
         if (b == NULL) {
             PyErr_NoMemory();
             return -1;
@@ -364,7 +509,7 @@ hs_add(Holders *h, uint64_t *slot, uint32_t id)
     }
     if (a->n == a->cap) {
         uint32_t cap = a->cap + (a->cap / 2 + 1) / 2 * 2;
-        HArr *g = PyMem_Realloc(a, harr_bytes(cap));
+        HArr *g = hmem_realloc(h, a, harr_bytes(a->cap), harr_bytes(cap));
         if (g == NULL) {
             PyErr_NoMemory();
             return -1;
@@ -380,17 +525,14 @@ hs_add(Holders *h, uint64_t *slot, uint32_t id)
     return 1;
 }
 
-int
-infera_h_add(Holders *h, uint64_t key, uint32_t id)
+static int
+h_add(Holders *h, uint64_t key, uint32_t id)
 {
-    if (h->cap == 0 || table_full(h->n, h->cap)) {
-        if (h_rebuild(h, table_grown(h->cap)) < 0)
-            return -1;
-    }
     uint64_t i = h_home(key, h->cap);
     for (;;) {
         uint64_t *slot = h->slots + 2 * i;
         if (slot[1] == 0) {
+            h_mark(h, i);
             slot[0] = key;
             slot[1] = id < HS_SMALL ? hs_small(&id, 1) : hs_list(&id, 1);
             h->n++;
@@ -399,10 +541,24 @@ infera_h_add(Holders *h, uint64_t key, uint32_t id)
         }
         if (slot[0] == key) {
             h_touch(h, slot);
+            h_mark(h, i);
             return hs_add(h, slot, id);
         }
         i = next_slot(i, h->cap);
     }
+}
+
+int
+infera_h_add(Holders *h, uint64_t key, uint32_t id)
+{
+    if (h->cap == 0 || table_full(h->n, h->cap)) {
+        if (h_rebuild(h, table_grown(h->cap)) < 0)
+            return -1;
+    }
+    h_wbegin(h);
+    int r = h_add(h, key, id);
+    h_wend(h);
+    return r;
 }
 
 /* The external set in ``slot`` (n ids, sorted in ``ids``) replaced by its smallest form, when that
@@ -419,8 +575,20 @@ hs_shrink(Holders *h, uint64_t *slot, const uint32_t *ids, uint32_t n)
     slot[1] = nv;
 }
 
+static int h_remove_at(Holders *h, uint64_t *slot, uint32_t id);
+
 int
 infera_h_remove_at(Holders *h, uint64_t *slot, uint32_t id)
+{
+    h_wbegin(h);
+    h_mark_slot(h, slot);
+    int r = h_remove_at(h, slot, id);
+    h_wend(h);
+    return r;
+}
+
+static int
+h_remove_at(Holders *h, uint64_t *slot, uint32_t id)
 {
     uint64_t v = slot[1];
     if (!(v & HS_EXT)) {
@@ -449,7 +617,7 @@ infera_h_remove_at(Holders *h, uint64_t *slot, uint32_t id)
         return 1;
     }
     if (v & HS_BITMAP) {
-        HBits *b = hs_bits(v);
+        HBits *b = hs_bits(h->base, v);
         uint32_t w = id >> 6;
         uint64_t bit = 1ULL << (id & 63);
         if (w >= b->words || !(b->bits[w] & bit))
@@ -479,7 +647,7 @@ infera_h_remove_at(Holders *h, uint64_t *slot, uint32_t id)
         }
         return 1;
     }
-    HArr *a = hs_arr(v);
+    HArr *a = hs_arr(h->base, v);
     uint32_t lo = harr_lower_bound(a, id);
     if (lo == a->n || a->ids[lo] != id)
         return 0;
@@ -490,7 +658,7 @@ infera_h_remove_at(Holders *h, uint64_t *slot, uint32_t id)
     }
     else if (a->cap > 8 && a->n * 4 < a->cap) {
         uint32_t cap = a->n * 2 < 8 ? 8 : a->n * 2;
-        HArr *s = PyMem_Realloc(a, harr_bytes(cap));
+        HArr *s = hmem_realloc(h, a, harr_bytes(a->cap), harr_bytes(cap));
         if (s != NULL) {
             h->ext_bytes -= harr_bytes(s->cap);
             s->cap = cap;
@@ -506,6 +674,8 @@ infera_h_remove_at(Holders *h, uint64_t *slot, uint32_t id)
 void
 infera_h_evict_at(Holders *h, uint64_t *slot, void (*each)(void *, uint32_t), void *ctx)
 {
+    h_wbegin(h);
+    h_mark_slot(h, slot);
     uint64_t v = slot[1];
     if (!(v & HS_EXT)) {
         uint32_t ids[HS_SMALL + 1];
@@ -514,19 +684,20 @@ infera_h_evict_at(Holders *h, uint64_t *slot, void (*each)(void *, uint32_t), vo
             each(ctx, ids[k]);
     }
     else if (v & HS_BITMAP) {
-        HBits *b = hs_bits(v);
+        HBits *b = hs_bits(h->base, v);
         for (uint32_t k = 0; k < b->words; k++) {
             for (uint64_t x = b->bits[k]; x; x &= x - 1)
                 each(ctx, k * 64 + (uint32_t)__builtin_ctzll(x));
         }
     }
     else {
-        HArr *a = hs_arr(v);
+        HArr *a = hs_arr(h->base, v);
         for (uint32_t k = 0; k < a->n; k++)
             each(ctx, a->ids[k]);
     }
     hs_free(h, v);
     h_delete(h, slot);
+    h_wend(h);
 }
 
 void

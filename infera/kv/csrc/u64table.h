@@ -12,7 +12,7 @@
 #ifndef INFERA_U64TABLE_H
 #define INFERA_U64TABLE_H
 
-#include "native.h"
+#include "arena.h"
 
 /* ------------------------------------------------------------------------------------------ */
 /* open-addressing tables of u64 keys (linear probing, backward-shift deletion)                */
@@ -184,18 +184,48 @@ typedef struct {
     uint64_t clamp_at;  /* the next slot the clamp visits */
     uint8_t epoch;
     uint8_t aging;      /* 1: stores and matches stamp ages (a byte bound is set) */
+    /* Shared (issue 30 item 4): the slots and the external sets live in ``arena``, which other
+     * processes read (view_reader.c); every change is inside the arena's seqlock and a new table is
+     * published in its header. NULL: private memory. */
+    Arena *arena;
+    uint64_t base; /* what an external set's word is relative to: 0 (a pointer), or the arena's address */
+    /* Shared: a sequence per stripe of H_STRIPE slots (after the age bytes), odd while a change is
+     * made to a slot of the stripe or to the set it holds; a reader checks only the stripes it read
+     * (view_reader.c), so a change elsewhere in the table costs it nothing. The stripes one change
+     * has marked (more than H_MARKS: the arena's whole-table sequence is held instead). */
+    uint64_t *stripes;
+    uint32_t marked[8];
+    uint32_t nmarked;
+    uint8_t whole; /* this change holds the arena's sequence */
 } Holders;
 
-static inline HArr *
-hs_arr(uint64_t v)
+#define H_STRIPE_SHIFT 6
+#define H_MARKS 8
+
+/* A shared table's stripes: their number, and where they start in the table's block (past the
+ * slots and the age bytes). */
+static inline uint64_t
+h_nstripes(uint64_t cap)
 {
-    return (HArr *)(uintptr_t)(v & HS_PTR_MASK);
+    return (cap >> H_STRIPE_SHIFT) + 1;
+}
+
+static inline uint64_t
+h_stripes_at(uint64_t cap)
+{
+    return (cap * 17 + 7) & ~7ULL;
+}
+
+static inline HArr *
+hs_arr(uint64_t base, uint64_t v)
+{
+    return (HArr *)(uintptr_t)(base + (v & HS_PTR_MASK));
 }
 
 static inline HBits *
-hs_bits(uint64_t v)
+hs_bits(uint64_t base, uint64_t v)
 {
-    return (HBits *)(uintptr_t)(v & HS_PTR_MASK);
+    return (HBits *)(uintptr_t)(base + (v & HS_PTR_MASK));
 }
 
 static inline uint64_t
@@ -212,10 +242,10 @@ hbits_bytes(uint32_t words)
 
 /* The number of ids in a (non-empty) set. */
 static inline uint32_t
-hs_count(uint64_t v)
+hs_count(uint64_t base, uint64_t v)
 {
     if (v & HS_EXT)
-        return (v & HS_BITMAP) ? hs_bits(v)->n : hs_arr(v)->n;
+        return (v & HS_BITMAP) ? hs_bits(base, v)->n : hs_arr(base, v)->n;
     if (v & HS_BITMAP)
         return (uint32_t)__builtin_popcountll(v & HS_SMALL_MASK);
     return (uint32_t)(v >> HS_COUNT_SHIFT);
@@ -254,7 +284,7 @@ harr_has(const HArr *a, uint32_t id)
 }
 
 static inline int
-hs_has(uint64_t v, uint32_t id)
+hs_has(uint64_t base, uint64_t v, uint32_t id)
 {
     if (!(v & HS_EXT)) {
         if (v & HS_BITMAP)
@@ -267,10 +297,10 @@ hs_has(uint64_t v, uint32_t id)
         return 0;
     }
     if (v & HS_BITMAP) {
-        const HBits *b = hs_bits(v);
+        const HBits *b = hs_bits(base, v);
         return (id >> 6) < b->words && ((b->bits[id >> 6] >> (id & 63)) & 1);
     }
-    return harr_has(hs_arr(v), id);
+    return harr_has(hs_arr(base, v), id);
 }
 
 /* A router hash's home slot: from its low 32 bits only, so that a view's engine-hash map, which
@@ -339,7 +369,7 @@ h_held_low(const Holders *h, uint32_t low, uint32_t id, int skip, uint64_t excep
         uint64_t *slot = h->slots + 2 * i;
         if (slot[1] == 0)
             return found;
-        if ((uint32_t)slot[0] == low && !(skip && slot[0] == except) && hs_has(slot[1], id)) {
+        if ((uint32_t)slot[0] == low && !(skip && slot[0] == except) && hs_has(h->base, slot[1], id)) {
             if (found++)
                 return 2;
             *out = slot;
@@ -351,6 +381,9 @@ h_held_low(const Holders *h, uint32_t low, uint32_t id, int skip, uint64_t excep
 #define H_AHEAD 8
 
 INFERA_INTERNAL int infera_h_alloc(Holders *h, uint64_t cap);
+/* An empty table of ``cap`` slots in ``arena``, published there for its readers: from now on every
+ * change is made inside the arena's seqlock. */
+INFERA_INTERNAL int infera_h_share(Holders *h, Arena *arena, uint64_t cap);
 INFERA_INTERNAL void infera_h_free(Holders *h);
 /* 1: ``id`` newly joins the set of ``key`` (entered if absent); 0: it was in it; -1: no memory */
 INFERA_INTERNAL int infera_h_add(Holders *h, uint64_t key, uint32_t id);
@@ -374,7 +407,7 @@ static inline int
 h_has(const Holders *h, uint64_t key, uint32_t id)
 {
     uint64_t *slot = h_find(h, key);
-    return slot != NULL && hs_has(slot[1], id);
+    return slot != NULL && hs_has(h->base, slot[1], id);
 }
 
 static inline uint64_t

@@ -43,16 +43,26 @@ infera_view_parse_bit(GpuView *v, PyObject *obj, int *bit)
 static int
 GpuView_init(GpuView *v, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"stored", "removed", "cleared", "full_attention_kinds", NULL};
+    static char *kwlist[] = {"stored", "removed", "cleared", "full_attention_kinds", "shared_bytes", NULL};
     PyObject *stored, *removed, *cleared, *kinds;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO:GpuView", kwlist, &stored, &removed, &cleared, &kinds))
+    unsigned long long shared_bytes = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|K:GpuView", kwlist, &stored, &removed, &cleared, &kinds,
+                                     &shared_bytes))
         return -1;
     if (!PyType_Check(stored) || !PyType_Check(removed) || !PyType_Check(cleared) || !PyAnySet_Check(kinds)) {
         PyErr_SetString(PyExc_TypeError, "GpuView(stored, removed, cleared: types, full_attention_kinds: set)");
         return -1;
     }
-    if (v->holders.slots == NULL && infera_h_alloc(&v->holders, TABLE_MIN_CAP) < 0)
-        return -1;
+    if (v->holders.slots == NULL) {
+        if (shared_bytes) { /* the holder table in a shared arena (GpuViewReader reads it elsewhere) */
+            if (infera_arena_create(&v->arena, shared_bytes) < 0)
+                return -1;
+            if (infera_h_share(&v->holders, &v->arena, TABLE_MIN_CAP) < 0)
+                return -1;
+        }
+        else if (infera_h_alloc(&v->holders, TABLE_MIN_CAP) < 0)
+            return -1;
+    }
     Py_INCREF(stored);
     Py_XSETREF(v->stored_type, stored);
     Py_INCREF(removed);
@@ -74,6 +84,8 @@ GpuView_dealloc(GpuView *v)
     }
     PyMem_Free(v->targets);
     infera_h_free(&v->holders);
+    if (v->arena.base != NULL)
+        infera_arena_close(&v->arena); /* readers keep their own mappings: the memory goes with the last */
     Py_XDECREF(v->stored_type);
     Py_XDECREF(v->removed_type);
     Py_XDECREF(v->cleared_type);
@@ -321,7 +333,7 @@ infera_view_trim(GpuView *v)
         uint64_t set = h->slots[2 * i + 1];
         if (set == 0)
             continue;
-        uint64_t m = hs_count(set);
+        uint64_t m = hs_count(h->base, set);
         bytes[h_age_of(h, i)] += b->block + b->holder * (m - 1) + b->entry * m;
     }
     uint32_t oldest_kept = 0; /* evict every age > oldest_kept... */
@@ -397,7 +409,19 @@ GpuView_trim(GpuView *v, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/* shared() -> (fd, size, bytes taken) of the arena the holder table lives in, or None (private) */
+static PyObject *
+GpuView_shared(GpuView *v, PyObject *unused)
+{
+    if (v->arena.base == NULL)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(iKK)", v->arena.fd, (unsigned long long)v->arena.size,
+                         (unsigned long long)arena_header(&v->arena)->used);
+}
+
 static PyMethodDef GpuView_methods[] = {
+    {"shared", (PyCFunction)GpuView_shared, METH_NOARGS,
+     "shared() -> (fd, size, bytes taken) of the shared arena the holder table lives in, or None"},
     {"set_bound", (PyCFunction)GpuView_set_bound, METH_VARARGS,
      "set_bound(max_bytes, block, holder, entry): the byte bound and its model's costs (0: unbounded)"},
     {"bound", (PyCFunction)GpuView_bound, METH_NOARGS,

@@ -44,6 +44,7 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     Holders holders;
+    Arena arena; /* GpuView(shared_bytes=N): the holder table lives here, read by other processes */
     Target *targets; /* by bit */
     Py_ssize_t ntargets;
     Py_ssize_t members; /* the targets' counts, summed: (block, target) entries */
@@ -88,6 +89,19 @@ view_bound_bytes(const GpuView *v)
 
 /* Past the bound (if set): evict the coldest blocks (view.c). */
 INFERA_INTERNAL void infera_view_trim(GpuView *v);
+
+/* What a match walk reads a view through (view_match.c): whether a bit may be a target, a key's
+ * holder set (1, with *set relative to ``base``; 0: no holder; -1: unreadable, the walk gives up),
+ * and an optional prefetch of a key's slot. */
+typedef struct {
+    void *ctx;
+    uint64_t base;
+    int (*bit_ok)(void *ctx, uint32_t bit);
+    int (*lookup)(void *ctx, uint64_t key, uint64_t *set);
+    void (*prefetch)(void *ctx, uint64_t key);
+} MatchSource;
+
+INFERA_INTERNAL PyObject *infera_match_walk(const MatchSource *src, PyObject *hashes, PyObject *bits);
 
 /* GpuView's methods defined outside view.c (its method table is there). */
 INFERA_INTERNAL PyObject *infera_GpuView_first_unheld(GpuView *v, PyObject *args); /* view_match.c */

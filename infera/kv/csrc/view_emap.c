@@ -22,7 +22,7 @@ infera_view_slot_at(const GpuView *v, const Target *t, int bit, uint64_t i)
         int64_t j = map_find(&t->ehigh, t->emap.keys[i]);
         if (j >= 0) {
             uint64_t *slot = h_find(&v->holders, ((uint64_t)t->ehigh.vals[j] << 32) | low);
-            return slot != NULL && hs_has(slot[1], (uint32_t)bit) ? slot : NULL;
+            return slot != NULL && hs_has(v->holders.base, slot[1], (uint32_t)bit) ? slot : NULL;
         }
     }
     /* two or more cannot be (the entry would have its high half); none: evicted or removed */

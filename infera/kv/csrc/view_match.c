@@ -50,7 +50,8 @@ infera_GpuView_match_one(GpuView *v, PyObject *args)
         uint64_t key, *slot;
         if (hs.u64 != NULL && i + H_AHEAD < hs.n)
             h_prefetch(&v->holders, hs.u64[i + H_AHEAD]);
-        if (hashes_at(&hs, i, &key) < 0 || (slot = h_find(&v->holders, key)) == NULL || !hs_has(slot[1], (uint32_t)b))
+        if (hashes_at(&hs, i, &key) < 0 || (slot = h_find(&v->holders, key)) == NULL ||
+            !hs_has(v->holders.base, slot[1], (uint32_t)b))
             break;
         h_touch(&v->holders, slot); /* a hit: the block is warm */
     }
@@ -91,14 +92,15 @@ alive_move(Alive *a, uint32_t k, uint32_t kept, uint64_t held)
     a->base[kept] = a->base[k];
 }
 
-/* Keep the alive candidates the set ``v`` holds; the others leave at block ``i``. Work: the alive
- * words, plus the set's ids when it is a list of them (a merge): never the fleet's size. */
+/* Keep the alive candidates the set ``v`` (relative to ``base``) holds; the others leave at block
+ * ``i``. Work: the alive words, plus the set's ids when it is a list of them (a merge): never the
+ * fleet's size. */
 static void
-alive_keep(Alive *a, uint64_t v, Py_ssize_t i)
+alive_keep(Alive *a, uint64_t base, uint64_t v, Py_ssize_t i)
 {
     uint32_t kept = 0;
     if ((v & HS_EXT) && (v & HS_BITMAP)) {
-        const HBits *b = hs_bits(v);
+        const HBits *b = hs_bits(base, v);
         for (uint32_t k = 0; k < a->n; k++) {
             uint32_t w = a->word[k];
             uint64_t mask = a->mask[k], held = w < b->words ? b->bits[w] & mask : 0;
@@ -127,8 +129,8 @@ alive_keep(Alive *a, uint64_t v, Py_ssize_t i)
     const uint32_t *ids;
     uint32_t nids;
     if (v & HS_EXT) {
-        ids = hs_arr(v)->ids;
-        nids = hs_arr(v)->n;
+        ids = hs_arr(base, v)->ids;
+        nids = hs_arr(base, v)->n;
     }
     else {
         nids = hs_list_ids(v, buf);
@@ -174,17 +176,16 @@ sort_by_bit(uint64_t *v, uint64_t *tmp, Py_ssize_t n)
     }
 }
 
-/* match(hashes, bits) -> for each bit (-1: no such target, 0), the length of the longest prefix of
- * hashes in that target's view. One walk for all: the candidates still alive (a sparse bitmap) are
- * intersected with each block's holders, a candidate's length is fixed when it leaves, and the walk
- * ends when none is left. A block costs the words of the candidates alive at it, plus its holders
- * when they are a list; a request, its blocks times that: neither grows with the fleet. */
+/* The walk of match(hashes, bits) -> for each bit (no such target: 0), the length of the longest
+ * prefix of hashes in that target's view. One walk for all: the candidates still alive (a sparse
+ * bitmap) are intersected with each block's holders, a candidate's length is fixed when it leaves,
+ * and the walk ends when none is left. A block costs the words of the candidates alive at it, plus
+ * its holders when they are a list; a request, its blocks times that: neither grows with the
+ * fleet. The view is read through ``src`` (a GpuView's own tables, or a shared one's, read by
+ * another process: view_reader.c); None when a block could not be read. */
 PyObject *
-infera_GpuView_match(GpuView *v, PyObject *args)
+infera_match_walk(const MatchSource *src, PyObject *hashes, PyObject *bits_obj)
 {
-    PyObject *hashes, *bits_obj;
-    if (!PyArg_ParseTuple(args, "OO:match", &hashes, &bits_obj))
-        return NULL;
     PyObject *bseq = PySequence_Fast(bits_obj, "bits must be a sequence");
     if (bseq == NULL)
         return NULL;
@@ -219,7 +220,7 @@ infera_GpuView_match(GpuView *v, PyObject *args)
         if (b == -1 && PyErr_Occurred())
             goto done;
         cu[c] = UINT32_MAX;
-        if (b < 0 || b >= v->ntargets || !v->targets[b].live)
+        if (b < 0 || b >= HS_MAX_IDS || !src->bit_ok(src->ctx, (uint32_t)b))
             continue;
         order[nlive++] = ((uint64_t)b << 32) | (uint64_t)c;
     }
@@ -265,22 +266,23 @@ infera_GpuView_match(GpuView *v, PyObject *args)
         cu[c] = m - 1;
     }
     memcpy(aorig, amask, (size_t)al.n * sizeof(uint64_t));
-    if (al.n && nh)
-        infera_h_tick(&v->holders); /* (as the twin: a match with a candidate and a block) */
     for (Py_ssize_t i = 0; i < nh && al.n; i++) {
-        uint64_t key;
-        uint64_t *slot = NULL;
-        if (hs.u64 != NULL && i + H_AHEAD < nh)
-            h_prefetch(&v->holders, hs.u64[i + H_AHEAD]);
+        uint64_t key, set = 0;
+        int found = 0;
+        if (hs.u64 != NULL && i + H_AHEAD < nh && src->prefetch != NULL)
+            src->prefetch(src->ctx, hs.u64[i + H_AHEAD]);
         if (hashes_at(&hs, i, &key) == 0)
-            slot = h_find(&v->holders, key);
-        if (slot == NULL) {
+            found = src->lookup(src->ctx, key, &set); /* its first call: a walk with a candidate and a block */
+        if (found < 0) {
+            out = Py_NewRef(Py_None); /* unreadable: no answer rather than a wrong one */
+            goto done;
+        }
+        if (!found) {
             for (uint32_t k = 0; k < al.n; k++)
                 alive_die(&al, k, amask[k], i);
             break;
         }
-        h_touch(&v->holders, slot); /* walked to: warm (the twin's match touches the same blocks) */
-        alive_keep(&al, slot[1], i);
+        alive_keep(&al, src->base, set, i);
     }
     out = PyList_New(nc);
     if (out == NULL)
@@ -306,4 +308,52 @@ done:
     Py_DECREF(bseq);
     hashes_release(&hs);
     return out;
+}
+
+/* GpuView's own tables as a match source: the walk ticks the ages once and touches what it finds. */
+typedef struct {
+    GpuView *v;
+    int ticked;
+} OwnWalk;
+
+static int
+own_bit_ok(void *ctx, uint32_t b)
+{
+    const GpuView *v = ((OwnWalk *)ctx)->v;
+    return (Py_ssize_t)b < v->ntargets && v->targets[b].live;
+}
+
+static void
+own_prefetch(void *ctx, uint64_t key)
+{
+    h_prefetch(&((OwnWalk *)ctx)->v->holders, key);
+}
+
+static int
+own_lookup(void *ctx, uint64_t key, uint64_t *set)
+{
+    OwnWalk *w = ctx;
+    Holders *h = &w->v->holders;
+    if (!w->ticked) { /* (as the twin: a match with a candidate and a block) */
+        infera_h_tick(h);
+        w->ticked = 1;
+    }
+    uint64_t *slot = h_find(h, key);
+    if (slot == NULL)
+        return 0;
+    h_touch(h, slot); /* walked to: warm (the twin's match touches the same blocks) */
+    *set = slot[1];
+    return 1;
+}
+
+/* match(hashes, bits) -> for each bit (-1: no such target, 0), the longest prefix of hashes held */
+PyObject *
+infera_GpuView_match(GpuView *v, PyObject *args)
+{
+    PyObject *hashes, *bits_obj;
+    if (!PyArg_ParseTuple(args, "OO:match", &hashes, &bits_obj))
+        return NULL;
+    OwnWalk w = {v, 0};
+    MatchSource src = {&w, v->holders.base, own_bit_ok, own_lookup, own_prefetch};
+    return infera_match_walk(&src, hashes, bits_obj);
 }
