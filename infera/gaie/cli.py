@@ -34,7 +34,7 @@ SERVER_ONLY_FLAGS = frozenset({
     "--enable-scaling-api", "--k8s-pod-name", "--access-log", "--kvd-socket-path", "--nats-req-idle-timeout",
     "--nats-req-max-duration", "--nats-req-max-pending", "--api-keys-file",
     "--otlp-traces-endpoint", "--max-inflight-per-worker", "--queue-timeout", "--queue-max-waiting",
-    "--queue-reserve-per-worker",
+    "--queue-reserve-per-worker", "--kv-index-scope",
 })
 
 

@@ -129,6 +129,15 @@ class NativeKvIndex(PyKvIndex):
         shared = self._view.shared()
         return None if shared is None else shared[0]
 
+    def target_rows(self) -> list[tuple[str, int, int, int, float, int]]:
+        """Every target as (key, bit, block size, blocks held, events made until, entries the byte
+        bound evicted): what a shared index's readers are told (``infera.kv.index_shared``)."""
+        targets = list(self._targets.values())
+        counts = self._view.counts([t.bit for t in targets])
+        counters = self._view.counters
+        return [(t.key, t.bit, t.block_size, n, t.stats.last_batch_ts, counters(t.bit)[7])
+                for t, n in zip(targets, counts)]
+
     def block_count(self, key: str) -> int:
         t = self._targets.get(key)
         return 0 if t is None else self._view.count(t.bit)

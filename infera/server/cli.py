@@ -132,6 +132,10 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
       help="kv-aware: memory bound of the router's KV index (every worker's cached blocks), in bytes or with a "
            "binary unit (512Mi, 4G); past it the coldest blocks (longest since stored or matched) are evicted "
            "(0: unbounded; default: 1/8 of this host's memory, /proc/meminfo MemTotal read at start)")
+    f("--kv-index-scope", env="INFERA_KV_INDEX_SCOPE", default="host", type=choice_of("host", "process"),
+      help="kv-aware with --workers N: host: one process applies every engine's KV events into an index in "
+           "shared memory, which the others read without locks (memory and event CPU once per host); process: "
+           "every process keeps its own index and applies every event itself")
     f("--heap-trim-interval", env="INFERA_HEAP_TRIM_INTERVAL", default=DEFAULT_HEAP_TRIM_INTERVAL_S,
       type=non_negative_float,
       help="seconds between trims of this process's freed heap (glibc malloc_trim, in a thread): what a burst "

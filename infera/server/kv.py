@@ -117,6 +117,8 @@ class KvEventsBridge(SelfCheck, KvViewMetrics):
         # The policy's TtftBalance (what a request in flight weighs): infera_policy_inflight_weight.
         self.balance: Any = None
         self._watchdog: asyncio.Task | None = None
+        # own, writer or reader of the host's shared index (infera/server/kv_share.py; the routing stack sets it)
+        self.index_role = "own"
         fleet.subscribe(self._on_fleet_change)
 
     # -- lifecycle -------------------------------------------------------------------------------

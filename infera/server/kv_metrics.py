@@ -187,6 +187,7 @@ class KvViewMetrics:
             restarts,
         )
         yield from self._index_bound()
+        yield from self._index_share()
         replay_load = getattr(self.subscriber, "replay_load", None)
         if replay_load is not None:
             load = replay_load()
@@ -209,6 +210,24 @@ class KvViewMetrics:
             )
             weight.add_metric([], self.balance.ratio)
             yield weight
+
+    def _index_share(self) -> Iterator[Metric]:
+        """This process's part in the host's KV index (infera/server/kv_share.py)."""
+        role = getattr(self, "index_role", "own")
+        fam = GaugeMetricFamily(
+            "infera_kv_index_role",
+            "This process's part in the KV index: own (it applies every event to its own index), writer "
+            "(it applies them to the host's shared index), reader (it reads that index)",
+            labels=["role"],
+        )
+        fam.add_metric([role], 1)
+        yield fam
+        yield CounterMetricFamily(
+            "infera_kv_index_unanswered",
+            "A reader's matches answered 'nothing held' (route by load): no writer attached, or the shared "
+            "table changing under every read (0 where the process applies the events)",
+            value=getattr(self.index, "unanswered", 0),
+        )
 
     def _index_bound(self) -> Iterator[Metric]:
         """The index's byte bound: bytes held, the bound, entries evicted (none for an index

@@ -8,6 +8,7 @@ of these, so a gateway's picks come from exactly the objects and flags a server 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 
 from infera.api.cache_hints import RETENTION_BY_NAME
@@ -16,7 +17,9 @@ from infera.discovery.base import Discovery
 from infera.discovery.fleet import Fleet
 from infera.discovery.record import WorkerRecord
 from infera.heap_trim import HeapTrimmer
-from infera.kv.index import KvIndex
+from infera.kv.index import KvIndex, NativeKvIndex, PyKvIndex
+from infera.kv.index_shared import SharedKvIndex
+from infera.kv.native import native
 from infera.router.auto import AutoRouter
 from infera.router.breaker import CircuitBreaker
 from infera.router.disagg import DisaggRouter
@@ -28,15 +31,31 @@ from infera.router.policies import make_policy
 from infera.router.policy import Policy
 from infera.server.engine_scrape import EngineHitWindow
 from infera.server.kv import KvEventsBridge
+from infera.server.kv_share import WRITER_INDEX, SharedViewBridge, arena_bytes, writer_rows
 from infera.server.metrics import NatsMetrics, ReplicaSyncMetrics, ServerMetrics, drop_worker_keys
 from infera.server.supervisor import ChildContext
 from infera.server.tokenizers import RouterTokenizers
 from infera.transport.http import HttpTransport
+from infera.transport.kv_index_share import KvIndexShareServer, share_socket
 from infera.transport.nats_conn import NatsConnection
 from infera.transport.nats_request import NatsRequestClient
 from infera.transport.request import RequestTransports
 
 log = logging.getLogger(__name__)
+
+
+def index_role(args: argparse.Namespace, process: ChildContext | None) -> str:
+    """This process's part in the KV index (kv-aware): "writer" or "reader" of the host's shared
+    index (``--kv-index-scope host`` with ``--workers N``: infera/server/kv_share.py), or "own": an
+    index of its own, fed every event (one process, ``--kv-index-scope process``, or no C
+    accelerator to share the index with)."""
+    if process is None or process.count < 2 or args.kv_index_scope != "host":
+        return "own"
+    if native is None:
+        log.warning("--kv-index-scope host needs the C accelerator (not built here): every server process keeps "
+                    "its own KV index")
+        return "own"
+    return "writer" if process.index == WRITER_INDEX else "reader"
 
 
 class RoutingStack:
@@ -91,9 +110,29 @@ class RoutingStack:
                 assert process is not None
                 self.replica_sync = LocalReplicaSync(process.runtime_dir, process.index, process.count,
                                                      replica_id=replica_id)
+        self.kv_share: KvIndexShareServer | None = None  # the host's shared index, when this process writes it
         if args.router_policy == "kv-aware":
-            index = KvIndex(max_bytes=args.kv_index_max_bytes)
-            self.kv = KvEventsBridge(self.fleet, index, nats=self.nats if args.kv_event_transport == "nats" else None)
+            kv_nats = self.nats if args.kv_event_transport == "nats" else None
+            role = index_role(args, process)
+            index: PyKvIndex | SharedKvIndex
+            if role == "writer":  # applies every event for the host, into a shared arena
+                assert process is not None
+                shared = NativeKvIndex(max_bytes=args.kv_index_max_bytes,
+                                       shared_bytes=arena_bytes(args.kv_index_max_bytes))
+                self.kv = KvEventsBridge(self.fleet, shared, nats=kv_nats)
+                share_fd = shared.shared_fd()
+                assert share_fd is not None
+                self.kv_share = KvIndexShareServer(share_socket(process.runtime_dir), share_fd, process.generation,
+                                                   functools.partial(writer_rows, self.kv))
+                index = shared
+            elif role == "reader":  # matches against the writer's arena: applies nothing
+                assert process is not None
+                index = SharedKvIndex()
+                self.kv = SharedViewBridge(self.fleet, index, share_socket(process.runtime_dir))
+            else:
+                index = KvIndex(max_bytes=args.kv_index_max_bytes)
+                self.kv = KvEventsBridge(self.fleet, index, nats=kv_nats)
+            self.kv.index_role = role
             self.metrics.registry.register(self.kv)
             # The tokenizer per model: --router-tokenizer-path, else the one the model's workers name.
             self.tokenizers = RouterTokenizers(self.fleet, args.router_tokenizer_path, self_check=self.kv)
@@ -162,6 +201,8 @@ class RoutingStack:
         await self.transport.start()
         if self.kv is not None:
             await self.kv.start()
+        if self.kv_share is not None:
+            await self.kv_share.start()
         if self.engine_window is not None:
             await self.engine_window.start()
         if self.replica_sync is not None:
@@ -183,6 +224,8 @@ class RoutingStack:
             await self.replica_sync.stop()
         if self.engine_window is not None:
             await self.engine_window.stop()
+        if self.kv_share is not None:
+            await self.kv_share.stop()
         if self.kv is not None:
             await self.kv.stop()
         if self.tokenizers is not None:

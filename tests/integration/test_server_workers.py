@@ -18,7 +18,7 @@ from infera.engine.base.prom import samples
 from infera.server.metrics import GATHER_TIMEOUT_S
 from infera.server.supervisor import CHILD_ENV
 from tests.conftest import alive, children_of, free_port, stop_process_group, wait_for
-from tests.integration.test_kv_routing import chat, post
+from tests.integration.test_kv_routing import chat, full_blocks, post
 
 QUIET = ("--no-enable-kv-events",)  # no KV events: only the server processes themselves know
 
@@ -379,3 +379,81 @@ async def test_a_port_taken_by_another_program_fails_before_any_child_starts(tmp
         assert all(s.proc is None for s in supervisor.slots)
     finally:
         taken.close()
+
+
+# -- one KV index per host (issue 30 item 4) --------------------------------------------------------
+
+
+def _by_role(text: str) -> dict[str, str]:
+    roles = {}
+    for n, labels, value in samples(text):
+        if n == "infera_kv_index_role" and value == 1.0:
+            process = labels.split('process="', 1)[1].split('"', 1)[0]
+            roles[process] = labels.split('role="', 1)[1].split('"', 1)[0]
+    return roles
+
+
+async def test_one_index_per_host_events_applied_once_and_the_reader_survives_the_writer(start_server,
+                                                                                         spawn_worker):
+    """--workers 2 (--kv-index-scope host, the default): process 0 applies every event, process 1
+    none, yet process 1 routes a follow-up to the worker holding its prefix, with the replica sync
+    off (only the shared index can tell it). The writer is SIGKILLed: process 1 goes on serving
+    (by load: its views are warming), and once the restarted writer has caught up it routes by the
+    shared index again."""
+    for _ in range(3):  # a follow-up sent to the right one by chance: 1 in 3, four times over
+        await spawn_worker("--num-gpu-blocks", "2048")
+    server = await start_server("--replica-sync", "off", active=3)
+    pinned = await pinned_sessions(server, 2)
+    try:
+        text = await metrics(pinned[1], server.base)
+        assert _by_role(text) == {"0": "writer", "1": "reader"}
+        assert [await _follow_up_hits(pinned, server.base, g) for g in range(4)] == [True] * 4
+        text = await metrics(pinned[1], server.base)
+        events = by_process(text, "infera_kv_block_events_total")
+        assert events.get("0", 0) > 0 and events.get("1", 0) == 0, events  # applied once, by the writer
+        # the writer dies (maybe inside a change of the table): the reader serves on, by load
+        writer_pid = (await health(pinned[0], server.base))["process"]["pid"]
+        os.kill(writer_pid, signal.SIGKILL)
+        await wait_for(lambda: _reader_warming(pinned[1], server.base), 10, interval=0.02,
+                       message="the reader routing by load without its writer")
+        for g in range(3, 6):
+            await post(pinned[1], server.base, chat(g, "while the writer is down"))
+        await wait_for(lambda: _new_writer_caught_up(pinned[1], server.base), 60, interval=0.1,
+                       message="a new writer, caught up, read by the reader")
+    finally:
+        for s in pinned.values():
+            await s.close()
+    pinned = await pinned_sessions(server, 2)  # (process 0's connection died with it)
+    try:
+        assert (await health(pinned[0], server.base))["process"]["pid"] != writer_pid
+        assert await _follow_up_hits(pinned, server.base, 9)
+    finally:
+        for s in pinned.values():
+            await s.close()
+
+
+async def _follow_up_hits(pinned: dict[int, aiohttp.ClientSession], base: str, group: int) -> bool:
+    """Turn 1 through the writer; once the reader's shared view holds its blocks, turn 2 through
+    the reader: did the engine find turn 1's prefix cached?"""
+    before = by_process(await metrics(pinned[1], base), "infera_policy_cache_view_size").get("1", 0)
+    _, first = await post(pinned[0], base, chat(group, "first question"))
+    want = full_blocks(first)
+
+    async def held() -> bool:
+        sizes = by_process(await metrics(pinned[1], base), "infera_policy_cache_view_size")
+        return sizes.get("1", 0) >= before + want
+
+    await wait_for(held, 10, interval=0.02, message="the reader's shared view holds turn 1")
+    _, second = await post(pinned[1], base, chat(group, "second question"))
+    return second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * (want - 1)
+
+
+async def _reader_warming(s: aiohttp.ClientSession, base: str) -> bool:
+    caught_up = by_process(await metrics(s, base), "infera_kv_view_caught_up")
+    return caught_up.get("1", 1) == 0
+
+
+async def _new_writer_caught_up(s: aiohttp.ClientSession, base: str) -> bool:
+    text = await metrics(s, base)
+    caught_up = by_process(text, "infera_kv_view_caught_up")
+    return _by_role(text) == {"0": "writer", "1": "reader"} and caught_up.get("1") == 3 and caught_up.get("0") == 3

@@ -150,6 +150,8 @@ infera_kv_event_delay_seconds_bucket{le="+Inf",process="0",worker_id="b"} 1.0
 infera_kv_event_gaps_total{process="0",worker_id="a"} 2.0
 infera_kv_prediction_error_tokens_count 9.0
 infera_process_heap_trims_total{process="1"} 4.0
+infera_kv_index_role{process="0",role="writer"} 1.0
+infera_kv_index_role{process="1",role="reader"} 1.0
 """
 
 
@@ -159,6 +161,8 @@ def test_parse_kv_metrics() -> None:
     assert got["1"].view_blocks == 2048 and got["0"].gaps == 2
     assert got["0"].delay_buckets == {0.001: 4.0, float("inf"): 5.0}
     assert got["1"].heap_trims == 4 and got["0"].heap_trims == 0
+    assert (got["0"].role, got["1"].role) == ("writer", "reader")
+    assert rep.parse_kv_metrics('infera_kv_block_events_total{worker_id="a"} 3.0\n')["0"].role == "own"
     one = rep.parse_kv_metrics('infera_kv_block_events_total{worker_id="a"} 3.0\n')
     assert list(one) == ["0"] and one["0"].block_events == 3
 
@@ -183,17 +187,21 @@ def test_medians_slopes_table_and_goals() -> None:
     text = rep.table(rows, slopes)
     assert len(text.splitlines()) == 2 + len(rows) and "B/entry" in text
     checks = rep.goals(rows, slopes)
-    assert set(checks) == {"bytes_per_entry", "workers2_memory_ratio", "workers2_event_cpu_ratio", "events_per_core",
-                           "held_rate_lag_under_1s", "pick_p99_ms"}
+    assert set(checks) == {"bytes_per_entry", "workers2_memory_per_entry_ratio", "workers2_event_cpu_ratio",
+                           "events_per_core", "held_rate_lag_under_1s", "pick_p99_ms"}
     # per entry, per core, held: --workers 1's; --workers 2 is judged by the ratios
     assert checks["bytes_per_entry"]["ok"] is False and checks["bytes_per_entry"]["value"] == pytest.approx(100)
-    assert checks["workers2_memory_ratio"]["ok"] is False
+    assert checks["workers2_memory_per_entry_ratio"]["ok"] is False
+    assert checks["workers2_memory_per_entry_ratio"]["value"] == pytest.approx(2.0)  # 200 B against 100
+    # the whole PSS at the largest fleet: 2 x (40 MB + 100 B x 614,400) against one process's
+    assert rep.total_pss_ratios(rows)["0"] == pytest.approx((80e6 + 200 * 614400) / (40e6 + 100 * 614400))
     assert checks["workers2_event_cpu_ratio"]["value"] == pytest.approx(2.0)
     assert checks["events_per_core"]["ok"] is True and checks["pick_p99_ms"]["ok"] is True
     assert checks["held_rate_lag_under_1s"]["ok"] is True
     good = [_result(s, w, n, r, pss_per_entry=30) for s in (0.0,) for w in (1,) for n in (100, 300) for r in range(2)]
     g = rep.goals(rep.medians(good), rep.memory_slopes(good))
-    assert g["bytes_per_entry"]["ok"] is True and g["workers2_memory_ratio"]["ok"] is None
+    assert g["bytes_per_entry"]["ok"] is True and g["workers2_memory_per_entry_ratio"]["ok"] is None
+    assert rep.total_pss_ratios(rep.medians(good)) == {}
 
 
 def test_resolve_args() -> None:

@@ -279,6 +279,13 @@ hs_free(Holders *h, uint64_t v)
 void
 infera_h_free(Holders *h)
 {
+    if (h->arena != NULL && h->slots != NULL) { /* readers: no table from now on (nothing held) */
+        ArenaHeader *hd = arena_header(h->arena);
+        arena_write_begin(h->arena);
+        hd->slots = 0;
+        hd->cap = 0;
+        arena_write_end(h->arena);
+    }
     for (uint64_t i = 0; i < h->cap; i++)
         hs_free(h, h->slots[2 * i + 1]);
     h_block_free(h, h->slots, h->cap);

@@ -73,7 +73,13 @@ reader_get(GpuViewReader *r, uint64_t key, uint64_t *set)
             continue;
         uint64_t off = __atomic_load_n(&hd->slots, __ATOMIC_RELAXED);
         uint64_t cap = __atomic_load_n(&hd->cap, __ATOMIC_RELAXED);
-        if (cap == 0 || cap > a->size / 17 || !arena_in(a, off, h_stripes_at(cap) + h_nstripes(cap) * 8))
+        if (cap == 0 && off == 0) { /* no table (the writer freed it): nothing is held */
+            __atomic_thread_fence(__ATOMIC_ACQUIRE);
+            if (__atomic_load_n(&hd->seq, __ATOMIC_RELAXED) != s1)
+                continue;
+            return 0;
+        }
+        if (cap > a->size / 17 || !arena_in(a, off, h_stripes_at(cap) + h_nstripes(cap) * 8))
             continue; /* torn: the sequence has moved */
         const uint64_t *slots = (const uint64_t *)(a->base + off);
         const uint64_t *stripes = (const uint64_t *)(a->base + off + h_stripes_at(cap));
