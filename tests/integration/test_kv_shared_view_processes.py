@@ -17,11 +17,11 @@ import pytest
 
 from infera.kv.hashing import block_hashes
 from infera.kv.native import native
+from tests.integration import shared_view_writer as writer
 
 pytestmark = pytest.mark.skipif(native is None, reason="the C accelerator is not built")
 
-sys.path.insert(0, str(Path(__file__).parent))
-import shared_view_writer as writer  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 ANCHOR = block_hashes(writer.ANCHOR_TOKENS, writer.BS)
 NEVER = block_hashes(list(range(7, 7 + 32 * writer.BS)), writer.BS)  # stored by nobody
@@ -32,7 +32,7 @@ N_ANCHORED = 4  # PROBE's first four bits hold ANCHOR throughout
 def _start_writer(seconds: float) -> tuple[subprocess.Popen, int]:
     ours, theirs = socket.socketpair()
     proc = subprocess.Popen([sys.executable, writer.__file__, str(theirs.fileno()), str(seconds)],
-                            pass_fds=[theirs.fileno()], env={**os.environ, "PYTHONPATH": os.getcwd()})
+                            pass_fds=[theirs.fileno()], env={**os.environ, "PYTHONPATH": str(REPO)})
     theirs.close()
     ours.settimeout(30)
     try:
