@@ -33,7 +33,7 @@ LAYERS: dict[str, int] = {
     "router": 3, "engine": 3,
     "transport": 2,
     "kvd": 1, "discovery": 1, "api": 1,
-    "kv": 0, "config": 0, "runtime": 0,
+    "kv": 0, "config": 0, "runtime": 0, "heap_trim": 0,
     "__init__": 0,  # the package itself (``import infera``: the version)
 }
 
