@@ -179,7 +179,13 @@ async def keep_alive(client: EtcdClient, lease: int) -> None:
         await client.keepalive(lease)
 
 
+FULL_POLL_S = 5.0  # a /metrics read of 1,000 workers churns ~10 MB of objects in the process that answers
+
+
 async def wait_full(server: Server, session: aiohttp.ClientSession, entries: int, timeout: float) -> dict:
+    """Until every server process's views hold ``entries``, read every FULL_POLL_S: at 2 reads a
+    second the reads' own garbage (in whichever process answered: the gatherer of a --workers N
+    server renders its siblings' pages too) was in the memory measured."""
     deadline = time.monotonic() + timeout
     while True:
         kv = await server.kv(session)
@@ -188,7 +194,7 @@ async def wait_full(server: Server, session: aiohttp.ClientSession, entries: int
         if time.monotonic() > deadline:
             raise RuntimeError(f"index not full after {timeout:.0f}s: " +
                                ", ".join(f"process {k}: {p.view_blocks:.0f}/{entries}" for k, p in kv.items()))
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(FULL_POLL_S)
 
 
 async def settle_trimmed(full: dict) -> None:
