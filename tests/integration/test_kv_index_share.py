@@ -53,14 +53,21 @@ class Reader:
         self.index.detach()
 
 
+async def _serve_and_read(path: str, w: NativeKvIndex, generation: int = 1,
+                          rows: Any = None) -> tuple[share.KvIndexShareServer, Reader]:
+    """A writer's share server (rows every 20 ms: ``rows()``, else the index's) and a reader of it."""
+    server = share.KvIndexShareServer(path, w.shared_fd(), generation, rows or (lambda: _rows(w)), interval_s=0.02)
+    await server.start()
+    reader = Reader(path)
+    reader.client.start()
+    return server, reader
+
+
 async def test_a_reader_follows_its_writer_across_a_restart(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(share, "RECONNECT_S", 0.01)
     path = str(tmp_path / "kv-index.sock")
     w1 = _writer(10)
-    server = share.KvIndexShareServer(path, w1.shared_fd(), 1, lambda: _rows(w1), interval_s=0.02)
-    await server.start()
-    reader = Reader(path)
-    reader.client.start()
+    server, reader = await _serve_and_read(path, w1)
     try:
         await wait_for(lambda: reader.index.match(HASHES, ["a"]) == [10], 10, message="attached to writer 1")
         assert reader.index.generation == 1 and reader.client.connected
@@ -106,12 +113,9 @@ async def test_an_oversized_frame_closes_the_connection(tmp_path, monkeypatch) -
     monkeypatch.setattr(share, "RECONNECT_S", 0.01)
     monkeypatch.setattr(share, "MAX_FRAME_BYTES", 1000)
     path = str(tmp_path / "kv-index.sock")
-    w = _writer(4)
     big = {"t": [["k" * 2000, 0, BS, 0, 0.0, 0]], "n": 0}
-    server = share.KvIndexShareServer(path, w.shared_fd(), 7, lambda: big, interval_s=0.02)
-    await server.start()
-    reader = Reader(path)
-    reader.client.start()
+    w = _writer(4)  # (alive while its arena's fd is handed out)
+    server, reader = await _serve_and_read(path, w, 7, lambda: big)
     try:
         await wait_for(lambda: reader.lost >= 2, 10, message="each connection closed at its first frame")
         assert reader.frames == 0
@@ -135,10 +139,7 @@ async def test_a_writer_that_stops_sending_rows_is_taken_for_gone(tmp_path, monk
     monkeypatch.setattr(share, "ROWS_TIMEOUT_S", 0.3)
     path = str(tmp_path / "kv-index.sock")
     w = _writer(5)
-    server = share.KvIndexShareServer(path, w.shared_fd(), 1, lambda: _rows(w), interval_s=0.02)
-    await server.start()
-    reader = Reader(path)
-    reader.client.start()
+    server, reader = await _serve_and_read(path, w)
     try:
         await wait_for(lambda: reader.index.match(HASHES, ["a"]) == [5], 10, message="attached")
         assert server._task is not None

@@ -102,6 +102,9 @@ typedef struct {
 } MatchSource;
 
 INFERA_INTERNAL PyObject *infera_match_walk(const MatchSource *src, PyObject *hashes, PyObject *bits);
+/* first_unheld(hashes, start=0)'s arguments, for a GpuView and a GpuViewReader alike: the hashes
+ * (the caller releases them) and start >= 0; -1 with an exception. */
+INFERA_INTERNAL int infera_first_unheld_args(PyObject *args, Hashes *hs, Py_ssize_t *start);
 
 /* GpuView's methods defined outside view.c (its method table is there). */
 INFERA_INTERNAL PyObject *infera_GpuView_first_unheld(GpuView *v, PyObject *args); /* view_match.c */

@@ -2,20 +2,27 @@
  * of targets, in one walk. In C because every routed request walks its blocks here. */
 #include "view.h"
 
+int
+infera_first_unheld_args(PyObject *args, Hashes *hs, Py_ssize_t *start)
+{
+    PyObject *hashes;
+    *start = 0;
+    if (!PyArg_ParseTuple(args, "O|n:first_unheld", &hashes, start))
+        return -1;
+    if (*start < 0) {
+        PyErr_SetString(PyExc_ValueError, "start must be >= 0");
+        return -1;
+    }
+    return infera_hashes_get(hashes, hs);
+}
+
 /* first_unheld(hashes, start=0) -> position of the first of hashes[start:] no target holds */
 PyObject *
 infera_GpuView_first_unheld(GpuView *v, PyObject *args)
 {
-    PyObject *hashes;
-    Py_ssize_t start = 0;
-    if (!PyArg_ParseTuple(args, "O|n:first_unheld", &hashes, &start))
-        return NULL;
-    if (start < 0) {
-        PyErr_SetString(PyExc_ValueError, "start must be >= 0");
-        return NULL;
-    }
     Hashes hs;
-    if (infera_hashes_get(hashes, &hs) < 0)
+    Py_ssize_t start;
+    if (infera_first_unheld_args(args, &hs, &start) < 0)
         return NULL;
     Py_ssize_t i = start;
     for (; i < hs.n; i++) {

@@ -205,16 +205,9 @@ GpuViewReader_match(GpuViewReader *r, PyObject *args)
 static PyObject *
 GpuViewReader_first_unheld(GpuViewReader *r, PyObject *args)
 {
-    PyObject *hashes;
-    Py_ssize_t start = 0;
-    if (!PyArg_ParseTuple(args, "O|n:first_unheld", &hashes, &start) || reader_ready(r) < 0)
-        return NULL;
-    if (start < 0) {
-        PyErr_SetString(PyExc_ValueError, "start must be >= 0");
-        return NULL;
-    }
     Hashes hs;
-    if (infera_hashes_get(hashes, &hs) < 0)
+    Py_ssize_t start;
+    if (reader_ready(r) < 0 || infera_first_unheld_args(args, &hs, &start) < 0)
         return NULL;
     Py_ssize_t i = start;
     int got = 1;
