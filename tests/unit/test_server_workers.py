@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import infera.server.cli as cli
 from infera.server.cli import MAX_SERVER_WORKERS, parse_args
-from infera.server.metrics import ProcessMetrics, merge_process_families
+from infera.server.metrics import ProcessMetrics, label_process, merge_process_texts
 from infera.server.supervisor import CHILD_ENV, ChildContext
 
 BASE = ["--etcd-endpoint", "127.0.0.1:2379"]
@@ -134,14 +134,17 @@ def process_families(requests: float, workers: float):
     return [c, g, h]
 
 
-def test_merged_metrics_label_every_sample_with_its_process():
-    own = process_families(3, 2)
-    # a sibling's series arrive as text, as the private channel carries them
+def page(*families) -> str:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(Fams(*process_families(5, 2)))
-    sibling = list(text_string_to_metric_families(generate_latest(registry).decode()))
-    text = merge_process_families([("0", own), ("1", sibling)]).decode()
+    registry.register(Fams(*families))
+    return generate_latest(registry).decode()
+
+
+def test_merged_metrics_label_every_sample_with_its_process():
+    # each process's series arrive as text, as the private channel carries them
+    text = merge_process_texts([("0", page(*process_families(3, 2))), ("1", page(*process_families(5, 2)))]).decode()
     assert text.count("# TYPE infera_requests_total counter") == 1  # one family, every process under it
+    assert text.count("# HELP infera_request_duration_seconds Latency") == 1
     assert text.count("# TYPE infera_request_duration_seconds histogram") == 1
     assert 'infera_requests_total{process="0",route="/v1/chat/completions",status="200"} 3.0' in text
     assert 'infera_requests_total{process="1",route="/v1/chat/completions",status="200"} 5.0' in text
@@ -149,6 +152,46 @@ def test_merged_metrics_label_every_sample_with_its_process():
     assert 'infera_request_duration_seconds_count{process="1",route="/v1/chat/completions"} 5.0' in text
     parsed = {f.name: f for f in text_string_to_metric_families(text)}  # valid exposition
     assert {s.labels["process"] for s in parsed["infera_request_duration_seconds"].samples} == {"0", "1"}
+    assert len(parsed["infera_request_duration_seconds"].samples) == 2 * 4  # 2 buckets, count, sum; each process
+    assert {(s.labels["process"], s.value) for s in parsed["infera_requests"].samples
+            if s.name == "infera_requests_total"} == {("0", 3.0), ("1", 5.0)}
+
+
+def test_merged_text_keeps_every_family_and_sample_form():
+    bare = GaugeMetricFamily("infera_up", "Up")  # no labels
+    bare.add_metric([], 1)
+    empty = GaugeMetricFamily("infera_none", "Nothing yet", labels=["k"])  # no samples
+    odd = GaugeMetricFamily("infera_odd", "Odd # HELP values", labels=["v"])
+    odd.add_metric(['a{b} c="d"\n# HELP x'], 7)  # braces, spaces, quotes, a newline in a label value
+    only_own = GaugeMetricFamily("infera_own", "Only process 0's")
+    only_own.add_metric([], 2)
+    own, sibling = page(bare, empty, odd, only_own), page(odd, bare, empty)
+    text = merge_process_texts([("0", own), ("1", sibling)]).decode()
+    parsed = {f.name: f for f in text_string_to_metric_families(text)}
+    assert set(parsed) == {"infera_up", "infera_none", "infera_odd", "infera_own"}
+    assert sorted((s.labels["process"], s.value) for s in parsed["infera_up"].samples) == [("0", 1.0), ("1", 1.0)]
+    assert parsed["infera_none"].samples == []
+    assert {(s.labels["process"], s.labels["v"]) for s in parsed["infera_odd"].samples} == {
+        ("0", 'a{b} c="d"\n# HELP x'), ("1", 'a{b} c="d"\n# HELP x')}
+    assert [(s.labels, s.value) for s in parsed["infera_own"].samples] == [({"process": "0"}, 2.0)]
+    assert sum(line.startswith("# HELP ") for line in text.splitlines()) == 4 and text.endswith("\n")
+    assert merge_process_texts([("0", "")]) == b""
+
+
+@pytest.mark.parametrize("line, labelled", [
+    ("a 1.0", 'a{process="3"} 1.0'),
+    ('a{k="v"} 1.0', 'a{process="3",k="v"} 1.0'),
+    ('a_bucket{le="+Inf"} 2.0 1700000000', 'a_bucket{process="3",le="+Inf"} 2.0 1700000000'),
+    ("# HELP a b{c} d", "# HELP a b{c} d"),
+    ("# TYPE a gauge", "# TYPE a gauge"),
+])
+def test_the_process_label_goes_on_samples_only(line, labelled):
+    assert label_process(line + "\n", "3") == labelled + "\n"
+
+
+def test_the_process_label_is_an_index():
+    with pytest.raises(ValueError):
+        label_process("a 1.0\n", '1"} 9')
 
 
 def test_a_sibling_that_does_not_answer_is_skipped_and_counted(tmp_path):
