@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from typing import Mapping, Sequence
 
@@ -130,7 +131,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                                              max_body_bytes=args.max_request_bytes))
         return
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from infera.heap_trim import limit_malloc_arenas
     from infera.runtime import install_event_loop
 
+    limit_malloc_arenas(os.environ)  # before any thread has one of its own (infera/heap_trim.py)
     install_event_loop()
     asyncio.run(serve(args))

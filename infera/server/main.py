@@ -11,6 +11,7 @@ from typing import Sequence
 from aiohttp import web
 
 from infera.discovery.base import Discovery
+from infera.heap_trim import limit_malloc_arenas
 from infera.runtime import install_event_loop, wait_for_shutdown_signal
 from infera.server.admission import AdmissionMetrics, AdmissionQueue
 from infera.server.api_keys import ApiKeys, ApiKeysMetrics
@@ -191,6 +192,7 @@ async def serve(args: argparse.Namespace, process: ChildContext | None = None) -
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    limit_malloc_arenas(os.environ)  # before any thread has one of its own (infera/heap_trim.py)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     child = ChildContext.take(os.environ)  # set by a --workers N supervisor: this is one of its processes

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
+import subprocess
+import sys
 import time
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from infera.heap_trim import HeapTrimmer, libc_malloc_trim, rss_bytes
+from infera.heap_trim import HeapTrimmer, libc_malloc_trim, limit_malloc_arenas, rss_bytes
 from infera.server.cli import parse_args
 
 
@@ -114,3 +117,46 @@ def test_real_trim_gives_back_the_holes_a_burst_left() -> None:
     assert kept  # alive until after the trim
     assert returned >= 16 << 20, f"gave back {returned} B of ~47 MiB of holes"
     assert rss_bytes() <= before - (16 << 20)
+
+
+# A child process (a thread keeps the arena it has: the cap must come first in a fresh process):
+# four threads alive at once each free a burst; then a trim. glibc gives each its own arena, whose
+# freed top the trim cannot return, unless the arenas are capped at one.
+_ARENA_CHILD = """
+import sys, threading
+from infera.heap_trim import libc_malloc_trim, limit_malloc_arenas, rss_bytes
+if sys.argv[1] == "capped":
+    assert limit_malloc_arenas({}) == 1
+both = threading.Barrier(4)
+def burst():
+    both.wait()
+    big = bytes(8 << 20)  # an mmapped buffer, freed: glibc raises its mmap and trim thresholds
+    del big
+    parts = [bytearray(256 << 10) for _ in range(40)]  # so these come from this thread's arena
+    del parts
+    both.wait()
+before = rss_bytes()
+threads = [threading.Thread(target=burst) for _ in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+libc_malloc_trim()()
+print(rss_bytes() - before)
+"""
+
+
+@pytest.mark.skipif(libc_malloc_trim() is None, reason="needs glibc's malloc_trim and mallopt")
+def test_capped_arenas_let_the_trim_return_what_threads_freed() -> None:
+    def kept(mode: str) -> int:
+        env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+        out = subprocess.run([sys.executable, "-c", _ARENA_CHILD, mode], env=env, capture_output=True, text=True,
+                             timeout=60, check=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+        return int(out.stdout)
+
+    assert kept("default") >= 24 << 20  # ~40 MiB: four arenas' tops stay with the process
+    assert kept("capped") < 8 << 20
+
+
+def test_the_environment_s_arena_cap_wins() -> None:
+    assert limit_malloc_arenas({"MALLOC_ARENA_MAX": "4"}) is None
