@@ -386,6 +386,7 @@ async def measure(args: argparse.Namespace, etcd: EmbeddedEtcd, client: EtcdClie
             r["pss_untrimmed_bytes"], r["rss_untrimmed_bytes"] = memory(server.pids)
             await settle_trimmed(kv)  # what the fill left free goes back, as it does in service
             r["pss_bytes"], r["rss_bytes"] = memory(server.pids)
+            r["pss_by_process"] = {str(pid): memory([pid])[0] for pid in server.pids}  # the supervisor, then the workers
             r["pss_mb"] = r["pss_bytes"] / 2 ** 20
             r["fill_gaps"] = sum(p.gaps for p in kv.values())
             r["fill_resets"] = sum(p.resets for p in kv.values())
