@@ -25,6 +25,10 @@ class KvViewMetrics:
 
     targets: dict[str, _TargetState]
     index: Any
+    # False in a process that reads the host's shared index (infera/server/kv_share.py): it applies
+    # no event, so it leaves out the event-stream series (the writer's carry them): at 1,000 workers
+    # ~26,000 series that were all zero, the per-worker delay histogram most of them.
+    applies_events: bool = True
     picks: dict[tuple[str, str], int]
     pick_hits: dict[str, Histogram]
     pick_blocks: dict[str, Histogram]
@@ -142,21 +146,23 @@ class KvViewMetrics:
             labels=label,
         )
         active_blocks = self.active_blocks
+        applies = self.applies_events
         for key, state in sorted(self.targets.items()):
-            sub = self.stats(key)
-            batches.add_metric([key], state.batches)
-            events.add_metric([key], state.events)
-            cpu.add_metric([key], state.cpu_s)
-            gaps.add_metric([key], sub.get("gaps", 0))
-            resets.add_metric([key], sub.get("resets", 0))
+            if applies:
+                sub = self.stats(key)
+                batches.add_metric([key], state.batches)
+                events.add_metric([key], state.events)
+                cpu.add_metric([key], state.cpu_s)
+                gaps.add_metric([key], sub.get("gaps", 0))
+                resets.add_metric([key], sub.get("resets", 0))
+                restarts.add_metric([key], state.restarts)
+                delay.add_metric([key], state.delays.cumulative(), state.delays.total)
             silent.add_metric([key], 1 if state.silent else 0)
             caught_up.add_metric([key], 0 if key in warming else 1)
             degraded.add_metric([key], 0 if state.degraded is None else 1)
             since = state.last_batch_at if state.last_batch_at is not None else state.added_at
             staleness.add_metric([key], max(0.0, now - since))
-            restarts.add_metric([key], state.restarts)
             blocks.add_metric([key], self.index.block_count(key))
-            delay.add_metric([key], state.delays.cumulative(), state.delays.total)
             off.add_metric([key, "over"], state.over)
             off.add_metric([key, "under"], state.under)
             evicted_under.add_metric([key], state.evicted_under)
@@ -166,15 +172,11 @@ class KvViewMetrics:
             reported.add_metric([key], state.reported_cached_tokens)
             if active_blocks is not None:
                 active.add_metric([key], active_blocks(key))
+        if applies:
+            yield from (batches, events, cpu, gaps, resets, delay, restarts)
         yield from (
-            batches,
-            events,
-            cpu,
-            gaps,
-            resets,
             silent,
             blocks,
-            delay,
             off,
             evicted_under,
             prompt,
@@ -184,7 +186,6 @@ class KvViewMetrics:
             caught_up,
             degraded,
             staleness,
-            restarts,
         )
         yield from self._index_bound()
         yield from self._index_share()

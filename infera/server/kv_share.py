@@ -10,8 +10,10 @@
   Until a writer is attached -- at start, or after the writer died, while the supervisor restarts
   it and it warms up -- every target is ``warming``: picks are by load, and the reader says so.
 
-Event counters are the writer's alone (a reader reports zeros for them, so sums over processes
-stay right); the view's gauges (blocks, caught up, degraded, staleness) come from every process.
+The event-stream series (batches, block events, gaps, resets, delay, event CPU, engine restarts)
+are the writer's alone: a reader, which applies no event, leaves them out, so sums over processes
+stay right and a scrape does not carry a reader's ~26 zero series per worker. The view's gauges
+(blocks, caught up, degraded, staleness) come from every process.
 Requests in flight and just served are still each process's own, shared by the replica sync.
 """
 from __future__ import annotations
@@ -66,6 +68,8 @@ def writer_rows(bridge: KvEventsBridge) -> dict[str, Any]:
 class SharedViewBridge(KvEventsBridge):
     """A reader process's KV views: the writer's, read from its rows and its arena (module
     docstring). No subscriptions."""
+
+    applies_events = False  # (its metrics leave the event-stream series out: the module docstring)
 
     def __init__(self, fleet: Fleet, index: SharedKvIndex, share_path: str, *,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time) -> None:

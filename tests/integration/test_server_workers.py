@@ -410,7 +410,9 @@ async def test_one_index_per_host_events_applied_once_and_the_reader_survives_th
         assert [await _follow_up_hits(pinned, server.base, g) for g in range(4)] == [True] * 4
         text = await metrics(pinned[1], server.base)
         events = by_process(text, "infera_kv_block_events_total")
-        assert events.get("0", 0) > 0 and events.get("1", 0) == 0, events  # applied once, by the writer
+        assert events.get("0", 0) > 0 and "1" not in events, events  # applied once, by the writer
+        assert "1" not in by_process(text, "infera_kv_event_delay_seconds_count")  # the reader has no stream
+        assert by_process(text, "infera_kv_view_caught_up").keys() == {"0", "1"}  # the views: every process
         # the writer dies (maybe inside a change of the table): the reader serves on, by load
         writer_pid = (await health(pinned[0], server.base))["process"]["pid"]
         os.kill(writer_pid, signal.SIGKILL)

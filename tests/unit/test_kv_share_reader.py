@@ -91,3 +91,25 @@ def test_the_writer_rows_are_its_bridge_and_index(tmp_path) -> None:
 @pytest.mark.parametrize("max_bytes, at_least", [(1 << 30, 2 << 30), (0, 64 << 20)])
 def test_arena_room(max_bytes: int, at_least: int) -> None:
     assert arena_bytes(max_bytes) >= at_least
+
+
+EVENT_STREAM_SERIES = {"infera_kv_event_batches", "infera_kv_block_events", "infera_kv_event_cpu_seconds",
+                       "infera_kv_event_gaps", "infera_kv_view_resets", "infera_kv_event_delay_seconds",
+                       "infera_kv_engine_restarts"}
+
+
+def test_a_reader_exports_the_views_but_not_the_event_stream(tmp_path) -> None:
+    fleet = Fleet()
+    reader = SharedViewBridge(fleet, SharedKvIndex(), str(tmp_path / "s.sock"), clock=Clock())
+    own = KvEventsBridge(fleet, NativeKvIndex())  # (never started: its collector reads its state)
+    fleet.upsert(record("a"))
+    own._on_fleet_change("a", fleet.get("a"))
+
+    def families(bridge) -> dict[str, int]:
+        return {f.name: len(f.samples) for f in bridge.collect()}
+
+    mine, theirs = families(reader), families(own)
+    assert EVENT_STREAM_SERIES <= set(theirs) and all(theirs[n] for n in EVENT_STREAM_SERIES)
+    assert not EVENT_STREAM_SERIES & set(mine)  # the writer's carry them, once for the host
+    for name in ("infera_kv_view_caught_up", "infera_policy_cache_view_size", "infera_kv_view_staleness_seconds"):
+        assert mine[name] == theirs[name] == 1  # every process's own view of the target
