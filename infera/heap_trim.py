@@ -27,7 +27,7 @@ import ctypes
 import logging
 import os
 import time
-from typing import Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -38,11 +38,18 @@ log = logging.getLogger(__name__)
 DEFAULT_HEAP_TRIM_INTERVAL_S = 10.0
 
 
+def _libc_function(name: str) -> Any:
+    """``name`` in the C library this process already runs on, or None where it has none (musl, macOS)."""
+    try:
+        return getattr(ctypes.CDLL(None), name)
+    except (AttributeError, OSError):
+        return None
+
+
 def libc_malloc_trim() -> Callable[[], None] | None:
     """glibc's ``malloc_trim(0)`` as a callable (every arena, no padding kept), or None without it."""
-    try:
-        fn = ctypes.CDLL(None).malloc_trim  # the C library this process already runs on
-    except (AttributeError, OSError):
+    fn = _libc_function("malloc_trim")
+    if fn is None:
         return None
     fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
 
@@ -62,9 +69,8 @@ def limit_malloc_arenas(environ: Mapping[str, str], arenas: int = 1) -> int | No
     set (the environment's, or a C library without ``mallopt``)."""
     if "MALLOC_ARENA_MAX" in environ:
         return None
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (AttributeError, OSError):
+    mallopt = _libc_function("mallopt")
+    if mallopt is None:
         return None
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return arenas if mallopt(M_ARENA_MAX, arenas) == 1 else None

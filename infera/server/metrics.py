@@ -476,7 +476,7 @@ def label_process(text: str, process: str) -> str:
     """``text`` (exposition) with ``process="<process>"`` on every sample. ``process`` is an index."""
     if not process.isdigit():
         raise ValueError(f"process label {process!r} is not an index")
-    label = f'process="{process}"'
+    label = f'{PROCESS_LABEL}="{process}"'
     text = _LABELLED_SAMPLE.sub(r"\1{" + label + ",", text)
     return _BARE_SAMPLE.sub(r"\1{" + label + "} ", text)
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -151,7 +152,7 @@ def test_capped_arenas_let_the_trim_return_what_threads_freed() -> None:
     def kept(mode: str) -> int:
         env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
         out = subprocess.run([sys.executable, "-c", _ARENA_CHILD, mode], env=env, capture_output=True, text=True,
-                             timeout=60, check=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+                             timeout=60, check=True, cwd=Path(__file__).parents[2])
         return int(out.stdout)
 
     assert kept("default") >= 24 << 20  # ~40 MiB: four arenas' tops stay with the process
