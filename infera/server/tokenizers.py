@@ -31,6 +31,7 @@ from infera.discovery.fleet import Fleet
 from infera.discovery.record import BUILTIN_TOKENIZER, WorkerRecord, tokenizer_fingerprint
 from infera.kv.prompt import PromptTokenizer, resolve_tokenizer_path
 from infera.kv.tokenizer import SimTokenizer, load_tokenizer
+from infera.router.kv_targets import expand_targets
 from infera.server.kv import DIVERGENCE_WINDOW
 
 log = logging.getLogger(__name__)
@@ -285,13 +286,19 @@ class RouterTokenizers:
             self._logged.add((key, what))
             log.error(msg, *args)
 
-    def _diverged(self, worker_id: str) -> bool:
+    def _diverged(self, record: WorkerRecord) -> bool:
         """The self-check's current verdict: most recent informative replies were mispredicted."""
         targets = getattr(self.self_check, "targets", None)
         if not targets:
             return False
-        return any(t.worker_id == worker_id and t.verdicts is not None and len(t.verdicts) == DIVERGENCE_WINDOW
-                   and 2 * t.wrong > DIVERGENCE_WINDOW for t in targets.values())
+        # the worker's own targets (the bridges key them so), not a walk over the fleet's: the
+        # model's status asks this of every worker, and /metrics, /health and /v1/workers ask that
+        for _rank, key in expand_targets(record):
+            t = targets.get(key)
+            if (t is not None and t.verdicts is not None and len(t.verdicts) == DIVERGENCE_WINDOW
+                    and 2 * t.wrong > DIVERGENCE_WINDOW):
+                return True
+        return False
 
     # -- visibility -------------------------------------------------------------------------------------
     def worker_status(self, record: WorkerRecord) -> tuple[str, str | None]:
@@ -300,7 +307,7 @@ class RouterTokenizers:
         if state is None or not record.is_active:
             return OK, None
         problem = state.worker_problems.get(record.worker_id) or state.reason
-        if problem is None and self._diverged(record.worker_id):
+        if problem is None and self._diverged(record):
             problem = ("the self-check finds the engine's reported cached tokens disagreeing with the router's "
                        "predictions (tokenizer, chat template or block size mismatch)")
         if problem is not None:

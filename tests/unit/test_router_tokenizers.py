@@ -168,6 +168,24 @@ async def test_self_check_divergence_marks_the_worker_degraded():
     assert tk.worker_status(fleet.get("a")) == (OK, None)
 
 
+@pytest.mark.parametrize("diverged_key, dp_size, degraded", [
+    ("a#dp1", 2, {"a"}),  # one rank of a DP-attention worker (one target per rank) diverged
+    ("a#dp1", 1, set()),  # not a's target: a is one target, keyed "a"
+    ("ab", 1, {"ab"}),  # a worker whose id starts with another's is its own
+])
+async def test_a_divergence_is_blamed_on_the_worker_whose_target_it_is(diverged_key, dp_size, degraded):
+    fleet = Fleet()
+    wrong = SimpleNamespace(verdicts=deque([True] * DIVERGENCE_WINDOW), wrong=DIVERGENCE_WINDOW)
+    fine = SimpleNamespace(verdicts=deque([False] * DIVERGENCE_WINDOW), wrong=0)
+    targets = {"a": fine, "a#dp0": fine, "ab": fine, diverged_key: wrong}
+    tk = RouterTokenizers(fleet, self_check=SimpleNamespace(targets=targets))
+    fleet.upsert(WorkerRecord(worker_id="a", url="http://a", model_name="m", engine="sim",
+                              tokenizer=BUILTIN_TOKENIZER, dp_size=dp_size))
+    fleet.upsert(worker("ab", engine="sim", tokenizer=BUILTIN_TOKENIZER))
+    assert {w.worker_id for w in fleet.all() if tk.worker_status(w)[0] == DEGRADED} == degraded
+    assert tk.model_status("m")["status"] == (DEGRADED if degraded else OK)
+
+
 async def test_a_model_without_workers_is_forgotten(tiny_dir):
     fleet = Fleet()
     tk = RouterTokenizers(fleet)
