@@ -77,7 +77,7 @@ class EppServer:
                 if scheme.lower() != "bearer" or not any([hmac.compare_digest(raw, t) for t in tokens]):
                     return web.Response(status=401, text="/metrics needs 'Authorization: Bearer <the "
                                                           "--metrics-token or --admin-token>'")
-            return web.Response(body=self.stack.metrics.render(),
+            return web.Response(body=await self.stack.metrics.render_off_loop(),
                                 headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
         app = web.Application()

@@ -10,14 +10,66 @@ model of ``infera.kv.bound``), ``infera_kv_index_max_bytes`` and
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from infera.server.kv_state import _TargetState
-from infera.server.metrics import Histogram
+from infera.server.metrics import Histogram, cumulative_buckets
 
 __all__ = ["KvViewMetrics"]
+
+
+class _Stream(NamedTuple):
+    """A target's event stream, as the process that applies it counts it."""
+
+    batches: int
+    events: int
+    cpu_s: float
+    gaps: int
+    resets: int
+    restarts: int
+    delay_counts: list[int]
+    delay_total: float
+
+
+class _TargetRow(NamedTuple):
+    """A target's series, copied on the loop."""
+
+    key: str
+    stream: _Stream | None  # None in a process that reads the shared index
+    silent: int
+    caught_up: int
+    degraded: int
+    staleness_s: float
+    blocks: int
+    over: int
+    under: int
+    evicted_under: int
+    prompt_tokens: int
+    predicted_tokens: int
+    reported_prompt_tokens: int
+    reported_cached_tokens: int
+    active_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class _KvSnapshot:
+    """What :meth:`KvViewMetrics.families` shows, copied on the loop."""
+
+    picks: list[tuple[tuple[str, str], int]]
+    pick_hits: list[tuple[str, list[tuple[str, int]], float]]
+    pick_blocks: list[tuple[str, list[tuple[str, int]], float]]
+    prediction_error: tuple[list[tuple[str, int]], float]
+    rows: list[_TargetRow]
+    applies: bool
+    active: bool
+    small: list[Metric]  # the fleet-size-free families, built on the loop
+
+
+def _row_key(row: _TargetRow) -> str:
+    return row.key
 
 
 class KvViewMetrics:
@@ -44,24 +96,85 @@ class KvViewMetrics:
         def stats(self, key: str) -> dict[str, Any]: ...
 
     def collect(self) -> Iterator[Metric]:
+        yield from self.families(self.snapshot())
+
+    def snapshot(self) -> _KvSnapshot:
+        """On the loop: the live state the families show, copied (a tuple per target; a few ms at
+        1,000 workers), so that :meth:`families` can build them in a thread."""
+        now = self.clock()
+        warming = self.warming
+        active_blocks = self.active_blocks
+        applies = self.applies_events
+        block_count = self.index.block_count
+        rows = []
+        for key, state in self.targets.items():
+            stream = None
+            if applies:
+                sub = self.stats(key)
+                delays = state.delays
+                stream = _Stream(
+                    state.batches,
+                    state.events,
+                    state.cpu_s,
+                    sub.get("gaps", 0),
+                    sub.get("resets", 0),
+                    state.restarts,
+                    list(delays.counts),
+                    delays.total,
+                )
+            since = state.last_batch_at if state.last_batch_at is not None else state.added_at
+            rows.append(
+                _TargetRow(
+                    key,
+                    stream,
+                    silent=1 if state.silent else 0,
+                    caught_up=0 if key in warming else 1,
+                    degraded=0 if state.degraded is None else 1,
+                    staleness_s=max(0.0, now - since),
+                    blocks=block_count(key),
+                    over=state.over,
+                    under=state.under,
+                    evicted_under=state.evicted_under,
+                    prompt_tokens=state.prompt_tokens,
+                    predicted_tokens=state.predicted_tokens,
+                    reported_prompt_tokens=state.reported_prompt_tokens,
+                    reported_cached_tokens=state.reported_cached_tokens,
+                    active_blocks=active_blocks(key) if active_blocks is not None else 0,
+                )
+            )
+        small = [*self._index_bound(), *self._index_share(), *self._replays(), *self._weight()]
+        return _KvSnapshot(
+            picks=list(self.picks.items()),
+            pick_hits=[(role, h.cumulative(), h.total) for role, h in self.pick_hits.items()],
+            pick_blocks=[(role, h.cumulative(), h.total) for role, h in self.pick_blocks.items()],
+            prediction_error=(self.prediction_error.cumulative(), self.prediction_error.total),
+            rows=rows,
+            applies=applies,
+            active=active_blocks is not None,
+            small=small,
+        )
+
+    @staticmethod
+    def families(snap: _KvSnapshot) -> Iterator[Metric]:
+        """The families of a :meth:`snapshot`: reads nothing else, so it runs in any thread."""
         # Names and labels follow the reference (AMD Infera) where it has the series: worker_id
         # carries the route key (``<worker_id>#dp<rank>`` for a rank of a DP-attention worker).
         fam = CounterMetricFamily("infera_router_picks", "KV-aware picks", labels=["role", "worker_id"])
-        for (role, key), n in sorted(self.picks.items()):
+        for (role, key), n in sorted(snap.picks):
             fam.add_metric([role, key], n)
         yield fam
         for name, table, doc in (
-            ("infera_router_pick_cache_hits", self.pick_hits, "Predicted cached blocks per pick"),
-            ("infera_router_pick_request_blocks", self.pick_blocks, "Full blocks per request"),
+            ("infera_router_pick_cache_hits", snap.pick_hits, "Predicted cached blocks per pick"),
+            ("infera_router_pick_request_blocks", snap.pick_blocks, "Full blocks per request"),
         ):
             hist = HistogramMetricFamily(name, doc, labels=["role"])
-            for role, h in sorted(table.items()):
-                hist.add_metric([role], h.cumulative(), h.total)
+            for role, buckets, total in sorted(table):
+                hist.add_metric([role], buckets, total)
             yield hist
         hist = HistogramMetricFamily(
             "infera_kv_prediction_error_tokens", "|engine-reported − router-predicted| cached prompt tokens per reply"
         )
-        hist.add_metric([], self.prediction_error.cumulative(), self.prediction_error.total)
+        hist.add_metric([], *snap.prediction_error)
         yield hist
         label = ["worker_id"]
         batches = CounterMetricFamily("infera_kv_event_batches", "KV-event batches applied", labels=label)
@@ -138,41 +251,37 @@ class KvViewMetrics:
             "stream registered, or the stream started over): the view was dropped",
             labels=label,
         )
-        now = self.clock()
-        warming = self.warming
         active = GaugeMetricFamily(
             "infera_policy_active_blocks",
             "Distinct prompt blocks of the requests in flight on a worker (the kv-aware policy's load term)",
             labels=label,
         )
-        active_blocks = self.active_blocks
-        applies = self.applies_events
-        for key, state in sorted(self.targets.items()):
-            if applies:
-                sub = self.stats(key)
-                batches.add_metric([key], state.batches)
-                events.add_metric([key], state.events)
-                cpu.add_metric([key], state.cpu_s)
-                gaps.add_metric([key], sub.get("gaps", 0))
-                resets.add_metric([key], sub.get("resets", 0))
-                restarts.add_metric([key], state.restarts)
-                delay.add_metric([key], state.delays.cumulative(), state.delays.total)
-            silent.add_metric([key], 1 if state.silent else 0)
-            caught_up.add_metric([key], 0 if key in warming else 1)
-            degraded.add_metric([key], 0 if state.degraded is None else 1)
-            since = state.last_batch_at if state.last_batch_at is not None else state.added_at
-            staleness.add_metric([key], max(0.0, now - since))
-            blocks.add_metric([key], self.index.block_count(key))
-            off.add_metric([key, "over"], state.over)
-            off.add_metric([key, "under"], state.under)
-            evicted_under.add_metric([key], state.evicted_under)
-            prompt.add_metric([key], state.prompt_tokens)
-            predicted.add_metric([key], state.predicted_tokens)
-            reported_prompt.add_metric([key], state.reported_prompt_tokens)
-            reported.add_metric([key], state.reported_cached_tokens)
-            if active_blocks is not None:
-                active.add_metric([key], active_blocks(key))
-        if applies:
+        for row in sorted(snap.rows, key=_row_key):
+            worker = [row.key]
+            stream = row.stream
+            if stream is not None:
+                batches.add_metric(worker, stream.batches)
+                events.add_metric(worker, stream.events)
+                cpu.add_metric(worker, stream.cpu_s)
+                gaps.add_metric(worker, stream.gaps)
+                resets.add_metric(worker, stream.resets)
+                restarts.add_metric(worker, stream.restarts)
+                delay.add_metric(worker, cumulative_buckets(stream.delay_counts), stream.delay_total)
+            silent.add_metric(worker, row.silent)
+            caught_up.add_metric(worker, row.caught_up)
+            degraded.add_metric(worker, row.degraded)
+            staleness.add_metric(worker, row.staleness_s)
+            blocks.add_metric(worker, row.blocks)
+            off.add_metric([row.key, "over"], row.over)
+            off.add_metric([row.key, "under"], row.under)
+            evicted_under.add_metric(worker, row.evicted_under)
+            prompt.add_metric(worker, row.prompt_tokens)
+            predicted.add_metric(worker, row.predicted_tokens)
+            reported_prompt.add_metric(worker, row.reported_prompt_tokens)
+            reported.add_metric(worker, row.reported_cached_tokens)
+            if snap.active:
+                active.add_metric(worker, row.active_blocks)
+        if snap.applies:
             yield from (batches, events, cpu, gaps, resets, delay, restarts)
         yield from (
             silent,
@@ -187,30 +296,35 @@ class KvViewMetrics:
             degraded,
             staleness,
         )
-        yield from self._index_bound()
-        yield from self._index_share()
-        replay_load = getattr(self.subscriber, "replay_load", None)
-        if replay_load is not None:
-            load = replay_load()
-            replays = GaugeMetricFamily(
-                "infera_kv_event_replays",
-                "Replays of engines' buffered KV events over "
-                "ZMQ: asked now (in_flight, at most limit at once) and waiting for a slot",
-                labels=["state"],
-            )
-            for slot in ("in_flight", "waiting", "limit"):
-                replays.add_metric([slot], load[slot])
-            yield replays
-        if active_blocks is not None:
+        if snap.active:
             yield active
-        if self.balance is not None:
-            weight = GaugeMetricFamily(
-                "infera_policy_inflight_weight",
-                "What one request in flight on a worker "
-                "weighs in the kv-aware load, in missed blocks (learned unless fixed)",
-            )
-            weight.add_metric([], self.balance.ratio)
-            yield weight
+        yield from snap.small
+
+    def _replays(self) -> Iterator[Metric]:
+        replay_load = getattr(self.subscriber, "replay_load", None)
+        if replay_load is None:
+            return
+        load = replay_load()
+        replays = GaugeMetricFamily(
+            "infera_kv_event_replays",
+            "Replays of engines' buffered KV events over "
+            "ZMQ: asked now (in_flight, at most limit at once) and waiting for a slot",
+            labels=["state"],
+        )
+        for slot in ("in_flight", "waiting", "limit"):
+            replays.add_metric([slot], load[slot])
+        yield replays
+
+    def _weight(self) -> Iterator[Metric]:
+        if self.balance is None:
+            return
+        weight = GaugeMetricFamily(
+            "infera_policy_inflight_weight",
+            "What one request in flight on a worker "
+            "weighs in the kv-aware load, in missed blocks (learned unless fixed)",
+        )
+        weight.add_metric([], self.balance.ratio)
+        yield weight
 
     def _index_share(self) -> Iterator[Metric]:
         """This process's part in the host's KV index (infera/server/kv_share.py)."""

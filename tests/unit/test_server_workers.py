@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import infera.server.cli as cli
 from infera.server.cli import MAX_SERVER_WORKERS, parse_args
-from infera.server.metrics import ProcessMetrics, label_process, merge_process_texts
+from infera.server.metrics import MetricsRegistry, ProcessMetrics, label_process, merge_process_texts
 from infera.server.supervisor import CHILD_ENV, ChildContext
 
 BASE = ["--etcd-endpoint", "127.0.0.1:2379"]
@@ -195,7 +195,7 @@ def test_the_process_label_is_an_index():
 
 
 def test_a_sibling_that_does_not_answer_is_skipped_and_counted(tmp_path):
-    registry = CollectorRegistry(auto_describe=False)
+    registry = MetricsRegistry()
     registry.register(Fams(*process_families(1, 1)))
     pm = ProcessMetrics(registry, index=0, count=3, socket_path=lambda i: str(tmp_path / f"m{i}.sock"),
                         timeout_s=0.5)

@@ -1,0 +1,122 @@
+"""A scrape that leaves the event loop its turns (infera/server/metrics.py, ``render_page``): a
+collector that snapshots on the loop has its families built in a thread; the page is the one
+``generate_latest`` makes; the KV view's snapshot is a copy, so the loop may change the views while
+the thread builds from it."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from prometheus_client import generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.parser import text_string_to_metric_families
+
+from infera.discovery.fleet import Fleet
+from infera.discovery.record import WorkerRecord
+from infera.kv.index import KvIndex
+from infera.server.kv import KvEventsBridge
+from infera.server.metrics import MetricsRegistry, format_page, read_page, render_page
+
+
+class Plain:
+    def collect(self):
+        g = GaugeMetricFamily("infera_plain", "Collected whole on the loop")
+        g.add_metric([], 1)
+        yield g
+
+
+class Gated:
+    """Builds its families only when the test lets it, saying which thread built them."""
+
+    def __init__(self) -> None:
+        self.value = 0
+        self.building = threading.Event()
+        self.release = threading.Event()
+        self.built_in: int | None = None
+
+    def snapshot(self) -> int:
+        return self.value
+
+    def families(self, value: int):
+        self.built_in = threading.get_ident()
+        self.building.set()
+        assert self.release.wait(10)
+        yield CounterMetricFamily("infera_gated", "Built from a snapshot", value=value)
+
+    def collect(self):
+        yield from self.families(self.snapshot())
+
+
+async def test_a_snapshotting_collector_is_built_off_the_loop_while_the_loop_runs():
+    registry, gated = MetricsRegistry(), Gated()
+    registry.register(Plain())
+    registry.register(gated)
+    gated.value = 3
+    page = asyncio.ensure_future(render_page(registry))
+    assert await asyncio.to_thread(gated.building.wait, 10)  # building, and this loop still turns
+    gated.value = 9  # the loop changes the live state meanwhile: the page shows the snapshot
+    assert not page.done()
+    gated.release.set()
+    text = (await asyncio.wait_for(page, 10)).decode()
+    assert gated.built_in != threading.get_ident()
+    assert "infera_gated_total 3.0" in text and "infera_plain 1.0" in text
+
+
+def test_the_page_is_what_generate_latest_makes_in_registration_order():
+    registry, gated = MetricsRegistry(), Gated()
+    gated.release.set()
+    registry.register(gated)
+    registry.register(Plain())
+    page = format_page(read_page(registry)).decode()
+    assert page == generate_latest(registry).decode()
+    assert page.index("infera_gated") < page.index("infera_plain")
+    registry.unregister(gated)
+    assert "infera_gated" not in format_page(read_page(registry)).decode()
+
+
+def record(wid: str) -> WorkerRecord:
+    return WorkerRecord(worker_id=wid, url=f"http://{wid}:1", model_name="m", engine="vllm", kv_block_size=4,
+                        kv_events_endpoint="tcp://127.0.0.1:5557")
+
+
+def samples(families) -> dict[tuple[str, tuple], float]:
+    text = generate_latest(FamiliesOf(families)).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+class FamiliesOf:
+    def __init__(self, families) -> None:
+        self.families = list(families)
+
+    def collect(self):
+        return self.families
+
+
+def test_the_kv_views_snapshot_is_a_copy_of_their_state():
+    fleet = Fleet()
+    bridge = KvEventsBridge(fleet, KvIndex())  # (never started: its collector reads its state)
+    for wid in ("b", "a"):
+        fleet.upsert(record(wid))
+        bridge._on_fleet_change(wid, fleet.get(wid))
+    state = bridge.targets["a"]
+    state.batches, state.over = 2, 1
+    state.delays.observe(0.002)
+    bridge.picks[("mixed", "a")] = 4
+    snap = bridge.snapshot()
+    state.batches, state.over = 7, 5  # the loop goes on while a thread builds the page
+    state.delays.observe(0.002)
+    bridge.picks[("mixed", "a")] = 6
+    bridge.picks[("mixed", "b")] = 1
+    then, now = samples(bridge.families(snap)), samples(bridge.collect())
+    a = (("worker_id", "a"),)
+    assert then[("infera_kv_event_batches_total", a)] == 2 and now[("infera_kv_event_batches_total", a)] == 7
+    assert then[("infera_kv_predictions_off_total", (("direction", "over"), ("worker_id", "a")))] == 1
+    assert then[("infera_kv_event_delay_seconds_count", a)] == 1 and now[("infera_kv_event_delay_seconds_count", a)] == 2
+    assert then[("infera_router_picks_total", (("role", "mixed"), ("worker_id", "a")))] == 4
+    assert ("infera_router_picks_total", (("role", "mixed"), ("worker_id", "b"))) not in then
+    # the same series either way, each target's in key order
+    assert {k for k in then if k[0] != "infera_router_picks_total"} == {k for k in now if k[0] != "infera_router_picks_total"}
+    batches = [s.labels["worker_id"] for s in next(f for f in bridge.families(snap)
+                                                   if f.name == "infera_kv_event_batches").samples]
+    assert batches == ["a", "b"]
