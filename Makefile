@@ -81,6 +81,7 @@ LINT_STRICT := \
 	infera/router/metrics.py \
 	infera/router/upstream.py \
 	infera/server/metrics.py \
+	infera/server/keyed_family.py \
 	$(wildcard infera/router/pd/*.py) \
 	infera/api/responses.py \
 	infera/engine/sim/responses.py \

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from infera.server.keyed_family import KeyedFamily
 from infera.server.kv_state import _TargetState
-from infera.server.metrics import Histogram, cumulative_buckets
+from infera.server.metrics import LATENCY_LABELS, Histogram
 
 __all__ = ["KvViewMetrics"]
 
@@ -96,7 +97,8 @@ class KvViewMetrics:
         def stats(self, key: str) -> dict[str, Any]: ...
 
     def collect(self) -> Iterator[Metric]:
-        yield from self.families(self.snapshot())
+        for family in self.families(self.snapshot()):
+            yield family.to_metric() if isinstance(family, KeyedFamily) else family
 
     def snapshot(self) -> _KvSnapshot:
         """On the loop: the live state the families show, copied (a tuple per target; a few ms at
@@ -155,13 +157,13 @@ class KvViewMetrics:
         )
 
     @staticmethod
-    def families(snap: _KvSnapshot) -> Iterator[Metric]:
+    def families(snap: _KvSnapshot) -> Iterator[Metric | KeyedFamily]:
         """The families of a :meth:`snapshot`: reads nothing else, so it runs in any thread."""
         # Names and labels follow the reference (AMD Infera) where it has the series: worker_id
         # carries the route key (``<worker_id>#dp<rank>`` for a rank of a DP-attention worker).
-        fam = CounterMetricFamily("infera_router_picks", "KV-aware picks", labels=["role", "worker_id"])
+        fam = KeyedFamily("infera_router_picks", "counter", "KV-aware picks", labels=["role", "worker_id"])
         for (role, key), n in sorted(snap.picks):
-            fam.add_metric([role, key], n)
+            fam.add((role, key), n)
         yield fam
         for name, table, doc in (
             ("infera_router_pick_cache_hits", snap.pick_hits, "Predicted cached blocks per pick"),
@@ -177,110 +179,130 @@ class KvViewMetrics:
         hist.add_metric([], *snap.prediction_error)
         yield hist
         label = ["worker_id"]
-        batches = CounterMetricFamily("infera_kv_event_batches", "KV-event batches applied", labels=label)
-        events = CounterMetricFamily("infera_kv_block_events", "Block events applied", labels=label)
-        gaps = CounterMetricFamily("infera_kv_event_gaps", "Sequence gaps (replayed or reset)", labels=label)
-        resets = CounterMetricFamily("infera_kv_view_resets", "Cache views reset after lost continuity", labels=label)
-        silent = GaugeMetricFamily("infera_kv_events_silent", "1 when a worker's KV events fell silent", labels=label)
-        blocks = GaugeMetricFamily(
-            "infera_policy_cache_view_size", "Blocks in the router's view of a worker's cache", labels=label
+        batches = KeyedFamily("infera_kv_event_batches", "counter", "KV-event batches applied", labels=label)
+        events = KeyedFamily("infera_kv_block_events", "counter", "Block events applied", labels=label)
+        gaps = KeyedFamily("infera_kv_event_gaps", "counter", "Sequence gaps (replayed or reset)", labels=label)
+        resets = KeyedFamily(
+            "infera_kv_view_resets", "counter", "Cache views reset after lost continuity", labels=label
         )
-        delay = HistogramMetricFamily(
-            "infera_kv_event_delay_seconds", "Engine batch timestamp to applied here", labels=label
+        silent = KeyedFamily(
+            "infera_kv_events_silent", "gauge", "1 when a worker's KV events fell silent", labels=label
         )
-        cpu = CounterMetricFamily(
+        blocks = KeyedFamily(
+            "infera_policy_cache_view_size", "gauge", "Blocks in the router's view of a worker's cache", labels=label
+        )
+        delay = KeyedFamily(
+            "infera_kv_event_delay_seconds",
+            "histogram",
+            "Engine batch timestamp to applied here",
+            labels=label,
+            bounds=LATENCY_LABELS,
+        )
+        cpu = KeyedFamily(
             "infera_kv_event_cpu_seconds",
+            "counter",
             "Router CPU spent decoding and applying a worker's KV-event batches (the socket read excluded)",
             labels=label,
         )
-        evicted_under = CounterMetricFamily(
+        evicted_under = KeyedFamily(
             "infera_kv_predictions_evicted",
+            "counter",
             "Replies with more blocks cached than "
             "predicted, on a view the index's byte bound evicted from: possibly "
             "what it evicted, not counted as drift (predictions_off)",
             labels=label,
         )
-        off = CounterMetricFamily(
+        off = KeyedFamily(
             "infera_kv_predictions_off",
+            "counter",
             "Replies whose cached tokens the router predicted "
             "wrong by more than one block: over (predicted more) or under (fewer)",
             labels=["worker_id", "direction"],
         )
-        prompt = CounterMetricFamily(
+        prompt = KeyedFamily(
             "infera_kv_prompt_tokens",
+            "counter",
             "Prompt tokens (router's tokenizer) of the completed replies routed to a worker, with or without usage",
             labels=label,
         )
-        predicted = CounterMetricFamily(
+        predicted = KeyedFamily(
             "infera_kv_predicted_cached_tokens",
+            "counter",
             "Of those, the tokens the router predicted cached when it picked the worker",
             labels=label,
         )
-        reported_prompt = CounterMetricFamily(
+        reported_prompt = KeyedFamily(
             "infera_kv_reported_prompt_tokens",
+            "counter",
             "Prompt tokens (router's tokenizer) of the replies whose usage reported cached tokens",
             labels=label,
         )
-        reported = CounterMetricFamily(
+        reported = KeyedFamily(
             "infera_kv_reported_cached_tokens",
+            "counter",
             "Cached prompt tokens the engine reported in those replies' usage",
             labels=label,
         )
-        caught_up = GaugeMetricFamily(
+        caught_up = KeyedFamily(
             "infera_kv_view_caught_up",
+            "gauge",
             "1 once a worker's view has caught up with its "
             "engine's history (replay or JetStream); 0 while warming up, when the "
             "kv-aware policy routes its picks by load",
             labels=label,
         )
-        degraded = GaugeMetricFamily(
+        degraded = KeyedFamily(
             "infera_kv_view_degraded",
+            "gauge",
             "1 while a worker's view may lack blocks its engine "
             "holds (events lost beyond replay, or history older than the replay "
             "buffer): it under-predicts until the engine clears its cache or restarts",
             labels=label,
         )
-        staleness = GaugeMetricFamily(
+        staleness = KeyedFamily(
             "infera_kv_view_staleness_seconds",
+            "gauge",
             "Seconds since a worker's view last applied an event batch (or since it was subscribed, before any)",
             labels=label,
         )
-        restarts = CounterMetricFamily(
+        restarts = KeyedFamily(
             "infera_kv_engine_restarts",
+            "counter",
             "Engine restarts found (a new KV-event "
             "stream registered, or the stream started over): the view was dropped",
             labels=label,
         )
-        active = GaugeMetricFamily(
+        active = KeyedFamily(
             "infera_policy_active_blocks",
+            "gauge",
             "Distinct prompt blocks of the requests in flight on a worker (the kv-aware policy's load term)",
             labels=label,
         )
         for row in sorted(snap.rows, key=_row_key):
-            worker = [row.key]
+            worker = (row.key,)
             stream = row.stream
             if stream is not None:
-                batches.add_metric(worker, stream.batches)
-                events.add_metric(worker, stream.events)
-                cpu.add_metric(worker, stream.cpu_s)
-                gaps.add_metric(worker, stream.gaps)
-                resets.add_metric(worker, stream.resets)
-                restarts.add_metric(worker, stream.restarts)
-                delay.add_metric(worker, cumulative_buckets(stream.delay_counts), stream.delay_total)
-            silent.add_metric(worker, row.silent)
-            caught_up.add_metric(worker, row.caught_up)
-            degraded.add_metric(worker, row.degraded)
-            staleness.add_metric(worker, row.staleness_s)
-            blocks.add_metric(worker, row.blocks)
-            off.add_metric([row.key, "over"], row.over)
-            off.add_metric([row.key, "under"], row.under)
-            evicted_under.add_metric(worker, row.evicted_under)
-            prompt.add_metric(worker, row.prompt_tokens)
-            predicted.add_metric(worker, row.predicted_tokens)
-            reported_prompt.add_metric(worker, row.reported_prompt_tokens)
-            reported.add_metric(worker, row.reported_cached_tokens)
+                batches.add(worker, stream.batches)
+                events.add(worker, stream.events)
+                cpu.add(worker, stream.cpu_s)
+                gaps.add(worker, stream.gaps)
+                resets.add(worker, stream.resets)
+                restarts.add(worker, stream.restarts)
+                delay.add(worker, stream.delay_counts, stream.delay_total)
+            silent.add(worker, row.silent)
+            caught_up.add(worker, row.caught_up)
+            degraded.add(worker, row.degraded)
+            staleness.add(worker, row.staleness_s)
+            blocks.add(worker, row.blocks)
+            off.add((row.key, "over"), row.over)
+            off.add((row.key, "under"), row.under)
+            evicted_under.add(worker, row.evicted_under)
+            prompt.add(worker, row.prompt_tokens)
+            predicted.add(worker, row.predicted_tokens)
+            reported_prompt.add(worker, row.reported_prompt_tokens)
+            reported.add(worker, row.reported_cached_tokens)
             if snap.active:
-                active.add_metric(worker, row.active_blocks)
+                active.add(worker, row.active_blocks)
         if snap.applies:
             yield from (batches, events, cpu, gaps, resets, delay, restarts)
         yield from (

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 import re
 from bisect import bisect_left
@@ -27,6 +26,7 @@ from infera.discovery.fleet import Fleet
 from infera.discovery.record import WorkerRecord
 from infera.router.breaker import STATE_CODES, CircuitBreaker
 from infera.router.metrics import RouterMetrics
+from infera.server.keyed_family import Escapes, KeyedFamily
 
 # The policy's pick alone (no tokenizing or hashing: those run before it), sub-millisecond.
 PICK_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3)
@@ -49,25 +49,18 @@ class Histogram:
         self.total += value
 
     def cumulative(self) -> list[tuple[str, int]]:
-        return cumulative_buckets(self.counts, self.bounds)
-
-
-def cumulative_buckets(counts: list[int], bounds: tuple[float, ...] = LATENCY_BUCKETS) -> list[tuple[str, int]]:
-    """A :class:`Histogram`'s (or a copy of its counts') buckets as Prometheus's cumulative (le, count)."""
-    out, running = [], 0
-    for bound, n in zip((*_labels(bounds), "+Inf"), counts):
-        running += n
-        out.append((bound, running))
-    return out
-
-
-@functools.lru_cache(maxsize=16)
-def _labels(bounds: tuple[float, ...]) -> tuple[str, ...]:
-    return tuple(map(_fmt, bounds))  # formatted once per bucket layout, not per histogram per scrape
+        out, running = [], 0
+        for bound, n in zip((*map(_fmt, self.bounds), "+Inf"), self.counts):
+            running += n
+            out.append((bound, running))
+        return out
 
 
 def _fmt(x: float) -> str:
     return repr(float(x))
+
+
+LATENCY_LABELS = tuple(map(_fmt, LATENCY_BUCKETS))  # their le labels
 
 
 def holds_worker(label: str, worker_id: str) -> bool:
@@ -522,11 +515,23 @@ def read_page(registry: MetricsRegistry) -> PageParts:
 
 
 def format_page(parts: PageParts) -> bytes:
-    """Any thread: the text exposition of :func:`read_page`'s parts."""
-    families: list[Metric] = []
+    """Any thread: the text exposition of :func:`read_page`'s parts (a :class:`KeyedFamily` written
+    as text, the library's families by ``generate_latest``), in order."""
+    out: list[str] = []
+    pending: list[Metric] = []
+    escapes = Escapes()
     for build, part in parts:
-        families.extend(build(part) if build is not None else part)
-    return generate_latest(_Families(families))
+        for family in build(part) if build is not None else part:
+            if isinstance(family, KeyedFamily):
+                if pending:
+                    out.append(generate_latest(_Families(pending)).decode())
+                    pending = []
+                family.write(out, escapes)
+            else:
+                pending.append(family)
+    if pending:
+        out.append(generate_latest(_Families(pending)).decode())
+    return "".join(out).encode()
 
 
 async def render_page(registry: MetricsRegistry) -> bytes:

@@ -1,11 +1,14 @@
 """A scrape that leaves the event loop its turns (infera/server/metrics.py, ``render_page``): a
 collector that snapshots on the loop has its families built in a thread; the page is the one
-``generate_latest`` makes; the KV view's snapshot is a copy, so the loop may change the views while
-the thread builds from it."""
+``generate_latest`` makes, a :class:`KeyedFamily` written as text included, line for line; the KV
+view's snapshot is a copy, so the loop may change the views while the thread builds from it."""
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
+
+import pytest
 
 from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -14,8 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from infera.discovery.fleet import Fleet
 from infera.discovery.record import WorkerRecord
 from infera.kv.index import KvIndex
+from infera.server.keyed_family import Escapes, KeyedFamily
 from infera.server.kv import KvEventsBridge
-from infera.server.metrics import MetricsRegistry, format_page, read_page, render_page
+from infera.server.metrics import LATENCY_LABELS, MetricsRegistry, format_page, read_page, render_page
 
 
 class Plain:
@@ -80,7 +84,8 @@ def record(wid: str) -> WorkerRecord:
 
 
 def samples(families) -> dict[tuple[str, tuple], float]:
-    text = generate_latest(FamiliesOf(families)).decode()
+    metrics = [f.to_metric() if isinstance(f, KeyedFamily) else f for f in families]
+    text = generate_latest(FamiliesOf(metrics)).decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for f in text_string_to_metric_families(text) for s in f.samples}
 
@@ -117,6 +122,58 @@ def test_the_kv_views_snapshot_is_a_copy_of_their_state():
     assert ("infera_router_picks_total", (("role", "mixed"), ("worker_id", "b"))) not in then
     # the same series either way, each target's in key order
     assert {k for k in then if k[0] != "infera_router_picks_total"} == {k for k in now if k[0] != "infera_router_picks_total"}
-    batches = [s.labels["worker_id"] for s in next(f for f in bridge.families(snap)
-                                                   if f.name == "infera_kv_event_batches").samples]
-    assert batches == ["a", "b"]
+    batches = next(f for f in bridge.families(snap) if f.name == "infera_kv_event_batches")
+    assert [values for values, _, _ in batches.rows] == [("a",), ("b",)]
+
+
+ODD = ['plain', 'q"uote', "back\\slash", "new\nline", "ünïcode", "", "a#dp1"]
+VALUES = [0, 1, 2.5, -3, 1234567.0, 123456789, 1e-9, math.inf, -math.inf, math.nan]
+
+
+@pytest.mark.parametrize("kind, labels", [
+    ("counter", ["worker_id"]),
+    ("gauge", ["worker_id"]),
+    ("gauge", []),
+    ("counter", ["worker_id", "direction"]),  # written in name order: direction first
+    ("histogram", ["worker_id"]),  # le before worker_id
+    ("histogram", ["direction", "a_role"]),  # both before le
+    ("histogram", []),
+    ("gauge", ["worker_id", "zone"]),
+])
+def test_a_keyed_family_writes_what_generate_latest_writes(kind, labels):
+    fam = KeyedFamily("infera_x", kind, 'Doc with a back\\slash,\na newline and "quotes"', labels,
+                      bounds=LATENCY_LABELS if kind == "histogram" else ())
+    for i, odd in enumerate(ODD if labels else [""]):
+        values = tuple(f"{odd}{j}" if j else odd for j in range(len(labels)))
+        if kind == "histogram":
+            fam.add(values, [(i + b) % 3 for b in range(len(LATENCY_LABELS) + 1)], VALUES[i % 7])
+        else:
+            fam.add(values, VALUES[i] if labels else math.nan)
+    out: list[str] = []
+    fam.write(out, Escapes())
+    assert "".join(out) == generate_latest(FamiliesOf([fam.to_metric()])).decode()
+
+
+def test_an_empty_keyed_family_still_says_what_it_is():
+    fam = KeyedFamily("infera_none", "histogram", "Nothing yet", ["worker_id"], bounds=LATENCY_LABELS)
+    out: list[str] = []
+    fam.write(out, Escapes())
+    assert "".join(out) == generate_latest(FamiliesOf([fam.to_metric()])).decode()
+    assert "".join(out) == "# HELP infera_none Nothing yet\n# TYPE infera_none histogram\n"
+
+
+def test_the_kv_views_page_is_what_generate_latest_makes_of_their_families():
+    fleet = Fleet()
+    bridge = KvEventsBridge(fleet, KvIndex(), clock=lambda: 100.0)  # (staleness: the same in both pages)
+    registry = MetricsRegistry()
+    registry.register(Plain())
+    registry.register(bridge)
+    for wid in ODD[:5]:
+        fleet.upsert(record(wid))
+        bridge._on_fleet_change(wid, fleet.get(wid))
+        bridge.targets[wid].delays.observe(0.01)
+        bridge.picks[("mixed", wid)] = 2
+    page = format_page(read_page(registry)).decode()
+    assert page == generate_latest(registry).decode()  # (collect(): the library's families)
+    parsed = {f.name: f for f in text_string_to_metric_families(page)}
+    assert {s.labels["worker_id"] for s in parsed["infera_kv_event_delay_seconds"].samples} == set(ODD[:5])
