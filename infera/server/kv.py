@@ -297,7 +297,10 @@ class KvEventsBridge(SelfCheck, KvViewMetrics):
                 delay = self.wall_clock() - ts
                 if delay < 0.0:
                     delay = 0.0  # clock skew between hosts
-                state.delays.observe(delay)
+                delays = state.delays
+                if delays is None:
+                    delays = state.delays = Histogram()
+                delays.observe(delay)
                 ewma = state.delay_ewma
                 state.delay_ewma = delay if ewma is None else ewma + DELAY_SMOOTHING * (delay - ewma)
             state.batches += 1

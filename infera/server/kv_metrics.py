@@ -9,7 +9,7 @@ model of ``infera.kv.bound``), ``infera_kv_index_max_bytes`` and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -21,6 +21,8 @@ from infera.server.metrics import LATENCY_LABELS, Histogram
 
 __all__ = ["KvViewMetrics"]
 
+NO_DELAYS = (0,) * (len(LATENCY_LABELS) + 1)  # a target with no batch yet
+
 
 class _Stream(NamedTuple):
     """A target's event stream, as the process that applies it counts it."""
@@ -31,7 +33,7 @@ class _Stream(NamedTuple):
     gaps: int
     resets: int
     restarts: int
-    delay_counts: list[int]
+    delay_counts: Sequence[int]
     delay_total: float
 
 
@@ -121,8 +123,8 @@ class KvViewMetrics:
                     sub.get("gaps", 0),
                     sub.get("resets", 0),
                     state.restarts,
-                    list(delays.counts),
-                    delays.total,
+                    NO_DELAYS if delays is None else list(delays.counts),
+                    0.0 if delays is None else delays.total,
                 )
             since = state.last_batch_at if state.last_batch_at is not None else state.added_at
             rows.append(

@@ -72,7 +72,9 @@ class _TargetState:
         self.evicted_under = 0
         # Engine batch timestamp → applied here (wall clocks: same host, or NTP between hosts).
         # Events that lag a reply leave the next turn routed on a view without that reply's blocks.
-        self.delays = Histogram()  # the server's latency buckets, 1 ms to 300 s
+        # The server's latency buckets, 1 ms to 300 s; made at the first batch (~300 B a target that a
+        # process reading the host's shared index, or an idle engine, never fills).
+        self.delays: Histogram | None = None
         self.delay_ewma: float | None = None
         self.verdicts: deque[bool] | None = None  # recent informative replies: off by more than one block?
         self.wrong = 0

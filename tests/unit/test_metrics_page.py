@@ -19,7 +19,7 @@ from infera.discovery.record import WorkerRecord
 from infera.kv.index import KvIndex
 from infera.server.keyed_family import Escapes, KeyedFamily
 from infera.server.kv import KvEventsBridge
-from infera.server.metrics import LATENCY_LABELS, MetricsRegistry, format_page, read_page, render_page
+from infera.server.metrics import LATENCY_LABELS, Histogram, MetricsRegistry, format_page, read_page, render_page
 
 
 class Plain:
@@ -106,6 +106,7 @@ def test_the_kv_views_snapshot_is_a_copy_of_their_state():
         bridge._on_fleet_change(wid, fleet.get(wid))
     state = bridge.targets["a"]
     state.batches, state.over = 2, 1
+    state.delays = Histogram()  # (made at a target's first batch)
     state.delays.observe(0.002)
     bridge.picks[("mixed", "a")] = 4
     snap = bridge.snapshot()
@@ -168,12 +169,17 @@ def test_the_kv_views_page_is_what_generate_latest_makes_of_their_families():
     registry = MetricsRegistry()
     registry.register(Plain())
     registry.register(bridge)
-    for wid in ODD[:5]:
+    for i, wid in enumerate(ODD[:5]):
         fleet.upsert(record(wid))
         bridge._on_fleet_change(wid, fleet.get(wid))
-        bridge.targets[wid].delays.observe(0.01)
+        if i % 2:  # the others have had no batch: no delay histogram, zero buckets on the page
+            bridge.targets[wid].delays = Histogram()
+            bridge.targets[wid].delays.observe(0.01)
         bridge.picks[("mixed", wid)] = 2
     page = format_page(read_page(registry)).decode()
     assert page == generate_latest(registry).decode()  # (collect(): the library's families)
     parsed = {f.name: f for f in text_string_to_metric_families(page)}
-    assert {s.labels["worker_id"] for s in parsed["infera_kv_event_delay_seconds"].samples} == set(ODD[:5])
+    delays = parsed["infera_kv_event_delay_seconds"].samples
+    assert {s.labels["worker_id"] for s in delays} == set(ODD[:5])
+    counts = {s.labels["worker_id"]: s.value for s in delays if s.name.endswith("_count")}
+    assert counts == {wid: float(i % 2) for i, wid in enumerate(ODD[:5])}
