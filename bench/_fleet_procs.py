@@ -8,13 +8,14 @@ import asyncio
 import json
 import os
 import secrets
+import statistics
 import sys
 import time
 from typing import Any
 
 import aiohttp
 
-from _fleet_report import parse_kv_metrics
+from _fleet_report import parse_kv_metrics, percentile
 from infera.discovery.record import WorkerRecord, encode_record
 from server_workers import Proc, children_of, cpu_ns, free_port, pin
 
@@ -202,3 +203,38 @@ class Server:
         for _ in range(n):
             await self.kv(session)
         self.scrape_cpu_s = (self.cpu_s() - c0) / n
+
+    async def scrape_stall(self, session: aiohttp.ClientSession, scrapes: int = 6, gap_s: float = 0.5,
+                           probe_s: float = 0.005) -> dict:
+        """What a scrape holds the server's event loop for: ``GET /health`` every ``probe_s``, each on
+        a new connection (so a --workers N server's processes all answer some), for 2 s alone and then
+        while /metrics is read ``scrapes`` times ``gap_s`` apart."""
+        async def probe(stop: asyncio.Event, waits: list[float]) -> None:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as fresh:
+                while not stop.is_set():
+                    t = time.perf_counter()
+                    async with fresh.get(f"{self.url}/health") as r:
+                        await r.read()
+                    waits.append(1000 * (time.perf_counter() - t))
+                    await asyncio.sleep(probe_s)
+
+        idle: list[float] = []
+        stop = asyncio.Event()
+        prober = asyncio.ensure_future(probe(stop, idle))
+        await asyncio.sleep(2.0)
+        stop.set()
+        await prober
+        during: list[float] = []
+        walls = []
+        stop = asyncio.Event()
+        prober = asyncio.ensure_future(probe(stop, during))
+        for _ in range(scrapes):
+            t = time.perf_counter()
+            await self.kv(session)
+            walls.append(1000 * (time.perf_counter() - t))
+            await asyncio.sleep(gap_s)
+        stop.set()
+        await prober
+        return {"health_idle_p99_ms": percentile(idle, 99), "health_scrape_p50_ms": percentile(during, 50),
+                "health_scrape_p99_ms": percentile(during, 99), "health_scrape_max_ms": max(during),
+                "scrape_wall_ms": statistics.median(walls)}

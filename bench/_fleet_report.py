@@ -137,7 +137,8 @@ def median_of(rows: Iterable[dict], key: str) -> float | None:
 METRICS = ("entries", "pss_mb", "events_per_core", "lag_p50_ms", "lag_p99_ms", "sent_at_rate", "server_busy_at_rate",
            "max_held_rate",
            "pick_p50_ms", "pick_p99_ms", "added_p50_ms", "added_p99_ms", "cpu_ms_per_request",
-           "policy_pick_p50_ms", "policy_pick_p99_ms")
+           "policy_pick_p50_ms", "policy_pick_p99_ms", "scrape_cpu_ms", "scrape_wall_ms", "health_idle_p99_ms",
+           "health_scrape_p50_ms", "health_scrape_p99_ms", "health_scrape_max_ms")
 
 
 def medians(results: list[dict]) -> list[dict]:
@@ -186,6 +187,13 @@ def _fmt(v: float | None, spec: str, scale: float = 1.0) -> str:
     return "-" if v is None else format(v / scale, spec)
 
 
+def _render(head: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(x[i]) for x in [head, *lines]) for i in range(len(head))]
+    out = ["  ".join(c.rjust(w) for c, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
+    return "\n".join(out)
+
+
 def table(rows: list[dict], slopes: dict[tuple[float, int], dict]) -> str:
     head = ("sharing", "--workers", "engines", "entries", "PSS MB", "B/entry", "ev/s/core", "lag p50/p99 ms",
             "sent@rate", "busy@rate", "max held", "pick p50/p99 ms", "added p50/p99", "CPU ms/req",
@@ -202,10 +210,19 @@ def table(rows: list[dict], slopes: dict[tuple[float, int], dict]) -> str:
                       f"{_fmt(r['added_p50_ms'], '.2f')} / {_fmt(r['added_p99_ms'], '.2f')}",
                       _fmt(r["cpu_ms_per_request"], ".2f"),
                       f"{_fmt(r.get('policy_pick_p50_ms'), '.0f', 1e-3)} / {_fmt(r.get('policy_pick_p99_ms'), '.0f', 1e-3)}"))
-    widths = [max(len(x[i]) for x in [head, *lines]) for i in range(len(head))]
-    out = ["  ".join(c.rjust(w) for c, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
-    out += ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
-    return "\n".join(out)
+    return _render(head, lines)
+
+
+def scrape_table(rows: list[dict]) -> str:
+    """A /metrics read at each fleet size: the server's CPU for it, its wall time, and /health's wait
+    while scrapes run (the event loop's stall) against without."""
+    head = ("sharing", "--workers", "engines", "scrape CPU ms", "scrape wall ms", "/health p99 idle ms",
+            "/health p50/p99/max in scrapes ms")
+    lines = [(f"{r['sharing']:g}", str(r["workers"]), str(r["engines"]), _fmt(r.get("scrape_cpu_ms"), ".0f"),
+              _fmt(r.get("scrape_wall_ms"), ".0f"), _fmt(r.get("health_idle_p99_ms"), ".1f"),
+              f"{_fmt(r.get('health_scrape_p50_ms'), '.1f')} / {_fmt(r.get('health_scrape_p99_ms'), '.1f')} / "
+              f"{_fmt(r.get('health_scrape_max_ms'), '.1f')}") for r in rows]
+    return _render(head, lines)
 
 
 def total_pss_ratios(rows: list[dict]) -> dict[str, float]:

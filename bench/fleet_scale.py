@@ -80,7 +80,7 @@ from infera.discovery.etcd import EtcdClient  # noqa: E402
 from infera.discovery.record import BUILTIN_TOKENIZER, WorkerRecord, encode_record  # noqa: E402
 from infera.transport.embedded_nats import EmbeddedNats  # noqa: E402
 from _fleet_report import (hist_quantile, bucket_delta, goals, medians, memory_slopes, total_pss_ratios,  # noqa: E402
-                           percentile, table, window_held)
+                           percentile, scrape_table, table, window_held)
 from _fleet_workload import VOCAB, Catalog, Source  # noqa: E402
 from _main import run_bench  # noqa: E402
 from server_workers import Proc, free_port, pin  # noqa: E402
@@ -395,6 +395,7 @@ async def measure(args: argparse.Namespace, etcd: EmbeddedEtcd, client: EtcdClie
                 raise RuntimeError(f"the server reads the events over {r['transport']}, not {args.mode}")
             await server.measure_scrape_cpu(session)
             r["scrape_cpu_ms"] = round(1000 * server.scrape_cpu_s, 1)
+            r.update(await server.scrape_stall(session))  # what a scrape holds the loop for
             ws = await rate_windows(server, pubs, session, engines, args)
             r["windows"] = ws
             at_rate = ws[0]
@@ -549,6 +550,8 @@ def report(args: argparse.Namespace, results: list[dict], pub_info: dict) -> int
     print(f"\nfleet_scale ({args.mode}): medians of {args.runs} run(s); pool {args.pool} blocks/engine, block size 16; offered "
           f"{args.rate / 1e3:,.0f}k block events/s; {os.cpu_count()} cores, {where}")
     print(table(rows, slopes))
+    print("\n/metrics at fleet size (medians):")
+    print(scrape_table(rows))
     for (s, w), v in slopes.items():
         if v.get("untrimmed_bytes_per_entry") is not None:
             print(f"sharing {s:g}, --workers {w}: {v['untrimmed_bytes_per_entry']:.1f} B/entry read before the "

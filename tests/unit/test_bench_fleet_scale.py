@@ -174,7 +174,9 @@ def _result(sharing, workers, engines, run, pss_per_entry=100, per_core=2e6, p99
             "pss_mb": (40e6 * workers + pss_per_entry * entries * workers) / 2 ** 20,
             "events_per_core": per_core / workers, "lag_p50_ms": 1.0, "lag_p99_ms": 5.0,
             "sent_at_rate": 1e6, "max_held_rate": 1.6e6, "pick_p50_ms": 1.0, "pick_p99_ms": 2.0,
-            "added_p50_ms": p99 / 2, "added_p99_ms": p99, "cpu_ms_per_request": 1.0}
+            "added_p50_ms": p99 / 2, "added_p99_ms": p99, "cpu_ms_per_request": 1.0,
+            "scrape_cpu_ms": 80.0, "scrape_wall_ms": 120.0, "health_idle_p99_ms": 0.6, "health_scrape_p50_ms": 0.4,
+            "health_scrape_p99_ms": 9.0, "health_scrape_max_ms": 31.5}
 
 
 def test_medians_slopes_table_and_goals() -> None:
@@ -186,6 +188,9 @@ def test_medians_slopes_table_and_goals() -> None:
     assert slopes[(0.0, 2)]["bytes_per_entry"] == pytest.approx(200)
     text = rep.table(rows, slopes)
     assert len(text.splitlines()) == 2 + len(rows) and "B/entry" in text
+    scrapes = rep.scrape_table(rows).splitlines()
+    assert len(scrapes) == 2 + len(rows)
+    assert scrapes[2].split() == ["0", "1", "100", "80", "120", "0.6", "0.4", "/", "9.0", "/", "31.5"]
     checks = rep.goals(rows, slopes)
     assert set(checks) == {"bytes_per_entry", "workers2_memory_per_entry_ratio", "workers2_event_cpu_ratio",
                            "events_per_core", "held_rate_lag_under_1s", "pick_p99_ms"}
