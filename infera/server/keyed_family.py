@@ -71,34 +71,38 @@ class KeyedFamily:
             out.append((bound, float(running)))
         return out
 
-    def write(self, out: list[str], escapes: Escapes) -> None:
+    def write(self, out: list[str], escapes: Escapes, first: str = "") -> None:
         """This family's lines as ``generate_latest`` writes them (labels in name order), joined
-        into one string: its small line strings are freed before the next family's are made."""
+        into one string: its small line strings are freed before the next family's are made.
+        ``first``: a label written first in every sample's set (``process="1"``: what
+        ``metrics.label_process`` would add), as it is written."""
         name = self.name + "_total" if self.kind == "counter" else self.name
         doc = self.doc.replace("\\", r"\\").replace("\n", r"\n")
         lines = [f"# HELP {name} {doc}\n# TYPE {name} {self.kind}\n"]
         order = sorted(range(len(self.labels)), key=self.labels.__getitem__)
         names = [self.labels[i] for i in order]
         if self.kind == "histogram":
-            self._write_histogram(lines, name, names, order, escapes)
+            self._write_histogram(lines, name, names, order, escapes, first)
         elif len(names) == 1:  # (most of a page: a worker_id each)
-            head = f'{name}{{{names[0]}="'
+            head = f'{name}{{{first},{names[0]}="' if first else f'{name}{{{names[0]}="'
             lines.extend([f'{head}{escapes[values[0]]}"}} {_value(value)}\n' for values, value, _ in self.rows])
         else:
+            lead = [first] if first else []
             for values, value, _ in self.rows:
-                labelset = ",".join([f'{n}="{escapes[values[i]]}"' for n, i in zip(names, order)])
+                labelset = ",".join([*lead, *[f'{n}="{escapes[values[i]]}"' for n, i in zip(names, order)]])
                 lines.append(f"{name}{{{labelset}}} {_value(value)}\n" if labelset else f"{name} {_value(value)}\n")
         out.append("".join(lines))
 
     def _write_histogram(
-        self, lines: list[str], name: str, names: list[str], order: list[int], escapes: Escapes
+        self, lines: list[str], name: str, names: list[str], order: list[int], escapes: Escapes, first: str
     ) -> None:
         # le goes where its name sorts among the family's labels
         before = [(n, i) for n, i in zip(names, order) if n < "le"]
         after = [(n, i) for n, i in zip(names, order) if n >= "le"]
         bounds = (*self.bounds, "+Inf")
+        lead = f"{first}," if first else ""
         for values, counts, total in self.rows:
-            pre = "".join([f'{n}="{escapes[values[i]]}",' for n, i in before])
+            pre = lead + "".join([f'{n}="{escapes[values[i]]}",' for n, i in before])
             post = "".join([f',{n}="{escapes[values[i]]}"' for n, i in after])
             running = 0
             for bound, n in zip(bounds, counts):

@@ -19,7 +19,15 @@ from infera.discovery.record import WorkerRecord
 from infera.kv.index import KvIndex
 from infera.server.keyed_family import Escapes, KeyedFamily
 from infera.server.kv import KvEventsBridge
-from infera.server.metrics import LATENCY_LABELS, Histogram, MetricsRegistry, format_page, read_page, render_page
+from infera.server.metrics import (
+    LATENCY_LABELS,
+    Histogram,
+    MetricsRegistry,
+    format_page,
+    label_process,
+    read_page,
+    render_page,
+)
 
 
 class Plain:
@@ -153,6 +161,9 @@ def test_a_keyed_family_writes_what_generate_latest_writes(kind, labels):
     out: list[str] = []
     fam.write(out, Escapes())
     assert "".join(out) == generate_latest(FamiliesOf([fam.to_metric()])).decode()
+    labelled: list[str] = []  # a --workers N child's page: its process label written with each sample
+    fam.write(labelled, Escapes(), first='process="3"')
+    assert "".join(labelled) == label_process("".join(out), "3")
 
 
 def test_an_empty_keyed_family_still_says_what_it_is():
@@ -178,6 +189,7 @@ def test_the_kv_views_page_is_what_generate_latest_makes_of_their_families():
         bridge.picks[("mixed", wid)] = 2
     page = format_page(read_page(registry)).decode()
     assert page == generate_latest(registry).decode()  # (collect(): the library's families)
+    assert format_page(read_page(registry), "2").decode() == label_process(page, "2")
     parsed = {f.name: f for f in text_string_to_metric_families(page)}
     delays = parsed["infera_kv_event_delay_seconds"].samples
     assert {s.labels["worker_id"] for s in delays} == set(ODD[:5])

@@ -10,7 +10,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import infera.server.cli as cli
 from infera.server.cli import MAX_SERVER_WORKERS, parse_args
-from infera.server.metrics import MetricsRegistry, ProcessMetrics, label_process, merge_process_texts
+from infera.server.metrics import (
+    MetricsRegistry,
+    ProcessMetrics,
+    is_labelled,
+    label_process,
+    merge_process_texts,
+    read_page,
+)
 from infera.server.supervisor import CHILD_ENV, ChildContext
 
 BASE = ["--etcd-endpoint", "127.0.0.1:2379"]
@@ -205,3 +212,19 @@ def test_a_sibling_that_does_not_answer_is_skipped_and_counted(tmp_path):
     assert 'infera_server_metrics_siblings_skipped_total{process="0",sibling="2"} 1.0' in text
     assert 'infera_server_processes{process="0"} 3.0' in text
     assert 'process="1"' not in text.replace('sibling="1"', "")
+
+
+def test_the_gather_groups_labelled_pages_and_labels_an_unlabelled_one(tmp_path):
+    registry = MetricsRegistry()
+    registry.register(Fams(*process_families(1, 1)))
+    pm = ProcessMetrics(registry, index=0, count=4, socket_path=lambda i: str(tmp_path / f"m{i}.sock"))
+    sibling = page(*process_families(5, 2))
+    labelled = label_process(sibling, "1")  # as a sibling writes its page for the gather
+    assert is_labelled(labelled, "1") and not is_labelled(sibling, "2") and not is_labelled(labelled, "2")
+    text = pm._merge(read_page(registry), [("1", labelled), ("2", sibling), ("3", "not a page")]).decode()
+    parsed = {f.name: f for f in text_string_to_metric_families(text)}
+    assert {(s.labels["process"], s.value) for s in parsed["infera_requests"].samples
+            if s.name == "infera_requests_total"} == {("0", 1.0), ("1", 5.0), ("2", 5.0)}
+    assert all(s.labels.get("process") in {"0", "1", "2"} for f in parsed.values() for s in f.samples)
+    assert text.count("# HELP infera_requests_total ") == 1
+    assert pm.skipped == {3: 1}
