@@ -16,7 +16,7 @@ from typing import Any, Literal
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-__all__ = ["Escapes", "KeyedFamily"]
+__all__ = ["Escapes", "KeyedFamily", "cumulative"]
 
 Kind = Literal["counter", "gauge", "histogram"]
 
@@ -30,6 +30,15 @@ class Escapes(dict[str, str]):
     def __missing__(self, value: str) -> str:
         escaped = self[value] = value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
         return escaped
+
+
+def cumulative(bounds: Sequence[str], counts: Sequence[int]) -> list[tuple[str, int]]:
+    """Counts per bucket (the last one +Inf) as Prometheus's cumulative (le, count) pairs."""
+    out, running = [], 0
+    for bound, n in zip((*bounds, "+Inf"), counts):
+        running += n
+        out.append((bound, running))
+    return out
 
 
 class KeyedFamily:
@@ -55,7 +64,7 @@ class KeyedFamily:
         if self.kind == "histogram":
             hist = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
             for values, counts, total in self.rows:
-                hist.add_metric(list(values), self._cumulative(counts), total)
+                hist.add_metric(list(values), cumulative(self.bounds, counts), total)
             return hist
         fam = (CounterMetricFamily if self.kind == "counter" else GaugeMetricFamily)(
             self.name, self.doc, labels=self.labels
@@ -63,13 +72,6 @@ class KeyedFamily:
         for values, value, _ in self.rows:
             fam.add_metric(list(values), value)
         return fam
-
-    def _cumulative(self, counts: Sequence[int]) -> list[tuple[str, float]]:
-        out, running = [], 0
-        for bound, n in zip((*self.bounds, "+Inf"), counts):
-            running += n
-            out.append((bound, float(running)))
-        return out
 
     def write(self, out: list[str], escapes: Escapes, first: str = "") -> None:
         """This family's lines as ``generate_latest`` writes them (labels in name order), joined

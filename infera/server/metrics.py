@@ -26,7 +26,7 @@ from infera.discovery.fleet import Fleet
 from infera.discovery.record import WorkerRecord
 from infera.router.breaker import STATE_CODES, CircuitBreaker
 from infera.router.metrics import RouterMetrics
-from infera.server.keyed_family import Escapes, KeyedFamily
+from infera.server.keyed_family import Escapes, KeyedFamily, cumulative
 
 # The policy's pick alone (no tokenizing or hashing: those run before it), sub-millisecond.
 PICK_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3)
@@ -49,11 +49,7 @@ class Histogram:
         self.total += value
 
     def cumulative(self) -> list[tuple[str, int]]:
-        out, running = [], 0
-        for bound, n in zip((*map(_fmt, self.bounds), "+Inf"), self.counts):
-            running += n
-            out.append((bound, running))
-        return out
+        return cumulative(tuple(map(_fmt, self.bounds)), self.counts)
 
 
 def _fmt(x: float) -> str:
@@ -564,11 +560,6 @@ def label_process(text: str, process: str) -> str:
     label = _process_label(process)
     text = _LABELLED_SAMPLE.sub(r"\1{" + label + ",", text)
     return _BARE_SAMPLE.sub(r"\1{" + label + "} ", text)
-
-
-def merge_process_texts(parts: Iterable[tuple[str, str]]) -> bytes:
-    """:func:`merge_labelled_texts` of pages not yet labelled with their process."""
-    return merge_labelled_texts(label_process(text, process) for process, text in parts)
 
 
 def merge_labelled_texts(texts: Iterable[str]) -> bytes:

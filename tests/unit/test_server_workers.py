@@ -15,7 +15,7 @@ from infera.server.metrics import (
     ProcessMetrics,
     is_labelled,
     label_process,
-    merge_process_texts,
+    merge_labelled_texts,
     read_page,
 )
 from infera.server.supervisor import CHILD_ENV, ChildContext
@@ -145,6 +145,11 @@ def page(*families) -> str:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(Fams(*families))
     return generate_latest(registry).decode()
+
+
+def merge_process_texts(parts: list[tuple[str, str]]) -> bytes:
+    """Pages as a --workers N child writes them for the gather (labelled), merged."""
+    return merge_labelled_texts([label_process(text, process) for process, text in parts])
 
 
 def test_merged_metrics_label_every_sample_with_its_process():
