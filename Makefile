@@ -82,6 +82,7 @@ LINT_STRICT := \
 	infera/router/upstream.py \
 	infera/server/metrics.py \
 	infera/server/keyed_family.py \
+	infera/runtime.py \
 	$(wildcard infera/router/pd/*.py) \
 	infera/api/responses.py \
 	infera/engine/sim/responses.py \

@@ -1,13 +1,20 @@
 """Process-level helpers shared by every entry point: the event loop, shutdown signals, background
 tasks and the children this process starts."""
+
 from __future__ import annotations
 
 import asyncio
 import ctypes
 import logging
 import signal
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 _PR_SET_PDEATHSIG = 1
+CANCEL_GRACE_S = 1.0  # a cancelled task not gone after this is cancelled again
+CANCEL_BOUND_S = 10.0  # ... and one not gone after this is left behind
+T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def install_event_loop() -> None:
@@ -33,18 +40,42 @@ async def wait_for_shutdown_signal() -> None:
             loop.remove_signal_handler(sig)
 
 
-async def cancel_and_wait(task: "asyncio.Task | None") -> None:
+async def wait_for(aw: Awaitable[T], timeout: float | None) -> T:
+    """``asyncio.wait_for`` without its lost cancellation: before Python 3.12 it returns the inner
+    result (or raises its error) when the task is cancelled in the same moment the inner await
+    ends, and a retry loop around it then never stops (a server that hangs on SIGTERM). Built on
+    ``asyncio.timeout`` where there is one (3.11+), which cancels within the task itself."""
+    timeout_cm = getattr(asyncio, "timeout", None)
+    if timeout_cm is None:  # 3.10: only the stdlib's
+        return await asyncio.wait_for(aw, timeout)  # noqa: TID251
+    async with timeout_cm(timeout):
+        return await aw
+
+
+async def cancel_and_wait(
+    task: asyncio.Task[Any] | None, *, grace_s: float = CANCEL_GRACE_S, bound_s: float = CANCEL_BOUND_S
+) -> None:
     """Cancel a background task and wait until it has unwound (an error it had already ended
-    with is of no interest to whoever stops it)."""
+    with is of no interest to whoever stops it). A task still running after ``grace_s`` is
+    cancelled again (a cancellation can be lost: a library's ``asyncio.wait_for`` that finished in
+    the same moment); one that outlives ``bound_s`` is left behind with a warning, so that a
+    shutdown never hangs on it."""
     if task is None:
         return
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        pass
-    except Exception as exc:
-        logging.getLogger(__name__).debug("task %s had failed: %r", task.get_name(), exc)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + bound_s
+    while not task.done():
+        task.cancel()
+        left = deadline - loop.time()
+        if left <= 0:
+            log.warning("task %s still runs %.1f s after it was cancelled: left behind", task.get_name(), bound_s)
+            return
+        await asyncio.wait((task,), timeout=min(grace_s, left))
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        log.debug("task %s had failed: %r", task.get_name(), exc)
 
 
 def set_pdeathsig() -> None:

@@ -21,7 +21,7 @@ import aiohttp
 
 from infera.config import add_flag, choice_of, etcd_url, positive_float, positive_int
 from infera.engine.base.kv_events import free_port
-from infera.runtime import set_pdeathsig
+from infera.runtime import set_pdeathsig, wait_for
 
 log = logging.getLogger("infera.up")
 
@@ -196,7 +196,7 @@ class Fleet:
             except ProcessLookupError:
                 return
             try:
-                await asyncio.wait_for(proc.wait(), grace)
+                await wait_for(proc.wait(), grace)
             except asyncio.TimeoutError:
                 os.killpg(proc.pid, signal.SIGKILL)
                 await proc.wait()

@@ -24,6 +24,8 @@ from typing import IO, NamedTuple, Sequence
 
 import aiohttp
 
+from infera.runtime import wait_for
+
 log = logging.getLogger(__name__)
 
 _STORE_SUBDIR = "etcd"
@@ -331,7 +333,7 @@ class EmbeddedEtcd:
         if proc is not None and proc.returncode is None:
             self._signal_group(proc.pid, sig)
             try:
-                await asyncio.wait_for(proc.wait(), self.stop_grace if sig != signal.SIGKILL else 10.0)
+                await wait_for(proc.wait(), self.stop_grace if sig != signal.SIGKILL else 10.0)
             except asyncio.TimeoutError:
                 log.warning("etcd pid %d ignored %s; killing it", proc.pid, sig.name)
                 self._signal_group(proc.pid, signal.SIGKILL)

@@ -26,14 +26,33 @@ import math
 # The parts' public names (and the test-used _parse_response) stay importable from here, where the
 # server, the workers, the benches and the tests find them.
 from infera.discovery.etcd_client import EtcdAuth, EtcdClient, _client_for
-from infera.discovery.etcd_codec import (ETCD_PASSWORD_ENV, EtcdAuthError, EtcdConnectionError, EtcdError,
-                                         EtcdRequestError, EtcdTlsError, LeaseNotFound, WatchBatch, WatchCanceled,
-                                         WatchCompacted, WatchEvent, _parse_response, b64decode, b64encode,
-                                         normalize_endpoint, parse_keepalive_ttl, parse_range_response,
-                                         parse_watch_line, prefix_end, put_body, range_prefix_body,
-                                         watch_create_body)
+from infera.discovery.etcd_codec import (
+    ETCD_PASSWORD_ENV,
+    EtcdAuthError,
+    EtcdConnectionError,
+    EtcdError,
+    EtcdRequestError,
+    EtcdTlsError,
+    LeaseNotFound,
+    WatchBatch,
+    WatchCanceled,
+    WatchCompacted,
+    WatchEvent,
+    _parse_response,
+    b64decode,
+    b64encode,
+    normalize_endpoint,
+    parse_keepalive_ttl,
+    parse_range_response,
+    parse_watch_line,
+    prefix_end,
+    put_body,
+    range_prefix_body,
+    watch_create_body,
+)
 from infera.discovery.etcd_discovery import EtcdDiscovery
 from infera.discovery.record import FleetKey, WorkerRecord, encode_record
+from infera.runtime import wait_for
 
 __all__ = ["ETCD_PASSWORD_ENV", "KEEPALIVE_RETRY_S", "EtcdAuth", "EtcdAuthError", "EtcdClient",
            "EtcdConnectionError", "EtcdDiscovery", "EtcdError", "EtcdRegistration", "EtcdRequestError",
@@ -100,7 +119,7 @@ class EtcdRegistration:
             raise RuntimeError("already registered; use update() to change the record")
         self.record = record
         try:
-            await asyncio.wait_for(self._first_registration(), self.first_timeout)
+            await wait_for(self._first_registration(), self.first_timeout)
         except asyncio.TimeoutError:
             raise EtcdConnectionError(
                 f"could not register {record.worker_id} in etcd at {self.client.base_url} "

@@ -12,10 +12,17 @@ from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Pod
 from lightkube.types import PatchType
 
-from infera.discovery.kubernetes_api import (KubeConfigLike, KubernetesRegistrationError, _config, _describe,
-                                             _retryable, _status_code)
+from infera.discovery.kubernetes_api import (
+    KubeConfigLike,
+    KubernetesRegistrationError,
+    _config,
+    _describe,
+    _retryable,
+    _status_code,
+)
 from infera.discovery.kubernetes_pods import ANNOTATION
 from infera.discovery.record import FleetKey, WorkerRecord, encode_record
+from infera.runtime import wait_for
 
 # (the logger's name is the one registration logged under before the split: log configurations name it)
 log = logging.getLogger("infera.discovery.kubernetes")
@@ -64,7 +71,7 @@ class KubernetesRegistration:
 
     async def _patch(self, value: str | None) -> None:
         body = {"metadata": {"annotations": {ANNOTATION: value}}}
-        await asyncio.wait_for(
+        await wait_for(
             self._get_client().patch(Pod, self.pod_name, body, namespace=self.namespace, patch_type=PatchType.MERGE),
             self.request_timeout)
 
@@ -84,7 +91,7 @@ class KubernetesRegistration:
         self.record = record
         where = f"Pod {self.namespace}/{self.pod_name}"
         try:
-            await asyncio.wait_for(self._first_registration(), self.first_timeout)
+            await wait_for(self._first_registration(), self.first_timeout)
         except asyncio.TimeoutError:
             raise KubernetesRegistrationError(
                 f"could not annotate {where} with {record.worker_id} within {self.first_timeout:g}s "
@@ -132,7 +139,7 @@ class KubernetesRegistration:
         failing = False
         while True:
             try:
-                await asyncio.wait_for(stop.wait(), self.refresh_s)
+                await wait_for(stop.wait(), self.refresh_s)
                 return
             except asyncio.TimeoutError:
                 pass

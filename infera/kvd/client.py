@@ -20,6 +20,7 @@ import msgspec
 from infera.kvd import protocol as p
 from infera.kvd.arena import ArenaView, recv_fd, recv_fd_async
 from infera.kvd.config import DEFAULT_SOCKET, SOCKET_ENV
+from infera.runtime import wait_for
 
 
 class KvdError(Exception):
@@ -112,14 +113,14 @@ class KvdClient:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
-            await asyncio.wait_for(loop.sock_connect(sock, path or default_socket_path()), timeout)
+            await wait_for(loop.sock_connect(sock, path or default_socket_path()), timeout)
             hello = view = None
             if send_hello:
                 await p.write_msg(loop, sock, p.Hello(client_id=client_id, prefers_shared_arena=prefers_shared_arena))
-                hello = _expect(p.decode_response(await asyncio.wait_for(p.read_frame(loop, sock), timeout)),
+                hello = _expect(p.decode_response(await wait_for(p.read_frame(loop, sock), timeout)),
                                 p.HelloAck)
                 if hello.shared_arena is not None:
-                    fd = await asyncio.wait_for(recv_fd_async(loop, sock), timeout)
+                    fd = await wait_for(recv_fd_async(loop, sock), timeout)
                     view = ArenaView(fd, hello.shared_arena[0])
             return cls(sock, hello, view)
         except BaseException:

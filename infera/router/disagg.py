@@ -61,6 +61,7 @@ from infera.router.upstream import (
     request_headers,
     unreachable_mark,
 )
+from infera.runtime import wait_for
 from infera.transport.request import RequestTransport
 
 log = logging.getLogger(__name__)
@@ -386,7 +387,7 @@ class DisaggRouter:
         and its breaker verdict too unless ``handoff_checked_later`` (serial: the reply must still
         carry a usable handoff)."""
         try:
-            opened = await asyncio.wait_for(
+            opened = await wait_for(
                 self._open(leg, route, body, request_id, stream=False, reply_proves_worker=not handoff_checked_later),
                 self.prefill_timeout,
             )

@@ -31,6 +31,7 @@ from infera.api.errors import ApiError
 from infera.api.pooling import GENERATE, serves
 from infera.discovery.fleet import Fleet
 from infera.discovery.record import WorkerRecord
+from infera.runtime import wait_for
 
 log = logging.getLogger("infera.router.lora")
 
@@ -89,7 +90,7 @@ class AdapterLoader:
             task = self._loads[model] = asyncio.ensure_future(self._load(model))
             task.add_done_callback(functools.partial(self._load_done, model))
         try:
-            return [await asyncio.wait_for(asyncio.shield(task), self.timeout * MAX_LOAD_ATTEMPTS + 1)]
+            return [await wait_for(asyncio.shield(task), self.timeout * MAX_LOAD_ATTEMPTS + 1)]
         except asyncio.TimeoutError:
             raise ApiError(
                 503,

@@ -45,6 +45,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from infera.api.errors import ApiError
+from infera.runtime import wait_for
 
 DEFAULT_QUEUE_TIMEOUT_S = 30.0
 DEFAULT_MAX_WAITING = 1024
@@ -248,7 +249,7 @@ class AdmissionQueue:
         m.waiting += 1
         self.queued += 1
         try:
-            await asyncio.wait_for(asyncio.shield(w.future), self.timeout_s)
+            await wait_for(asyncio.shield(w.future), self.timeout_s)
         except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
             if w.future.done() and not w.future.cancelled():  # admitted as the wait ended: give it back
                 self._leave(model, tenant)

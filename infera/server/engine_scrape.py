@@ -40,6 +40,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from infera.discovery.fleet import Fleet
 from infera.discovery.record import WorkerRecord
 from infera.engine.base.prom import samples
+from infera.runtime import wait_for
 from infera.server.metrics import drop_worker_keys
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ class EngineHitWindow:
         """(record, text or the outcome that kept it, when it arrived, router totals then)."""
         async with self._limit:
             try:
-                text = await asyncio.wait_for(self._fetch(record), self.timeout_s)
+                text = await wait_for(self._fetch(record), self.timeout_s)
             except asyncio.TimeoutError:
                 return record, None, 0.0, 0, 0
             except (aiohttp.ClientError, OSError, ValueError):

@@ -31,6 +31,7 @@ from infera.discovery.record import WorkerRecord
 from infera.kvd.client import KvdClient
 from infera.kvd.protocol import MAX_KEY_BYTES
 from infera.router.kv_aware import expand_targets
+from infera.runtime import wait_for
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ async def kvd_stats(path: str) -> dict[str, Any]:
     except (OSError, asyncio.TimeoutError) as exc:
         return {"socket_path": path, "reachable": False, "error": f"cannot connect: {exc or type(exc).__name__}"}
     try:
-        stats = await asyncio.wait_for(client.stats(), KVD_TIMEOUT_S)
+        stats = await wait_for(client.stats(), KVD_TIMEOUT_S)
     except Exception as exc:  # a daemon that answers nonsense is reported, not raised
         return {"socket_path": path, "reachable": False, "error": f"stats failed: {exc or type(exc).__name__}"}
     finally:
@@ -192,7 +193,7 @@ async def handle_prewarm(raw: bytes, kvd_socket_path: Optional[str],
         log.warning("prewarm: kvd at %s is not reachable: %s", kvd_socket_path, exc or type(exc).__name__)
         raise ApiError(503, "the kvd is not reachable", "kvd_unavailable") from None
     try:
-        await asyncio.wait_for(client.prefetch_hint(req.keys, model=req.model, compat_key=req.compat_key,
+        await wait_for(client.prefetch_hint(req.keys, model=req.model, compat_key=req.compat_key,
                                                     deadline_ms=req.deadline_ms), KVD_TIMEOUT_S)
     except (OSError, asyncio.TimeoutError) as exc:
         log.warning("prewarm: kvd at %s did not take the hint: %s", kvd_socket_path, exc or type(exc).__name__)

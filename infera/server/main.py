@@ -12,20 +12,20 @@ from aiohttp import web
 
 from infera.discovery.base import Discovery
 from infera.heap_trim import limit_malloc_arenas
-from infera.runtime import install_event_loop, wait_for_shutdown_signal
+from infera.runtime import install_event_loop, wait_for, wait_for_shutdown_signal
 from infera.server.admission import AdmissionMetrics, AdmissionQueue
 from infera.server.api_keys import ApiKeys, ApiKeysMetrics
-from infera.server.tenant_limits import TenantLimiter, TenantLimitsMetrics
-from infera.server.tracing import RequestTracer
 from infera.server.app import ServerState, build_app
 from infera.server.app_responses import RESPONSES_STORE_KEY
-from infera.server.responses_store import ResponsesStore, SiblingResponsesStore
-from infera.server.responses_store_nats import SharedResponsesStore
 from infera.server.cli import parse_args
 from infera.server.limits import LimitedAppRunner, LimitsMetrics, ServerLimits, limits_middleware
 from infera.server.metrics import ProcessMetrics
+from infera.server.responses_store import ResponsesStore, SiblingResponsesStore
+from infera.server.responses_store_nats import SharedResponsesStore
 from infera.server.routing_stack import RoutingStack
 from infera.server.supervisor import ChildContext, Supervisor
+from infera.server.tenant_limits import TenantLimiter, TenantLimitsMetrics
+from infera.server.tracing import RequestTracer
 
 log = logging.getLogger("infera.server")
 
@@ -156,7 +156,7 @@ class InferaServer:
         if ready is None:
             return
         try:
-            await asyncio.wait_for(ready.wait(), timeout)
+            await wait_for(ready.wait(), timeout)
         except asyncio.TimeoutError:
             log.warning("the worker registry did not answer in %.0f s: listening anyway", timeout)
 

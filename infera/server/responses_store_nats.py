@@ -21,6 +21,7 @@ from typing import Any
 from nats.js import api
 from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError, NotFoundError
 
+from infera.runtime import wait_for
 from infera.server.responses_store import ResponsesStore
 
 log = logging.getLogger(__name__)
@@ -85,8 +86,8 @@ class SharedResponsesStore:
         if not kept or not self._shared(response_id):
             return kept
         try:
-            kv = await asyncio.wait_for(self._bucket(), self.timeout_s)
-            await asyncio.wait_for(kv.put(response_id, value), self.timeout_s)
+            kv = await wait_for(self._bucket(), self.timeout_s)
+            await wait_for(kv.put(response_id, value), self.timeout_s)
         except Exception as exc:  # the broker away or the value too big for it: this replica still has it
             log.info(
                 "response %s kept on this replica only: the NATS KV bucket refused it (%s)",
@@ -98,8 +99,8 @@ class SharedResponsesStore:
     async def get(self, response_id: str) -> bytes | None:
         if self._shared(response_id):
             try:
-                kv = await asyncio.wait_for(self._bucket(), self.timeout_s)
-                entry = await asyncio.wait_for(kv.get(response_id), self.timeout_s)
+                kv = await wait_for(self._bucket(), self.timeout_s)
+                entry = await wait_for(kv.get(response_id), self.timeout_s)
                 return bytes(entry.value)
             except (KeyDeletedError, KeyNotFoundError, NotFoundError) as exc:
                 if getattr(exc, "op", None) is not None:  # a delete marker (nats-py's get raises it as not found)
@@ -114,13 +115,13 @@ class SharedResponsesStore:
         existed = await self.local.delete(response_id)
         if self._shared(response_id):
             try:
-                kv = await asyncio.wait_for(self._bucket(), self.timeout_s)
+                kv = await wait_for(self._bucket(), self.timeout_s)
                 try:
-                    await asyncio.wait_for(kv.get(response_id), self.timeout_s)
+                    await wait_for(kv.get(response_id), self.timeout_s)
                     existed = True
                 except (KeyNotFoundError, NotFoundError):
                     pass
-                await asyncio.wait_for(kv.delete(response_id), self.timeout_s)
+                await wait_for(kv.delete(response_id), self.timeout_s)
             except Exception as exc:
                 log.debug("NATS KV delete of a response failed (%s)", type(exc).__name__)
         return existed

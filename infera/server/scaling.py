@@ -41,6 +41,7 @@ from lightkube.types import PatchType
 
 from infera.api.errors import ApiError
 from infera.api.requests import json_structure_problem
+from infera.runtime import wait_for
 
 log = logging.getLogger(__name__)
 
@@ -315,7 +316,7 @@ class DeploymentScaler:
         """Await one API call, bounded; its failures become the client-facing ApiErrors (404 is the
         caller's to interpret: it is re-raised as a 404 ApiError with code ``k8s_not_found``)."""
         try:
-            return await asyncio.wait_for(call, self.request_timeout)
+            return await wait_for(call, self.request_timeout)
         except asyncio.TimeoutError:
             log.warning("scaling API: %s: no answer from the Kubernetes API within %g s", what, self.request_timeout)
             raise ApiError(503, f"the Kubernetes API did not answer within {self.request_timeout:g} s ({what})",

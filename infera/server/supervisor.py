@@ -42,7 +42,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Mapping, MutableMapping, Sequence
 
-from infera.runtime import set_pdeathsig
+from infera.runtime import set_pdeathsig, wait_for
 
 log = logging.getLogger("infera.server.supervisor")
 
@@ -272,7 +272,7 @@ class Supervisor:
                         slot.index, slot.proc.pid if slot.proc else "?", code, delay)
             assert self._stop_event is not None
             try:
-                await asyncio.wait_for(self._stop_event.wait(), delay)
+                await wait_for(self._stop_event.wait(), delay)
                 return  # stopping meanwhile
             except asyncio.TimeoutError:
                 pass

@@ -62,7 +62,7 @@ import msgspec
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from infera.api.errors import ApiError
-from infera.runtime import cancel_and_wait
+from infera.runtime import cancel_and_wait, wait_for
 
 log = logging.getLogger(__name__)
 
@@ -362,7 +362,7 @@ class TenantLimiter:
                     own.changed = asyncio.Event()
                 own.changed.clear()
                 try:
-                    await asyncio.wait_for(own.changed.wait(), min(left, self.sync_s))
+                    await wait_for(own.changed.wait(), min(left, self.sync_s))
                 except asyncio.TimeoutError:
                     self._live_peers(self.clock())  # a silent peer stops being waited for
         finally:
@@ -497,7 +497,7 @@ class TenantLimiter:
         assert self._wake is not None
         while True:
             try:
-                await asyncio.wait_for(self._wake.wait(), self.sync_s)
+                await wait_for(self._wake.wait(), self.sync_s)
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()

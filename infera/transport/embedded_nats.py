@@ -20,7 +20,7 @@ import socket
 import sys
 import tempfile
 
-from infera.runtime import set_pdeathsig
+from infera.runtime import set_pdeathsig, wait_for
 
 
 def find_nats_server_binary() -> str:
@@ -80,8 +80,8 @@ class EmbeddedNats:
                 raise RuntimeError(f"nats-server exited with code {self.proc.returncode}; see "
                                    f"{os.path.join(self.store_dir, 'nats.log')}")
             try:
-                reader, writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port), 1.0)
-                banner = await asyncio.wait_for(reader.readline(), 1.0)
+                reader, writer = await wait_for(asyncio.open_connection(self.host, self.port), 1.0)
+                banner = await wait_for(reader.readline(), 1.0)
                 writer.close()
                 if banner.startswith(b"INFO"):
                     return self
@@ -96,7 +96,7 @@ class EmbeddedNats:
         if proc is not None and proc.returncode is None:
             proc.terminate()
             try:
-                await asyncio.wait_for(proc.wait(), 10)
+                await wait_for(proc.wait(), 10)
             except asyncio.TimeoutError:
                 proc.kill()
                 await proc.wait()

@@ -25,6 +25,8 @@ from typing import Iterable
 
 import httptools
 
+from infera.runtime import wait_for
+
 log = logging.getLogger(__name__)
 
 # Pause reading from a worker when this much of its reply is buffered and not yet consumed
@@ -408,7 +410,7 @@ class HttpTransport:
     async def _connect(self, key: tuple[str, int]) -> UpstreamConnection:
         loop = asyncio.get_running_loop()
         try:
-            _, conn = await asyncio.wait_for(
+            _, conn = await wait_for(
                 loop.create_connection(lambda: UpstreamConnection(key), key[0], key[1]), self.connect_timeout)
         except asyncio.TimeoutError:
             raise UpstreamError(f"connect to {key[0]}:{key[1]} timed out after {self.connect_timeout}s",

@@ -35,6 +35,7 @@ import nats.errors
 import nats.js.errors
 from nats.js import api
 
+from infera.runtime import wait_for
 from infera.transport.kv_event_callbacks import (
     NO_SEQ,
     RESET_GAP,
@@ -318,7 +319,7 @@ class NatsKvEventSubscriber(KvCallbacks):
         sub, self._sub = self._sub, None
         if sub is not None:  # also when disconnected: it stops the consumer's heartbeat watch
             try:
-                await asyncio.wait_for(sub.unsubscribe(), self.api_timeout)
+                await wait_for(sub.unsubscribe(), self.api_timeout)
             except Exception as exc:
                 log.debug("KV events over NATS: unsubscribe: %s", exc)
 
@@ -332,7 +333,7 @@ class NatsKvEventSubscriber(KvCallbacks):
         if sub is None:
             return
         before = self._last_sseq
-        info = await asyncio.wait_for(sub.consumer_info(), self.api_timeout)
+        info = await wait_for(sub.consumer_info(), self.api_timeout)
         if info.num_pending == 0 and sub.pending_msgs == 0:
             await asyncio.sleep(0.5)
             if self._last_sseq == before and sub.pending_msgs == 0 and not self._global_caught_up:
@@ -414,16 +415,16 @@ class NatsKvEventSubscriber(KvCallbacks):
             config.opt_start_seq = st.floor + 1
         else:
             config.deliver_policy = api.DeliverPolicy.ALL
-        psub = await asyncio.wait_for(js.pull_subscribe(st.subject, stream=STREAM, config=config), self.api_timeout)
+        psub = await wait_for(js.pull_subscribe(st.subject, stream=STREAM, config=config), self.api_timeout)
         try:
-            info = await asyncio.wait_for(psub.consumer_info(), self.api_timeout)
+            info = await wait_for(psub.consumer_info(), self.api_timeout)
             done = info.num_pending == 0
             while not done:
                 clears = st.clears
                 try:
                     msgs = await psub.fetch(_FETCH_BATCH, timeout=1.0)
                 except (asyncio.TimeoutError, nats.errors.TimeoutError):
-                    info = await asyncio.wait_for(psub.consumer_info(), self.api_timeout)
+                    info = await wait_for(psub.consumer_info(), self.api_timeout)
                     done = info.num_pending == 0 and st.clears == clears
                     continue
                 for m in msgs:
@@ -433,9 +434,9 @@ class NatsKvEventSubscriber(KvCallbacks):
                 done = msgs[-1].metadata.num_pending == 0 and st.clears == clears
         finally:
             try:
-                await asyncio.wait_for(psub.unsubscribe(), self.api_timeout)
+                await wait_for(psub.unsubscribe(), self.api_timeout)
                 if config.name:  # pull_subscribe named the ephemeral consumer in ``config``
-                    await asyncio.wait_for(js.delete_consumer(STREAM, config.name), self.api_timeout)
+                    await wait_for(js.delete_consumer(STREAM, config.name), self.api_timeout)
             except Exception as exc:  # it expires on its own (inactive_threshold)
                 log.debug("KV events %s: history consumer cleanup: %s", st.key, exc)
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from infera.runtime import wait_for
 from infera.transport.kv_event_callbacks import RESET_GAP, RESET_HISTORY, RESET_RESTART
 from infera.transport.kv_events_zmq_state import _digest, _KeyState
 
@@ -169,10 +170,10 @@ class ZmqReplay:
         out: list[tuple[int, bytes]] = []
         try:
             dealer.connect(st.replay_endpoint)
-            await asyncio.wait_for(dealer.send_multipart([b"", start.to_bytes(8, "big")]), self.replay_timeout)
+            await wait_for(dealer.send_multipart([b"", start.to_bytes(8, "big")]), self.replay_timeout)
             while True:
                 # The timeout is on silence, not the whole transfer: a big buffer may take a while.
-                frames = await asyncio.wait_for(dealer.recv_multipart(), self.replay_timeout)
+                frames = await wait_for(dealer.recv_multipart(), self.replay_timeout)
                 if len(frames) < 2 or len(frames[-2]) != 8:
                     log.warning("KV events %s: malformed replay reply (%d frames)", st.key, len(frames))
                     continue

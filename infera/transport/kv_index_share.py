@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import msgspec
 
-from infera.runtime import cancel_and_wait
+from infera.runtime import cancel_and_wait, wait_for
 
 log = logging.getLogger(__name__)
 
@@ -193,10 +193,10 @@ class KvIndexShareClient:
                 reader, writer = await asyncio.open_unix_connection(sock=sock)
                 while True:
                     # a writer that sends no rows for this long is stopped or wedged: gone, for us
-                    (n,) = _LEN.unpack(await asyncio.wait_for(reader.readexactly(_LEN.size), ROWS_TIMEOUT_S))
+                    (n,) = _LEN.unpack(await wait_for(reader.readexactly(_LEN.size), ROWS_TIMEOUT_S))
                     if n > MAX_FRAME_BYTES:
                         raise ConnectionError(f"a frame of {n} bytes")
-                    self.on_rows(self._decoder.decode(await asyncio.wait_for(reader.readexactly(n), ROWS_TIMEOUT_S)))
+                    self.on_rows(self._decoder.decode(await wait_for(reader.readexactly(n), ROWS_TIMEOUT_S)))
             except (OSError, ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError,
                     msgspec.DecodeError) as exc:
                 log.info("kv index share: the writer's connection ended (%s): routing by load until it is back",

@@ -38,9 +38,18 @@ import nats.errors
 import nats.js.errors
 
 from infera.discovery.record import WorkerRecord
+from infera.runtime import wait_for
 from infera.transport.backoff import retry_delay
-from infera.transport.kv_events_nats import (HDR_EPOCH, HDR_RESET, HDR_SEQ, MARKER_RELAY_START, STREAM,
-                                             SUBJECT_PREFIX, ensure_stream, kv_event_subject)
+from infera.transport.kv_events_nats import (
+    HDR_EPOCH,
+    HDR_RESET,
+    HDR_SEQ,
+    MARKER_RELAY_START,
+    STREAM,
+    SUBJECT_PREFIX,
+    ensure_stream,
+    kv_event_subject,
+)
 from infera.transport.kv_events_zmq import NO_SEQ, ZmqKvEventSubscriber, endpoint_for_rank
 from infera.transport.nats_conn import NatsConnection, subject_token
 
@@ -156,7 +165,7 @@ class KvEventNatsRelay:
         if self._task is not None:
             try:  # flush what is queued, bounded (nothing can go while the broker is away)
                 if self.nats.connected:
-                    await asyncio.wait_for(self._idle.wait(), self.flush_timeout)
+                    await wait_for(self._idle.wait(), self.flush_timeout)
             except asyncio.TimeoutError:
                 log.warning("KV relay %s: %d batch(es) not flushed within %.0fs", self.worker_id, len(self._queue),
                             self.flush_timeout)
@@ -166,7 +175,7 @@ class KvEventNatsRelay:
         # The engine's cache dies with it: its history must not stay in the stream.
         if self.nats.connected:
             try:
-                await asyncio.wait_for(self.nats.js.purge_stream(STREAM, subject=f"{SUBJECT_PREFIX}.{self.token}.>"),
+                await wait_for(self.nats.js.purge_stream(STREAM, subject=f"{SUBJECT_PREFIX}.{self.token}.>"),
                                        self.ack_timeout)
             except Exception as exc:
                 log.warning("KV relay %s: could not purge its subjects from %s: %s", self.worker_id, STREAM, exc)
@@ -360,7 +369,7 @@ class KvEventNatsRelay:
     async def _sleep_or_wake(self, timeout: float) -> None:
         self._wake.clear()
         try:
-            await asyncio.wait_for(self._wake.wait(), timeout)
+            await wait_for(self._wake.wait(), timeout)
         except asyncio.TimeoutError:
             pass
 

@@ -17,7 +17,7 @@ import logging
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from infera.runtime import cancel_and_wait
+from infera.runtime import cancel_and_wait, wait_for
 from infera.transport.nats_auth import NatsAuth, redact, redact_url
 from infera.transport.nats_core import ConnectionEvents, NatsCoreClient
 
@@ -118,7 +118,7 @@ class NatsConnection(ConnectionEvents):
         self._task = None
         if not self.nc.is_closed:
             try:
-                await asyncio.wait_for(self.nc.close(), 5.0)
+                await wait_for(self.nc.close(), 5.0)
             except (asyncio.TimeoutError, Exception) as exc:  # closing a broken connection
                 log.debug("nats close: %s", self._scrub(exc))
         self._connected.clear()

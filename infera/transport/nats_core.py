@@ -33,7 +33,7 @@ import ssl
 from typing import Awaitable, Callable
 from urllib.parse import unquote, urlsplit
 
-from infera.runtime import cancel_and_wait
+from infera.runtime import cancel_and_wait, wait_for
 from infera.transport.nats_auth import NatsAuth, redact, redact_url
 
 log = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ class ConnectionEvents:
 
     async def wait_connected(self, timeout: float | None = None) -> bool:
         try:
-            await asyncio.wait_for(self._connected.wait(), timeout)
+            await wait_for(self._connected.wait(), timeout)
             return True
         except asyncio.TimeoutError:
             return False
@@ -337,7 +337,7 @@ class NatsCoreClient(ConnectionEvents):
         fut = self._loop.create_future()
         self._pongs.append(fut)
         self._queue(b"PING\r\n")
-        await asyncio.wait_for(fut, timeout)
+        await wait_for(fut, timeout)
 
     # -- internals ----------------------------------------------------------------------------
     def _queue(self, line: bytes) -> None:
@@ -365,7 +365,7 @@ class NatsCoreClient(ConnectionEvents):
             server = self.servers[index % len(self.servers)]
             index += 1
             try:
-                proto = await asyncio.wait_for(self._connect(server), self.connect_timeout)
+                proto = await wait_for(self._connect(server), self.connect_timeout)
             except Exception as exc:
                 if not warned:
                     log.warning("cannot reach NATS at %s (%s); retrying every %.1fs",

@@ -29,6 +29,7 @@ import os
 import struct
 from typing import Any
 
+from infera.runtime import wait_for
 from infera.transport.replica_sync import ReplicaSync, bye_message
 
 log = logging.getLogger(__name__)
@@ -181,7 +182,7 @@ class LocalReplicaSync(ReplicaSync):
             if left <= 0:
                 return False
             try:
-                await asyncio.wait_for(self._changed.wait(), left)
+                await wait_for(self._changed.wait(), left)
             except asyncio.TimeoutError:
                 return False
         return True
@@ -230,12 +231,12 @@ async def announce_gone(runtime_dir: str, count: int, replica_id: str, timeout: 
 
     async def tell(j: int) -> bool:
         try:
-            _, writer = await asyncio.wait_for(asyncio.open_unix_connection(sync_socket(runtime_dir, j)), timeout)
+            _, writer = await wait_for(asyncio.open_unix_connection(sync_socket(runtime_dir, j)), timeout)
         except (OSError, asyncio.TimeoutError):
             return False
         try:
             writer.write(msg)
-            await asyncio.wait_for(writer.drain(), timeout)
+            await wait_for(writer.drain(), timeout)
             return True
         except (OSError, asyncio.TimeoutError):
             return False

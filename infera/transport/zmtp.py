@@ -29,6 +29,7 @@ import time
 from typing import Callable
 
 from infera.kv.native import native
+from infera.runtime import wait_for
 
 log = logging.getLogger("infera.transport.zmtp")
 
@@ -515,9 +516,9 @@ class ZmtpSubscription:
                                    self.max_message_bytes, self.max_message_frames)
         try:
             if self.kind == "tcp":
-                await asyncio.wait_for(loop.create_connection(lambda: protocol, self.host, self.port), 10)
+                await wait_for(loop.create_connection(lambda: protocol, self.host, self.port), 10)
             else:
-                await asyncio.wait_for(loop.create_unix_connection(lambda: protocol, self.host), 10)
+                await wait_for(loop.create_unix_connection(lambda: protocol, self.host), 10)
         except (OSError, asyncio.TimeoutError) as exc:
             self._task = None
             self.failures += 1

@@ -32,7 +32,7 @@ from infera.engine.base.follower import NodeRankError, is_follower, node_rank
 from infera.engine.base.lora_watch import LoraWatch, start_lora_watch
 from infera.engine.base.preflight import PdSetup, pd_preflight
 from infera.engine.base.tokenizer_source import tokenizer_fields
-from infera.runtime import install_event_loop, set_pdeathsig
+from infera.runtime import install_event_loop, set_pdeathsig, wait_for
 from infera.transport.nats_conn import NatsConnection
 
 log = logging.getLogger("infera.launcher")
@@ -184,7 +184,7 @@ class Launcher:
                 log.info("waiting for the engine to become ready (%.0fs left)", deadline - now)
                 next_progress = now + 30
             try:  # wakes early if the engine dies
-                await asyncio.wait_for(asyncio.shield(self.proc.wait()), timeout=0.25)
+                await wait_for(asyncio.shield(self.proc.wait()), timeout=0.25)
             except asyncio.TimeoutError:
                 pass
 
@@ -200,7 +200,7 @@ class Launcher:
         if proc.returncode is None:
             self._killpg(signal.SIGTERM)
             try:
-                await asyncio.wait_for(proc.wait(), timeout=self.args.engine_stop_timeout)
+                await wait_for(proc.wait(), timeout=self.args.engine_stop_timeout)
             except asyncio.TimeoutError:
                 log.warning("engine did not stop within %.0fs; killing its process group", self.args.engine_stop_timeout)
                 self._killpg(signal.SIGKILL)

@@ -22,6 +22,7 @@ import msgspec
 
 from infera.config import add_flag, positive_float
 from infera.discovery.record import WorkerRecord
+from infera.runtime import wait_for
 
 log = logging.getLogger("infera.launcher.lora")
 
@@ -130,7 +131,7 @@ class LoraWatch:
             return False
         record = msgspec.structs.replace(record, lora_adapters=adapters)
         self._set_record(record)
-        await asyncio.wait_for(self._update(record), MODELS_TIMEOUT_S * 2)
+        await wait_for(self._update(record), MODELS_TIMEOUT_S * 2)
         self.updates += 1
         log.info("LoRA adapters now %s: record re-registered", adapters or "none")
         return True

@@ -14,9 +14,21 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from infera.runtime import wait_for
+
 from .cache import KVCache
-from .pd_base import (Disaggregation, LegError, LegPlan, PdFields, _bootstrap_health, _held_kv_body, _HeldKvReply,
-                      _http_base, _json_encode, _json_error)
+from .pd_base import (
+    Disaggregation,
+    LegError,
+    LegPlan,
+    PdFields,
+    _bootstrap_health,
+    _held_kv_body,
+    _HeldKvReply,
+    _http_base,
+    _json_encode,
+    _json_error,
+)
 from .pd_config import KV_FETCH_PATH, KvLink, SglangDisaggregationConfig
 from .scheduler import ImportedKv, Sequence
 
@@ -99,7 +111,7 @@ class SglangDisaggregation(Disaggregation):
         if held is None:  # the decode came first: wait for the prefill to offer the room
             offered = self._room_offered.setdefault(room, asyncio.Event())
             try:
-                await asyncio.wait_for(offered.wait(), max(fetch.wait_s, 0.0))
+                await wait_for(offered.wait(), max(fetch.wait_s, 0.0))
             except asyncio.TimeoutError:
                 pass
             finally:
