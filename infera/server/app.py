@@ -399,9 +399,13 @@ async def _prewarm(request: web.Request) -> web.Response:
 
 
 def build_app(state: ServerState) -> web.Application:
-    app = web.Application(middlewares=[_errors_middleware, _admin_auth_middleware, _api_key_middleware,
-                                       _admission_middleware],
-                          client_max_size=state.max_request_bytes)
+    middlewares = [_errors_middleware, _admin_auth_middleware]
+    # each middleware is a coroutine frame around every request: only those the flags call for
+    if state.api_keys is not None:
+        middlewares.append(_api_key_middleware)
+    if state.admission is not None:
+        middlewares.append(_admission_middleware)
+    app = web.Application(middlewares=middlewares, client_max_size=state.max_request_bytes)
     app[STATE_KEY] = state
     app.router.add_post("/v1/chat/completions", _make_inference_handler("/v1/chat/completions"))
     app.router.add_post("/v1/completions", _make_inference_handler("/v1/completions"))

@@ -63,10 +63,11 @@ class ReplyTooLarge(UpstreamError):
 class UpstreamConnection(asyncio.Protocol):
     """One keep-alive connection to a worker; serves one request at a time."""
 
-    __slots__ = ("key", "transport", "parser", "closed", "response", "_idle_pool", "_paused", "reused")
+    __slots__ = ("key", "loop", "transport", "parser", "closed", "response", "_idle_pool", "_paused", "reused")
 
-    def __init__(self, key: tuple[str, int]) -> None:
+    def __init__(self, key: tuple[str, int], loop: asyncio.AbstractEventLoop) -> None:
         self.key = key
+        self.loop = loop  # its replies' loop: asyncio.get_running_loop() is a getpid() syscall per call on 3.11
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
@@ -82,11 +83,15 @@ class UpstreamConnection(asyncio.Protocol):
         if self.response is None:  # bytes nobody asked for: the connection is out of sync
             self._abort()
             return
+        resp = self.response
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self.response._fail(f"malformed HTTP reply: {exc}")
+            resp._fail(f"malformed HTTP reply: {exc}")
             self._abort()
+            return
+        if resp._got_body and not resp._idle_armed and not resp.complete and resp._error is None:
+            resp._arm_idle()  # the body goes on past these bytes: the idle timer takes over
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -172,7 +177,7 @@ class UpstreamResponse(ChunkedReply):
 
     __slots__ = ("_conn", "_pool", "status", "content_type", "content_length", "complete", "_chunks", "_buffered",
                  "_error", "_waiter", "_headers_future", "_keep_alive", "_released", "_loop", "_timer", "_got_body",
-                 "_wait_since")
+                 "_idle_armed", "_wait_since")
 
     def __init__(self, conn: UpstreamConnection, pool: "HttpTransport") -> None:
         self._conn = conn
@@ -185,12 +190,13 @@ class UpstreamResponse(ChunkedReply):
         self._buffered = 0
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future | None = None
-        self._loop = asyncio.get_running_loop()
+        self._loop = conn.loop
         self._headers_future: asyncio.Future = self._loop.create_future()
         self._keep_alive = False
         self._released = False
         self._timer: asyncio.TimerHandle | None = None  # first-byte timer, then the idle one
         self._got_body = False
+        self._idle_armed = False  # the timer is the idle one (else the first-byte one, or none)
         self._wait_since = 0.0  # loop time the consumer began its current wait for a chunk
 
     # -- fed by the connection -------------------------------------------------------------------------
@@ -199,8 +205,7 @@ class UpstreamResponse(ChunkedReply):
             self._headers_future.set_result(None)
 
     def _feed(self, data: bytes) -> None:
-        if not self._got_body:
-            self._first_body()
+        self._got_body = True
         self._chunks.append(data)
         self._buffered += len(data)
         self._wake()
@@ -241,9 +246,11 @@ class UpstreamResponse(ChunkedReply):
         if t > 0:
             self._timer = self._loop.call_later(t, self._first_byte_expired)
 
-    def _first_body(self) -> None:
-        """The first body byte: the first-byte timer gives way to the idle timer."""
-        self._got_body = True
+    def _arm_idle(self) -> None:
+        """Body bytes came and more are due: the first-byte timer gives way to the idle timer.
+        Called by the connection once it has fed a read's bytes, so that a reply whose body
+        arrives whole with its first bytes (most unary ones) never arms it."""
+        self._idle_armed = True
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -411,7 +418,7 @@ class HttpTransport:
         loop = asyncio.get_running_loop()
         try:
             _, conn = await wait_for(
-                loop.create_connection(lambda: UpstreamConnection(key), key[0], key[1]), self.connect_timeout)
+                loop.create_connection(lambda: UpstreamConnection(key, loop), key[0], key[1]), self.connect_timeout)
         except asyncio.TimeoutError:
             raise UpstreamError(f"connect to {key[0]}:{key[1]} timed out after {self.connect_timeout}s",
                                 before_response=True) from None

@@ -119,6 +119,7 @@ async def test_chunks_then_stall_is_an_idle_timeout_and_closes(transport):
         got = b""
         while got != b"data: 1\n\ndata: 2\n\n":
             got += await resp.next_chunk()
+        assert resp._idle_armed  # more is due after these chunks: the idle timer took over
         waiting = time.monotonic()
         with pytest.raises(UpstreamTimeout) as info:
             await bounded(resp.next_chunk())
@@ -199,6 +200,7 @@ async def test_timers_do_not_outlive_a_reply(transport):
             resp = await transport.post("127.0.0.1", srv.port, "/x", b"{}")
             assert await resp.read() == b'{"ok":true}'
             assert resp._timer is None  # finished: no timer left behind
+            assert not resp._idle_armed  # the body came whole with the head: no idle timer was made for it
             resp.release()
         idle_conn = transport._idle[("127.0.0.1", srv.port)][0]
         await asyncio.sleep(FB * 2)  # past both timeouts: a pooled connection is never aborted
