@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import os
 import signal
-from collections.abc import Awaitable
+import threading
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 _PR_SET_PDEATHSIG = 1
@@ -76,6 +78,29 @@ async def cancel_and_wait(
     exc = task.exception()
     if exc is not None:
         log.debug("task %s had failed: %r", task.get_name(), exc)
+
+
+async def cancel_all_and_wait(tasks: Iterable[asyncio.Task[Any]]) -> None:
+    """``cancel_and_wait`` for each of ``tasks``, side by side."""
+    await asyncio.gather(*(cancel_and_wait(task) for task in tasks))
+
+
+def exit_after(bound_s: float, what: str, exit_: Callable[[int], None] = os._exit) -> threading.Timer:
+    """The last bound on a process's way out: unless cancelled, exit with status 1 ``bound_s``
+    from now, from a thread of its own, whatever the event loop is stuck on (a task that swallows
+    its cancellation, a thread ``asyncio.run`` waits for at its end). A server child whose
+    supervisor died has no one else to kill it."""
+
+    def expire() -> None:
+        log.error("%s took over %.0f s: exiting now", what, bound_s)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        exit_(1)
+
+    timer = threading.Timer(bound_s, expire)
+    timer.daemon = True  # never what keeps the process alive
+    timer.start()
+    return timer
 
 
 def set_pdeathsig() -> None:

@@ -52,7 +52,7 @@ from infera.discovery.etcd_codec import (
 )
 from infera.discovery.etcd_discovery import EtcdDiscovery
 from infera.discovery.record import FleetKey, WorkerRecord, encode_record
-from infera.runtime import wait_for
+from infera.runtime import cancel_and_wait, wait_for
 
 __all__ = ["ETCD_PASSWORD_ENV", "KEEPALIVE_RETRY_S", "EtcdAuth", "EtcdAuthError", "EtcdClient",
            "EtcdConnectionError", "EtcdDiscovery", "EtcdError", "EtcdRegistration", "EtcdRequestError",
@@ -241,6 +241,4 @@ class EtcdRegistration:
 
     async def _stop_keepalive(self) -> None:
         task, self._keepalive_task = self._keepalive_task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.wait([task])
+        await cancel_and_wait(task)

@@ -14,6 +14,7 @@ from infera.discovery.etcd_client import EtcdAuth, EtcdClient, _client_for
 from infera.discovery.etcd_codec import WatchCompacted, WatchEvent
 from infera.discovery.fleet import Fleet
 from infera.discovery.record import FleetKey, RecordSignatureError, WorkerRecord, decode_record
+from infera.runtime import cancel_and_wait
 
 log = logging.getLogger("infera.discovery.etcd")  # the name etcd's logs have always had
 
@@ -64,9 +65,7 @@ class EtcdDiscovery:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.wait([task])  # wait for it to unwind; do not swallow our own cancellation
+        await cancel_and_wait(task)  # (our own cancellation, while it waits, still reaches us)
         if self._owns_client:
             await self.client.close()
 

@@ -22,7 +22,7 @@ from infera.discovery.kubernetes_api import (
 )
 from infera.discovery.kubernetes_pods import ANNOTATION
 from infera.discovery.record import FleetKey, WorkerRecord, encode_record
-from infera.runtime import wait_for
+from infera.runtime import cancel_and_wait, wait_for
 
 # (the logger's name is the one registration logged under before the split: log configurations name it)
 log = logging.getLogger("infera.discovery.kubernetes")
@@ -167,8 +167,7 @@ class KubernetesRegistration:
         self._stop_refresh.set()
         done, _ = await asyncio.wait([task], timeout=self.request_timeout + 1)
         if not done:
-            task.cancel()
-            await asyncio.wait([task])
+            await cancel_and_wait(task)
 
     async def deregister(self) -> None:
         """Stop the refresh, then patch the annotation to null. Logs failures; never raises."""

@@ -41,6 +41,7 @@ from infera.operator.apply import (CRD_GROUP, CRD_KIND, CRD_PLURAL, CRD_VERSION,
                                    state_event)
 from infera.operator.status import (COMPONENT_LABEL, MANAGED_BY, MANAGED_BY_LABEL, Outcome, compute_status,
                                     gaie_status, now_rfc3339, status_merge_patch, workload_readiness)
+from infera.runtime import cancel_all_and_wait, cancel_and_wait
 
 log = logging.getLogger("infera.operator")
 
@@ -159,10 +160,7 @@ class Reconciler:
         for handle in self._retries.values():
             handle.cancel()
         self._retries.clear()
-        tasks = list(self._running.values())
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all_and_wait(list(self._running.values()))
 
     async def idle(self) -> None:
         """Wait until no pass runs (tests)."""
@@ -417,8 +415,7 @@ async def run_operator(args: argparse.Namespace, namespaces: list[str], config_l
                             clusterwide=args.all_namespaces, namespaces=namespaces,
                             liveness_endpoint=args.liveness)
     finally:
-        resync.cancel()
-        await asyncio.gather(resync, return_exceptions=True)
+        await cancel_and_wait(resync)
         await reconciler.close()
         await rest.close()
     return 0

@@ -41,6 +41,7 @@ from infera.server.app_state import (API_KEY_KEY, DIRECT_PREFILL_HEADER, DIRECT_
 from infera.server.fleet_view import FleetView, RecentWorkerStats
 from infera.server.request_salt import CACHE_SALT_STATE, salt_request
 from infera.server.tenant_limits import UsageMeter
+from infera.runtime import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -321,8 +322,7 @@ async def _fleet_sampler(app: web.Application):
     """The fleet view's rate sampler, for the app's lifetime (cleanup_ctx)."""
     task = asyncio.create_task(app[FLEET_VIEW_KEY].run_sampler())
     yield
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    await cancel_and_wait(task)
 
 
 def _dashboard_authorized(request: web.Request) -> bool:

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from infera.discovery.base import Discovery
 from infera.heap_trim import limit_malloc_arenas
-from infera.runtime import install_event_loop, wait_for, wait_for_shutdown_signal
+from infera.runtime import exit_after, install_event_loop, wait_for, wait_for_shutdown_signal
 from infera.server.admission import AdmissionMetrics, AdmissionQueue
 from infera.server.api_keys import ApiKeys, ApiKeysMetrics
 from infera.server.app import ServerState, build_app
@@ -31,6 +31,8 @@ log = logging.getLogger("infera.server")
 
 CHILD_REGISTRY_WAIT_S = 10.0
 CHILD_SYNC_WAIT_S = 5.0
+# Draining (aiohttp's 60 s for the requests in flight) and stopping the parts, then exit in any case.
+SHUTDOWN_BOUND_S = 90.0
 
 
 class InferaServer:
@@ -186,6 +188,8 @@ async def serve(args: argparse.Namespace, process: ChildContext | None = None) -
         await wait_for_shutdown_signal()
     finally:
         log.info("shutting down")
+        # armed through asyncio.run's own end too (its cancelled tasks, its executor's threads)
+        exit_after(SHUTDOWN_BOUND_S, "shutting down")
         await server.stop()
         if process is not None:
             process.leave()

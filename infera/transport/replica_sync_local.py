@@ -29,7 +29,7 @@ import os
 import struct
 from typing import Any
 
-from infera.runtime import wait_for
+from infera.runtime import cancel_all_and_wait, wait_for
 from infera.transport.replica_sync import ReplicaSync, bye_message
 
 log = logging.getLogger(__name__)
@@ -198,9 +198,7 @@ class LocalReplicaSync(ReplicaSync):
         self.frames_skipped += skipped
 
     async def _close(self) -> None:
-        for task in self._dialers:
-            task.cancel()
-        await asyncio.gather(*self._dialers, return_exceptions=True)
+        await cancel_all_and_wait(self._dialers)
         self._dialers = []
         for transport in list(self._peers.values()):  # the goodbyes were written: close flushes them
             transport.close()

@@ -167,3 +167,46 @@ async def test_cancel_and_wait_any_task_state(outcome: str) -> None:
     assert task.done()
     assert task.cancelled() == (outcome in ("cancelled", "running"))
     await cancel_and_wait(None)
+
+
+# -- exit_after: the process's last bound -------------------------------------------------------------------
+
+STUCK = """
+import asyncio, logging, sys
+from infera.runtime import exit_after
+logging.basicConfig(level=logging.INFO)
+
+async def main():
+    async def swallows_every_cancellation():
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                pass
+    timer = exit_after(float(sys.argv[1]), "the test's shutdown")
+    if sys.argv[2] == "stops":
+        timer.cancel()
+        await asyncio.sleep(3 * float(sys.argv[1]))  # past the bound: a timer still armed would end us
+        print("stopped in time", flush=True)
+        return
+    stuck = asyncio.ensure_future(swallows_every_cancellation())
+    await asyncio.sleep(0)
+    stuck.cancel()
+    await stuck  # never ends
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("how, code, says", [("hangs", 1, "the test's shutdown took over 0 s: exiting now"),
+                                             ("stops", 0, "stopped in time")])
+async def test_exit_after_bounds_a_process_whatever_its_loop_waits_on(how: str, code: int, says: str) -> None:
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", STUCK, "0.3", how,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    try:
+        out, _ = await wait_for(proc.communicate(), 30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+    assert proc.returncode == code
+    assert says in out.decode()

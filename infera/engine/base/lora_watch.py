@@ -22,7 +22,7 @@ import msgspec
 
 from infera.config import add_flag, positive_float
 from infera.discovery.record import WorkerRecord
-from infera.runtime import wait_for
+from infera.runtime import cancel_and_wait, wait_for
 
 log = logging.getLogger("infera.launcher.lora")
 
@@ -117,9 +117,7 @@ class LoraWatch:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait(task)
 
     async def check(self) -> bool:
         """One poll: True when the record changed and was re-registered."""
