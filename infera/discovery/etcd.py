@@ -26,30 +26,12 @@ import math
 # The parts' public names (and the test-used _parse_response) stay importable from here, where the
 # server, the workers, the benches and the tests find them.
 from infera.discovery.etcd_client import EtcdAuth, EtcdClient, _client_for
-from infera.discovery.etcd_codec import (
-    ETCD_PASSWORD_ENV,
-    EtcdAuthError,
-    EtcdConnectionError,
-    EtcdError,
-    EtcdRequestError,
-    EtcdTlsError,
-    LeaseNotFound,
-    WatchBatch,
-    WatchCanceled,
-    WatchCompacted,
-    WatchEvent,
-    _parse_response,
-    b64decode,
-    b64encode,
-    normalize_endpoint,
-    parse_keepalive_ttl,
-    parse_range_response,
-    parse_watch_line,
-    prefix_end,
-    put_body,
-    range_prefix_body,
-    watch_create_body,
-)
+from infera.discovery.etcd_codec import (ETCD_PASSWORD_ENV, EtcdAuthError, EtcdConnectionError, EtcdError,
+                                         EtcdRequestError, EtcdTlsError, LeaseNotFound, WatchBatch, WatchCanceled,
+                                         WatchCompacted, WatchEvent, _parse_response, b64decode, b64encode,
+                                         normalize_endpoint, parse_keepalive_ttl, parse_range_response,
+                                         parse_watch_line, prefix_end, put_body, range_prefix_body,
+                                         watch_create_body)
 from infera.discovery.etcd_discovery import EtcdDiscovery
 from infera.discovery.record import FleetKey, WorkerRecord, encode_record
 from infera.runtime import cancel_and_wait, wait_for

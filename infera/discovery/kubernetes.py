@@ -37,29 +37,12 @@ from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Pod
 
 from infera.discovery.fleet import Fleet
-
 # The other concerns, in their own modules; their names are re-exported here, where callers
 # imported them from.
 from infera.discovery.kubernetes_api import (  # noqa: F401
-    DEFAULT_KUBECONFIG,
-    MAX_ERROR_BODY_BYTES,
-    TOO_LARGE_CAUSE,
-    TOO_LARGE_MESSAGE,
-    KubeConfigError,
-    KubeConfigLike,
-    KubernetesError,
-    KubernetesRegistrationError,
-    _api_status,
-    _config,
-    _describe,
-    _httpx,
-    _read_error_body,
-    _retryable,
-    _stale_resource_version,
-    _status_code,
-    _too_large_resource_version,
-    load_kube_config,
-)
+    DEFAULT_KUBECONFIG, MAX_ERROR_BODY_BYTES, TOO_LARGE_CAUSE, TOO_LARGE_MESSAGE, KubeConfigError, KubeConfigLike,
+    KubernetesError, KubernetesRegistrationError, _api_status, _config, _describe, _httpx, _read_error_body,
+    _retryable, _stale_resource_version, _status_code, _too_large_resource_version, load_kube_config)
 from infera.discovery.kubernetes_pods import ANNOTATION, PodState, _generic, _pod_name, pod_state  # noqa: F401
 from infera.discovery.kubernetes_registration import KubernetesRegistration  # noqa: F401
 from infera.discovery.record import FleetKey, WorkerRecord

@@ -12,14 +12,8 @@ from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Pod
 from lightkube.types import PatchType
 
-from infera.discovery.kubernetes_api import (
-    KubeConfigLike,
-    KubernetesRegistrationError,
-    _config,
-    _describe,
-    _retryable,
-    _status_code,
-)
+from infera.discovery.kubernetes_api import (KubeConfigLike, KubernetesRegistrationError, _config, _describe,
+                                             _retryable, _status_code)
 from infera.discovery.kubernetes_pods import ANNOTATION
 from infera.discovery.record import FleetKey, WorkerRecord, encode_record
 from infera.runtime import cancel_and_wait, wait_for

@@ -40,16 +40,8 @@ import nats.js.errors
 from infera.discovery.record import WorkerRecord
 from infera.runtime import wait_for
 from infera.transport.backoff import retry_delay
-from infera.transport.kv_events_nats import (
-    HDR_EPOCH,
-    HDR_RESET,
-    HDR_SEQ,
-    MARKER_RELAY_START,
-    STREAM,
-    SUBJECT_PREFIX,
-    ensure_stream,
-    kv_event_subject,
-)
+from infera.transport.kv_events_nats import (HDR_EPOCH, HDR_RESET, HDR_SEQ, MARKER_RELAY_START, STREAM,
+                                             SUBJECT_PREFIX, ensure_stream, kv_event_subject)
 from infera.transport.kv_events_zmq import NO_SEQ, ZmqKvEventSubscriber, endpoint_for_rank
 from infera.transport.nats_conn import NatsConnection, subject_token
 

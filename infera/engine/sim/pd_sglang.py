@@ -17,18 +17,8 @@ from aiohttp import web
 from infera.runtime import wait_for
 
 from .cache import KVCache
-from .pd_base import (
-    Disaggregation,
-    LegError,
-    LegPlan,
-    PdFields,
-    _bootstrap_health,
-    _held_kv_body,
-    _HeldKvReply,
-    _http_base,
-    _json_encode,
-    _json_error,
-)
+from .pd_base import (Disaggregation, LegError, LegPlan, PdFields, _bootstrap_health, _held_kv_body, _HeldKvReply,
+                      _http_base, _json_encode, _json_error)
 from .pd_config import KV_FETCH_PATH, KvLink, SglangDisaggregationConfig
 from .scheduler import ImportedKv, Sequence
 
