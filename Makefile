@@ -75,6 +75,7 @@ LINT_STRICT_RULES := E,W,I,UP,SIM,C4,RUF,PIE,PERF,PLW,LOG,G
 # try/except in a loop costs nothing since Python 3.11 (PERF203).
 LINT_STRICT_IGNORE := RUF001,RUF002,RUF003,PERF203
 LINT_STRICT := \
+	infera/server/fast_http.py \
 	infera/router/disagg.py \
 	infera/router/pd_legs.py \
 	infera/router/dispatch.py \

@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-processes", type=int, default=1,
                    help="our servers' --workers (processes sharing the port; the server's own default is one "
                         "per core): 1 compares one process with the peers' one")
+    p.add_argument("--http-fast-path", choices=("on", "off"), default="on",
+                   help="our servers' --http-fast-path: on (their default) serves the inference routes without "
+                        "aiohttp's objects; off measures aiohttp's path, for an A/B of the fast path")
     p.add_argument("--routers", nargs="+", choices=ROUTERS, default=None,
                    help="routers measured beside direct [all; a peer that cannot be installed or started is "
                         "skipped]: ours (round-robin, kv-aware: one server per request transport) and peers "
@@ -428,7 +431,7 @@ class Bench:
         processes = self.args.server_processes
         cmd = [sys.executable, "-m", "infera.server", "--workers", str(processes), "--host", "127.0.0.1",
                "--port", str(port), "--etcd-endpoint", self.etcd.url, "--router-policy", policy,
-               "--log-level", "warning", *self._plane_flags(plane)]
+               "--log-level", "warning", "--http-fast-path", self.args.http_fast_path, *self._plane_flags(plane)]
         if policy == "kv-aware":  # the token lets us see its views catch up
             cmd += ["--admin-token", ADMIN_TOKEN]
             if processes == 1:  # one replica: nothing to sync (more: the default, shared in-flight state)
@@ -1197,7 +1200,8 @@ async def run(args: argparse.Namespace) -> int:
             "peer_urls": bench.peer_urls,
             "concurrency": args.concurrency, "stream": args.stream, "runs": args.runs, "requests": args.requests,
             "duration_s": args.duration, "warmup_s": args.warmup, "max_tokens": args.max_tokens,
-            "server_processes": args.server_processes, "speedup": args.speedup if args.worker == "sim" else None,
+            "server_processes": args.server_processes, "http_fast_path": args.http_fast_path,
+            "speedup": args.speedup if args.worker == "sim" else None,
             "max_num_seqs": args.max_num_seqs if args.worker == "sim" else None, "quick": args.quick,
             "router_url": (bench.planes.get("http") or direct_plane).router_url, "worker_urls": direct_plane.worker_urls,
             "planes": {t: {"router_url": p.router_url, "worker_urls": p.worker_urls, "etcd_prefix": p.etcd_prefix}

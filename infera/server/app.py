@@ -12,7 +12,7 @@ import asyncio
 import hmac
 import logging
 import time
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
@@ -141,65 +141,94 @@ async def _admission_middleware(request: web.Request,
             ticket.leave()
 
 
+class AiohttpReplyWriter:
+    """Writes an inference reply through aiohttp's response objects (the fast path has its own:
+    ``infera/server/fast_http.py``)."""
+
+    __slots__ = ("request", "resp")
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.resp: web.StreamResponse | None = None
+
+    def unary(self, status: int, body: bytes | None, headers: dict[str, str], content_type: str) -> web.Response:
+        return web.Response(status=status, body=body, headers=headers, content_type=content_type)
+
+    async def open_stream(self, headers: dict[str, str]) -> None:
+        self.resp = web.StreamResponse(status=200, headers=headers)
+        await self.resp.prepare(self.request)
+
+    async def write(self, chunk: bytes) -> None:
+        await self.resp.write(chunk)  # type: ignore[union-attr]
+
+    async def end_stream(self) -> web.StreamResponse | None:
+        await self.resp.write_eof()  # type: ignore[union-attr]
+        return self.resp
+
+
+async def serve_inference(request: Any, route: str, out: Any) -> Any:
+    """One OpenAI inference request: parse, admit, dispatch, reply through ``out`` (an
+    :class:`AiohttpReplyWriter`, or the fast path's writer with its light request)."""
+    state: ServerState = request.app[STATE_KEY]
+    started = time.perf_counter()
+    request_id = _request_id(request)
+    request[REQUEST_ID_KEY] = request_id
+    _check_client_request_id(request)  # the 400 goes out under the fresh id
+    if request.content_length is not None and request.content_length > state.max_request_bytes:
+        raise web.HTTPRequestEntityTooLarge(max_size=state.max_request_bytes, actual_size=request.content_length)
+    body = await request.read()  # aiohttp enforces client_max_size for chunked bodies too
+    parsed = parse_request(route, body, allow_kv_transfer_params=state.allow_client_kv_transfer_params)
+    _authorize_model(request, parsed.model)
+    await _admit(request, parsed.model)
+    stream = bool(parsed.stream)
+    span, trace_headers = _trace(state, request, route, parsed.model, request_id)
+    # an isolated tenant's own cache_salt, or the client's
+    body, salt = salt_request(body, request.get(API_KEY_KEY), parsed.cache_salt)
+    headers = request.headers
+    routed = RoutedRequest(route=route, body=body, parsed=parsed, model=parsed.model, stream=stream,
+                           request_id=request_id, direct_worker=headers.get(DIRECT_WORKER_HEADER),
+                           direct_prefill=headers.get(DIRECT_PREFILL_HEADER), trace_headers=trace_headers)
+    if salt is not None:  # the kv-aware policy hashes the prompt from the same salted root
+        routed.state[CACHE_SALT_STATE] = salt
+    metrics = state.metrics
+    reply = await _dispatch_accounted(state.router, routed, metrics, route, span)
+    reply_headers = {REQUEST_ID_HEADER: request_id}
+    metered = PERMIT_KEY in request  # a tenant limit counts this reply's tokens
+    if reply.stream is None:
+        _account_unary(request, metrics, route, stream, started, span, routed, reply)
+        return out.unary(reply.status, reply.body, reply_headers, reply.content_type.split(";")[0])
+    first_byte = (reply.first_byte_at or time.perf_counter()) - started
+    metrics.observe_ttft(route, first_byte)
+    request.app[FLEET_VIEW_KEY].recent.observe_ttft(reply.worker_id, first_byte)  # per worker, for /v1/fleet
+    reply_headers["Content-Type"] = "text/event-stream"
+    reply_headers["Cache-Control"] = "no-cache"
+    chunks = reply.stream
+    broken: str | None = None
+    meter = UsageMeter() if metered else None
+    try:
+        await out.open_stream(reply_headers)
+        async for chunk in chunks:
+            if meter is not None:
+                meter.feed(chunk)
+            await out.write(chunk)
+        return await out.end_stream()
+    except (ConnectionResetError, asyncio.CancelledError):
+        metrics.count_disconnect(route)
+        broken = "the client disconnected"
+        raise
+    finally:
+        await chunks.aclose()  # releases upstream on any exit, even before the first chunk
+        metrics.count_request(route, 200, reply.worker_id)
+        metrics.observe_e2e(route, stream, time.perf_counter() - started)
+        if span is not None:
+            span.finish(200, routed.state, worker_id=reply.worker_id, error=broken)
+        if meter is not None:
+            request[USAGE_TOKENS_KEY] = meter.tokens()
+
+
 def _make_inference_handler(route: str):
     async def handler(request: web.Request) -> web.StreamResponse:
-        state: ServerState = request.app[STATE_KEY]
-        started = time.perf_counter()
-        request_id = _request_id(request)
-        request[REQUEST_ID_KEY] = request_id
-        _check_client_request_id(request)  # the 400 goes out under the fresh id
-        if request.content_length is not None and request.content_length > state.max_request_bytes:
-            raise web.HTTPRequestEntityTooLarge(max_size=state.max_request_bytes, actual_size=request.content_length)
-        body = await request.read()  # aiohttp enforces client_max_size for chunked bodies too
-        parsed = parse_request(route, body, allow_kv_transfer_params=state.allow_client_kv_transfer_params)
-        _authorize_model(request, parsed.model)
-        await _admit(request, parsed.model)
-        stream = bool(parsed.stream)
-        span, trace_headers = _trace(state, request, route, parsed.model, request_id)
-        # an isolated tenant's own cache_salt, or the client's
-        body, salt = salt_request(body, request.get(API_KEY_KEY), parsed.cache_salt)
-        routed = RoutedRequest(route=route, body=body, parsed=parsed, model=parsed.model, stream=stream,
-                               request_id=request_id, direct_worker=request.headers.get(DIRECT_WORKER_HEADER),
-                               direct_prefill=request.headers.get(DIRECT_PREFILL_HEADER), trace_headers=trace_headers)
-        if salt is not None:  # the kv-aware policy hashes the prompt from the same salted root
-            routed.state[CACHE_SALT_STATE] = salt
-        metrics = state.metrics
-        reply = await _dispatch_accounted(state.router, routed, metrics, route, span)
-        headers = {REQUEST_ID_HEADER: request_id}
-        metered = PERMIT_KEY in request  # a tenant limit counts this reply's tokens
-        if reply.stream is None:
-            _account_unary(request, metrics, route, stream, started, span, routed, reply)
-            return web.Response(status=reply.status, body=reply.body, headers=headers,
-                                content_type=reply.content_type.split(";")[0])
-        metrics.observe_ttft(route, (reply.first_byte_at or time.perf_counter()) - started)
-        request.app[FLEET_VIEW_KEY].recent.observe_ttft(reply.worker_id,  # per worker, for /v1/fleet
-                                                        (reply.first_byte_at or time.perf_counter()) - started)
-        headers["Content-Type"] = "text/event-stream"
-        headers["Cache-Control"] = "no-cache"
-        resp = web.StreamResponse(status=200, headers=headers)
-        chunks = reply.stream
-        broken: str | None = None
-        meter = UsageMeter() if metered else None
-        try:
-            await resp.prepare(request)
-            async for chunk in chunks:
-                if meter is not None:
-                    meter.feed(chunk)
-                await resp.write(chunk)
-            await resp.write_eof()
-        except (ConnectionResetError, asyncio.CancelledError):
-            metrics.count_disconnect(route)
-            broken = "the client disconnected"
-            raise
-        finally:
-            await chunks.aclose()  # releases upstream on any exit, even before the first chunk
-            metrics.count_request(route, 200, reply.worker_id)
-            metrics.observe_e2e(route, stream, time.perf_counter() - started)
-            if span is not None:
-                span.finish(200, routed.state, worker_id=reply.worker_id, error=broken)
-            if meter is not None:
-                request[USAGE_TOKENS_KEY] = meter.tokens()
-        return resp
+        return await serve_inference(request, route, AiohttpReplyWriter(request))
 
     return handler
 

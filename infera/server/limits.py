@@ -71,6 +71,8 @@ class ServerLimits:
     refused: int = 0
     evicted: int = 0
     busy_rejections: int = 0
+    fast_requests: int = 0  # requests the fast path (fast_http.py) answered
+    handoffs: int = 0  # connections it handed to aiohttp
 
     @classmethod
     def from_args(cls, args: Any) -> "ServerLimits":
@@ -126,6 +128,12 @@ class LimitsMetrics:
         yield CounterMetricFamily("infera_http_busy_rejections_total",
                                   "requests answered 503 server_busy: past --max-inflight-bytes",
                                   value=lim.busy_rejections)
+        yield CounterMetricFamily("infera_http_fast_path_requests_total",
+                                  "inference requests answered by the front door's fast path (--http-fast-path)",
+                                  value=lim.fast_requests)
+        yield CounterMetricFamily("infera_http_fast_path_handoffs_total",
+                                  "client connections the fast path handed to aiohttp (a request it does not take: "
+                                  "another route, a chunked body, Expect, HTTP/1.0, ...)", value=lim.handoffs)
 
 
 class LimitedRequestHandler(RequestHandler):
@@ -193,22 +201,31 @@ class LimitedRequestHandler(RequestHandler):
 
 class _LimitedServer(web_server.Server):
     _limits: ServerLimits
+    _front: Callable[[Any], asyncio.Protocol] | None = None
 
-    def __call__(self) -> RequestHandler:
+    def aiohttp_protocol(self) -> RequestHandler:
         return LimitedRequestHandler(self, loop=self._loop, limits=self._limits, **self._kwargs)
+
+    def __call__(self) -> asyncio.Protocol:  # type: ignore[override]
+        if self._front is not None:  # the fast path (fast_http.py), which hands other requests to aiohttp
+            return self._front(self)
+        return self.aiohttp_protocol()
 
 
 class LimitedAppRunner(web.AppRunner):
     """``web.AppRunner`` whose connections are :class:`LimitedRequestHandler`."""
 
-    def __init__(self, app: web.Application, limits: ServerLimits, **kwargs: Any) -> None:
+    def __init__(self, app: web.Application, limits: ServerLimits,
+                 front: Callable[[Any], asyncio.Protocol] | None = None, **kwargs: Any) -> None:
         super().__init__(app, keepalive_timeout=limits.keepalive_timeout, **kwargs)
         self.limits = limits
+        self.front = front
 
     async def _make_server(self) -> web_server.Server:
         server = await super()._make_server()
         server.__class__ = _LimitedServer  # the app's own Server, with our protocol factory
         server._limits = self.limits
+        server._front = self.front
         return server
 
 
