@@ -295,38 +295,41 @@ class FastConnection(asyncio.Protocol):
         writer = FastReplyWriter(self)
         writer.close = not keep_alive
         try:
-            try:
-                await serve_inference(request, route, writer)
-            except ApiError as exc:
-                self._send_error(request, exc, writer)
-            except web.HTTPException as exc:  # as _errors_middleware maps one
-                if exc.status < 400:
-                    raise
-                self._send_error(request, ApiError(exc.status, exc.reason, None), writer)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a bug: the client gets a 500, the connection closes
-                log.exception("error handling %s", route)
-                keep_alive = False
-                if writer.started:
-                    self._abort()
-                else:
-                    self._send_error(
-                        request, ApiError(500, "internal server error", "internal_error"), writer, close=True
-                    )
+            await self._answer(request, route, writer)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # not even an error reply could go out: cut the connection, never leave it hanging
+            log.exception("error answering %s", route)
+            self._abort()
         finally:
             self._limits.inflight_bytes -= length
             self._request_in_progress = False
             self._task = None
         if self.transport is None:
             return
-        if not keep_alive or self._closing or writer.close:
+        if self._closing or writer.close:
             self.transport.close()
             return
         if self._paused:
             self._paused = False
             self.transport.resume_reading()
         self._process()
+
+    async def _answer(self, request: FastRequest, route: str, writer: FastReplyWriter) -> None:
+        """The reply, or the error reply in the OpenAI shape, as ``_errors_middleware`` writes it."""
+        try:
+            await serve_inference(request, route, writer)
+        except ApiError as exc:
+            self._send_error(request, exc, writer)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            self._send_error(request, ApiError(exc.status, exc.reason, None), writer)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug: the client gets a 500, the connection closes
+            log.exception("error handling %s", route)
+            self._send_error(request, ApiError(500, "internal server error", "internal_error"), writer, close=True)
 
     def _send_error(self, request: FastRequest, exc: ApiError, writer: FastReplyWriter, close: bool = False) -> None:
         if writer.started:  # the stream's head is out: the only signal left is to cut it

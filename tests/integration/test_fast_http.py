@@ -252,3 +252,31 @@ async def test_keepalive_and_body_timeouts_close_fast_connections(fed_server, en
     assert await asyncio.wait_for(reader.read(), 10) == b""
     assert server.limits.body_timeouts == 1 and server.limits.inflight_bytes == 0
     writer.close()
+
+
+async def test_a_bug_is_a_500_in_the_openai_shape_and_a_failed_reply_cuts_the_connection(fed_server, engine,
+                                                                                      monkeypatch):
+    e = await engine()
+    server, _ = await served(fed_server, e)
+
+    async def boom(routed):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(server.router, "dispatch", boom)
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(post("/v1/chat/completions", json.dumps(CHAT).encode()))
+    data = await asyncio.wait_for(reader.read(), 10)  # the reply, then EOF: the connection closes after a 500
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 500 ") and b"\r\nConnection: close" in head
+    assert json.loads(body)["error"]["code"] == "internal_error"
+    writer.close()
+
+    def unwritable(*args, **kwargs):
+        raise ValueError("cannot write")
+
+    monkeypatch.setattr("infera.server.fast_http.FastReplyWriter.unary", unwritable)
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(post("/v1/chat/completions", json.dumps(CHAT).encode()))
+    assert await asyncio.wait_for(reader.read(), 10) == b""  # cut, not left hanging
+    assert server.limits.inflight_bytes == 0
+    writer.close()
