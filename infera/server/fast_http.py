@@ -54,8 +54,9 @@ _ROUTES = {
 _TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
 _VALUE = rb"(?:[\x21-\x7e\x80-\xff](?:[\x20-\x7e\x80-\xff\t]*[\x21-\x7e\x80-\xff])?)?"
 _FIELD = rb"(" + _TOKEN + rb"):[ \t]*(" + _VALUE + rb")[ \t]*\r\n"
-_HEADER_BLOCK = re.compile(rb"(?:" + _FIELD + rb")*")
-_HEADER_FIELD = re.compile(_FIELD)
+# Anchored at a line's start, a field matches its whole line (a value holds no CR or LF): the block
+# is well-formed when every LF ends a matched line, so one findall both validates and extracts.
+_HEADER_LINE = re.compile(rb"(?m)^" + _FIELD)
 _DIGITS = re.compile(rb"[0-9]{1,15}")
 # Headers whose presence sends the request to aiohttp: its framing or semantics are not the plain case.
 _HANDOFF_HEADERS = frozenset({b"transfer-encoding", b"expect", b"upgrade", b"te", b"http2-settings"})
@@ -114,12 +115,13 @@ def parse_head(head: bytes) -> tuple[str, CIMultiDict[str], int, bool] | None:
     if route is None:
         return None
     block = head[line_end + 2 :] + b"\r\n"
-    if _HEADER_BLOCK.fullmatch(block) is None:
-        return None
+    fields = _HEADER_LINE.findall(block)
+    if len(fields) != block.count(b"\n"):
+        return None  # a line that is not a field, a bare LF or CR, an obs-fold
     headers: CIMultiDict[str] = CIMultiDict()
     length = None
     keep_alive = True
-    for raw_name, raw_value in _HEADER_FIELD.findall(block):
+    for raw_name, raw_value in fields:
         name = raw_name.lower()
         if name == b"content-length":
             if length is not None or _DIGITS.fullmatch(raw_value) is None:
@@ -268,7 +270,7 @@ class FastConnection(asyncio.Protocol):
         self._pending = None
         self._limits.fast_requests += 1
         self._request_in_progress = True
-        self._set_phase(_BUSY)
+        self._phase = _BUSY  # no timer while the request is answered
         self._task = self._loop.create_task(self._serve(pending[0], pending[1], length, pending[3], body))
 
     def _hand_off(self) -> None:

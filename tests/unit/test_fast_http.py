@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import re
 
+import httptools
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from infera.server.fast_http import FastReplyWriter, HttpDate, parse_head
 
@@ -155,3 +158,53 @@ def test_a_header_value_with_a_line_break_is_refused_not_written():
     with pytest.raises(ValueError, match="line break"):
         FastReplyWriter(conn).unary(200, b"", {}, "text/plain\nX: y")
     assert conn.transport.data == b""
+
+
+@pytest.mark.parametrize("raw", [
+    head(b"Content-Length: 5", b"X-A: a\rX-B: b"),  # a bare CR between two fields
+    head(b"Content-Length: 5", b"junk X-A: b"),  # a field that starts mid-line
+    head(b"Content-Length: 5", b"X-A: a\x00b"),
+    head(b"Content-Length: 5", b"X-A:\x0bb"),
+])
+def test_a_line_is_a_field_whole_or_the_head_goes_to_aiohttp(raw):
+    assert parse_head(raw) is None
+
+
+class Oracle:
+    """httptools (llhttp, the parser family aiohttp's own C parser comes from), collecting headers."""
+
+    def __init__(self) -> None:
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.done = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value.rstrip(b" \t")))  # llhttp keeps trailing whitespace; RFC 9110 drops it
+
+    def on_headers_complete(self) -> None:
+        self.done = True
+
+
+_GOOD_NAME = [b"a", b"Z", b"-", b"0", b"!", b"~", b"X-Infera-Request-Id", b"Content-Type", b"Connection"]
+_NAME = st.lists(st.sampled_from(_GOOD_NAME * 4 + [b" ", b"(", b"\x00", b"\xc3", b""]), max_size=4).map(b"".join)
+_SEP = st.sampled_from([b":", b": ", b": ", b":\t", b":  ", b" :", b""])
+_GOOD_VALUE = [b"v", b" ", b"\t", b"\xc3\xa9", b"1", b",", b"close", b"keep-alive", b"/", b"="]
+_VALUE = st.lists(st.sampled_from(_GOOD_VALUE * 4 + [b"\x7f", b"\r", b"\n", b"\x00", b"\x01", b"\r\n"]),
+                  max_size=6).map(b"".join)
+_LINE = st.one_of(st.tuples(_NAME, _SEP, _VALUE).map(b"".join),
+                  st.sampled_from([b"Transfer-Encoding: chunked", b"Content-Length: 3", b" folded", b"Expect: x"]))
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(st.lists(_LINE, max_size=6))
+def test_what_the_fast_path_takes_llhttp_parses_the_same(lines):
+    raw = head(b"Content-Length: 3", *lines)
+    taken = parse_head(raw)
+    if taken is None:
+        return
+    oracle = Oracle()
+    parser = httptools.HttpRequestParser(oracle)
+    parser.feed_data(raw + b"\r\n\r\n")  # raises on anything llhttp refuses
+    assert oracle.done and parser.get_method() == b"POST" and parser.get_http_version() == "1.1"
+    _route, headers, length, keep_alive = taken
+    assert [(k.encode(), v.encode("utf-8", "surrogateescape")) for k, v in headers.items()] == oracle.headers
+    assert length == 3 and keep_alive == parser.should_keep_alive()

@@ -2,7 +2,8 @@
 a loopback engine: it answers what aiohttp's path answers (same status, body and headers, side by
 side with ``--http-fast-path off``), hands everything else on a connection to aiohttp, answers
 pipelined requests in order, cancels the engine's request when the client leaves, lets a stream in
-progress finish on shutdown, and its idle connections are evicted past ``--max-connections``."""
+progress finish on shutdown, and its idle connections are evicted past ``--max-connections``; on
+the stock loop and on uvloop (``conftest.py``)."""
 from __future__ import annotations
 
 import asyncio
