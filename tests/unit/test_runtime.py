@@ -211,3 +211,20 @@ async def test_exit_after_bounds_a_process_whatever_its_loop_waits_on(how: str, 
             proc.kill()
     assert proc.returncode == code
     assert says in out.decode()
+
+
+def test_settle_gc_freezes_startup_and_spaces_young_collections():
+    import gc
+
+    from infera.runtime import GC_GEN0_THRESHOLD, settle_gc
+
+    before = gc.get_threshold()
+    try:
+        gc.unfreeze()
+        settle_gc()
+        assert gc.get_freeze_count() > 0  # what was alive is out of the collector's sight
+        assert gc.get_threshold() == (GC_GEN0_THRESHOLD, before[1], before[2])
+        assert gc.get_count()[0] < GC_GEN0_THRESHOLD
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
