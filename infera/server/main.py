@@ -138,6 +138,9 @@ class InferaServer:
         front = None
         if self.fast_path_enabled():  # the inference routes' plain requests skip aiohttp's objects
             front = fast_front(app, self.limits)
+        elif self.args.http_fast_path == "on":
+            log.info("the HTTP fast path is off: --access-log, --api-keys-file and --max-inflight-per-worker "
+                     "run in aiohttp's middlewares")
         self._runner = LimitedAppRunner(app, self.limits, front=front, handler_cancellation=True,
                                         access_log=logging.getLogger("infera.access") if self.args.access_log else None)
         await self._runner.setup()

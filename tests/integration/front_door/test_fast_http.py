@@ -281,3 +281,16 @@ async def test_a_bug_is_a_500_in_the_openai_shape_and_a_failed_reply_cuts_the_co
     assert await asyncio.wait_for(reader.read(), 10) == b""  # cut, not left hanging
     assert server.limits.inflight_bytes == 0
     writer.close()
+
+
+@pytest.mark.parametrize("flags", [("--access-log",), ("--max-inflight-per-worker", "4"), ("--http-fast-path", "off")])
+async def test_flags_whose_work_runs_in_middlewares_keep_aiohttps_path(fed_server, engine, flags, caplog):
+    e = await engine()
+    with caplog.at_level("INFO", logger="infera.server"):
+        server, _ = await served(fed_server, e, *flags)
+    assert not server.fast_path_enabled()
+    said = "the HTTP fast path is off" in caplog.text
+    assert said is (flags[0] != "--http-fast-path")  # said when another flag turned it off
+    ((status, _h, body),) = await raw(server.port, post("/v1/chat/completions", json.dumps(CHAT).encode()), 1)
+    assert status == 200 and json.loads(body)["choices"]
+    assert server.limits.fast_requests == 0 and not fast_connections(server)
