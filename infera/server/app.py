@@ -35,9 +35,10 @@ from infera.server.app_anthropic import (ANTHROPIC_PREFIX, _anthropic_count_toke
                                          _anthropic_messages)
 from infera.server.app_state import (API_KEY_KEY, DIRECT_PREFILL_HEADER, DIRECT_WORKER_HEADER,  # noqa: F401
                                      FLEET_VIEW_KEY, PERMIT_KEY, REQUEST_ID_HEADER, REQUEST_ID_KEY, STATE_KEY,
-                                     TICKET_KEY, USAGE_TOKENS_KEY, RequestIds, ServerState, _account_unary, _admit,
-                                     _authorize_model, _check_client_request_id, _error_response, _json,
-                                     _dispatch_accounted, _request_id, _trace)
+                                     TICKET_KEY, USAGE_TOKENS_KEY, RequestIds, ServerState, _account_stream_end,
+                                     _account_unary, _admit, _authorize_model, _check_client_request_id,
+                                     _error_response, _json, _dispatch_accounted, _observe_first_byte,
+                                     _request_id, _trace)
 from infera.server.fleet_view import FleetView, RecentWorkerStats
 from infera.server.request_salt import CACHE_SALT_STATE, salt_request
 from infera.server.tenant_limits import UsageMeter
@@ -197,9 +198,7 @@ async def serve_inference(request: Any, route: str, out: Any) -> Any:
     if reply.stream is None:
         _account_unary(request, metrics, route, stream, started, span, routed, reply)
         return out.unary(reply.status, reply.body, reply_headers, reply.content_type.split(";")[0])
-    first_byte = (reply.first_byte_at or time.perf_counter()) - started
-    metrics.observe_ttft(route, first_byte)
-    request.app[FLEET_VIEW_KEY].recent.observe_ttft(reply.worker_id, first_byte)  # per worker, for /v1/fleet
+    _observe_first_byte(request, metrics, route, started, reply)
     reply_headers["Content-Type"] = "text/event-stream"
     reply_headers["Cache-Control"] = "no-cache"
     chunks = reply.stream
@@ -216,14 +215,8 @@ async def serve_inference(request: Any, route: str, out: Any) -> Any:
         metrics.count_disconnect(route)
         broken = "the client disconnected"
         raise
-    finally:
-        await chunks.aclose()  # releases upstream on any exit, even before the first chunk
-        metrics.count_request(route, 200, reply.worker_id)
-        metrics.observe_e2e(route, stream, time.perf_counter() - started)
-        if span is not None:
-            span.finish(200, routed.state, worker_id=reply.worker_id, error=broken)
-        if meter is not None:
-            request[USAGE_TOKENS_KEY] = meter.tokens()
+    finally:  # releases upstream on any exit, even before the first chunk
+        await _account_stream_end(request, metrics, route, stream, started, span, routed, reply, broken, meter)
 
 
 def _make_inference_handler(route: str):

@@ -35,10 +35,10 @@ from infera.kv.prompt import DEFAULT_PREFIX_CHARS
 from infera.router.lora import adapter_holders
 from infera.router.policy import RoutedRequest
 from infera.router.upstream import LegFailure, open_upstream, request_headers
-from infera.server.app_state import (API_KEY_KEY, DIRECT_PREFILL_HEADER, DIRECT_WORKER_HEADER, FLEET_VIEW_KEY,
+from infera.server.app_state import (API_KEY_KEY, DIRECT_PREFILL_HEADER, DIRECT_WORKER_HEADER,
                                      PERMIT_KEY, REQUEST_ID_HEADER, REQUEST_ID_KEY, STATE_KEY, USAGE_TOKENS_KEY,
-                                     ServerState, _admit, _authorize_model, _check_client_request_id, _json,
-                                     _request_id, _trace)
+                                     ServerState, _account_stream_end, _admit, _authorize_model,
+                                     _check_client_request_id, _json, _observe_first_byte, _request_id, _trace)
 from infera.server.request_salt import CACHE_SALT_STATE, SALT_FIELD, salt_translated
 from infera.server.tenant_limits import UsageMeter, reply_tokens
 from infera.server.tracing import RequestSpan
@@ -204,9 +204,7 @@ async def _anthropic_messages(request: web.Request) -> web.StreamResponse:
             return _anthropic_error(502, "the worker returned a body that is not JSON", request_id)
         message = _anthropic.translate_response(answer if isinstance(answer, dict) else {}, translated, msg_id)
         return web.Response(body=_json.encode(message), content_type="application/json", headers=headers)
-    metrics.observe_ttft(route, (reply.first_byte_at or time.perf_counter()) - started)
-    request.app[FLEET_VIEW_KEY].recent.observe_ttft(reply.worker_id,  # per worker, for /v1/fleet
-                                                    (reply.first_byte_at or time.perf_counter()) - started)
+    _observe_first_byte(request, metrics, route, started, reply)
     headers["Content-Type"] = "text/event-stream"
     headers["Cache-Control"] = "no-cache"
     resp = web.StreamResponse(status=200, headers=headers)
@@ -235,14 +233,8 @@ async def _anthropic_messages(request: web.Request) -> web.StreamResponse:
         metrics.count_disconnect(route)
         broken = "the client disconnected"
         raise
-    finally:
-        await chunks.aclose()  # releases upstream on any exit, even before the first chunk
-        metrics.count_request(route, 200, reply.worker_id)
-        metrics.observe_e2e(route, True, time.perf_counter() - started)
-        if span is not None:
-            span.finish(200, routed.state, worker_id=reply.worker_id, error=broken)
-        if meter is not None:
-            request[USAGE_TOKENS_KEY] = meter.tokens()
+    finally:  # releases upstream on any exit, even before the first chunk
+        await _account_stream_end(request, metrics, route, True, started, span, routed, reply, broken, meter)
     return resp
 
 

@@ -32,19 +32,19 @@ from infera.router.policy import RoutedRequest
 from infera.server.app_state import (
     API_KEY_KEY,
     DIRECT_WORKER_HEADER,
-    FLEET_VIEW_KEY,
     PERMIT_KEY,
     REQUEST_ID_HEADER,
     REQUEST_ID_KEY,
     STATE_KEY,
-    USAGE_TOKENS_KEY,
     ServerState,
+    _account_stream_end,
     _account_unary,
     _admit,
     _authorize_model,
     _check_client_request_id,
     _dispatch_accounted,
     _json,
+    _observe_first_byte,
     _request_id,
     _trace,
 )
@@ -164,9 +164,7 @@ async def _create(request: web.Request) -> web.StreamResponse:
         return web.Response(
             status=reply.status, body=body, headers=headers, content_type=reply.content_type.split(";")[0]
         )
-    first = (reply.first_byte_at or time.perf_counter()) - started
-    metrics.observe_ttft(ROUTE, first)
-    request.app[FLEET_VIEW_KEY].recent.observe_ttft(reply.worker_id, first)
+    _observe_first_byte(request, metrics, ROUTE, started, reply)
     headers["Content-Type"] = "text/event-stream"
     headers["Cache-Control"] = "no-cache"
     resp = web.StreamResponse(status=200, headers=headers)
@@ -202,13 +200,7 @@ async def _create(request: web.Request) -> web.StreamResponse:
         broken = "the client disconnected"
         raise
     finally:
-        await chunks.aclose()
-        metrics.count_request(ROUTE, 200, reply.worker_id)
-        metrics.observe_e2e(ROUTE, True, time.perf_counter() - started)
-        if span is not None:
-            span.finish(200, routed.state, worker_id=reply.worker_id, error=broken)
-        if meter is not None:
-            request[USAGE_TOKENS_KEY] = meter.tokens()
+        await _account_stream_end(request, metrics, ROUTE, True, started, span, routed, reply, broken, meter)
     return resp
 
 

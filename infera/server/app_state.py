@@ -160,6 +160,30 @@ def _account_unary(request: web.Request, metrics: ServerMetrics, route: str, str
         request[USAGE_TOKENS_KEY] = reply_tokens(reply.body)
 
 
+def _observe_first_byte(request: web.Request, metrics: ServerMetrics, route: str, started: float,
+                        reply: Reply) -> None:
+    """A stream's time to its first byte: for the route, and for its worker (``/v1/fleet``)."""
+    first = (reply.first_byte_at or time.perf_counter()) - started
+    metrics.observe_ttft(route, first)
+    request.app[FLEET_VIEW_KEY].recent.observe_ttft(reply.worker_id, first)
+
+
+async def _account_stream_end(request: web.Request, metrics: ServerMetrics, route: str, stream: bool,
+                              started: float, span: RequestSpan | None, routed: RoutedRequest, reply: Reply,
+                              broken: str | None, meter: Any) -> None:
+    """A relayed stream's end, however it came (done, broken, the client gone, or before its first
+    chunk): the upstream released, the request series, its end-to-end time, the span's end and
+    (under a tokens/min limit) its tokens for the tenant."""
+    if reply.stream is not None:
+        await reply.stream.aclose()
+    metrics.count_request(route, 200, reply.worker_id)
+    metrics.observe_e2e(route, stream, time.perf_counter() - started)
+    if span is not None:
+        span.finish(200, routed.state, worker_id=reply.worker_id, error=broken)
+    if meter is not None:
+        request[USAGE_TOKENS_KEY] = meter.tokens()
+
+
 def _trace(state: ServerState, request: web.Request, route: str, model: str | None,
            request_id: str) -> tuple[RequestSpan | None, tuple[tuple[str, str], ...]]:
     """The request's span (tracing on) and the trace headers every engine leg gets: the span's
