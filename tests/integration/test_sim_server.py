@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import signal
 import socket
@@ -431,3 +432,25 @@ async def test_unknown_flag_exits_2():
     _, err = await asyncio.wait_for(proc.communicate(), timeout=20)
     assert proc.returncode == 2
     assert b"unrecognized arguments: --no-such-flag" in err
+
+
+async def test_a_kv_event_port_in_use_fails_start_and_closes_what_startup_opened():
+    # The KV-event publisher binds in the app's startup: its failure must not leak the loopback
+    # client sessions other startup steps opened (CI saw "Unclosed client session" after it).
+    leaks: list[dict] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, context: leaks.append(context))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                          "endpoint": f"tcp://*:0;127.0.0.1:{port}", "topic": "kv-events"})
+        server = SimServer(sim_args("--kv-events-config", cfg, "--serve-anthropic"))
+        with pytest.raises(OSError, match="KV events"):
+            await server.start()
+    del server
+    gc.collect()
+    await asyncio.sleep(0)
+    loop.set_exception_handler(None)
+    assert not [c for c in leaks if "Unclosed" in c.get("message", "")], leaks

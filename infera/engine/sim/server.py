@@ -169,8 +169,10 @@ class SimServer:
     async def start(self) -> None:
         # handler_cancellation: a client disconnect cancels its handler -> sequence aborted.
         runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
-        await runner.setup()
         try:
+            # setup() runs the app's startup (the KV-event sockets bind there): a failure in it must
+            # still close what startup opened before it.
+            await runner.setup()
             site = web.TCPSite(runner, self.host, self.port)
             await site.start()
         except BaseException:
