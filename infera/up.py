@@ -20,7 +20,7 @@ from typing import Sequence
 import aiohttp
 
 from infera.config import add_flag, choice_of, etcd_url, positive_float, positive_int
-from infera.engine.base.kv_events import free_port
+from infera.engine.base.ports import free_port
 from infera.runtime import set_pdeathsig, wait_for
 
 log = logging.getLogger("infera.up")

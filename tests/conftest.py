@@ -15,11 +15,11 @@ import time
 import urllib.request
 from typing import Awaitable, Callable
 
-from infera.engine.base.kv_events import free_port_block
-from infera.engine.base.prom import samples
-
 import pytest
 from hypothesis import HealthCheck, settings
+
+from infera.engine.base.ports import free_port_block
+from infera.engine.base.prom import samples
 
 # One hypothesis profile for the whole suite (no test module changes global settings): in CI the
 # same examples every run (derandomized, no example database), so a red run is reproducible and no

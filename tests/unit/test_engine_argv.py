@@ -66,16 +66,48 @@ def test_info_labels():
 @pytest.mark.parametrize("env, n", [({}, 1), ({}, 4), ({"INFERA_NODEPORT_RANGE": "off"}, 1),
                                     ({"INFERA_NODEPORT_RANGE": "20000-29999"}, 2)])
 def test_free_port_block_avoids_ephemeral_and_nodeports(monkeypatch, env, n):
-    from infera.engine.base import kv_events
+    from infera.engine.base import ports
 
     for k in ("INFERA_NODEPORT_RANGE",):
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    eph_lo, _ = kv_events._ephemeral_range()
-    nodeports = kv_events._nodeport_range()
+    eph_lo, _ = ports._ephemeral_range()
+    nodeports = ports._nodeport_range()
     for _ in range(50):
-        base = kv_events.free_port_block(n, "127.0.0.1")
+        base = ports.free_port_block(n, "127.0.0.1")
         assert base + n - 1 < eph_lo
         if nodeports:
             assert base + n - 1 < nodeports[0] or base > nodeports[1]
+
+
+class _ScriptedDraws:
+    """Stands in for the ports' random generator: hands out the given bases in order."""
+
+    def __init__(self, bases: list[int]) -> None:
+        self.bases = iter(bases)
+
+    def randint(self, lo: int, hi: int) -> int:
+        return next(self.bases)
+
+
+@pytest.mark.parametrize("draws, engine_port, expected", [
+    ([12001, 12002], None, (12001, 12002)),
+    # Two draws of one port (CI lost a sim engine to it): the replay socket is drawn again.
+    ([12001, 12001, 12001, 12003], None, (12001, 12003)),
+    # Neither socket may take the engine's own HTTP port, also still unbound at launch.
+    ([12005, 12005, 12006, 12005, 12007], "12005", (12006, 12007)),
+])
+def test_injected_kv_event_ports_are_distinct_from_each_other_and_the_engine_port(
+        monkeypatch, draws, engine_port, expected):
+    import json
+
+    from infera.engine.base import kv_events, ports
+
+    monkeypatch.setattr(ports, "_port_rng", _ScriptedDraws(draws))
+    monkeypatch.setattr(ports, "bindable", lambda port, host: True)
+    argv = ["--model", "m", *(["--port", engine_port] if engine_port else [])]
+    out, got = kv_events.with_kv_events(argv, True, "sim")
+    assert got == expected
+    cfg = json.loads(flag_value(out, "--kv-events-config"))
+    assert (cfg["endpoint"], cfg["replay_endpoint"]) == (f"tcp://*:{expected[0]}", f"tcp://*:{expected[1]}")

@@ -36,13 +36,14 @@ from typing import Any, Mapping
 
 import aiohttp
 
-from infera.engine.base.engine_config import http_ready, parse_json_flag
 from infera.engine.base.argv import flag_value, flag_values, has_flag
+from infera.engine.base.engine_config import http_ready, parse_json_flag
+from infera.engine.base.kv_events import kv_events_bind_ip
 from infera.engine.base.launcher import EngineProcessSpec, default_advertise_host, engine_command
+from infera.engine.base.ports import free_port
 from infera.engine.base.preflight import PdSetup
 from infera.engine.base.rocm_env import apply_rocm_env
 from infera.engine.sglang.adapter import add_kv_events_flag, int_flag, kv_events_enabled
-from infera.engine.base.kv_events import free_port, kv_events_bind_ip
 
 log = logging.getLogger("infera.launcher.atom")
 

@@ -14,82 +14,16 @@ import argparse
 import ipaddress
 import json
 import logging
-import os
-import random
 import socket
 
 from infera.config import add_flag
 from infera.engine.base.argv import flag_value
 from infera.engine.base.engine_config import parse_json_flag
+from infera.engine.base.ports import bindable, engine_port_taken, free_port_blocks
 
 log = logging.getLogger("infera.launcher.kv_events")
 
 Ports = tuple[int, "int | None"]  # (publisher, replay)
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            lo, hi = (int(x) for x in f.read().split())
-            return lo, hi
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def _nodeport_range() -> tuple[int, int] | None:
-    """Kubernetes NodePorts (``INFERA_NODEPORT_RANGE="lo-hi"``, ``none``/``off`` to allow them)."""
-    raw = os.environ.get("INFERA_NODEPORT_RANGE", "30000-32767").strip().lower()
-    if raw in ("none", "off", ""):
-        return None
-    try:
-        lo, hi = (int(x) for x in raw.split("-", 1))
-        return lo, hi
-    except ValueError:
-        return 30000, 32767
-
-
-def _bindable(port: int, host: str) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-            return True
-        except OSError:
-            return False
-
-
-# The OS's generator, not the module-level one: anything in the process may reseed that one
-# (test tools do), and two launchers drawing from a reseeded generator pick the same port.
-_port_rng = random.SystemRandom()
-
-
-def free_port_block(n: int = 1, host: str = "", attempts: int = 256) -> int:
-    """First of ``n`` consecutive TCP ports free now, chosen BELOW the kernel's ephemeral range and
-    outside Kubernetes' NodePort range: a port handed to an engine is bound seconds later (vLLM
-    binds its KV-event publisher after loading the model), and a port from the ephemeral range
-    can be taken meanwhile by any outgoing connection on the host (it happened in CI)."""
-    eph_lo, _ = _ephemeral_range()
-    nodeports = _nodeport_range()
-    lo, hi = 10000, eph_lo - n
-    for _ in range(attempts):
-        base = _port_rng.randint(lo, hi) if hi > lo else 0
-        if base == 0:
-            break
-        if nodeports and base + n - 1 >= nodeports[0] and base <= nodeports[1]:
-            continue
-        if all(_bindable(base + i, host) for i in range(n)):
-            return base
-    # No room below the ephemeral range (unusual sysctl): let the kernel pick.
-    for _ in range(attempts):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            base = s.getsockname()[1]
-        if base + n - 1 <= 65535 and all(_bindable(base + i, host) for i in range(1, n)):
-            return base
-    raise OSError(f"no {n} consecutive free TCP ports found")
-
-
-def free_port(host: str = "") -> int:
-    return free_port_block(1, host)
 
 
 def add_kv_events_flag(parser: argparse.ArgumentParser) -> None:
@@ -105,7 +39,10 @@ def with_kv_events(argv: list[str], enabled: bool, engine: str) -> tuple[list[st
     user_cfg = flag_value(argv, "--kv-events-config")
     if user_cfg is not None:
         return argv, event_ports(user_cfg, engine)
-    pub, replay = free_port(), free_port()
+    # Disjoint from each other and from the engine's own port: each is only free *now*, none is
+    # bound yet, and two independent draws can be the same port (CI lost a sim engine to exactly
+    # that: "Address already in use" on a publisher and replay both given 22476).
+    pub, replay = free_port_blocks([1, 1], avoid=engine_port_taken(argv))
     config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
               "replay_endpoint": f"tcp://*:{replay}", "topic": "kv-events"}
     return [*argv, "--kv-events-config", json.dumps(config, separators=(",", ":"))], (pub, replay)
@@ -172,7 +109,7 @@ def kv_events_bind_ip(advertise_host: str) -> str | None:
     if ip.version != 4 or ip.is_unspecified:
         log.warning("KV events: advertise host %s is not one IPv4 address: publishing on all interfaces", host)
         return None
-    if not _bindable(0, str(ip)):
+    if not bindable(0, str(ip)):
         log.warning("KV events: advertise host %s (%s) is not an address of this machine: publishing on all "
                     "interfaces (give --advertise-host a local address, or a --kv-events-config of your own)",
                     host, ip)

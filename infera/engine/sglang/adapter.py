@@ -39,11 +39,12 @@ from typing import Any, Sequence
 import aiohttp
 
 from infera.config import add_flag, parse_bool
-from infera.engine.base.engine_config import http_ready, parse_json_flag
 from infera.engine.base.argv import flag_value, has_flag
-from infera.engine.base.launcher import WILDCARD_HOSTS, EngineProcessSpec, default_advertise_host, engine_command
+from infera.engine.base.engine_config import http_ready, parse_json_flag
 from infera.engine.base.kv_dtype import has_gpu, with_kv_fp8_default
-from infera.engine.base.kv_events import bind_kv_events, free_port_block
+from infera.engine.base.kv_events import bind_kv_events
+from infera.engine.base.launcher import WILDCARD_HOSTS, EngineProcessSpec, default_advertise_host, engine_command
+from infera.engine.base.ports import free_port_blocks
 from infera.engine.base.preflight import SGLANG_RDMA_BACKENDS, PdSetup, sglang_transfer_refusals
 from infera.engine.base.prom import sum_samples
 from infera.engine.base.rocm_env import apply_rocm_env
@@ -284,7 +285,8 @@ class SglangAdapter:
             user_cfg = flag_value(argv, "--kv-events-config")
             if user_cfg is None:
                 try:
-                    kv_port = free_port_block(max(dp_size, 1))
+                    # apart from the engine's own port, also unbound until the engine starts
+                    (kv_port,) = free_port_blocks([max(dp_size, 1)], avoid=[range(port, port + 1)])
                 except OSError as exc:
                     raise SystemExit(f"{PROG}: {exc} for KV events") from None
                 argv += ["--kv-events-config", json.dumps(

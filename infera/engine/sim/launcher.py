@@ -15,14 +15,14 @@ from typing import Any
 
 import aiohttp
 
+from infera.engine.base.anthropic_probe import serves_anthropic_messages
 from infera.engine.base.argv import flag_value, flag_values
-from infera.engine.base.kv_events import (add_kv_events_flag, bind_kv_events, event_fields, free_port,
-                                          with_kv_events)
+from infera.engine.base.kv_events import add_kv_events_flag, bind_kv_events, event_fields, with_kv_events
 from infera.engine.base.launcher import EngineProcessSpec, default_advertise_host, engine_command
+from infera.engine.base.lora_watch import lora_enabled, max_loras, probe_lora_adapters
+from infera.engine.base.ports import free_port
 from infera.engine.base.prom import VLLM_INFLIGHT, info_labels, sum_samples
 from infera.engine.vllm.adapter import disaggregation, parse_kv_transfer_config, with_pinned_engine_id
-from infera.engine.base.anthropic_probe import serves_anthropic_messages
-from infera.engine.base.lora_watch import lora_enabled, max_loras, probe_lora_adapters
 from infera.engine.vllm.tasks import probe_tasks
 
 PROG = "infera.engine.sim"

@@ -39,7 +39,7 @@ from infera.engine.base.kv_dtype import has_gpu, with_kv_fp8_default
 from infera.engine.base.kv_events import add_kv_events_flag, bind_kv_events, event_fields, with_kv_events
 from infera.engine.base.launcher import EngineProcessSpec, default_advertise_host, engine_command
 from infera.engine.base.lora_watch import add_lora_watch_flag, lora_enabled, max_loras, probe_lora_adapters
-from infera.engine.base.ports import free_port_blocks
+from infera.engine.base.ports import engine_port_taken, free_port_blocks
 from infera.engine.base.preflight import PdSetup
 from infera.engine.base.rocm_env import apply_rocm_env
 from infera.engine.base.anthropic_probe import serves_anthropic_messages
@@ -220,7 +220,8 @@ def kv_event_ports(argv: list[str], enabled: bool, layout: DpLayout) -> tuple[li
     if ports is None:
         return argv, None
     if not user_config and (layout.start or layout.local > 1):
-        pub, replay = (b - layout.start for b in free_port_blocks([layout.local, layout.local]))
+        pub, replay = (b - layout.start
+                       for b in free_port_blocks([layout.local, layout.local], avoid=engine_port_taken(argv)))
         if min(pub, replay) < 1:
             raise SystemExit(f"infera.engine.vllm: DP start rank {layout.start} leaves no room below the free ports "
                              "for the KV-event base port; give a --kv-events-config")
