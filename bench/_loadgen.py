@@ -90,11 +90,12 @@ def _completion_tokens(payload: bytes) -> int | None:
     return int(m.group(1)) if m else None
 
 
-async def _one_request(session: aiohttp.ClientSession, url: str, body: bytes, stream: bool, stats: _Stats) -> None:
+async def _one_request(session: aiohttp.ClientSession, url: str, body: bytes, stream: bool, stats: _Stats,
+                       headers: dict[str, str] = _HEADERS) -> None:
     clock = time.perf_counter
     start = clock()
     try:
-        async with session.post(url, data=body, headers=_HEADERS) as resp:
+        async with session.post(url, data=body, headers=headers) as resp:
             if resp.status != 200:
                 text = (await resp.read())[:200].decode("utf-8", "replace")
                 stats.error(f"HTTP {resp.status} from {url}: {text}")
@@ -160,6 +161,7 @@ async def run_job(job: dict[str, Any]) -> dict[str, Any]:
     warmup_requests = job.get("warmup_requests")
     warmup_requests = math.inf if warmup_requests is None else int(warmup_requests)
     bodies = [b.encode() for b in job["bodies"]]
+    headers = {**_HEADERS, **job.get("headers", {})}  # e.g. an API key
     clock = time.perf_counter
 
     warm = _Stats()
@@ -188,7 +190,7 @@ async def run_job(job: dict[str, Any]) -> dict[str, Any]:
                     stats = warm
                 i = state["rr"]
                 state["rr"] = i + 1
-                await _one_request(session, urls[i % len(urls)], bodies[i % len(bodies)], stream, stats)
+                await _one_request(session, urls[i % len(urls)], bodies[i % len(bodies)], stream, stats, headers)
 
         await asyncio.gather(*(user() for _ in range(concurrency)))
 

@@ -53,6 +53,7 @@ import argparse
 import asyncio
 import atexit
 import ctypes
+import hashlib
 import json
 import os
 import platform
@@ -96,6 +97,7 @@ KV_MODES = ("kv-aware", "kv-aware-nats")  # started per window (see the module d
 MODE_LABELS = {"direct": "direct", "router": "ours round-robin", "router-nats": "ours round-robin, nats",
                "kv-aware": "ours kv-aware", "kv-aware-nats": "ours kv-aware, nats"}
 ADMIN_TOKEN = "bench-admin-token"  # the kv-aware server's --admin-token: its cache-view says when it caught up
+BENCH_API_KEY = "sk-bench"  # with --api-keys: our servers' only key (every router is sent it; peers ignore it)
 # Acceptance thresholds: router (or, without an HTTP router, router-nats) vs direct …
 CHECK1_CONCURRENCY, CHECK1_MAX_DELTA_MS = 16, 1.5
 CHECK2_CONCURRENCY, CHECK2_MIN_RATIO = 64, 0.5
@@ -130,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-fast-path", choices=("on", "off"), default="on",
                    help="our servers' --http-fast-path: on (their default) serves the inference routes without "
                         "aiohttp's objects; off measures aiohttp's path, for an A/B of the fast path")
+    p.add_argument("--api-keys", action="store_true",
+                   help="start our servers with an --api-keys-file (one tenant, no limits) and send its key with "
+                        "every request: the cost of authenticating and counting per tenant")
     p.add_argument("--routers", nargs="+", choices=ROUTERS, default=None,
                    help="routers measured beside direct [all; a peer that cannot be installed or started is "
                         "skipped]: ours (round-robin, kv-aware: one server per request transport) and peers "
@@ -432,11 +437,23 @@ class Bench:
         cmd = [sys.executable, "-m", "infera.server", "--workers", str(processes), "--host", "127.0.0.1",
                "--port", str(port), "--etcd-endpoint", self.etcd.url, "--router-policy", policy,
                "--log-level", "warning", "--http-fast-path", self.args.http_fast_path, *self._plane_flags(plane)]
+        if self.args.api_keys:
+            cmd += ["--api-keys-file", self.api_keys_file()]
         if policy == "kv-aware":  # the token lets us see its views catch up
             cmd += ["--admin-token", ADMIN_TOKEN]
             if processes == 1:  # one replica: nothing to sync (more: the default, shared in-flight state)
                 cmd += ["--replica-sync", "off"]
         return Proc(name, cmd, os.path.join(self.logs_dir, f"{name}.log"))
+
+    def api_keys_file(self) -> str:
+        path = os.path.join(self.logs_dir, "api-keys.yaml")
+        if not os.path.exists(path):
+            with open(path, "w") as f:
+                f.write(f"keys:\n  - sha256: {hashlib.sha256(BENCH_API_KEY.encode()).hexdigest()}\n    tenant: bench\n")
+        return path
+
+    def request_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {BENCH_API_KEY}"} if self.args.api_keys else {}
 
     async def start_plane(self, plane: Plane, py: str) -> None:
         a = self.args
@@ -612,7 +629,7 @@ class Bench:
             body = request_bodies(self.args, stream)[0]
             try:
                 async with session.post(url + "/v1/chat/completions", data=body,
-                                        headers={"Content-Type": "application/json"},
+                                        headers={"Content-Type": "application/json", **self.request_headers()},
                                         timeout=aiohttp.ClientTimeout(total=30)) as r:
                     text = await r.read()
                     status = r.status
@@ -653,7 +670,8 @@ class Bench:
         assert self.loadgen is not None and self.loadgen.proc is not None
         job = {"cmd": "run", "urls": [u + "/v1/chat/completions" for u in self.urls_for(mode)],
                "concurrency": concurrency, "stream": stream, "requests": a.requests, "duration": a.duration,
-               "warmup": a.warmup, "bodies": [b.decode() for b in request_bodies(a, stream)]}
+               "warmup": a.warmup, "bodies": [b.decode() for b in request_bodies(a, stream)],
+               "headers": self.request_headers()}
         proc = self.loadgen.proc
         roles = self.roles(mode)
         cpu_before = tree_cpu_seconds(roles)
@@ -1200,7 +1218,7 @@ async def run(args: argparse.Namespace) -> int:
             "peer_urls": bench.peer_urls,
             "concurrency": args.concurrency, "stream": args.stream, "runs": args.runs, "requests": args.requests,
             "duration_s": args.duration, "warmup_s": args.warmup, "max_tokens": args.max_tokens,
-            "server_processes": args.server_processes, "http_fast_path": args.http_fast_path,
+            "server_processes": args.server_processes, "http_fast_path": args.http_fast_path, "api_keys": args.api_keys,
             "speedup": args.speedup if args.worker == "sim" else None,
             "max_num_seqs": args.max_num_seqs if args.worker == "sim" else None, "quick": args.quick,
             "router_url": (bench.planes.get("http") or direct_plane).router_url, "worker_urls": direct_plane.worker_urls,

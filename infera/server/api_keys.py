@@ -326,12 +326,22 @@ class ApiKeys:
                 "missing_api_key",
                 headers=_CHALLENGE,
             )
-        digest = key_digest(key)
-        found = self._keys.get(digest)
-        if found is None or not hmac.compare_digest(found.digest, digest):
+        found = self._lookup(key)
+        if found is None:
             self.rejected["invalid"] += 1
             raise ApiError(401, "invalid API key", "invalid_api_key", headers=_CHALLENGE)
         return found
+
+    def find(self, headers: Mapping[str, str]) -> ApiKey | None:
+        """The valid key presented, or None, counting nothing: the fast path hands a request without
+        one to aiohttp's path, whose ``authenticate`` answers and counts the 401."""
+        key = presented_key(headers)
+        return None if key is None else self._lookup(key)
+
+    def _lookup(self, key: str) -> ApiKey | None:
+        digest = key_digest(key)
+        found = self._keys.get(digest)
+        return found if found is not None and hmac.compare_digest(found.digest, digest) else None
 
     def authorize(self, key: ApiKey, model: str | None) -> None:
         if not key.allows(model):

@@ -98,6 +98,31 @@ API_KEY_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/mode
                             _anthropic.COUNT_TOKENS_ROUTE, *POOLING_ROUTES, *_responses.API_KEY_ROUTES})
 
 
+async def take_tenant_permit(request: Any, key: Any, limiter: Any) -> Any:
+    """The tenant's in-flight slot under its key's limits (429 here), or None when it has none.
+    Shared by ``_api_key_middleware`` and the fast path (``fast_http.py``)."""
+    if not key.limit or limiter is None:
+        return None
+    permit = request[PERMIT_KEY] = await limiter.admit(key.tenant, key.limit)
+    return permit
+
+
+def settle_api_key(request: Any, keys: Any, key: Any, permit: Any, status: int | None) -> None:
+    """The reply ended, broke or never came: the permit is in flight no more, and the answer is
+    counted for the key's tenant (``status`` None: a bug's 500 or a cancelled request, uncounted)."""
+    if permit is not None:
+        permit.finish(request.get(USAGE_TOKENS_KEY))
+    if status is not None:
+        keys.count(key.tenant, status)
+
+
+def release_ticket(request: Any) -> None:
+    """Gives the fair queue's slot back (taken by the handler once the model is known: ``_admit``)."""
+    ticket = request.get(TICKET_KEY)
+    if ticket is not None:
+        ticket.leave()
+
+
 @web.middleware
 async def _api_key_middleware(request: web.Request,
                               handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
@@ -108,38 +133,30 @@ async def _api_key_middleware(request: web.Request,
     resource = request.match_info.route.resource
     if keys is None or resource is None or resource.canonical not in API_KEY_ROUTES:
         return await handler(request)
-    key = keys.authenticate(request.headers)
-    request[API_KEY_KEY] = key
-    limiter = request.app[STATE_KEY].limiter
+    key = request[API_KEY_KEY] = keys.authenticate(request.headers)
     permit = None
+    status: int | None = None
     try:
-        if key.limit and limiter is not None and resource.canonical != "/v1/models":
-            permit = request[PERMIT_KEY] = await limiter.admit(key.tenant, key.limit)  # 429 here
+        if resource.canonical != "/v1/models":
+            permit = await take_tenant_permit(request, key, request.app[STATE_KEY].limiter)
         response = await handler(request)
-    except ApiError as exc:
-        keys.count(key.tenant, exc.status)
-        raise
-    except web.HTTPException as exc:
-        keys.count(key.tenant, exc.status)
+        status = response.status
+        return response
+    except (ApiError, web.HTTPException) as exc:
+        status = exc.status
         raise
     finally:
-        if permit is not None:  # the reply ended, broke or never came: in flight no more
-            permit.finish(request.get(USAGE_TOKENS_KEY))
-    keys.count(key.tenant, response.status)
-    return response
+        settle_api_key(request, keys, key, permit, status)
 
 
 @web.middleware
 async def _admission_middleware(request: web.Request,
                                 handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
-    """The fair queue's slot (taken by the handler once the model is known: ``_admit``) is given
-    back when the reply has ended, broken or never come."""
+    """The fair queue's slot is given back when the reply has ended, broken or never come."""
     try:
         return await handler(request)
     finally:
-        ticket = request.get(TICKET_KEY)
-        if ticket is not None:
-            ticket.leave()
+        release_ticket(request)
 
 
 class AiohttpReplyWriter:

@@ -227,8 +227,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     f("--http-fast-path", env="INFERA_HTTP_FAST_PATH", default="on", type=choice_of("on", "off"),
       help="on: plain HTTP/1.1 requests to /v1/chat/completions and /v1/completions are served by the front "
            "door's own protocol, without aiohttp's request and response objects (less CPU per request); any "
-           "other request hands its connection to aiohttp. Taken off by --access-log, --api-keys-file and "
-           "--max-inflight-per-worker, whose work runs in aiohttp's middlewares")
+           "other request (and one without a valid key under --api-keys-file) hands its connection to aiohttp")
     f("--admin-token", env="INFERA_ADMIN_TOKEN", default=None, type=optional_secret,
       help="enables the /v1/admin/ endpoints, which then need 'Authorization: Bearer <token>'; off (403) "
            "without it. Prefer the env variable: a flag shows in the process list")

@@ -13,9 +13,11 @@ The same handler serves both paths (``app.serve_inference``), and the same limit
 (``limits.py``): the connection cap (this protocol sits in ``ServerLimits.connections`` and can be
 evicted while idle), the header, body and keep-alive timeouts (one lazily re-armed timer per
 connection, so a kept-alive request costs no timer operation), the request bytes in flight, and
-handler cancellation when the client goes away. Off with ``--http-fast-path off``; it is also off
-with ``--access-log``, ``--api-keys-file`` or ``--max-inflight-per-worker``, whose per-request
-work lives in aiohttp middlewares.
+handler cancellation when the client goes away. So do the API keys' and the fair queue's (the
+tenant's permit and count, the queue's slot: ``app.take_tenant_permit`` and its kin, shared with
+the middlewares); a request without a valid key goes to aiohttp, which answers and counts the 401
+before reading the body. ``--access-log`` lines are written by aiohttp's own access logger, in its
+format, on both paths. Off with ``--http-fast-path off``.
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ from email.utils import formatdate
 from http import HTTPStatus
 from typing import Any, cast
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
+from aiohttp.abc import AbstractAccessLogger
+from aiohttp.web_log import AccessLogger
 from multidict import CIMultiDict
 
 from infera.api.errors import ApiError
-from infera.server.app import serve_inference
-from infera.server.app_state import REQUEST_ID_HEADER, REQUEST_ID_KEY, _request_id
+from infera.server.app import release_ticket, serve_inference, settle_api_key, take_tenant_permit
+from infera.server.app_state import API_KEY_KEY, REQUEST_ID_HEADER, REQUEST_ID_KEY, STATE_KEY, _request_id
 from infera.server.limits import ServerLimits
 
 log = logging.getLogger("infera.server.fast_http")
@@ -147,6 +151,30 @@ def _safe_header(value: str) -> str:
     return value
 
 
+class _LoggedRequest:
+    """What aiohttp's ``AccessLogger`` reads of a request."""
+
+    __slots__ = ("headers", "path_qs", "remote")
+    method = "POST"
+    version = HttpVersion11
+
+    def __init__(self, remote: str | None, path: str, headers: CIMultiDict[str]) -> None:
+        self.remote = remote
+        self.path_qs = path  # the fast path takes no query string
+        self.headers = headers
+
+
+class _LoggedReply:
+    """What aiohttp's ``AccessLogger`` reads of a reply."""
+
+    __slots__ = ("body_length", "headers", "status")
+
+    def __init__(self, status: int, body_length: int) -> None:
+        self.status = status
+        self.body_length = body_length
+        self.headers: dict[str, str] = {}
+
+
 # What a connection is doing, for its single timer (see _on_timer).
 _IDLE, _HEAD, _BODY, _BUSY = range(4)
 
@@ -155,9 +183,18 @@ class FastConnection(asyncio.Protocol):
     """One client connection on the fast path, until it is handed to aiohttp (or closes)."""
 
     def __init__(
-        self, app: Any, server: Any, limits: ServerLimits, handoff: Callable[[], asyncio.Protocol], date: HttpDate
+        self,
+        app: Any,
+        server: Any,
+        limits: ServerLimits,
+        handoff: Callable[[], asyncio.Protocol],
+        date: HttpDate,
+        access_log: AbstractAccessLogger | None = None,
     ) -> None:
         self._app = app
+        self._access_log = access_log  # --access-log: aiohttp's own logger, so both paths write one format
+        self._peer: str | None = None
+        self._state = app[STATE_KEY]
         self._server = server  # aiohttp's Server: its connection list is what shutdown closes
         self._limits = limits
         self._handoff_factory = handoff
@@ -170,9 +207,8 @@ class FastConnection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._task: asyncio.Task[None] | None = None
-        self._pending: tuple[str, CIMultiDict[str], int, bool] | None = (
-            None  # a parsed head whose body is still arriving
-        )
+        # a parsed head whose body is still arriving: route, headers, length, keep-alive, API key
+        self._pending: tuple[str, CIMultiDict[str], int, bool, Any] | None = None
         self._closing = False  # shutdown asked: no new request on this connection
         self._paused = False
         self._write_paused = False
@@ -192,6 +228,9 @@ class FastConnection(asyncio.Protocol):
             return
         self.transport = tcp
         self._server._connections[self] = tcp
+        if self._access_log is not None:
+            peer = tcp.get_extra_info("peername")
+            self._peer = str(peer[0]) if isinstance(peer, (tuple, list)) and peer else None
         self._set_phase(_HEAD)
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -256,11 +295,18 @@ class FastConnection(asyncio.Protocol):
                 self._hand_off()
                 return
             route, headers, length, keep_alive = parsed
+            key = None
+            keys = self._state.api_keys
+            if keys is not None:
+                key = keys.find(headers)
+                if key is None:  # aiohttp's path answers and counts the 401, before reading the body
+                    self._hand_off()
+                    return
             if not self._limits.reserve(length):
                 self._hand_off()  # aiohttp's path answers 503 server_busy, counted there
                 return
             del buf[: end + 4]
-            pending = self._pending = (route, headers, length, keep_alive)
+            pending = self._pending = (route, headers, length, keep_alive, key)
         length = pending[2]
         if len(buf) < length:
             self._enter(_BODY)
@@ -271,7 +317,7 @@ class FastConnection(asyncio.Protocol):
         self._limits.fast_requests += 1
         self._request_in_progress = True
         self._phase = _BUSY  # no timer while the request is answered
-        self._task = self._loop.create_task(self._serve(pending[0], pending[1], length, pending[3], body))
+        self._task = self._loop.create_task(self._serve(pending[0], pending[1], length, pending[3], body, pending[4]))
 
     def _hand_off(self) -> None:
         """The rest of this connection is aiohttp's, starting from the bytes not yet answered."""
@@ -292,12 +338,15 @@ class FastConnection(asyncio.Protocol):
             handler.data_received(data)
 
     # -- serving --
-    async def _serve(self, route: str, headers: CIMultiDict[str], length: int, keep_alive: bool, body: bytes) -> None:
+    async def _serve(
+        self, route: str, headers: CIMultiDict[str], length: int, keep_alive: bool, body: bytes, key: Any
+    ) -> None:
         request = FastRequest(self._app, route, headers, body)
         writer = FastReplyWriter(self)
         writer.close = not keep_alive
+        started = self._loop.time()
         try:
-            await self._answer(request, route, writer)
+            await self._answer(request, route, writer, key)
         except asyncio.CancelledError:
             raise
         except Exception:  # not even an error reply could go out: cut the connection, never leave it hanging
@@ -307,6 +356,12 @@ class FastConnection(asyncio.Protocol):
             self._limits.inflight_bytes -= length
             self._request_in_progress = False
             self._task = None
+            if self._access_log is not None and writer.status is not None and self._access_log.enabled:
+                self._access_log.log(
+                    _LoggedRequest(self._peer, route, headers),  # type: ignore[arg-type]
+                    _LoggedReply(writer.status, writer.sent),  # type: ignore[arg-type]
+                    self._loop.time() - started,
+                )
         if self.transport is None:
             return
         if self._closing or writer.close:
@@ -317,21 +372,35 @@ class FastConnection(asyncio.Protocol):
             self.transport.resume_reading()
         self._process()
 
-    async def _answer(self, request: FastRequest, route: str, writer: FastReplyWriter) -> None:
-        """The reply, or the error reply in the OpenAI shape, as ``_errors_middleware`` writes it."""
+    async def _answer(self, request: FastRequest, route: str, writer: FastReplyWriter, key: Any) -> None:
+        """The reply, or the error reply in the OpenAI shape, as ``_errors_middleware`` writes it;
+        with ``--api-keys-file`` the tenant's permit and count, and the fair queue's slot given back,
+        as ``_api_key_middleware`` and ``_admission_middleware`` do on aiohttp's path."""
+        permit = None
+        status: int | None = None
         try:
+            if key is not None:
+                request[API_KEY_KEY] = key
+                permit = await take_tenant_permit(request, key, self._state.limiter)
             await serve_inference(request, route, writer)
+            status = writer.status
         except ApiError as exc:
+            status = exc.status
             self._send_error(request, exc, writer)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
+            status = exc.status
             self._send_error(request, ApiError(exc.status, exc.reason, None), writer)
         except asyncio.CancelledError:
             raise
         except Exception:  # a bug: the client gets a 500, the connection closes
             log.exception("error handling %s", route)
             self._send_error(request, ApiError(500, "internal server error", "internal_error"), writer, close=True)
+        finally:
+            release_ticket(request)
+            if key is not None:
+                settle_api_key(request, self._state.api_keys, key, permit, status)
 
     def _send_error(self, request: FastRequest, exc: ApiError, writer: FastReplyWriter, close: bool = False) -> None:
         if writer.started:  # the stream's head is out: the only signal left is to cut it
@@ -429,12 +498,14 @@ class FastReplyWriter:
     """Writes an inference reply straight to the connection's transport (HTTP/1.1; a stream as
     chunked transfer coding, as aiohttp sends it)."""
 
-    __slots__ = ("close", "conn", "started")
+    __slots__ = ("close", "conn", "sent", "started", "status")
 
     def __init__(self, conn: FastConnection) -> None:
         self.conn = conn
         self.started = False
         self.close = False
+        self.status: int | None = None  # of the reply written (the tenant's count, the access log)
+        self.sent = 0  # bytes written, head included (the access log's %b, as aiohttp counts it)
 
     def _head(self, status: int, headers: dict[str, str], framing: bytes) -> bytearray:
         out = bytearray(b"HTTP/1.1 %d %s\r\n" % (status, _reason(status).encode("ascii")))
@@ -448,6 +519,7 @@ class FastReplyWriter:
 
     def unary(self, status: int, body: bytes | None, headers: dict[str, str], content_type: str) -> None:
         body = body or b""
+        self.status = status
         transport = self.conn.transport
         if transport is None:
             return
@@ -457,11 +529,13 @@ class FastReplyWriter:
             b"Content-Type: %s\r\nContent-Length: %d\r\n" % (_safe_header(content_type).encode("utf-8"), len(body)),
         )
         out += body
+        self.sent += len(out)
         transport.write(out)
 
     async def open_stream(self, headers: dict[str, str]) -> None:
         out = self._head(200, headers, b"Transfer-Encoding: chunked\r\n")
         self.started = True
+        self.status = 200
         await self._send(out)
 
     async def write(self, chunk: bytes) -> None:
@@ -476,6 +550,7 @@ class FastReplyWriter:
         transport = conn.transport
         if transport is None:
             raise ConnectionResetError("the client disconnected")
+        self.sent += len(data)
         transport.write(data)
         if conn._write_paused:
             if conn._drain is None:
@@ -486,12 +561,16 @@ class FastReplyWriter:
 __all__ = ["FastConnection", "FastReplyWriter", "FastRequest", "HttpDate", "fast_front", "parse_head"]
 
 
-def fast_front(app: Any, limits: ServerLimits) -> Callable[[Any], asyncio.Protocol]:
+def fast_front(
+    app: Any, limits: ServerLimits, access_log: logging.Logger | None = None
+) -> Callable[[Any], asyncio.Protocol]:
     """The protocol factory for ``LimitedAppRunner(front=...)``: a fast-path connection that hands
-    itself to ``server``'s aiohttp protocol when a request is not the plain case."""
+    itself to ``server``'s aiohttp protocol when a request is not the plain case. ``access_log``:
+    the logger aiohttp's path writes ``--access-log`` to, written in aiohttp's own format."""
     date = HttpDate()
+    access = AccessLogger(access_log, AccessLogger.LOG_FORMAT) if access_log is not None else None
 
     def front(server: Any) -> asyncio.Protocol:
-        return FastConnection(app, server, limits, server.aiohttp_protocol, date)
+        return FastConnection(app, server, limits, server.aiohttp_protocol, date, access)
 
     return front

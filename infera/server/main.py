@@ -135,14 +135,12 @@ class InferaServer:
         # upstream connection, which makes the engine abort the request and free its slot.
         # The front door's own limits (infera/server/limits.py): header, body and keep-alive
         # timeouts, the connection cap, the request bytes in flight; in every --workers process.
+        access_log = logging.getLogger("infera.access") if self.args.access_log else None
         front = None
-        if self.fast_path_enabled():  # the inference routes' plain requests skip aiohttp's objects
-            front = fast_front(app, self.limits)
-        elif self.args.http_fast_path == "on":
-            log.info("the HTTP fast path is off: --access-log, --api-keys-file and --max-inflight-per-worker "
-                     "run in aiohttp's middlewares")
+        if self.args.http_fast_path == "on":  # the inference routes' plain requests skip aiohttp's objects
+            front = fast_front(app, self.limits, access_log)
         self._runner = LimitedAppRunner(app, self.limits, front=front, handler_cancellation=True,
-                                        access_log=logging.getLogger("infera.access") if self.args.access_log else None)
+                                        access_log=access_log)
         await self._runner.setup()
         # The children of a --workers N server share the port: the kernel spreads connections over them.
         site = web.TCPSite(self._runner, self.args.host, self.args.port, backlog=2048, reuse_address=True,
@@ -156,12 +154,6 @@ class InferaServer:
         else:
             log.info("infera server listening on %s:%s (discovery=%s, policy=%s, mode=%s)", self.args.host,
                      self.port, self.args.discovery_backend, self.args.router_policy, self.args.router_mode)
-
-    def fast_path_enabled(self) -> bool:
-        """``--http-fast-path on``, unless a flag whose per-request work runs in aiohttp's middlewares
-        (the access log, API keys, the fair queue) is on: those requests stay on aiohttp's path."""
-        return (self.args.http_fast_path == "on" and not self.args.access_log and self.api_keys is None
-                and self.admission is None)
 
     async def _wait_for_registry(self, timeout: float = CHILD_REGISTRY_WAIT_S) -> None:
         """A child of a --workers N server takes its share of the port's connections the moment it

@@ -7,7 +7,9 @@ the stock loop and on uvloop (``conftest.py``)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import re
 
 import pytest
 from aiohttp import web
@@ -72,26 +74,34 @@ def fast_connections(server) -> list:
     return [c for c in server.limits.connections if isinstance(c, FastConnection)]
 
 
-async def raw(port: int, data: bytes, replies: int, timeout: float = 10) -> list[tuple[int, dict, bytes]]:
-    """Write ``data`` on one connection; read ``replies`` HTTP/1.1 replies (Content-Length or chunked)."""
+async def raw(port: int, data: bytes, replies: int, timeout: float = 10,
+              wire: list[int] | None = None) -> list[tuple[int, dict, bytes]]:
+    """Write ``data`` on one connection; read ``replies`` HTTP/1.1 replies (Content-Length or chunked);
+    each reply's size on the wire, head and framing included, is appended to ``wire``."""
     reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
     out = []
     try:
         writer.write(data)
         for _ in range(replies):
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+            size_on_wire = len(head)
             status_line, *lines = head.decode("latin-1").rstrip("\r\n").split("\r\n")
             headers = {k.lower(): v for k, v in (line.split(": ", 1) for line in lines)}
             if headers.get("transfer-encoding") == "chunked":
                 body = b""
                 while True:
-                    size = int((await asyncio.wait_for(reader.readuntil(b"\r\n"), timeout)).strip(), 16)
+                    line = await asyncio.wait_for(reader.readuntil(b"\r\n"), timeout)
+                    size = int(line.strip(), 16)
                     chunk = await asyncio.wait_for(reader.readexactly(size + 2), timeout)
+                    size_on_wire += len(line) + len(chunk)
                     if size == 0:
                         break
                     body += chunk[:-2]
             else:
                 body = await asyncio.wait_for(reader.readexactly(int(headers.get("content-length", 0))), timeout)
+                size_on_wire += len(body)
+            if wire is not None:
+                wire.append(size_on_wire)
             out.append((int(status_line.split()[1]), headers, body))
     finally:
         writer.close()
@@ -119,7 +129,6 @@ async def test_the_fast_path_answers_what_aiohttps_path_answers(fed_server, engi
     e = await engine()
     fast, fast_base = await served(fed_server, e)
     slow, slow_base = await served(fed_server, e, "--http-fast-path", "off")
-    assert fast.fast_path_enabled() and not slow.fast_path_enabled()
     for route, body, rid in REQUESTS:
         extra = (b"X-Infera-Request-Id: %s" % rid.encode(),) if rid else ()
         (a,), (b,) = [await raw(s.port, post(route, body, *extra), 1) for s in (fast, slow)]
@@ -283,14 +292,98 @@ async def test_a_bug_is_a_500_in_the_openai_shape_and_a_failed_reply_cuts_the_co
     writer.close()
 
 
-@pytest.mark.parametrize("flags", [("--access-log",), ("--max-inflight-per-worker", "4"), ("--http-fast-path", "off")])
-async def test_flags_whose_work_runs_in_middlewares_keep_aiohttps_path(fed_server, engine, flags, caplog):
+async def test_the_flag_off_keeps_aiohttps_path(fed_server, engine):
     e = await engine()
-    with caplog.at_level("INFO", logger="infera.server"):
-        server, _ = await served(fed_server, e, *flags)
-    assert not server.fast_path_enabled()
-    said = "the HTTP fast path is off" in caplog.text
-    assert said is (flags[0] != "--http-fast-path")  # said when another flag turned it off
+    server, _ = await served(fed_server, e, "--http-fast-path", "off")
     ((status, _h, body),) = await raw(server.port, post("/v1/chat/completions", json.dumps(CHAT).encode()), 1)
     assert status == 200 and json.loads(body)["choices"]
     assert server.limits.fast_requests == 0 and not fast_connections(server)
+
+
+ACCESS_LINE = re.compile(r'^(\S+) \[[^]]+\] "([^"]*)" (\d+) (\d+) "([^"]*)" "([^"]*)"$')
+
+
+async def test_the_access_log_writes_the_same_lines_on_both_paths(fed_server, engine, caplog):
+    e = await engine()
+    fast, _ = await served(fed_server, e, "--access-log")
+    slow, _ = await served(fed_server, e, "--access-log", "--http-fast-path", "off")
+    ua = b"User-Agent: probe/1.0"
+    sent = [("/v1/chat/completions", json.dumps(CHAT).encode()),
+            ("/v1/chat/completions", json.dumps({**CHAT, "stream": True}).encode()),
+            ("/v1/completions", b"{not json")]
+    lines, wire = {}, {}
+    for server in (fast, slow):
+        caplog.clear()
+        wire[server] = []
+        with caplog.at_level("INFO", logger="infera.access"):
+            for route, body in sent:
+                await raw(server.port, post(route, body, ua), 1, wire=wire[server])
+            await wait_for(lambda: len([r for r in caplog.records if r.name == "infera.access"]) == len(sent), 5,
+                           message="an access line per request")
+        lines[server] = [ACCESS_LINE.match(r.getMessage()).groups() for r in caplog.records if r.name == "infera.access"]
+    assert fast.limits.fast_requests == len(sent) and slow.limits.fast_requests == 0
+    # remote, request line, status, Referer, User-Agent: field by field the same; the bytes are
+    # what each path put on the wire (aiohttp's head carries a Server header the fast path does not)
+    for server in (fast, slow):
+        assert [int(line[3]) for line in lines[server]] == wire[server]
+    assert [line[:3] + line[4:] for line in lines[fast]] == [line[:3] + line[4:] for line in lines[slow]]
+    assert [(line[1], line[2]) for line in lines[fast]] == [("POST /v1/chat/completions HTTP/1.1", "200"),
+                                                         ("POST /v1/chat/completions HTTP/1.1", "200"),
+                                                         ("POST /v1/completions HTTP/1.1", "400")]
+    assert lines[fast][0][5] == "probe/1.0"
+
+
+def keys_yaml(tmp_path) -> str:
+    """Two tenants: team-a may use model m, at most 1 request in flight; team-b may not use m."""
+    path = tmp_path / "keys.yaml"
+    path.write_text(
+        f"keys:\n  - sha256: {hashlib.sha256(b'sk-a').hexdigest()}\n    tenant: team-a\n    max_concurrent: 1\n"
+        f"  - sha256: {hashlib.sha256(b'sk-b').hexdigest()}\n    tenant: team-b\n    models: [other]\n")
+    return str(path)
+
+
+KEYED = [  # (the key header, the status both paths answer)
+    (b"Authorization: Bearer sk-a", 200),
+    (b"x-api-key: sk-a", 200),
+    (None, 401),  # missing
+    (b"Authorization: Bearer sk-nope", 401),  # invalid
+    (b"Authorization: Bearer sk-b", 403),  # a key that may not use the model
+    (b"Authorization: Bearer sk-a", 200),
+]
+
+
+async def test_api_keys_ride_the_fast_path_and_count_as_aiohttps_path_does(fed_server, engine, tmp_path):
+    e = await engine()
+    flags = ("--api-keys-file", keys_yaml(tmp_path))
+    fast, _ = await served(fed_server, e, *flags)
+    slow, _ = await served(fed_server, e, *flags, "--http-fast-path", "off")
+    for header, status in KEYED:
+        extra = (header,) if header else ()
+        (a,), (b,) = [await raw(s.port, post("/v1/chat/completions", json.dumps(CHAT).encode(), *extra), 1)
+                      for s in (fast, slow)]
+        assert a[0] == b[0] == status, (header, a, b)
+        if status != 200:
+            ea, eb = json.loads(a[2])["error"], json.loads(b[2])["error"]
+            assert (ea["code"], ea["message"]) == (eb["code"], eb["message"])
+            assert a[1].get("www-authenticate") == b[1].get("www-authenticate")
+    # A request without a valid key went to aiohttp (its 401 comes before the body is read); the
+    # rest were the fast path's, and every count (per tenant, rejections) reads as on aiohttp's path.
+    assert fast.limits.fast_requests == 4 and fast.limits.handoffs == 2
+    assert fast.api_keys.requests == slow.api_keys.requests
+    assert fast.api_keys.requests[("team-a", "2xx")] == 3 and fast.api_keys.requests[("team-b", "4xx")] == 1
+    assert fast.api_keys.rejected == slow.api_keys.rejected
+    # team-a's permit (max_concurrent: 1) was given back after each request, streamed ones too
+    stream = json.dumps({**CHAT, "stream": True}).encode()
+    ((status, _h, body),) = await raw(fast.port, post("/v1/chat/completions", stream, b"x-api-key: sk-a"), 1)
+    assert status == 200 and body.endswith(b"data: [DONE]\n\n")
+    assert fast.limiter._own["team-a"].inflight == 0
+
+
+async def test_the_fair_queue_rides_the_fast_path_and_gives_its_slot_back(fed_server, engine):
+    e = await engine(chunks=3, delay=0.05)
+    server, _ = await served(fed_server, e, "--max-inflight-per-worker", "1")
+    stream = json.dumps({**CHAT, "stream": True}).encode()
+    replies = await asyncio.gather(*(raw(server.port, post("/v1/chat/completions", stream), 1) for _ in range(3)))
+    assert [r[0][0] for r in replies] == [200, 200, 200]  # the queue let them through one at a time
+    assert server.limits.fast_requests == 3
+    assert server.admission.snapshot()["m"]["inflight"] == 0
